@@ -1,0 +1,3 @@
+from hsx.cli import app
+
+app()

@@ -1,0 +1,44 @@
+"""Capture stage: run the target and return the chosen layers' states for a batch of samples.
+
+A backend turns a batch of token-id sequences into device tensors: ``aux`` [B, T, L*H] (the hsx
+layer ids, concatenated in the order asked) and ``final`` [B, T, H] (last layer after the final
+norm), right-padded to the longest sample. Rows past a sample's length are padding, never stored.
+Backends: ``transformers`` (forward hooks). The store never sees a backend, only these tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CapturedBatch:
+    sample_ids: list[int]
+    lengths: list[int]
+    aux: torch.Tensor  # [B, T, L*H]
+    final: torch.Tensor  # [B, T, H]
+
+
+def default_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's default aux layers [1, N//2-1, N-4], in hsx ids, de-duplicated for tiny models."""
+    picks = [1, num_layers // 2 - 1, num_layers - 4]
+    out: list[int] = []
+    for k in picks:
+        k = min(max(k, 0), num_layers - 1)
+        if k not in out:
+            out.append(k)
+    return out
+
+
+def check_layers(layers: list[int], num_layers: int) -> None:
+    if not layers:
+        raise ValueError("at least one layer id is needed")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"duplicate layer ids in {layers}")
+    bad = [k for k in layers if not 0 <= k < num_layers]
+    if bad:
+        raise ValueError(
+            f"layer ids {bad} out of range: the model has {num_layers} decoder layers, ids 0..{num_layers - 1}"
+        )

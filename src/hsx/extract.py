@@ -1,0 +1,336 @@
+"""The extraction job: set up a run (plan + spec) or resume one, then capture and store what is missing.
+
+    hsx extract --model M --data D --out OUT     new run: plan, spec, then extraction
+    hsx extract --out OUT                         resume: everything comes from OUT/hsx.json
+
+Resume verifies what is on disk first (digests by default), removes stray temp files, and redoes
+exactly the samples without a good file. Batches are fixed by the plan, so a redone sample is
+computed in the same batch as in an uninterrupted run and its tensors are bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hsx import target
+from hsx.capture import CapturedBatch, check_layers, default_layers
+from hsx.input import read_conversations
+from hsx.lock import LOCK, METRICS, RunLock
+from hsx.plan import PLAN_DIR, Plan, Tokenize, batches_for, tokenize_all, write_plan
+from hsx.progress import Progress
+from hsx.spec import DataFile, PlanIdentity, RunSpec, differences, load_spec, now, who
+from hsx.store import layout
+from hsx.store.durable import DiskFull, write_durable
+from hsx.store.format import SampleTensors
+from hsx.store.scan import Problem, ShardScan, scan_run
+from hsx.store.writer import FileRecord, SampleWriter, seal
+
+DEFAULTS = {"max_length": 4096, "batch_tokens": 16384, "shard_size": 1000, "dtype": "auto"}
+INIT_FILES = {PLAN_DIR, layout.REJECTS, LOCK, METRICS}
+
+
+class Refused(Exception):
+    """The run cannot start or resume as asked; the message says why and what to do."""
+
+
+@dataclass
+class ExtractOptions:
+    out: Path
+    model: str | None = None
+    data: list[Path] = field(default_factory=list)
+    layers: list[int] | None = None
+    max_length: int | None = None
+    batch_tokens: int | None = None
+    dtype: str | None = None
+    device: str | None = None
+    shard_size: int | None = None
+    trust_remote_code: bool = False
+    writers: int = 8
+    max_inflight_bytes: int = 2 << 30
+    deep_verify: bool = True
+
+
+@dataclass
+class Summary:
+    run: Path
+    total_samples: int
+    total_tokens: int
+    already_done: int
+    written: int = 0
+    tokens_written: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    rejected: int = 0
+    redone: dict[str, int] = field(default_factory=dict)
+    stray_removed: int = 0
+    quarantined: int = 0
+
+    @property
+    def done(self) -> int:
+        return self.already_done + self.written
+
+    @property
+    def complete(self) -> bool:
+        return self.done == self.total_samples
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---------------------------------------------------------------- setting up or checking a run
+
+
+def _asked(opts: ExtractOptions) -> dict:
+    """What the operator gave on the command line, in the spec's terms (for the drift check)."""
+    asked: dict = {}
+    if opts.model is not None:
+        model_dir = target.resolve(opts.model)
+        asked["model"] = target.identity(opts.model, model_dir)
+        asked["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
+    if opts.data:
+        asked["data"] = [DataFile.of(p) for p in opts.data]
+    for key in ("layers", "max_length", "batch_tokens", "shard_size"):
+        asked[key] = getattr(opts, key)
+    if opts.dtype not in (None, "auto"):
+        asked["dtype"] = opts.dtype
+    return asked
+
+
+def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
+    if not opts.model or not opts.data:
+        raise Refused(f"{opts.out} is not a run yet: a new run needs --model and --data")
+    if opts.out.exists():
+        foreign = sorted(p.name for p in opts.out.iterdir() if p.name not in INIT_FILES)
+        if foreign:
+            raise Refused(
+                f"{opts.out} is not empty and holds no run spec ({', '.join(foreign[:5])}"
+                f"{', ...' if len(foreign) > 5 else ''}): choose an empty or new folder"
+            )
+    for path in opts.data:
+        if not path.is_file():
+            raise Refused(f"{path}: no such data file")
+    model_dir = target.resolve(opts.model)
+    tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
+    model = target.identity(opts.model, model_dir)
+    layers = opts.layers if opts.layers is not None else default_layers(model.num_layers)
+    check_layers(layers, model.num_layers)
+    device = opts.device or default_device()
+    from hsx.capture.transformers import resolve_dtype
+
+    dtype = resolve_dtype(opts.dtype or DEFAULTS["dtype"], device)
+    max_length = opts.max_length or DEFAULTS["max_length"]
+    opts.out.mkdir(parents=True, exist_ok=True)
+    log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
+    rows = read_conversations(opts.data)
+    info, rejects = write_plan(opts.out, tokenize_all(rows, Tokenize(tokenizer, max_length)), max_length)
+    write_durable(opts.out / layout.REJECTS, "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode())
+    spec = RunSpec(
+        created=now(),
+        created_by=who(),
+        backend="transformers",
+        model=model,
+        tokenizer=target.tokenizer_identity(tokenizer),
+        layers=layers,
+        dtype=dtype,
+        max_length=max_length,
+        batch_tokens=opts.batch_tokens or DEFAULTS["batch_tokens"],
+        shard_size=opts.shard_size or DEFAULTS["shard_size"],
+        trust_remote_code=opts.trust_remote_code,
+        data=[DataFile.of(p) for p in opts.data],
+        plan=PlanIdentity(
+            fingerprint=info.fingerprint,
+            num_samples=info.num_samples,
+            num_tokens=info.num_tokens,
+            num_truncated=info.num_truncated,
+            num_rejected=len(rejects),
+        ),
+    )
+    spec.save(opts.out)  # last: its presence means the run exists
+    log(
+        f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
+        f"{len(rejects)} rejected (see {layout.REJECTS})"
+    )
+    return spec
+
+
+def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
+    """The run's spec: created for a new run, checked against the options for an existing one."""
+    if not (opts.out / layout.SPEC).exists():
+        return create_run(opts, log)
+    spec = load_spec(opts.out)
+    diffs = differences(spec, _asked(opts))
+    if diffs:
+        raise Refused(
+            f"{opts.out} belongs to a run with other settings; refusing to resume:\n  - "
+            + "\n  - ".join(diffs)
+            + f"\nResume with the run's own settings: hsx extract --out {opts.out}"
+        )
+    return spec
+
+
+def load_plan(run: Path, spec: RunSpec) -> Plan:
+    try:
+        plan = Plan(run)
+    except (OSError, ValueError) as e:
+        raise Refused(f"the plan in {run / PLAN_DIR} is unreadable ({e})") from e
+    if plan.fingerprint() != spec.plan.fingerprint or len(plan) != spec.plan.num_samples:
+        raise Refused(f"the plan in {run / PLAN_DIR} does not match the run spec's fingerprint")
+    return plan
+
+
+def model_dir_for(spec: RunSpec, opts: ExtractOptions) -> Path:
+    """Where the model is now: --model if given (already fingerprint-checked), else the spec's path."""
+    given = opts.model or spec.model.path
+    try:
+        path = target.resolve(given)
+    except target.ModelNotFound as e:
+        raise Refused(f"{e}; if the model moved, pass --model NEW_PATH (it must match the run's fingerprint)") from e
+    if opts.model is None:
+        diffs = spec.model.fingerprint.differences(target.identity(given, path).fingerprint)
+        if diffs:
+            raise Refused("the model changed since the run started:\n  - " + "\n  - ".join(diffs))
+    return path
+
+
+# ---------------------------------------------------------------- cleaning what a crash left
+
+
+def tidy(run: Path, problems: list[Problem], summary: Summary) -> None:
+    """Remove stray temp files; move files that are not where they belong aside, never delete them."""
+    for p in problems:
+        path = run / p.path
+        if p.kind == "stray":
+            path.unlink(missing_ok=True)
+            summary.stray_removed += 1
+        elif p.kind in ("misplaced", "foreign") and p.sample_id is None:
+            dest = run / layout.QUARANTINE / p.path
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(path, dest)
+            write_durable(dest.with_name(dest.name + ".reason"), f"{p.kind}: {p.detail}\n".encode())
+            summary.quarantined += 1
+        elif p.sample_id is not None:
+            summary.redone[p.kind] = summary.redone.get(p.kind, 0) + 1
+
+
+# ---------------------------------------------------------------- the extraction loop
+
+
+def _host(batch: CapturedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's states in host memory (no copy on CPU)."""
+    return batch.aux.to("cpu"), batch.final.to("cpu")
+
+
+class Extractor:
+    def __init__(self, run: Path, spec: RunSpec, plan: Plan, backend, writer: SampleWriter, progress: Progress):
+        self.run, self.spec, self.plan = run, spec, plan
+        self.backend, self.writer, self.progress = backend, writer, progress
+
+    def shard(self, scan: ShardScan) -> tuple[int, list[Future]]:
+        """Capture and submit every missing sample of one shard; returns the futures to wait on."""
+        missing = set(scan.missing)
+        futures: list[Future] = []
+        for batch in batches_for(scan.expected, self.plan.lengths, self.spec.batch_tokens):
+            if missing.isdisjoint(batch.ids):
+                continue
+            seqs = [self.plan.input_ids(i) for i in batch.ids]
+            captured = self.backend.capture(list(batch.ids), seqs)
+            aux, final = _host(captured)
+            for row, (sid, n) in enumerate(zip(captured.sample_ids, captured.lengths, strict=True)):
+                if sid not in missing:
+                    continue
+                sample = SampleTensors(
+                    sample_id=sid,
+                    input_ids=torch.from_numpy(self.plan.input_ids(sid).astype("int64")),
+                    loss_mask=torch.from_numpy(self.plan.loss_mask(sid).astype("uint8")),
+                    aux=aux[row, :n],
+                    final=final[row, :n],
+                )
+                fut = self.writer.submit(sample)
+                fut.add_done_callback(self.progress.on_written(n))
+                futures.append(fut)
+        return scan.shard, futures
+
+
+class DiskFullStop(Exception):
+    """The volume filled up; the run stopped cleanly and can resume once space is freed."""
+
+    def __init__(self, summary: Summary, needed_bytes: int, path: Path):
+        super().__init__(f"no space left on the output volume while writing {path}")
+        self.summary = summary
+        self.needed_bytes = needed_bytes
+
+
+def extract(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary:
+    spec = open_run(opts, log)
+    run = opts.out
+    progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
+    with RunLock(run, metrics=progress.metrics, warn=log):
+        plan = load_plan(run, spec)
+        summary = Summary(run, spec.plan.num_samples, spec.plan.num_tokens, 0, rejected=spec.plan.num_rejected)
+        scans = verify_run(run, spec, opts.deep_verify)
+        for s in scans:
+            tidy(run, s.problems, summary)
+        done_ids = [i for s in scans for i in s.good]
+        summary.already_done = len(done_ids)
+        progress.start(len(done_ids), int(plan.lengths[done_ids].sum()))
+        for s in scans:
+            if s.complete and not s.sealed:
+                seal(run, s.shard, list(s.good.values()))
+        todo = [s for s in scans if not s.complete]
+        try:
+            if todo:
+                run_shards(run, spec, plan, opts, todo, progress)
+        except DiskFull as e:
+            summary.written, summary.tokens_written, summary.bytes_written = progress.session()
+            left = spec.plan.num_tokens - progress.tokens_done()
+            raise DiskFullStop(summary, left * spec.bytes_per_token, e.path) from e
+        finally:
+            summary.seconds = progress.elapsed()
+            summary.written, summary.tokens_written, summary.bytes_written = progress.session()
+        return summary
+
+
+def verify_run(run: Path, spec: RunSpec, deep: bool) -> list[ShardScan]:
+    n = layout.num_shards(spec.plan.num_samples, spec.shard_size)
+    shards_dir = run / layout.SHARDS
+    if not shards_dir.exists() or not any(shards_dir.iterdir()):
+        return [ShardScan(s, layout.shard_ids(s, spec.shard_size, spec.plan.num_samples)) for s in range(n)]
+    with Progress.simple(f"verifying ({'digests' if deep else 'headers'})", n) as bar:
+        return scan_run(run, spec.plan.num_samples, spec.shard_size, deep, on_shard=lambda _: bar.advance())
+
+
+def run_shards(
+    run: Path, spec: RunSpec, plan: Plan, opts: ExtractOptions, todo: list[ShardScan], progress: Progress
+) -> None:
+    from hsx.capture.transformers import TransformersBackend
+
+    device = opts.device or default_device()
+    backend = TransformersBackend(model_dir_for(spec, opts), spec.layers, spec.dtype, device, spec.trust_remote_code)
+    writer = SampleWriter(run, spec.shard_size, spec.layers, opts.writers, opts.max_inflight_bytes)
+    extractor = Extractor(run, spec, plan, backend, writer, progress)
+    pending: list[tuple[ShardScan, list[Future]]] = []
+
+    def finish(scan: ShardScan, futures: list[Future]) -> None:
+        records: list[FileRecord] = writer.wait(futures)
+        seal(run, scan.shard, list(scan.good.values()) + records)
+
+    try:
+        with progress.live():
+            for scan in todo:
+                _, futures = extractor.shard(scan)
+                pending.append((scan, futures))
+                while len(pending) > 1:  # seal one shard behind, so the device never waits on fsync
+                    finish(*pending.pop(0))
+            while pending:
+                finish(*pending.pop(0))
+    finally:
+        writer.close()  # in-flight writes complete or remove their temp files
+        writer.sync()

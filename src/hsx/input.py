@@ -1,0 +1,161 @@
+"""Input stage: read conversation files and normalise every row to a ``Conversation`` or a ``Reject``.
+
+Accepted files: JSONL (one row per line), JSON (an array of rows) and Parquet. Accepted rows:
+ShareGPT (``conversations`` of ``from``/``value``) and OpenAI (``messages`` of ``role``/``content``),
+each with an optional ``id``. A row that cannot become a sample is never dropped: it becomes a
+``Reject`` carrying its file, row number and the reason, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+}
+
+
+class InputError(Exception):
+    """A data file that cannot be read at all (as opposed to a bad row, which is rejected)."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str  # system | user | assistant
+    content: str
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a row came from: file name as given, 0-based row number, the row's own id if any."""
+
+    file: str
+    row: int
+    id: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    source: Source
+    turns: tuple[Turn, ...]
+
+
+@dataclass(frozen=True)
+class Reject:
+    source: Source
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"file": self.source.file, "row": self.source.row, "id": self.source.id, "reason": self.reason}
+
+
+def _text(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: accept text parts only
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"{where}: non-text content part ({kind})")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValueError(f"{where}: content is {type(content).__name__}, not text")
+
+
+def normalize(row: object, source: Source) -> Conversation | Reject:
+    """One raw row -> a validated conversation, or the reason it cannot be one."""
+    if not isinstance(row, dict):
+        return Reject(source, f"row is a {type(row).__name__}, not an object")
+    row_id = row.get("id")
+    if row_id is not None:
+        source = Source(source.file, source.row, str(row_id))
+    if isinstance(row.get("conversations"), list):
+        raw, role_key, text_key = row["conversations"], "from", "value"
+    elif isinstance(row.get("messages"), list):
+        raw, role_key, text_key = row["messages"], "role", "content"
+    else:
+        keys = ", ".join(sorted(map(str, row))) or "none"
+        return Reject(source, f"unknown schema: no 'conversations' or 'messages' list (keys: {keys})")
+    if not raw:
+        return Reject(source, "empty conversation")
+    turns = []
+    try:
+        for i, turn in enumerate(raw):
+            if not isinstance(turn, dict):
+                raise ValueError(f"turn {i} is a {type(turn).__name__}, not an object")
+            role = ROLES.get(str(turn.get(role_key, "")).lower())
+            if role is None:
+                raise ValueError(f"turn {i}: unknown role {turn.get(role_key)!r}")
+            turns.append(Turn(role, _text(turn.get(text_key), f"turn {i}")))
+    except ValueError as e:
+        return Reject(source, str(e))
+    if not any(t.role == "assistant" for t in turns):
+        return Reject(source, "no assistant turn")
+    if all(not t.content.strip() for t in turns if t.role == "assistant"):
+        return Reject(source, "every assistant turn is empty")
+    return Conversation(source, tuple(turns))
+
+
+def _rows(path: Path, name: str) -> Iterator[tuple[int, object] | Reject]:
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".jsonl", ".ndjson"):
+            with open(path, encoding="utf-8", errors="strict") as f:
+                for i, line in enumerate(f):
+                    if not line.strip():
+                        continue
+                    try:
+                        yield i, json.loads(line)
+                    except json.JSONDecodeError as e:
+                        yield Reject(Source(name, i, ""), f"malformed JSON: {e.msg} at column {e.colno}")
+        elif suffix == ".json":
+            try:
+                rows = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise InputError(f"{name}: not valid JSON ({e.msg}, line {e.lineno})") from e
+            if not isinstance(rows, list):
+                raise InputError(f"{name}: a .json data file must hold an array of rows")
+            yield from enumerate(rows)
+        elif suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                table = pq.ParquetFile(path)
+            except Exception as e:
+                raise InputError(f"{name}: not a readable Parquet file ({e})") from e
+            i = 0
+            for batch in table.iter_batches(batch_size=1024):
+                for row in batch.to_pylist():
+                    yield i, row
+                    i += 1
+        else:
+            raise InputError(f"{name}: unknown data file type {suffix!r} (use .jsonl, .json or .parquet)")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{name}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    except OSError as e:
+        raise InputError(f"{name}: cannot read ({e.strerror or e})") from e
+
+
+def read_conversations(paths: list[Path]) -> Iterator[Conversation | Reject]:
+    """Every row of every file, in order, as a ``Conversation`` or a ``Reject``."""
+    for path in paths:
+        if not path.is_file():
+            raise InputError(f"{path}: no such data file")
+        name = str(path)
+        for item in _rows(path, name):
+            if isinstance(item, Reject):
+                yield item
+            else:
+                row, raw = item
+                yield normalize(raw, Source(name, row, ""))

@@ -1,0 +1,119 @@
+"""Progress of an extraction: the live bar, the figures for metrics.json, and the session's totals.
+
+Counts move when a sample's file has been written (from writer threads), so the bar shows what is
+on disk, not what was computed.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
+
+console = Console(stderr=True)
+
+
+class Progress:
+    def __init__(self, total_samples: int, total_tokens: int, bytes_per_token: int):
+        self.total_samples, self.total_tokens = total_samples, total_tokens
+        self.bytes_per_token = bytes_per_token
+        self.lock = threading.Lock()
+        self.t0 = time.monotonic()
+        self.base_samples = self.base_tokens = 0
+        self.samples = self.tokens = self.bytes = 0
+        self._bar: RichProgress | None = None
+        self._task = None
+
+    def start(self, done_samples: int, done_tokens: int) -> None:
+        self.base_samples, self.base_tokens = done_samples, done_tokens
+        self.t0 = time.monotonic()
+
+    def on_written(self, tokens: int) -> Callable[[Future], None]:
+        def done(f: Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                return
+            with self.lock:
+                self.samples += 1
+                self.tokens += tokens
+                self.bytes += f.result().size
+            if self._bar is not None:
+                self._bar.update(self._task, advance=1, rate=self.rates())
+
+        return done
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def tokens_done(self) -> int:
+        return self.base_tokens + self.tokens
+
+    def session(self) -> tuple[int, int, int]:
+        return self.samples, self.tokens, self.bytes
+
+    def rates(self) -> str:
+        dt = max(self.elapsed(), 1e-9)
+        return f"{self.tokens / dt:,.0f} tok/s {self.bytes / dt / 1e6:,.1f} MB/s"
+
+    def metrics(self) -> dict:
+        dt = max(self.elapsed(), 1e-9)
+        tok_rate = self.tokens / dt
+        left = self.total_tokens - self.tokens_done()
+        return {
+            "samples_done": self.base_samples + self.samples,
+            "samples_total": self.total_samples,
+            "tokens_done": self.tokens_done(),
+            "tokens_total": self.total_tokens,
+            "bytes_written": self.bytes,
+            "tokens_per_s": tok_rate,
+            "bytes_per_s": self.bytes / dt,
+            "eta_s": left / tok_rate if tok_rate > 0 else None,
+        }
+
+    @contextmanager
+    def live(self) -> Iterator[None]:
+        bar = RichProgress(
+            TextColumn("extracting"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeRemainingColumn(),
+            console=console,
+            disable=not sys.stderr.isatty(),
+        )
+        with bar:
+            self._task = bar.add_task("extract", total=self.total_samples, completed=self.base_samples, rate="")
+            self._bar = bar
+            try:
+                yield
+            finally:
+                self._bar = None
+
+    @staticmethod
+    @contextmanager
+    def simple(description: str, total: int) -> Iterator[_Simple]:
+        bar = RichProgress(
+            TextColumn(description),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            disable=not sys.stderr.isatty(),
+        )
+        with bar:
+            yield _Simple(bar, bar.add_task(description, total=total))
+
+
+class _Simple:
+    def __init__(self, bar: RichProgress, task):
+        self.bar, self.task = bar, task
+
+    def advance(self, n: int = 1) -> None:
+        self.bar.update(self.task, advance=n)

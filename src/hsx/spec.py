@@ -1,0 +1,139 @@
+"""The run spec, ``OUT/hsx.json``: written once, atomically; the only source of truth for a resume.
+
+It pins everything the output is a function of: model identity, tokenizer and chat template,
+layers and their convention, dtype, max length, batching, the source data and the plan. A resume
+whose settings differ from it is refused with the differences listed (invariant 3).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+import json
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ValidationError
+
+from hsx import __version__
+from hsx.fingerprint import ModelFingerprint, digest_file
+from hsx.store import layout
+from hsx.store.durable import write_durable
+from hsx.store.format import FINAL_STATE, LAYER_CONVENTION
+
+FORMAT = "hsx-run/1"
+
+
+class SpecError(Exception):
+    pass
+
+
+class ModelIdentity(BaseModel):
+    path: str  # as given; informative only: identity is the fingerprint, so a moved model still matches
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    fingerprint: ModelFingerprint
+
+
+class TokenizerIdentity(BaseModel):
+    digest: str  # the tokenizer's vocabulary, merges, normaliser and special tokens
+    chat_template: str  # digest of the template text
+
+
+class DataFile(BaseModel):
+    name: str
+    size: int
+    digest: str
+
+    @classmethod
+    def of(cls, path: Path) -> DataFile:
+        return cls(name=str(path), size=path.stat().st_size, digest=digest_file(path))
+
+
+class PlanIdentity(BaseModel):
+    fingerprint: str
+    num_samples: int
+    num_tokens: int
+    num_truncated: int
+    num_rejected: int
+
+
+class RunSpec(BaseModel):
+    format: Literal["hsx-run/1"] = FORMAT
+    hsx_version: str = __version__
+    created: str
+    created_by: str
+    backend: str
+    model: ModelIdentity
+    tokenizer: TokenizerIdentity
+    layers: list[int]
+    layer_convention: str = LAYER_CONVENTION
+    final_state: str = FINAL_STATE
+    dtype: str
+    max_length: int
+    batch_tokens: int
+    shard_size: int
+    trust_remote_code: bool = False
+    data: list[DataFile]
+    plan: PlanIdentity
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token costs on disk: L aux states + the final state + input id + mask."""
+        width = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        return (len(self.layers) + 1) * self.model.hidden_size * width + 8 + 1
+
+    def save(self, run: Path) -> None:
+        write_durable(run / layout.SPEC, self.model_dump_json(indent=2).encode())
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+def who() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def load_spec(run: Path) -> RunSpec:
+    path = run / layout.SPEC
+    try:
+        return RunSpec.model_validate_json(path.read_bytes())
+    except FileNotFoundError as e:
+        raise SpecError(f"{run} has no run spec ({layout.SPEC}): not an hsx run folder") from e
+    except (ValidationError, ValueError, json.JSONDecodeError) as e:
+        raise SpecError(f"{path} is unreadable or damaged: {str(e).splitlines()[0]}") from e
+
+
+def differences(stored: RunSpec, asked: dict) -> list[str]:
+    """Compare what a resume asks for with the stored spec; one line per difference.
+
+    ``asked`` holds only what the operator gave: ``model`` (a ModelIdentity), ``tokenizer``,
+    ``layers``, ``dtype``, ``max_length``, ``batch_tokens``, ``shard_size``, ``data`` (DataFiles),
+    ``backend``.
+    """
+    out = []
+    if (m := asked.get("model")) is not None:
+        out += [f"model: {d}" for d in stored.model.fingerprint.differences(m.fingerprint)]
+    if (t := asked.get("tokenizer")) is not None:
+        if t.digest != stored.tokenizer.digest:
+            out.append("tokenizer: vocabulary or special tokens differ")
+        if t.chat_template != stored.tokenizer.chat_template:
+            out.append("chat template differs")
+    for key in ("layers", "dtype", "max_length", "batch_tokens", "shard_size", "backend"):
+        if (v := asked.get(key)) is not None and v != getattr(stored, key):
+            out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
+    if (data := asked.get("data")) is not None:
+        mine = [(d.size, d.digest) for d in stored.data]
+        theirs = [(d.size, d.digest) for d in data]
+        if mine != theirs:
+            names = ", ".join(d.name for d in data)
+            have = ", ".join(d.name for d in stored.data)
+            out.append(f"data: {names} differ from the run's data ({have}) in content or order")
+    return out

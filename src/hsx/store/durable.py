@@ -1,0 +1,105 @@
+"""Atomic, durable file creation. A file appears under its final name only complete and on disk.
+
+Sequence: write ``.NAME.tmp-PID-TID`` in the same folder, fsync it, rename over NAME, fsync the
+folder. Any failure removes the temp file. ENOSPC (and EDQUOT) anywhere becomes ``DiskFull`` so
+the caller can stop cleanly; every other OSError propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+TMP_MARK = ".tmp-"
+FILE_MODE = 0o644
+
+
+class DiskFull(OSError):
+    """The volume ran out of space (or quota) while writing ``path``."""
+
+    def __init__(self, path: Path, cause: OSError | None = None):
+        super().__init__(errno.ENOSPC, f"no space left on device while writing {path}")
+        self.path = path
+        self.cause = cause
+
+
+def is_temp(name: str) -> bool:
+    return name.startswith(".") and TMP_MARK in name
+
+
+def temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
+
+
+def _full(e: OSError) -> bool:
+    return e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_all(fd: int, data: memoryview | bytes) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_parts(path: Path, parts: Iterable[memoryview | bytes], sync_dir: bool = True) -> int:
+    """Write ``parts`` to ``path`` atomically and durably; return the size written.
+
+    With ``sync_dir=False`` the caller fsyncs the folder later, once for a batch of renames; the
+    file is durable only after that.
+    """
+    tmp = temp_name(path)
+    size = 0
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        try:
+            for part in parts:
+                write_all(fd, part)
+                size += memoryview(part).nbytes
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        if sync_dir:
+            fsync_dir(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if _full(e):
+            raise DiskFull(path, e) from e
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def write_durable(path: Path, data: bytes) -> int:
+    return write_parts(path, [data])
+
+
+def durable_rename(src: Path, dst: Path) -> None:
+    """fsync ``src`` (written by someone else, e.g. a Parquet writer), rename it, fsync the folder."""
+    try:
+        fd = os.open(src, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(src, FILE_MODE)
+        os.rename(src, dst)
+        fsync_dir(dst.parent)
+    except OSError as e:
+        if _full(e):
+            raise DiskFull(dst, e) from e
+        raise

@@ -1,0 +1,138 @@
+"""Writes sample files from host buffers on a pool of threads, and seals finished shards.
+
+``submit`` returns a future at once; bytes in flight are bounded (backpressure) so host memory
+stays fixed while the producer runs ahead of the disk. A sample is durable once ``wait`` has
+fsynced the folders its renames touched; only then is it reported done. The first write error
+stops the writer and is raised from the next ``submit`` or ``wait`` (``DiskFull`` for a full volume).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsx.store import layout
+from hsx.store.durable import fsync_dir, write_durable, write_parts
+from hsx.store.format import SampleTensors, encode
+
+SEAL_FORMAT = "hsx-seal/1"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    sample_id: int
+    size: int
+    digest: str
+
+
+class SampleWriter:
+    def __init__(
+        self,
+        run: Path,
+        shard_size: int,
+        layers: list[int],
+        threads: int = 8,
+        max_inflight_bytes: int = 1 << 30,
+    ):
+        self.run = run
+        self.shard_size = shard_size
+        self.layers = list(layers)
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hsx-write")
+        self.max_inflight = max_inflight_bytes
+        self.inflight = 0
+        self.cond = threading.Condition()
+        self.dirty: set[Path] = set()
+        self.error: BaseException | None = None
+        self.bytes_written = 0
+
+    def submit(self, sample: SampleTensors, release: Callable[[], None] | None = None) -> Future:
+        """Queue one sample; ``release`` is called when its buffers are no longer read."""
+        n = sample.nbytes
+        with self.cond:
+            while self.inflight and self.inflight + n > self.max_inflight and self.error is None:
+                self.cond.wait()
+            if self.error is not None:
+                raise self.error
+            self.inflight += n
+        return self.pool.submit(self._write, sample, n, release)
+
+    def _write(self, sample: SampleTensors, n: int, release: Callable[[], None] | None) -> FileRecord:
+        path = layout.sample_path(self.run, sample.sample_id, self.shard_size)
+        try:
+            if self.error is not None:
+                raise self.error
+            parts, digest = encode(sample, self.layers)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            size = write_parts(path, parts, sync_dir=False)
+            with self.cond:
+                self.dirty.add(path.parent)
+                self.bytes_written += size
+            return FileRecord(sample.sample_id, size, digest)
+        except BaseException as e:
+            with self.cond:
+                if self.error is None:
+                    self.error = e
+            raise
+        finally:
+            if release is not None:
+                release()
+            with self.cond:
+                self.inflight -= n
+                self.cond.notify_all()
+
+    def wait(self, futures: list[Future]) -> list[FileRecord]:
+        """Wait for these writes, fsync the folders touched; return the now-durable records."""
+        done = []
+        for f in futures:
+            try:
+                done.append(f.result())
+            except BaseException:  # the first error is kept in self.error and raised below
+                pass
+        if self.error is not None:
+            raise self.error
+        self.sync()
+        return done
+
+    def sync(self) -> None:
+        """fsync every folder a rename touched since the last sync."""
+        with self.cond:
+            dirty, self.dirty = self.dirty, set()
+        for d in sorted(dirty):
+            fsync_dir(d)
+
+    def close(self) -> None:
+        """Let queued writes finish (or fail and remove their temp files), then stop the threads."""
+        self.pool.shutdown(wait=True)
+
+
+def seal(run: Path, shard: int, records: list[FileRecord]) -> None:
+    """Write the shard's SEALED manifest, last and atomically, once all its ids are done."""
+    body = {
+        "format": SEAL_FORMAT,
+        "shard": shard,
+        "files": [
+            {"name": layout.sample_name(r.sample_id), "size": r.size, "digest": r.digest}
+            for r in sorted(records, key=lambda r: r.sample_id)
+        ],
+    }
+    write_durable(layout.shard_dir(run, shard) / layout.SEALED, json.dumps(body, indent=0).encode())
+
+
+def read_seal(run: Path, shard: int) -> dict[int, FileRecord] | None:
+    """The manifest of a sealed shard, or None when the shard is not sealed (or its seal is unreadable)."""
+    path = layout.shard_dir(run, shard) / layout.SEALED
+    try:
+        body = json.loads(path.read_text())
+        if body.get("format") != SEAL_FORMAT:
+            return None
+        out = {}
+        for f in body["files"]:
+            sid = layout.parse_sample_name(f["name"])
+            out[sid] = FileRecord(sid, int(f["size"]), f["digest"])
+        return out
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

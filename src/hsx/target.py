@@ -1,0 +1,62 @@
+"""The target model: where its files are and what identifies it (config, weights, tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hsx.fingerprint import digest_bytes, digest_json, model_fingerprint
+from hsx.spec import ModelIdentity, TokenizerIdentity
+
+
+class ModelNotFound(Exception):
+    pass
+
+
+def resolve(model: str) -> Path:
+    """A local folder as given, or a Hugging Face hub id from the local cache (or a download)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"{model}: folder has no config.json, not a Hugging Face model")
+        return path.resolve()
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ModelNotFound(f"{model}: no such model folder")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model))
+    except Exception as e:
+        raise ModelNotFound(f"{model}: not a local folder and not available from the hub ({e})") from e
+
+
+def load_config(model_dir: Path) -> dict:
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("text_config", config) | {"architectures": config.get("architectures", ["?"])}
+
+
+def identity(model: str, model_dir: Path) -> ModelIdentity:
+    config = load_config(model_dir)
+    return ModelIdentity(
+        path=model,
+        architecture=config["architectures"][0],
+        num_layers=int(config["num_hidden_layers"]),
+        hidden_size=int(config["hidden_size"]),
+        fingerprint=model_fingerprint(model_dir),
+    )
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+
+
+def tokenizer_identity(tokenizer) -> TokenizerIdentity:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    specials = tokenizer.special_tokens_map
+    return TokenizerIdentity(
+        digest=digest_json({"vocab": digest_bytes(vocab.encode()), "special": specials}),
+        chat_template=digest_bytes((tokenizer.chat_template or "").encode()),
+    )
