@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 class Progress:

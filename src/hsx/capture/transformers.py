@@ -42,6 +42,9 @@ class TransformersBackend:
         attn_implementation: str = "sdpa",
     ):
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]

@@ -1,0 +1,128 @@
+"""The extraction job end to end: outputs against the reference, resume, drift, rejects, clear errors."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import TINY, conversations, hsx, run_files, write_jsonl
+from hsx.extract import ExtractOptions, Refused, extract
+from hsx.store import layout
+
+
+def _opts(out, data=None, **kw):
+    base = dict(model=str(TINY), data=[data] if data else [], shard_size=10, batch_tokens=1024, device="cpu")
+    if data is None:
+        base.update(model=None)
+    return ExtractOptions(out=out, **(base | kw))
+
+
+def test_written_files_equal_transformers_reference(tmp_path, convs):
+    out = tmp_path / "run"
+    summary = extract(_opts(out, convs, layers=[0, 2, 5]), log=lambda m: None)
+    assert summary.complete and summary.written == 40
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    for sid in (0, 17, 39):
+        t = load_file(layout.sample_path(out, sid, 10))
+        with torch.no_grad():
+            ref = model(t["input_ids"][None], output_hidden_states=True).hidden_states
+        for j, k in enumerate([0, 2, 5]):
+            assert (t["aux_hidden_states"][:, j * 64 : (j + 1) * 64] - ref[k + 1][0]).abs().max() <= 1e-5
+        assert (t["hidden_states"] - ref[-1][0]).abs().max() <= 1e-5
+        assert t["loss_mask"].dtype == torch.uint8 and t["loss_mask"].sum() > 0
+    assert sorted(os.listdir(out / "shards")) == ["000000", "000001", "000002", "000003"]
+    assert all((layout.shard_dir(out, s) / layout.SEALED).exists() for s in range(4))
+    spec = json.loads((out / "hsx.json").read_text())
+    assert spec["layers"] == [0, 2, 5] and spec["plan"]["num_samples"] == 40 and spec["dtype"] == "float32"
+
+
+def test_resume_redoes_exactly_the_damaged_samples(tmp_path, convs):
+    out = tmp_path / "run"
+    extract(_opts(out, convs), log=lambda m: None)
+    clean = run_files(out)
+    damaged = {3: "truncate", 14: "flip", 25: "zero", 31: "delete"}
+    for sid, how in damaged.items():
+        path = layout.sample_path(out, sid, 10)
+        data = bytearray(path.read_bytes())
+        if how == "truncate":
+            path.write_bytes(bytes(data[: len(data) // 2]))
+        elif how == "flip":
+            data[-5] ^= 0x10
+            path.write_bytes(bytes(data))
+        elif how == "zero":
+            path.write_bytes(b"\0" * len(data))
+        else:
+            path.unlink()
+    stray = layout.shard_dir(out, 1) / ".000000011.safetensors.tmp-99-1"
+    stray.write_bytes(b"half a file")
+    before = {p: os.stat(p).st_ino for p in (out / "shards").rglob("*.safetensors")}
+    summary = extract(_opts(out), log=lambda m: None)
+    assert summary.written == 4 and summary.already_done == 36 and summary.stray_removed == 1
+    assert summary.redone == {"corrupt": 2, "truncated": 1}
+    assert not stray.exists()
+    assert run_files(out) == clean  # byte-identical
+    redone = {layout.sample_path(out, s, 10) for s in damaged}
+    for p, ino in before.items():
+        if p not in redone:
+            assert os.stat(p).st_ino == ino, f"{p} was rewritten"
+    again = extract(_opts(out), log=lambda m: None)
+    assert again.written == 0 and again.complete
+
+
+def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path, convs):
+    out = tmp_path / "run"
+    extract(_opts(out, convs, layers=[1, 3]), log=lambda m: None)
+    with pytest.raises(Refused, match=r"layers: run has \[1, 3\], asked for \[1, 4\]"):
+        extract(_opts(out, layers=[1, 4]), log=lambda m: None)
+    other = write_jsonl(tmp_path / "other.jsonl", conversations(40, start=200))
+    with pytest.raises(Refused, match=r"data: .*other\.jsonl differ"):
+        extract(_opts(out, other), log=lambda m: None)
+    changed = tmp_path / "model"  # same architecture, shapes, tokenizer and file size; other weights
+    torch.manual_seed(1)
+    retrained = AutoModelForCausalLM.from_config(AutoModelForCausalLM.from_pretrained(TINY).config)
+    retrained.save_pretrained(changed)
+    for f in TINY.iterdir():
+        if not (changed / f.name).exists():
+            (changed / f.name).write_bytes(f.read_bytes())
+    assert (changed / "model.safetensors").stat().st_size == (TINY / "model.safetensors").stat().st_size
+    with pytest.raises(Refused, match=r"model: model\.safetensors: content differs"):
+        extract(_opts(out, model=str(changed)), log=lambda m: None)
+    with pytest.raises(Refused, match="max length: run has 4096, asked for 128"):
+        extract(_opts(out, max_length=128), log=lambda m: None)
+
+
+def test_rejects_are_recorded_and_good_rows_extract(tmp_path):
+    good = conversations(5)
+    rows = [good[0], "{broken", {"foo": 1}, good[1], {"messages": [{"role": "user", "content": "q"}]}, good[2]]
+    data = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    out = tmp_path / "run"
+    summary = extract(_opts(out, data), log=lambda m: None)
+    assert summary.complete and summary.total_samples == 3 and summary.rejected == 3
+    rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["file"]) for r in rejects] == [(1, str(data)), (2, str(data)), (4, str(data))]
+    assert [r["reason"].split(":")[0] for r in rejects] == ["malformed JSON", "unknown schema", "no assistant turn"]
+
+
+def test_cli_errors_are_clear_not_tracebacks(tmp_path, convs):
+    missing = hsx("extract", "--model", tmp_path / "nope", "--data", convs, "--out", tmp_path / "a", check=False)
+    assert missing.returncode == 2 and "no such model folder" in missing.stderr and "Traceback" not in missing.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    unreadable = hsx("extract", "--model", TINY, "--data", bad, "--out", tmp_path / "b", check=False)
+    assert unreadable.returncode == 2 and "not valid JSON" in unreadable.stderr
+    foreign = tmp_path / "c"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("mine")
+    taken = hsx("extract", "--model", TINY, "--data", convs, "--out", foreign, check=False)
+    assert taken.returncode == 2 and "not empty" in taken.stderr and "Traceback" not in taken.stderr
+    no_run = hsx("extract", "--out", tmp_path / "d", check=False)
+    assert no_run.returncode == 2 and "needs --model and --data" in no_run.stderr
+
+
+def test_quickstart_runs_and_summarises(tmp_path):
+    proc = hsx("quickstart", "--out", tmp_path / "qs")
+    assert "500/500 done" in proc.stderr
+    assert len(run_files(tmp_path / "qs")) == 500
