@@ -51,3 +51,66 @@ def run_files(out: Path) -> dict[str, bytes]:
     """Every sample file of a run, by path relative to its shards folder, with its bytes."""
     root = out / "shards"
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*.safetensors"))}
+
+
+# ---------------------------------------------------------------- finished run and real damage (status, verify)
+
+SMALL_RUN = ("--shard-size", "10", "--batch-tokens", "512", "--writers", "2", "--device", "cpu")
+
+
+def extract_args(data: Path, out: Path, *extra: str) -> list:
+    """``hsx extract`` of a new small run: 10 samples a shard, small batches, CPU."""
+    return ["extract", "--model", TINY, "--data", data, "--out", out, *SMALL_RUN, *extra]
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory) -> Path:
+    """A complete run of the first 40 conversations (4 sealed shards). Copy it before changing it."""
+    root = tmp_path_factory.mktemp("finished")
+    data = write_jsonl(root / "convs.jsonl", conversations(40))
+    hsx(*extract_args(data, root / "run"))
+    return root / "run"
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Flip one bit in place (negative offsets count from the end)."""
+    with open(path, "r+b") as f:
+        f.seek(offset, os.SEEK_SET if offset >= 0 else os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def damage(run: Path) -> dict[str, str]:
+    """Inject one real fault of each kind into a finished run; returns path (relative to run) -> kind."""
+    s0, s1 = run / "shards" / "000000", run / "shards" / "000001"
+    truncated = s0 / "000000001.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    flip_byte(s0 / "000000002.safetensors", -3)  # data section: only the digest can tell
+    zeros = s0 / "000000003.safetensors"
+    zeros.write_bytes(bytes(zeros.stat().st_size))
+    (s0 / "000000005.safetensors").write_bytes((s0 / "000000004.safetensors").read_bytes())  # right name, wrong sample
+    os.rename(s1 / "000000015.safetensors", s0 / "000000015.safetensors")  # wrong shard folder
+    (s0 / ".000000006.safetensors.tmp-4242-1").write_bytes(b"half a write")
+    return {
+        "shards/000000/000000001.safetensors": "truncated",
+        "shards/000000/000000002.safetensors": "corrupt",  # deep check only
+        "shards/000000/000000003.safetensors": "corrupt",
+        "shards/000000/000000005.safetensors": "misplaced",
+        "shards/000000/000000015.safetensors": "misplaced",
+        "shards/000001/000000015.safetensors": "missing",
+        "shards/000000/.000000006.safetensors.tmp-4242-1": "stray",
+    }
+
+
+def require(module: str):
+    """Import an optional dependency, or skip; where HSX_REQUIRE names it (CI does), fail instead."""
+    import importlib
+
+    required = {m.strip() for m in os.environ.get("HSX_REQUIRE", "").split(",") if m.strip()}
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if module in required or module.split(".")[0] in required:
+            raise AssertionError(f"{module} is required here (HSX_REQUIRE) but does not import: {e}") from e
+        pytest.skip(f"{module} is not installed")

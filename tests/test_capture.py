@@ -36,35 +36,38 @@ def reference():
     return run
 
 
-def _check(batch, ref_states, row, n, layers):
+def _check(batch, ref_states, i, n, layers):
     h = ref_states[0].shape[-1]
+    aux, final = batch.sample(i)
+    assert aux.shape[0] == final.shape[0] == n
     for j, k in enumerate(layers):
-        got = batch.aux[row, :n, j * h : (j + 1) * h]
-        assert (got - ref_states[k + 1]).abs().max().item() <= TOL, f"layer {k}"
-    assert (batch.final[row, :n] - ref_states[-1]).abs().max().item() <= TOL
+        assert (aux[:, j * h : (j + 1) * h] - ref_states[k + 1]).abs().max().item() <= TOL, f"layer {k}"
+    assert (final - ref_states[-1]).abs().max().item() <= TOL
 
 
 def test_one_sample_per_batch_equals_reference(samples, reference):
-    backend = TransformersBackend(TINY, LAYERS, "float32", "cpu")
+    backend = TransformersBackend.load(TINY, LAYERS, "float32", "cpu")
     for i, s in enumerate(samples[:4]):
         batch = backend.capture([i], [s.input_ids])
         _check(batch, reference(s.input_ids), 0, len(s.input_ids), LAYERS)
 
 
-def test_length_packed_padded_batches_equal_reference(samples, reference):
-    backend = TransformersBackend(TINY, LAYERS, "float32", "cpu")
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_length_sorted_multi_sample_batches_equal_reference(samples, reference, packed):
+    backend = TransformersBackend.load(TINY, LAYERS, "float32", "cpu", packed=packed)
     lengths = [len(s.input_ids) for s in samples]
-    batches = batches_for(range(len(samples)), lengths, budget=4 * max(lengths))
+    batches = batches_for(range(len(samples)), lengths, budget=4 * max(lengths), packed=packed)
     assert any(len(b.ids) > 1 and len({lengths[i] for i in b.ids}) > 1 for b in batches)
     for b in batches:
         batch = backend.capture(list(b.ids), [samples[i].input_ids for i in b.ids])
-        assert batch.aux.shape[:2] == (len(b.ids), b.max_len)
+        expect = (1, sum(lengths[i] for i in b.ids)) if packed else (len(b.ids), b.max_len)
+        assert batch.aux.shape[:2] == expect
         for row, i in enumerate(b.ids):
             _check(batch, reference(samples[i].input_ids), row, lengths[i], LAYERS)
 
 
 def test_last_layer_is_captured_before_the_norm(samples, reference):
-    backend = TransformersBackend(TINY, [7], "float32", "cpu")
+    backend = TransformersBackend.load(TINY, [7], "float32", "cpu")
     s = samples[0]
     batch = backend.capture([0], [s.input_ids])
     ref = reference(s.input_ids)
@@ -81,7 +84,7 @@ def test_default_layers_follow_eagle3():
 
 def test_bad_layers_and_unsupported_layouts_are_clear_errors():
     with pytest.raises(ValueError, match="out of range"):
-        TransformersBackend(TINY, [1, 8], "float32", "cpu")
+        TransformersBackend.load(TINY, [1, 8], "float32", "cpu")
 
     class Odd(nn.Module):
         def __init__(self):
@@ -135,13 +138,14 @@ def _tiny(kind: str):
     raise ValueError(kind)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral", "deepseek_v3"])
-def test_other_architectures_equal_reference(kind, tmp_path):
+def test_other_architectures_equal_reference(kind, packed, tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_tiny(kind)).to(torch.float32).eval()
     model.save_pretrained(tmp_path)
     layers = [0, 2, 3]
-    backend = TransformersBackend(tmp_path, layers, "float32", "cpu")
+    backend = TransformersBackend.load(tmp_path, layers, "float32", "cpu", packed=packed)
     seqs = [torch.randint(0, 300, (n,)).numpy() for n in (17, 9)]
     batch = backend.capture([0, 1], seqs)
     for row, ids in enumerate(seqs):

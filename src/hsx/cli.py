@@ -67,8 +67,14 @@ def extract(
     device: Annotated[str | None, typer.Option(help="cuda, cuda:1, cpu [cuda if available].")] = None,
     shard_size: Annotated[int | None, typer.Option(help="Samples per shard folder [1000].")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the model's own Python code.")] = False,
+    packing: Annotated[
+        str, typer.Option(help="auto | on | off: pack each batch into one row with no padding [auto: on for CUDA].")
+    ] = "auto",
     writers: Annotated[int, typer.Option(help="Writer threads.")] = 8,
     fast_verify: Annotated[bool, typer.Option(help="On resume, check headers and sizes only, not digests.")] = False,
+    allow_partial: Annotated[
+        bool, typer.Option(help="Start even if the volume cannot hold the whole run; stop cleanly when it fills.")
+    ] = False,
 ) -> None:
     """Extract hidden states into OUT, or resume the run in OUT."""
     from hsx.extract import DiskFullStop, ExtractOptions, Refused
@@ -89,8 +95,10 @@ def extract(
         device=device,
         shard_size=shard_size,
         trust_remote_code=trust_remote_code,
+        packing=packing,
         writers=writers,
         deep_verify=not fast_verify,
+        allow_partial=allow_partial,
     )
     try:
         summary = run_extract(opts, log=lambda m: console.print(m, highlight=False))
@@ -99,16 +107,110 @@ def extract(
     except ValueError as e:
         raise _fail(str(e), EXIT_REFUSED) from None
     except DiskFullStop as e:
+        from hsx.assess.checks import size
+
         s = e.summary
         raise _fail(
             f"{e}.\nStopped cleanly: {s.done}/{s.total_samples} samples are done and verified; "
-            f"about {e.needed_bytes / 1e9:,.2f} GB more are needed to finish.\n"
+            f"about {size(e.needed_bytes)} more are needed to finish.\n"
             f"Free space, then resume: hsx extract --out {out}",
             EXIT_DISK_FULL,
         ) from None
     except KeyboardInterrupt:
         raise _fail(f"interrupted; resume with: hsx extract --out {out}", EXIT_INTERRUPTED) from None
     _print_summary(summary)
+
+
+@app.command()
+def status(
+    out: Annotated[Path, typer.Argument(help="Run folder.")],
+    deep: Annotated[bool, typer.Option(help="Verify every file's digest (reads all data), not only headers.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable report on stdout.")] = False,
+    threads: Annotated[int, typer.Option(help="Parallel readers for the integrity check.")] = 8,
+) -> None:
+    """Is it safe to resume? One line per item: GPUs, volume, progress, integrity, model, capture, spec, workers.
+
+    Exit 0: nothing wrong; 1: damage that hsx extract redoes by itself; 2: a person must act first.
+    """
+    import json
+
+    from rich.console import Console
+
+    from hsx.assess.status import assess, render
+
+    report = assess(out, deep=deep, threads=threads)
+    if json_out:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        render(report, Console(highlight=False, soft_wrap=True))
+    raise typer.Exit(report.exit_code)
+
+
+@app.command()
+def verify(
+    out: Annotated[Path, typer.Argument(help="Run folder.")],
+    deep: Annotated[bool, typer.Option(help="Verify every file's digest, not only headers and sizes.")] = False,
+    repair: Annotated[bool, typer.Option(help="Move bad files to OUT/quarantine/ (with a reason) for a redo.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable report on stdout.")] = False,
+    threads: Annotated[int, typer.Option(help="Parallel readers.")] = 8,
+) -> None:
+    """Check every sample file of a run. Exit 0: all good; 1: problems (hsx extract redoes them); 2: refused."""
+    import json
+
+    from rich.console import Console
+
+    from hsx.assess.status import render_check
+    from hsx.assess.verify import RepairRefused
+    from hsx.assess.verify import verify as run_verify
+    from hsx.spec import SpecError
+
+    try:
+        result = run_verify(out, deep=deep, repair=repair, threads=threads)
+    except (SpecError, RepairRefused) as e:
+        raise _fail(str(e), EXIT_REFUSED) from None
+    if json_out:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        stdout = Console(highlight=False, soft_wrap=True)
+        render_check(result.check, stdout)
+        if result.moved:
+            stdout.print(f"next: hsx extract --out {out} redoes {len(result.redo_ids())} samples", highlight=False)
+    raise typer.Exit(result.exit_code)
+
+
+@app.command()
+def bench(
+    model: Annotated[
+        str | None, typer.Option(help="Model folder [8B-shape random weights on CUDA, tiny on CPU].")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="cuda or cpu [cuda if available].")] = None,
+    samples: Annotated[int, typer.Option(help="Number of samples.")] = 256,
+    mean_len: Annotated[int, typer.Option(help="Mean sample length (lognormal).")] = 1275,
+    min_len: Annotated[int, typer.Option(help="Shortest sample.")] = 64,
+    max_len: Annotated[int, typer.Option(help="Longest sample.")] = 4096,
+    batch_tokens: Annotated[int, typer.Option(help="Tokens per forward pass.")] = 16384,
+    naive_samples: Annotated[int, typer.Option(help="Samples for the naive baseline (0: skip).")] = 64,
+    writers: Annotated[int, typer.Option(help="Writer threads.")] = 8,
+    workdir: Annotated[Path | None, typer.Option(help="Where to write (on the volume to measure).")] = None,
+) -> None:
+    """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
+    from hsx.bench import run_bench, table
+    from hsx.extract import default_device
+
+    results = run_bench(
+        model,
+        device or default_device(),
+        samples,
+        mean_len,
+        min_len,
+        max_len,
+        batch_tokens,
+        naive_samples,
+        writers,
+        workdir,
+        log=lambda m: console.print(m, highlight=False),
+    )
+    print(table(results))
 
 
 @app.command()

@@ -20,12 +20,15 @@ from pathlib import Path
 import torch
 
 from hsx import target
-from hsx.capture import CapturedBatch, check_layers, default_layers
+from hsx.assess import volume
+from hsx.capture import check_layers, default_layers
+from hsx.capture.transformers import TransformersBackend, packing_supported, resolve_dtype
 from hsx.input import read_conversations
 from hsx.lock import LOCK, METRICS, RunLock
 from hsx.plan import PLAN_DIR, Plan, Tokenize, batches_for, tokenize_all, write_plan
 from hsx.progress import Progress
 from hsx.spec import DataFile, PlanIdentity, RunSpec, differences, load_spec, now, who
+from hsx.staging import Staging, staging_for
 from hsx.store import layout
 from hsx.store.durable import DiskFull, write_durable
 from hsx.store.format import SampleTensors
@@ -55,6 +58,9 @@ class ExtractOptions:
     writers: int = 8
     max_inflight_bytes: int = 2 << 30
     deep_verify: bool = True
+    packing: str = "auto"  # auto | on | off: one packed row per batch (no padding computed) or padded rows
+    allow_partial: bool = False  # start even when the projected size exceeds free space
+    reserve_bytes: int | None = None  # kept free while running; None: max(1% of volume, 2x largest batch)
 
 
 @dataclass
@@ -83,6 +89,18 @@ class Summary:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_packing(packing: str, device: str, architecture: str) -> bool:
+    """auto: pack on CUDA where the model's attention is pluggable; padded rows otherwise."""
+    if packing not in ("auto", "on", "off"):
+        raise ValueError(f"--packing takes auto, on or off, not {packing!r}")
+    if packing == "off":
+        return False
+    ok = packing_supported(architecture)
+    if packing == "on" and not ok:
+        raise ValueError(f"{architecture} does not take a pluggable attention function: use --packing off")
+    return ok and (packing == "on" or device.startswith("cuda"))
 
 
 # ---------------------------------------------------------------- setting up or checking a run
@@ -123,9 +141,8 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     layers = opts.layers if opts.layers is not None else default_layers(model.num_layers)
     check_layers(layers, model.num_layers)
     device = opts.device or default_device()
-    from hsx.capture.transformers import resolve_dtype
-
     dtype = resolve_dtype(opts.dtype or DEFAULTS["dtype"], device)
+    packed = resolve_packing(opts.packing, device, model.architecture)
     max_length = opts.max_length or DEFAULTS["max_length"]
     opts.out.mkdir(parents=True, exist_ok=True)
     log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
@@ -144,6 +161,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         batch_tokens=opts.batch_tokens or DEFAULTS["batch_tokens"],
         shard_size=opts.shard_size or DEFAULTS["shard_size"],
         trust_remote_code=opts.trust_remote_code,
+        packed=packed,
         data=[DataFile.of(p) for p in opts.data],
         plan=PlanIdentity(
             fingerprint=info.fingerprint,
@@ -223,38 +241,47 @@ def tidy(run: Path, problems: list[Problem], summary: Summary) -> None:
 # ---------------------------------------------------------------- the extraction loop
 
 
-def _host(batch: CapturedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's states in host memory (no copy on CPU)."""
-    return batch.aux.to("cpu"), batch.final.to("cpu")
-
-
 class Extractor:
-    def __init__(self, run: Path, spec: RunSpec, plan: Plan, backend, writer: SampleWriter, progress: Progress):
+    guard: Callable[[int], None] | None = None  # called with a batch's bytes before it is captured
+
+    def __init__(
+        self,
+        run: Path,
+        spec: RunSpec,
+        plan: Plan,
+        backend: TransformersBackend,
+        writer: SampleWriter,
+        progress: Progress,
+        staging: Staging,
+    ):
         self.run, self.spec, self.plan = run, spec, plan
-        self.backend, self.writer, self.progress = backend, writer, progress
+        self.backend, self.writer, self.progress, self.staging = backend, writer, progress, staging
 
     def shard(self, scan: ShardScan) -> tuple[int, list[Future]]:
         """Capture and submit every missing sample of one shard; returns the futures to wait on."""
         missing = set(scan.missing)
         futures: list[Future] = []
-        for batch in batches_for(scan.expected, self.plan.lengths, self.spec.batch_tokens):
+        for batch in batches_for(scan.expected, self.plan.lengths, self.spec.batch_tokens, self.spec.packed):
             if missing.isdisjoint(batch.ids):
                 continue
+            if self.guard is not None:
+                tokens = sum(int(self.plan.lengths[i]) for i in missing.intersection(batch.ids))
+                self.guard(tokens * self.spec.bytes_per_token)
             seqs = [self.plan.input_ids(i) for i in batch.ids]
             captured = self.backend.capture(list(batch.ids), seqs)
-            aux, final = _host(captured)
-            for row, (sid, n) in enumerate(zip(captured.sample_ids, captured.lengths, strict=True)):
-                if sid not in missing:
-                    continue
+            wanted = [row for row, sid in enumerate(captured.sample_ids) if sid in missing]
+            host = self.staging.stage(captured, wanted)
+            for row, (aux, final) in zip(wanted, host.views, strict=True):
+                sid = captured.sample_ids[row]
                 sample = SampleTensors(
                     sample_id=sid,
                     input_ids=torch.from_numpy(self.plan.input_ids(sid).astype("int64")),
                     loss_mask=torch.from_numpy(self.plan.loss_mask(sid).astype("uint8")),
-                    aux=aux[row, :n],
-                    final=final[row, :n],
+                    aux=aux,
+                    final=final,
                 )
-                fut = self.writer.submit(sample)
-                fut.add_done_callback(self.progress.on_written(n))
+                fut = self.writer.submit(sample, release=host.done_one, ready=host.ready)
+                fut.add_done_callback(self.progress.on_written(captured.lengths[row]))
                 futures.append(fut)
         return scan.shard, futures
 
@@ -262,8 +289,8 @@ class Extractor:
 class DiskFullStop(Exception):
     """The volume filled up; the run stopped cleanly and can resume once space is freed."""
 
-    def __init__(self, summary: Summary, needed_bytes: int, path: Path):
-        super().__init__(f"no space left on the output volume while writing {path}")
+    def __init__(self, summary: Summary, needed_bytes: int, path: Path, reason: str | None = None):
+        super().__init__(reason or f"no space left on the output volume while writing {path}")
         self.summary = summary
         self.needed_bytes = needed_bytes
 
@@ -286,12 +313,17 @@ def extract(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary
                 seal(run, s.shard, list(s.good.values()))
         todo = [s for s in scans if not s.complete]
         try:
+            guard = volume.start_guard(run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log)
+        except volume.NotEnoughSpace as e:
+            raise Refused(str(e)) from None
+        try:
             if todo:
-                run_shards(run, spec, plan, opts, todo, progress)
+                run_shards(run, spec, plan, opts, todo, progress, guard)
         except DiskFull as e:
             summary.written, summary.tokens_written, summary.bytes_written = progress.session()
             left = spec.plan.num_tokens - progress.tokens_done()
-            raise DiskFullStop(summary, left * spec.bytes_per_token, e.path) from e
+            reason = str(e) if isinstance(e, volume.LowSpace) else None
+            raise DiskFullStop(summary, left * spec.bytes_per_token, e.path, reason) from e
         finally:
             summary.seconds = progress.elapsed()
             summary.written, summary.tokens_written, summary.bytes_written = progress.session()
@@ -308,14 +340,24 @@ def verify_run(run: Path, spec: RunSpec, deep: bool) -> list[ShardScan]:
 
 
 def run_shards(
-    run: Path, spec: RunSpec, plan: Plan, opts: ExtractOptions, todo: list[ShardScan], progress: Progress
+    run: Path,
+    spec: RunSpec,
+    plan: Plan,
+    opts: ExtractOptions,
+    todo: list[ShardScan],
+    progress: Progress,
+    guard: volume.DiskGuard | None = None,
+    backend: TransformersBackend | None = None,
 ) -> None:
-    from hsx.capture.transformers import TransformersBackend
-
-    device = opts.device or default_device()
-    backend = TransformersBackend(model_dir_for(spec, opts), spec.layers, spec.dtype, device, spec.trust_remote_code)
+    backend = backend or open_backend(spec, opts)
+    width = len(spec.layers) * spec.model.hidden_size
+    slot_tokens = max(spec.batch_tokens, spec.max_length)
+    staging = staging_for(backend.device, backend.dtype, width, spec.model.hidden_size, slot_tokens)
     writer = SampleWriter(run, spec.shard_size, spec.layers, opts.writers, opts.max_inflight_bytes)
-    extractor = Extractor(run, spec, plan, backend, writer, progress)
+    extractor = Extractor(run, spec, plan, backend, writer, progress, staging)
+    if guard is not None:
+        guard.in_flight = lambda: writer.inflight  # queued bytes not yet on disk count against free space
+        extractor.guard = guard
     pending: list[tuple[ShardScan, list[Future]]] = []
 
     def finish(scan: ShardScan, futures: list[Future]) -> None:
@@ -332,5 +374,13 @@ def run_shards(
             while pending:
                 finish(*pending.pop(0))
     finally:
+        staging.close()
         writer.close()  # in-flight writes complete or remove their temp files
         writer.sync()
+
+
+def open_backend(spec: RunSpec, opts: ExtractOptions) -> TransformersBackend:
+    device = opts.device or default_device()
+    return TransformersBackend.load(
+        model_dir_for(spec, opts), spec.layers, spec.dtype, device, spec.packed, spec.trust_remote_code
+    )

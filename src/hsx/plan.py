@@ -242,30 +242,35 @@ class Batch:
 
     ids: tuple[int, ...]
     max_len: int
+    tokens: int  # real tokens
 
     @property
     def padded_tokens(self) -> int:
         return len(self.ids) * self.max_len
 
 
-def batches_for(ids: Iterable[int], lengths: np.ndarray, budget: int) -> list[Batch]:
-    """Pack ids (one shard's) by length, longest first, into batches of <= budget padded tokens.
+def batches_for(ids: Iterable[int], lengths: np.ndarray, budget: int, packed: bool = False) -> list[Batch]:
+    """Group ids (one shard's) by length, longest first, into batches within ``budget`` tokens.
 
-    Deterministic in (ids, lengths, budget): a resume recomputes a sample in exactly the batch an
-    uninterrupted run would have used, so the tensors are bit-identical (invariant 7).
+    The budget counts padded tokens (rows x longest), or real tokens when ``packed``. A sample
+    longer than the budget gets a batch of its own. Deterministic in (ids, lengths, budget,
+    packed): a resume recomputes a sample in exactly the batch an uninterrupted run would have
+    used, so the tensors are bit-identical (invariant 7).
     """
     order = sorted(ids, key=lambda i: (-int(lengths[i]), i))
     out: list[Batch] = []
     cur: list[int] = []
-    cur_max = 0
+    cur_max = total = 0
     for i in order:
         n = int(lengths[i])
-        if cur and (len(cur) + 1) * cur_max > budget:
-            out.append(Batch(tuple(cur), cur_max))
-            cur = []
+        cost = total + n if packed else (len(cur) + 1) * cur_max
+        if cur and cost > budget:
+            out.append(Batch(tuple(cur), cur_max, total))
+            cur, total = [], 0
         if not cur:
             cur_max = n
         cur.append(i)
+        total += n
     if cur:
-        out.append(Batch(tuple(cur), cur_max))
+        out.append(Batch(tuple(cur), cur_max, total))
     return out

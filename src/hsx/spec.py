@@ -76,6 +76,7 @@ class RunSpec(BaseModel):
     batch_tokens: int
     shard_size: int
     trust_remote_code: bool = False
+    packed: bool = False  # samples packed in one row per batch (hsx_varlen attention) instead of padded rows
     data: list[DataFile]
     plan: PlanIdentity
 
@@ -126,7 +127,7 @@ def differences(stored: RunSpec, asked: dict) -> list[str]:
             out.append("tokenizer: vocabulary or special tokens differ")
         if t.chat_template != stored.tokenizer.chat_template:
             out.append("chat template differs")
-    for key in ("layers", "dtype", "max_length", "batch_tokens", "shard_size", "backend"):
+    for key in ("layers", "dtype", "max_length", "batch_tokens", "shard_size", "backend", "packed"):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
     if (data := asked.get("data")) is not None:

@@ -1,8 +1,9 @@
 """Capture stage: run the target and return the chosen layers' states for a batch of samples.
 
-A backend turns a batch of token-id sequences into device tensors: ``aux`` [B, T, L*H] (the hsx
-layer ids, concatenated in the order asked) and ``final`` [B, T, H] (last layer after the final
-norm), right-padded to the longest sample. Rows past a sample's length are padding, never stored.
+A backend turns a batch of token-id sequences into device tensors: ``aux`` [R, T, L*H] (the hsx
+layer ids, concatenated in the order asked) and ``final`` [R, T, H] (last layer after the final
+norm). Sample i lives at row ``rows[i]``, tokens ``offsets[i] : offsets[i] + lengths[i]``: one
+sample per row, right-padded (padding is never stored), or all samples packed into one row.
 Backends: ``transformers`` (forward hooks). The store never sees a backend, only these tensors.
 """
 
@@ -17,8 +18,15 @@ import torch
 class CapturedBatch:
     sample_ids: list[int]
     lengths: list[int]
-    aux: torch.Tensor  # [B, T, L*H]
-    final: torch.Tensor  # [B, T, H]
+    aux: torch.Tensor  # [R, T, L*H]
+    final: torch.Tensor  # [R, T, H]
+    rows: list[int]
+    offsets: list[int]
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample i's states, [n, L*H] and [n, H], as views."""
+        r, o, n = self.rows[i], self.offsets[i], self.lengths[i]
+        return self.aux[r, o : o + n], self.final[r, o : o + n]
 
 
 def default_layers(num_layers: int) -> list[int]:

@@ -2,8 +2,11 @@
 
 Never ``output_hidden_states=True`` (it keeps every layer alive) and never the lm_head (a
 [tokens, vocab] logits tensor we do not need): the base model runs with hooks and its outputs are
-discarded. Batches are right-padded with an attention mask; causal attention means a real token
-never sees padding, so padded rows change nothing for the real ones.
+discarded. Two batch layouts:
+- padded: one sample per row, right-padded, with an attention mask (causal attention means a real
+  token never sees padding); works for every model;
+- packed: all samples in one row, per-sample ``position_ids``, attention confined to each sample
+  by ``hsx_varlen`` (see varlen.py); computes no padding.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsx.capture import CapturedBatch, check_layers
+from hsx.capture import CapturedBatch, check_layers, varlen
 from hsx.capture.locate import locate
 
 NAME = "transformers"
@@ -29,32 +32,23 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
+def packing_supported(architecture: str) -> bool:
+    """Whether the architecture's attention goes through transformers' pluggable functions."""
+    import transformers
+
+    cls = getattr(transformers, architecture, None)
+    return cls is not None and varlen.supported(cls)
+
+
 class TransformersBackend:
     name = NAME
 
-    def __init__(
-        self,
-        model_dir: Path,
-        layers: list[int],
-        dtype: str,
-        device: str,
-        trust_remote_code: bool = False,
-        attn_implementation: str = "sdpa",
-    ):
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-
-        self.device = torch.device(device)
-        self.dtype = DTYPES[dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir,
-            dtype=self.dtype,
-            trust_remote_code=trust_remote_code,
-            attn_implementation=attn_implementation,
-        ).to(self.device)
-        self.model.eval()
+    def __init__(self, model, layers: list[int], packed: bool = False):
+        """Wrap a loaded model; ``load`` is the usual way in."""
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.packed = packed
         config = self.model.config.get_text_config()
         self.num_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)
@@ -65,6 +59,33 @@ class TransformersBackend:
         for k in self.layers:
             self.parts.layers[k].register_forward_hook(self._keep(k))
         self.parts.norm.register_forward_hook(self._keep("final"))
+
+    def set_packed(self, packed: bool) -> None:
+        """Switch between padded rows and one packed row (same weights, other attention function)."""
+        self.model.set_attn_implementation(varlen.register() if packed else "sdpa")
+        self.packed = packed
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path,
+        layers: list[int],
+        dtype: str,
+        device: str,
+        packed: bool = False,
+        trust_remote_code: bool = False,
+    ) -> TransformersBackend:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir,
+            dtype=DTYPES[dtype],
+            trust_remote_code=trust_remote_code,
+            attn_implementation=varlen.register() if packed else "sdpa",
+        ).to(device)
+        return cls(model, layers, packed)
 
     def _keep(self, key):
         def hook(_module, _inputs, output):
@@ -82,12 +103,43 @@ class TransformersBackend:
             mask[row, : len(seq)] = 1
         return ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
 
+    def pack(self, sequences: list[np.ndarray]) -> dict:
+        """One row of all samples, per-sample positions and the cu_seqlens the attention reads."""
+        lengths = [len(s) for s in sequences]
+        ids = torch.from_numpy(np.concatenate(sequences).astype(np.int64))[None]
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+        dev = {"non_blocking": True}
+        return {
+            "input_ids": ids.to(self.device, **dev),
+            "position_ids": pos.to(self.device, **dev),
+            "cu_seq_lens_q": cu.to(self.device, **dev),
+            "cu_seq_lens_k": cu.to(self.device, **dev),
+            "max_length_q": max(lengths),
+            "max_length_k": max(lengths),
+        }
+
+    def inputs(self, sequences: list[np.ndarray]) -> dict:
+        if self.packed:
+            return self.pack(sequences)
+        ids, mask = self.pad(sequences)
+        return {"input_ids": ids, "attention_mask": mask}
+
+    @torch.inference_mode()
+    def forward(self, inputs: dict) -> None:
+        """The bare forward pass (the benchmark's reference): embeddings -> layers -> final norm."""
+        self.parts.body(**inputs, use_cache=False)
+
     @torch.inference_mode()
     def capture(self, sample_ids: list[int], sequences: list[np.ndarray]) -> CapturedBatch:
-        ids, mask = self.pad(sequences)
+        lengths = [len(s) for s in sequences]
         self._outputs.clear()
-        self.parts.body(input_ids=ids, attention_mask=mask, use_cache=False)
+        self.forward(self.inputs(sequences))
         aux = torch.cat([self._outputs[k] for k in self.layers], dim=-1)
         final = self._outputs["final"]
         self._outputs.clear()
-        return CapturedBatch(list(sample_ids), [len(s) for s in sequences], aux, final)
+        if self.packed:
+            rows, offsets = [0] * len(lengths), np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+        else:
+            rows, offsets = list(range(len(lengths))), [0] * len(lengths)
+        return CapturedBatch(list(sample_ids), lengths, aux, final, rows, offsets)

@@ -49,8 +49,11 @@ class SampleWriter:
         self.error: BaseException | None = None
         self.bytes_written = 0
 
-    def submit(self, sample: SampleTensors, release: Callable[[], None] | None = None) -> Future:
-        """Queue one sample; ``release`` is called when its buffers are no longer read."""
+    def submit(
+        self, sample: SampleTensors, release: Callable[[], None] | None = None, ready: Callable[[], None] | None = None
+    ) -> Future:
+        """Queue one sample. ``ready`` blocks until its buffers are filled (a device copy's fence);
+        ``release`` is called once they are no longer read."""
         n = sample.nbytes
         with self.cond:
             while self.inflight and self.inflight + n > self.max_inflight and self.error is None:
@@ -58,11 +61,15 @@ class SampleWriter:
             if self.error is not None:
                 raise self.error
             self.inflight += n
-        return self.pool.submit(self._write, sample, n, release)
+        return self.pool.submit(self._write, sample, n, release, ready)
 
-    def _write(self, sample: SampleTensors, n: int, release: Callable[[], None] | None) -> FileRecord:
+    def _write(
+        self, sample: SampleTensors, n: int, release: Callable[[], None] | None, ready: Callable[[], None] | None
+    ) -> FileRecord:
         path = layout.sample_path(self.run, sample.sample_id, self.shard_size)
         try:
+            if ready is not None:
+                ready()
             if self.error is not None:
                 raise self.error
             parts, digest = encode(sample, self.layers)

@@ -1,0 +1,119 @@
+"""Is the model the run started with still there, unchanged, and can the spec's backend capture it?
+
+Only fingerprints are compared (config, weight file names and sizes, safetensors headers and data
+probes), as the spec records them: the model is never loaded. A hub id is looked up in the local
+cache only, so ``hsx status`` never downloads anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from hsx.assess.checks import Check, size
+from hsx.fingerprint import model_fingerprint
+from hsx.spec import RunSpec
+from hsx.target import load_config
+
+BACKENDS = {"transformers": "transformers"}  # backend name in the spec -> module that must import
+
+
+def locate(given: str) -> Path | None:
+    """The model folder, from a local path or the local hub cache; None when it is not on this machine."""
+    path = Path(given).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or given.startswith((".", "/", "~")) or given.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(given, local_files_only=True))
+    except Exception:
+        return None
+
+
+def check_model(spec: RunSpec, model_dir: Path | None) -> Check:
+    given = spec.model.path
+    if model_dir is None:
+        return Check(
+            "model",
+            "fail",
+            f"{given}: not found on this machine",
+            action="if it moved, resume with --model NEW_PATH (the weights must match the run's fingerprint)",
+            data={"path": given, "found": False},
+        )
+    try:
+        now = model_fingerprint(model_dir)
+    except (OSError, ValueError) as e:
+        return Check("model", "fail", f"{model_dir}: unreadable ({e})", data={"path": str(model_dir), "found": True})
+    diffs = spec.model.fingerprint.differences(now)
+    total = sum(w.size for w in now.weights)
+    data = {"path": str(model_dir), "found": True, "differences": diffs, "weight_bytes": total}
+    if diffs:
+        return Check(
+            "model",
+            "fail",
+            f"{model_dir}: changed since the run started ({len(diffs)} difference{'s' if len(diffs) > 1 else ''})",
+            details=diffs,
+            action="restore the original weights, or point --model at a copy that matches the fingerprint",
+            data=data,
+        )
+    return Check(
+        "model",
+        "ok",
+        f"{model_dir}: config + {len(now.weights)} weight file(s), {size(total)}, match the fingerprint",
+        data=data,
+    )
+
+
+def check_capture(spec: RunSpec, model_dir: Path | None) -> Check:
+    module = BACKENDS.get(spec.backend)
+    if module is None:
+        return Check(
+            "capture", "fail", f"unknown backend {spec.backend!r} in the run spec", data={"backend": spec.backend}
+        )
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:
+        return Check(
+            "capture",
+            "fail",
+            f"backend {spec.backend}: cannot import {module} ({e})",
+            action=f"install {module} in this environment",
+            data={"backend": spec.backend, "importable": False},
+        )
+    version = getattr(mod, "__version__", "?")
+    data = {"backend": spec.backend, "version": version, "importable": True, "layers": spec.layers}
+    if model_dir is None:
+        return Check("capture", "warn", f"{module} {version} imports; layers not checked: model not found", data=data)
+    try:
+        config = load_config(model_dir)
+        num_layers = int(config["num_hidden_layers"])
+    except (OSError, ValueError, KeyError) as e:
+        return Check("capture", "fail", f"config.json of {model_dir} unreadable ({e})", data=data)
+    data["num_layers"] = num_layers
+    bad = [k for k in spec.layers if not 0 <= k < num_layers]
+    if bad:
+        return Check(
+            "capture",
+            "fail",
+            f"layers {bad} out of range: the model has {num_layers} decoder layers",
+            action="the model is not the one the run was planned for",
+            data=data,
+        )
+    arch = config["architectures"][0]
+    if not spec.trust_remote_code and arch not in dir(mod):  # the lazy module's names: no torch import
+        return Check(
+            "capture",
+            "fail",
+            f"{module} {version} has no {arch}",
+            action=f"install the {module} version that supports {arch}",
+            data=data,
+        )
+    return Check(
+        "capture",
+        "ok",
+        f"{module} {version} ({arch}); layers {spec.layers} of {num_layers} decoder layers",
+        data=data,
+    )

@@ -1,0 +1,85 @@
+"""The run spec and the frozen plan: present, parseable, and agreeing with each other.
+
+Resume reads only these two (plus the model): if both are intact, the source data, the script and
+the machine it ran on are not needed. The plan's fingerprint is recomputed from its tokens, so a
+damaged or swapped plan is caught even when the Parquet file still parses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsx.assess.checks import Check, size
+from hsx.plan import PLAN_DIR, PLAN_FILE, Plan
+from hsx.spec import RunSpec, SpecError, load_spec
+from hsx.store import layout
+
+
+@dataclass
+class RunFiles:
+    check: Check
+    spec: RunSpec | None
+    plan: Plan | None
+
+
+def inspect(run: Path) -> RunFiles:
+    try:
+        spec = load_spec(run)
+    except SpecError as e:
+        return RunFiles(
+            Check("spec", "fail", str(e), action="restore hsx.json from a backup of this run folder", data={}),
+            None,
+            None,
+        )
+    data = {
+        "format": spec.format,
+        "created": spec.created,
+        "created_by": spec.created_by,
+        "plan_fingerprint": spec.plan.fingerprint,
+        "num_samples": spec.plan.num_samples,
+        "num_tokens": spec.plan.num_tokens,
+        "plan_ok": False,
+    }
+    try:
+        plan = Plan(run)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return RunFiles(
+            Check(
+                "spec",
+                "fail",
+                f"{layout.SPEC} parses; the plan in {PLAN_DIR}/ is unreadable ({type(e).__name__}: {e})",
+                action=f"restore {PLAN_DIR}/ from a backup of this run folder: resume cannot rebuild it by itself",
+                data=data,
+            ),
+            spec,
+            None,
+        )
+    fp = plan.fingerprint()
+    if fp != spec.plan.fingerprint or len(plan) != spec.plan.num_samples:
+        return RunFiles(
+            Check(
+                "spec",
+                "fail",
+                f"the plan ({len(plan)} samples, fingerprint {fp[:12]}) does not match the spec's "
+                f"({spec.plan.num_samples} samples, {spec.plan.fingerprint[:12]})",
+                action=f"restore {PLAN_DIR}/ of this run: it was replaced or damaged",
+                data=data | {"plan_fingerprint_found": fp},
+            ),
+            spec,
+            None,
+        )
+    data["plan_ok"] = True
+    plan_bytes = (run / PLAN_DIR / PLAN_FILE).stat().st_size
+    return RunFiles(
+        Check(
+            "spec",
+            "ok",
+            f"{layout.SPEC} and plan ({spec.plan.num_samples:,} samples, {size(plan_bytes)}) parse, "
+            f"plan fingerprint {fp[:12]} matches; created {spec.created} by {spec.created_by}; "
+            "resume needs only this folder and the model",
+            data=data,
+        ),
+        spec,
+        plan,
+    )

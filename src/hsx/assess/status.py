@@ -1,0 +1,134 @@
+"""``hsx status``: the whole recovery assessment as one checklist, and the one command that resumes.
+
+Each line is ok / warn / fail with the figure behind it. The exit code says who acts next: 0 nothing
+is wrong, 1 ``hsx extract`` repairs what is wrong by itself, 2 a person must act first.
+"""
+
+from __future__ import annotations
+
+import shlex
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from hsx.assess import gpus, integrity, model, runspec, tally, volume, workers
+from hsx.assess.checks import EXIT_ACT, EXIT_REDO, Check, exit_code, skipped
+
+ORDER = ("gpus", "volume", "progress", "integrity", "model", "capture", "spec", "workers")
+VERDICTS = {0: "ok", EXIT_REDO: "redo", EXIT_ACT: "act"}
+STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
+
+
+@dataclass
+class Report:
+    run: Path
+    checks: list[Check]
+    next: list[str] = field(default_factory=list)  # what to do, in order
+    resume: str | None = None  # the command that resumes, once the steps above are done
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.checks)
+
+    def get(self, name: str) -> Check:
+        return next(c for c in self.checks if c.name == name)
+
+    def to_json(self) -> dict:
+        return {
+            "run": str(self.run),
+            "exit_code": self.exit_code,
+            "verdict": VERDICTS[self.exit_code],
+            "checks": [c.to_json() for c in self.checks],
+            "next": self.next,
+            "resume_command": self.resume,
+        }
+
+
+def resume_command(run: Path) -> str:
+    return f"hsx extract --out {shlex.quote(str(run))}"
+
+
+def assess(run: Path, deep: bool = False, threads: int = 8) -> Report:
+    files = runspec.inspect(run)
+    worker = workers.inspect(run)
+    spec, plan = files.spec, files.plan
+    checks = {"spec": files.check, "workers": workers.check(worker)}
+    local = worker.alive and worker.holder is not None and worker.holder.host == socket.gethostname()
+    checks["gpus"] = gpus.check(worker.pid if local else None)  # its own GPU use is not foreign
+    t = None
+    if spec is None:
+        for name in ("volume", "progress", "integrity", "model", "capture"):
+            checks[name] = skipped(name, "no readable run spec")
+    else:
+        result = integrity.inspect(run, spec.plan.num_samples, spec.shard_size, deep, worker.alive, threads)
+        t = tally.tally(result.scans, spec.plan.num_samples, spec.plan.num_tokens, plan.lengths if plan else None)
+        checks["integrity"] = integrity.check(result)
+        checks["progress"] = tally.check(t)
+        left_tokens = t.tokens_left
+        if t.tokens_done is None:  # plan unreadable: assume average-length samples are left
+            left_tokens = spec.plan.num_tokens * t.samples_left // max(t.samples_total, 1)
+        proj = volume.project(
+            run,
+            spec.bytes_per_token,
+            spec.plan.num_tokens,
+            spec.plan.num_samples,
+            left_tokens,
+            t.samples_left,
+            t.bytes_done,
+            volume.largest_batch_bytes(
+                spec.batch_tokens, int(plan.lengths.max()) if plan else spec.max_length, spec.bytes_per_token
+            ),
+            new_dirs=len(t.shards["untouched"]),
+        )
+        checks["volume"] = volume.check(proj, run)
+        model_dir = model.locate(spec.model.path)
+        checks["model"] = model.check_model(spec, model_dir)
+        checks["capture"] = model.check_capture(spec, model_dir)
+    report = Report(run, [checks[n] for n in ORDER])
+    _next_steps(report, t)
+    return report
+
+
+def _next_steps(report: Report, t: tally.Tally | None) -> None:
+    act = [c for c in report.checks if c.exit_code == EXIT_ACT]
+    if report.get("spec").level == "fail":
+        report.next = [f"{c.name}: {c.action or c.figure}" for c in act]
+        report.next.append("this folder cannot be resumed until its spec and plan are restored")
+        return
+    cmd = resume_command(report.run)
+    if report.get("model").level == "fail" and report.get("model").data.get("found") is False:
+        cmd += " --model NEW_PATH"
+    report.next = [f"fix first: {c.name}: {c.action or c.figure}" for c in act]
+    redo = report.exit_code == EXIT_REDO
+    finished = t is not None and t.complete and not t.complete_unsealed
+    if finished and not redo:
+        report.next.append(f"nothing to resume: all {t.samples_total:,} samples are done and verified")
+        return
+    report.resume = cmd
+    if not act and redo:
+        report.next.append("hsx extract redoes the damaged samples by itself (or first: hsx verify --repair)")
+
+
+def render(report: Report, console: Console) -> None:
+    console.print(f"[bold]hsx status[/] {escape(str(report.run))}", highlight=False)
+    for c in report.checks:
+        render_check(c, console)
+    for line in report.next:
+        console.print(escape(line), highlight=False)
+    if report.resume:
+        label = "then resume" if report.exit_code == EXIT_ACT else "resume"
+        console.print(f"[bold]{label}:[/] {escape(report.resume)}", highlight=False)
+    verdict = {0: "[green]nothing wrong[/]", 1: "[yellow]hsx extract repairs this[/]", 2: "[red]act first[/]"}
+    console.print(f"exit {report.exit_code}: {verdict[report.exit_code]}", highlight=False)
+
+
+def render_check(c: Check, console: Console) -> None:
+    """One checklist line, its details and, unless ok, what to do."""
+    console.print(f"  [{STYLE[c.level]}]{c.level:<4}[/] {c.name:<10} {escape(c.figure)}", highlight=False)
+    for d in c.details:
+        console.print(f"{'':18}{escape(d)}", highlight=False)
+    if c.action and c.level != "ok":
+        console.print(f"{'':18}[dim]-> {escape(c.action)}[/]", highlight=False)

@@ -1,0 +1,107 @@
+"""``hsx verify``: the integrity check alone, for scripts; ``repair`` moves bad files aside.
+
+Repair never deletes: every bad, stray or foreign file goes to ``OUT/quarantine/<its path>`` with a
+``.reason`` file next to it (kind, detail, sample id, time), so the next ``hsx extract --out OUT``
+finds those slots empty and redoes exactly those samples. It refuses while an extractor is alive:
+moving files under a running writer would race with its renames.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hsx.assess import integrity, workers
+from hsx.assess.checks import EXIT_ACT, EXIT_OK, EXIT_REDO, Check
+from hsx.spec import RunSpec, load_spec
+from hsx.store import layout
+from hsx.store.durable import fsync_dir, write_durable
+from hsx.store.scan import Problem
+
+
+class RepairRefused(Exception):
+    pass
+
+
+@dataclass
+class Moved:
+    path: str  # where it was, relative to the run
+    to: str  # where it is now, relative to the run
+    kind: str
+    sample_id: int | None
+
+
+@dataclass
+class VerifyResult:
+    run: Path
+    spec: RunSpec
+    result: integrity.Integrity
+    check: Check
+    moved: list[Moved] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """0 clean, 1 problems hsx extract redoes (after a repair: the samples it will redo)."""
+        if self.result.problems:
+            return EXIT_REDO
+        return EXIT_OK
+
+    def to_json(self) -> dict:
+        return {
+            "run": str(self.run),
+            "exit_code": self.exit_code,
+            "integrity": self.check.to_json(),
+            "quarantined": [m.__dict__ for m in self.moved],
+            "redo_sample_ids": self.redo_ids(),
+        }
+
+    def redo_ids(self) -> list[int]:
+        return sorted({p.sample_id for p in self.result.problems if p.sample_id is not None})
+
+
+def _aside(run: Path, rel: str) -> Path:
+    dest = run / layout.QUARANTINE / rel
+    n = 1
+    while dest.exists() or dest.with_name(dest.name + ".reason").exists():
+        dest = run / layout.QUARANTINE / f"{rel}.{n}"
+        n += 1
+    return dest
+
+
+def quarantine(run: Path, p: Problem) -> Moved | None:
+    """Move one bad file aside with its reason; None when there is no file to move (``missing``)."""
+    src = run / p.path
+    if not src.exists():
+        return None
+    dest = _aside(run, p.path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    reason = {"kind": p.kind, "detail": p.detail, "sample_id": p.sample_id, "from": p.path, "time": time.time()}
+    write_durable(dest.with_name(dest.name + ".reason"), (json.dumps(reason) + "\n").encode())
+    os.rename(src, dest)  # same volume: atomic, never a copy that could be cut short
+    fsync_dir(dest.parent)
+    fsync_dir(src.parent)
+    return Moved(p.path, str(dest.relative_to(run)), p.kind, p.sample_id)
+
+
+def verify(run: Path, deep: bool = False, repair: bool = False, threads: int = 8) -> VerifyResult:
+    spec = load_spec(run)
+    worker = workers.inspect(run)
+    if repair and worker.alive:
+        h = worker.holder
+        raise RepairRefused(f"an extractor is running on this run (pid {h.pid} on {h.host}): repair after it stops")
+    result = integrity.inspect(run, spec.plan.num_samples, spec.shard_size, deep, worker.alive, threads)
+    moved = []
+    if repair:
+        for p in result.problems:
+            if (m := quarantine(run, p)) is not None:
+                moved.append(m)
+    out = VerifyResult(run, spec, result, integrity.check(result), moved)
+    if repair and moved:
+        out.check.details.append(f"{len(moved)} files moved to {layout.QUARANTINE}/ with a .reason each")
+    return out
+
+
+EXIT_REFUSED = EXIT_ACT

@@ -1,0 +1,94 @@
+"""Is an extractor working on this run now? From the lock (host, pid, heartbeat) and metrics.json.
+
+alive: another writer owns the run; starting a second one is refused, so a person decides (exit 2).
+dead / stale: the lock outlived its process; ``hsx extract`` takes it over with a warning.
+The metrics file (rate, ETA, bytes) is shown whenever present: for a dead run it is the last known pace.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsx.assess.checks import Check, duration, size
+from hsx.lock import LOCK, METRICS, STALE_AFTER, Holder, read_holder
+
+
+@dataclass
+class Worker:
+    state: str  # none | alive | dead | stale | unreadable
+    holder: Holder | None
+    metrics: dict | None
+
+    @property
+    def alive(self) -> bool:
+        return self.state == "alive"
+
+    @property
+    def pid(self) -> int | None:
+        return self.holder.pid if self.holder is not None else None
+
+
+def read_metrics(run: Path) -> dict | None:
+    try:
+        m = json.loads((run / METRICS).read_text())
+        return m if isinstance(m, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def inspect(run: Path, stale_after: float = STALE_AFTER) -> Worker:
+    metrics = read_metrics(run)
+    if not (run / LOCK).exists():
+        return Worker("none", None, metrics)
+    holder = read_holder(run)
+    if holder is None:
+        return Worker("unreadable", None, metrics)
+    return Worker(holder.state(stale_after=stale_after), holder, metrics)
+
+
+def _pace(m: dict | None) -> str:
+    if not m:
+        return ""
+    age = time.time() - m.get("time", time.time())
+    rate = m.get("tokens_per_s") or 0
+    return (
+        f"; {rate:,.0f} tok/s, {size(m.get('bytes_per_s') or 0)}/s, ETA {duration(m.get('eta_s'))}, "
+        f"{size(m.get('bytes_written') or 0)} this session (metrics {duration(age)} old)"
+    )
+
+
+def check(w: Worker) -> Check:
+    data: dict = {"state": w.state, "metrics": w.metrics}
+    h = w.holder
+    if h is not None:
+        data |= {"host": h.host, "pid": h.pid, "started": h.started, "heartbeat_age_s": time.time() - h.heartbeat}
+    if w.state == "none":
+        return Check("workers", "ok", "no extractor running", data=data)
+    if w.state == "unreadable":
+        return Check(
+            "workers",
+            "warn",
+            f"{LOCK} is unreadable; hsx extract replaces it",
+            action="check no extractor runs",
+            data=data,
+        )
+    assert h is not None
+    who = f"pid {h.pid} on {h.host} ({h.command}), heartbeat {duration(time.time() - h.heartbeat)} ago"
+    if w.alive:
+        return Check(
+            "workers",
+            "fail",
+            f"alive: {who}, running {duration(time.time() - h.started)}{_pace(w.metrics)}",
+            action=f"an extractor is running: wait for it, or stop it (pid {h.pid} on {h.host}) before resuming",
+            data=data,
+        )
+    why = "its process is gone" if w.state == "dead" else f"no heartbeat for over {duration(STALE_AFTER)}"
+    return Check(
+        "workers",
+        "warn",
+        f"{w.state} lock: {who}; {why}; hsx extract takes it over{_pace(w.metrics)}",
+        data=data,
+    )

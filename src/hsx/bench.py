@@ -1,0 +1,296 @@
+"""hsx bench: what extraction costs next to the bare forward pass, measured side by side in one run.
+
+On one model, one set of samples and the same batches it times:
+- forward: the padded batches through the model, outputs discarded (the ceiling for padded work);
+- naive: what public dump scripts do (one sample per forward, output_hidden_states=True, .cpu(),
+  torch.save per file), on a subset;
+- hsx: the real extraction path (hooks, staging, digests, fsync'd atomic writes, sealing);
+- the same two for the packed (padding-free) layout, where the model supports it;
+- disk: fsync'd writes of sample-sized files from the writer threads, alone (is the disk the limit?).
+Each line reports tokens/s, GB/s written, the ratio to padded forward-only, peak host RSS and peak
+device memory. Default model: the Llama-3.1-8B shape with random weights (no download) on CUDA,
+the bundled tiny model on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from hsx.capture.transformers import TransformersBackend
+from hsx.fingerprint import ModelFingerprint, digest_json
+from hsx.plan import PlanBuilder, PlanInfo, Sample, batches_for
+from hsx.spec import ModelIdentity, PlanIdentity, RunSpec, TokenizerIdentity, now, who
+
+LLAMA_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+)
+
+
+@dataclass
+class Result:
+    name: str
+    tokens: int
+    seconds: float
+    bytes: int = 0
+    peak_rss: int = 0
+    peak_device: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@contextmanager
+def measured(name: str, device: torch.device, results: list[Result]) -> Iterator[Result]:
+    """Time a phase (device synchronised), sampling peak RSS and peak device memory."""
+    res = Result(name, 0, 0.0)
+    proc, stop = psutil.Process(), threading.Event()
+
+    def sample_rss() -> None:
+        while not stop.wait(0.05):
+            res.peak_rss = max(res.peak_rss, proc.memory_info().rss)
+
+    watcher = threading.Thread(target=sample_rss, daemon=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    watcher.start()
+    t0 = time.perf_counter()
+    yield res
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        res.peak_device = torch.cuda.max_memory_allocated(device)
+    res.seconds = time.perf_counter() - t0
+    stop.set()
+    watcher.join()
+    res.peak_rss = max(res.peak_rss, proc.memory_info().rss)
+    results.append(res)
+
+
+def lognormal_lengths(n: int, mean: int, lo: int, hi: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    sigma = 0.8
+    raw = rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, size=n)
+    return np.clip(raw.round(), lo, hi).astype(np.int64)
+
+
+def build_model(model: str | None, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if model is not None:
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").to(device), model
+    if device.type == "cpu":
+        from hsx.tinymodel import bundled_path
+
+        path = bundled_path("tiny-llama")
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa"), "tiny-llama"
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_8B), dtype=dtype, attn_implementation="sdpa")
+    return m, "llama-3.1-8b-shape (random weights)"
+
+
+def synthetic_run(
+    run: Path,
+    model,
+    name: str,
+    layers: list[int],
+    dtype: str,
+    lengths: np.ndarray,
+    batch_tokens: int,
+    packed: bool,
+    seed: int = 0,
+) -> tuple[RunSpec, object]:
+    """A run folder whose plan holds random token ids of the given lengths (no tokenizer, no data)."""
+    from hsx.plan import PLAN_DIR, PLAN_FILE, PLAN_META, Plan
+    from hsx.store.durable import durable_rename, write_durable
+
+    rng = np.random.default_rng(seed)
+    cfg = model.config
+    (run / PLAN_DIR).mkdir(parents=True, exist_ok=True)
+    tmp = run / PLAN_DIR / "plan.tmp"
+    builder = PlanBuilder(tmp)
+    for i, n in enumerate(lengths):
+        ids = rng.integers(0, cfg.vocab_size, size=int(n)).astype(np.int32)
+        builder.add(Sample(ids, np.ones(int(n), np.int8), False, "synthetic", i, ""))
+    fp = builder.close()
+    durable_rename(tmp, run / PLAN_DIR / PLAN_FILE)
+    info = PlanInfo(fp, builder.num_samples, builder.num_tokens, 0, int(lengths.max()))
+    write_durable(run / PLAN_DIR / PLAN_META, __import__("json").dumps(info.__dict__).encode())
+    spec = RunSpec(
+        created=now(),
+        created_by=who(),
+        backend="transformers",
+        model=ModelIdentity(
+            path=name,
+            architecture=type(model).__name__,
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            fingerprint=ModelFingerprint(config=digest_json(cfg.to_dict()), weights=[]),
+        ),
+        tokenizer=TokenizerIdentity(digest="none", chat_template="none"),
+        layers=layers,
+        dtype=dtype,
+        max_length=int(lengths.max()),
+        batch_tokens=batch_tokens,
+        shard_size=1000,
+        packed=packed,
+        data=[],
+        plan=PlanIdentity(
+            fingerprint=fp, num_samples=len(lengths), num_tokens=int(lengths.sum()), num_truncated=0, num_rejected=0
+        ),
+    )
+    spec.save(run)
+    return spec, Plan(run)
+
+
+def forward_only(backend: TransformersBackend, plan, batches) -> int:
+    tokens = 0
+    for b in batches:
+        backend.forward(backend.inputs([plan.input_ids(i) for i in b.ids]))
+        tokens += b.tokens
+    return tokens
+
+
+def naive(model, plan, ids: list[int], out: Path, device: torch.device) -> tuple[int, int]:
+    """The public-script baseline: every layer materialised, pageable copies, torch.save, no fsync."""
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = nbytes = 0
+    with torch.inference_mode():
+        for i in ids:
+            x = torch.from_numpy(plan.input_ids(i).astype(np.int64))[None].to(device)
+            hs = model(x, output_hidden_states=True).hidden_states
+            states = {"hidden_states": [h[0].cpu() for h in hs], "input_ids": x[0].cpu()}
+            path = out / f"{i}.pt"
+            torch.save(states, path)
+            tokens += x.shape[1]
+            nbytes += path.stat().st_size
+    return tokens, nbytes
+
+
+def disk_probe(folder: Path, file_bytes: int, files: int, threads: int) -> tuple[int, float]:
+    """fsync'd atomic writes of sample-sized files from ``threads`` threads: the disk's own rate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hsx.store.durable import write_parts
+
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = os.urandom(file_bytes)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda i: write_parts(folder / f"{i}.bin", [payload], sync_dir=False), range(files)))
+    return file_bytes * files, time.perf_counter() - t0
+
+
+def run_bench(
+    model: str | None,
+    device: str,
+    samples: int,
+    mean_len: int,
+    min_len: int,
+    max_len: int,
+    batch_tokens: int,
+    naive_samples: int,
+    writers: int,
+    workdir: Path | None,
+    log: Callable[[str], None] = print,
+) -> list[Result]:
+    from hsx.extract import ExtractOptions, run_shards
+    from hsx.progress import Progress
+    from hsx.store import layout
+    from hsx.store.scan import ShardScan
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    net, name = build_model(model, dev, dtype)
+    net.eval()
+    n_layers = net.config.num_hidden_layers
+    from hsx.capture import default_layers
+
+    layers = default_layers(n_layers)
+    lengths = lognormal_lengths(samples, mean_len, min_len, max_len)
+    backend = TransformersBackend(net, layers)
+    can_pack = bool(getattr(net, "_supports_attention_backend", False))
+    root = Path(tempfile.mkdtemp(prefix="hsx-bench-", dir=workdir))
+    log(
+        f"model {name} on {dev} ({dtype_name}), layers {layers}; {samples} samples, {int(lengths.sum()):,} tokens "
+        f"(mean {lengths.mean():.0f}, {min_len}..{max_len}), batches of <= {batch_tokens} tokens; output in {root}"
+    )
+    results: list[Result] = []
+    try:
+        for packed in [False, True] if can_pack else [False]:
+            backend.set_packed(packed)
+            tag = "packed" if packed else "padded"
+            run = root / f"run-{tag}"
+            spec, plan = synthetic_run(run, net, name, layers, dtype_name, lengths, batch_tokens, packed)
+            batches = [
+                b
+                for s in range(layout.num_shards(samples, spec.shard_size))
+                for b in batches_for(layout.shard_ids(s, spec.shard_size, samples), plan.lengths, batch_tokens, packed)
+            ]
+            forward_only(backend, plan, batches)  # warm-up on every shape: kernel choice, allocator
+            with measured(f"forward only ({tag})", dev, results) as r:
+                r.tokens = forward_only(backend, plan, batches)
+            if not packed and naive_samples:
+                subset = list(range(0, samples, max(1, samples // naive_samples)))[:naive_samples]
+                with measured("naive (1/forward, all layers, torch.save)", dev, results) as r:
+                    r.tokens, r.bytes = naive(net, plan, subset, root / "naive", dev)
+                shutil.rmtree(root / "naive")
+            todo = [
+                ShardScan(s, layout.shard_ids(s, spec.shard_size, samples))
+                for s in range(layout.num_shards(samples, spec.shard_size))
+            ]
+            progress = Progress(samples, spec.plan.num_tokens, spec.bytes_per_token)
+            opts = ExtractOptions(out=run, device=device, writers=writers)
+            with measured(f"hsx extract ({tag})", dev, results) as r:
+                run_shards(run, spec, plan, opts, todo, progress, backend=backend)
+                _, r.tokens, r.bytes = progress.session()
+            shutil.rmtree(run)
+        per_file = int(lengths.mean()) * spec.bytes_per_token
+        files = max(8, min(256, (2 << 30) // max(per_file, 1)))
+        with measured(f"disk alone ({writers} threads, fsync)", dev, results) as r:
+            r.bytes, _ = disk_probe(root / "disk", per_file, files, writers)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    from hsx.capture import varlen
+
+    log(f"packed attention calls: {varlen.CALLS['kernel']} varlen kernel, {varlen.CALLS['per_sample']} per-sample")
+    return results
+
+
+def table(results: list[Result]) -> str:
+    base = next((r.rate for r in results if r.name == "forward only (padded)"), 0.0)
+    rows = [f"{'variant':<42} {'tokens':>9} {'s':>7} {'tok/s':>9} {'GB/s':>6} {'x fwd':>6} {'RSS GB':>7} {'dev GB':>7}"]
+    for r in results:
+        ratio = f"{r.rate / base:6.2f}" if base and r.tokens else "     -"
+        gbs = r.bytes / r.seconds / 1e9 if r.seconds else 0
+        rows.append(
+            f"{r.name:<42} {r.tokens:>9,} {r.seconds:>7.2f} {r.rate:>9,.0f} {gbs:>6.2f} {ratio} "
+            f"{r.peak_rss / 1e9:>7.2f} {r.peak_device / 1e9:>7.2f}"
+        )
+    naive_r = next((r for r in results if r.name.startswith("naive")), None)
+    for r in results:
+        if r.name.startswith("hsx extract") and naive_r is not None and naive_r.rate:
+            rows.append(f"{r.name} / naive: {r.rate / naive_r.rate:.2f}x")
+    return "\n".join(rows)

@@ -1,0 +1,136 @@
+"""The disk guard on real small filesystems (size- and inode-limited tmpfs mounts).
+
+A run that cannot fit is refused at start with the figures; with --allow-partial it stops cleanly
+when free space falls under the reserve, or on a real ENOSPC (inodes run out, which the byte guard
+cannot foresee). Either way no partial file survives, and after space is freed the resumed run is
+byte-identical to one that never ran short.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import conversations, extract_args, hsx, run_files, write_jsonl
+from hsx.assess import volume
+from hsx.cli import app
+from hsx.store.durable import is_temp
+from hsx.store.format import check
+from hsx.store.layout import parse_sample_name
+
+EXIT_REFUSED, EXIT_DISK_FULL = 2, 3
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Mount a size-limited tmpfs: ``tmpfs(name, size="2m", nr_inodes=30)``; unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(name: str, **opts) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        d = tmp_path / name
+        d.mkdir()
+        opt = ",".join(f"{k}={v}" for k, v in opts.items())
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opt, "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"this machine refuses to mount a tmpfs: {r.stderr.strip()}")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def remount(d: Path, **opts) -> None:
+    opt = ",".join(["remount", *(f"{k}={v}" for k, v in opts.items())])
+    subprocess.run(["mount", "-o", opt, str(d)], check=True)
+
+
+def assert_clean_stop(run: Path) -> int:
+    """No temp file left, every sample file passes the deep check; returns how many there are."""
+    files = list((run / "shards").rglob("*"))
+    assert not [p for p in files if is_temp(p.name)]
+    samples = [p for p in files if p.name.endswith(".safetensors")]
+    for p in samples:
+        check(p, parse_sample_name(p.name), deep=True)
+    return len(samples)
+
+
+def test_guard_and_projection_on_a_real_small_volume(tmpfs):
+    d = tmpfs("vol", size="1m")
+    v = volume.volume_of(d / "run" / "not-yet")  # the nearest existing parent decides
+    assert v.fstype == "tmpfs" and v.mount == str(d) and v.total == 1 << 20 and v.free == 1 << 20
+    guard = volume.DiskGuard(d, reserve=256 << 10)
+    guard(100 << 10)
+    with pytest.raises(volume.LowSpace) as e:
+        guard(900 << 10)
+    assert e.value.reserve == 256 << 10 and "under the reserve of 262.1 kB" in str(e.value)
+    (d / "filler").write_bytes(bytes(700 << 10))
+    with pytest.raises(volume.LowSpace):
+        guard(100 << 10)
+    guard.in_flight = lambda: 0
+    (d / "filler").unlink()
+    guard(100 << 10)
+    assert guard.in_flight() == 0
+    with pytest.raises(volume.LowSpace):  # bytes queued in the writer count as already spent
+        volume.DiskGuard(d, 256 << 10, in_flight=lambda: 800 << 10)(1)
+
+    p = volume.project(d, 1000, 2000, 10, 1500, 8, 0, volume.largest_batch_bytes(100, 300, 1000))
+    assert p.reserve == 600_000 and p.needed_bytes == 1500 * 1000 + 8 * volume.FILE_OVERHEAD
+    assert not p.fits and p.margin == (1 << 20) - p.needed_bytes - p.reserve
+    msg = p.refusal(d / "run")
+    assert "short by" in msg and "--allow-partial" in msg and str(d) in msg
+
+
+def test_volume_too_small_refuses_then_stops_cleanly_then_resumes_identical(tmpfs, finished_run, tmp_path):
+    d = tmpfs("small", size="2m")
+    run = d / "run"
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40))
+
+    refused = hsx(*extract_args(data, run), check=False)
+    assert refused.returncode == EXIT_REFUSED, refused.stderr
+    assert "projected size 2.9 MB" in refused.stderr and "not enough space on" in refused.stderr
+    assert "short by" in refused.stderr and "--allow-partial" in refused.stderr
+
+    stopped = hsx("extract", "--out", run, "--allow-partial", check=False)
+    err = " ".join(stopped.stderr.split())
+    assert stopped.returncode == EXIT_DISK_FULL, stopped.stderr
+    assert "is under the reserve of" in err and "Stopped cleanly:" in err
+    assert "samples are done and verified; about" in err and "more are needed to finish" in err
+    done = assert_clean_stop(run)
+    assert 0 < done < 40 and f"{done}/40 samples are done" in err
+
+    r = CliRunner().invoke(app, ["status", str(run)])
+    assert r.exit_code == 2 and "fail volume" in " ".join(r.output.split()), r.output
+    assert "ok integrity" in " ".join(r.output.split())
+
+    remount(d, size="16m")
+    resumed = hsx("extract", "--out", run)
+    assert f"{40 - done} written now, {done} were already verified" in resumed.stderr
+    assert run_files(run) == run_files(finished_run)
+
+
+def test_real_enospc_when_inodes_run_out_stops_cleanly_and_resumes_identical(tmpfs, finished_run, tmp_path):
+    d = tmpfs("inodes", size="64m", nr_inodes=30)  # bytes to spare, files not: the byte guard cannot see it
+    run = d / "run"
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40))
+
+    refused = hsx(*extract_args(data, run), check=False)
+    assert refused.returncode == EXIT_REFUSED and "inodes free" in refused.stderr, refused.stderr
+
+    stopped = hsx("extract", "--out", run, "--allow-partial", check=False)
+    err = " ".join(stopped.stderr.split())
+    assert stopped.returncode == EXIT_DISK_FULL, stopped.stderr
+    assert "no space left on the output volume while writing" in err and "Stopped cleanly:" in err
+    done = assert_clean_stop(run)
+    assert 0 < done < 40
+
+    remount(d, nr_inodes=400)
+    hsx("extract", "--out", run)
+    assert run_files(run) == run_files(finished_run)

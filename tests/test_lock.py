@@ -1,0 +1,141 @@
+"""One writer per run: a second ``hsx extract`` is refused while the first lives; dead and stale
+locks are reported and taken over; status shows who holds the run and its live metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from conftest import extract_args, hsx
+from hsx.assess import workers
+from hsx.assess.status import assess
+from hsx.cli import app
+from hsx.lock import LOCK, METRICS, Holder, Locked, RunLock, read_holder
+
+
+def write_lock(run: Path, **kw) -> Holder:
+    now = time.time()
+    fields = {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "heartbeat": now} | kw
+    if "pid_started" not in fields:
+        fields["pid_started"] = psutil.Process(fields["pid"]).create_time()
+    holder = Holder(**fields)
+    (run / LOCK).write_text(holder.model_dump_json())
+    return holder
+
+
+def dead_pid() -> tuple[int, float]:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = psutil.Process(p.pid).create_time()
+    p.wait()
+    return p.pid, started
+
+
+@pytest.fixture
+def run(finished_run, tmp_path) -> Path:
+    return Path(shutil.copytree(finished_run, tmp_path / "run"))
+
+
+def test_second_extractor_is_refused_while_the_first_runs(tmp_path, convs):
+    out = tmp_path / "run"
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "hsx", *map(str, extract_args(convs, out))],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while (h := read_holder(out)) is None or h.pid != first.pid:
+            assert first.poll() is None and time.monotonic() < deadline, "the first extractor never took the lock"
+            time.sleep(0.01)
+        first.send_signal(signal.SIGSTOP)  # alive and holding the lock for as long as the test needs
+
+        second = hsx("extract", "--out", out, check=False)
+        assert second.returncode == 2
+        assert f"another extractor holds this run: pid {first.pid} on {socket.gethostname()}" in second.stderr
+
+        report = assess(out)
+        w = report.get("workers")
+        assert w.level == "fail" and w.data["state"] == "alive" and w.data["pid"] == first.pid
+        assert report.exit_code == 2 and any("an extractor is running" in n for n in report.next)
+        assert not report.get("integrity").data["files"]  # its temp files are writes in flight, not strays
+
+        repair = CliRunner().invoke(app, ["verify", str(out), "--repair"])
+        assert repair.exit_code == 2 and "an extractor is running on this run" in repair.output
+    finally:
+        first.send_signal(signal.SIGCONT)
+        _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert not (out / LOCK).exists()  # released on exit
+    assert assess(out).exit_code == 0
+
+
+def test_dead_lock_on_this_host_is_reported_and_taken_over(run):
+    pid, started = dead_pid()
+    write_lock(run, pid=pid, pid_started=started, heartbeat=time.time() - 30)
+    w = workers.inspect(run)
+    assert w.state == "dead"
+    report = assess(run)
+    assert report.exit_code == 0 and report.get("workers").level == "warn"
+    assert f"dead lock: pid {pid} on {socket.gethostname()}" in report.get("workers").figure
+
+    warnings: list[str] = []
+    with RunLock(run, warn=warnings.append):
+        assert read_holder(run).pid == os.getpid()
+    assert warnings and warnings[0].startswith("taking over a lock left by a dead extractor")
+
+
+def test_recycled_pid_is_not_mistaken_for_the_holder(run):
+    write_lock(run, pid=os.getpid(), pid_started=psutil.Process().create_time() - 1000)
+    assert workers.inspect(run).state == "dead"
+
+
+def test_other_host_is_judged_by_heartbeat_age(run):
+    write_lock(run, host="gpu-node-7", pid=1, pid_started=0.0, heartbeat=time.time() - 5)
+    report = assess(run)
+    assert report.get("workers").data["state"] == "alive" and report.exit_code == 2
+    with pytest.raises(Locked, match="pid 1 on gpu-node-7"):
+        RunLock(run).acquire()
+
+    write_lock(run, host="gpu-node-7", pid=1, pid_started=0.0, heartbeat=time.time() - 3600)
+    report = assess(run)
+    assert report.get("workers").data["state"] == "stale" and report.exit_code == 0
+    assert "no heartbeat for over" in report.get("workers").figure
+    warnings: list[str] = []
+    lock = RunLock(run, warn=warnings.append)
+    lock.acquire()
+    assert "stale" in warnings[0] and read_holder(run).host == socket.gethostname()
+
+
+def test_unreadable_lock_warns(run):
+    (run / LOCK).write_text("{garbage")
+    w = workers.check(workers.inspect(run))
+    assert w.level == "warn" and "unreadable" in w.figure
+
+
+def test_status_shows_the_live_extractors_metrics(run):
+    metrics = json.loads((run / METRICS).read_text())  # written by the real extractor's heartbeat
+    assert metrics["samples_done"] == metrics["samples_total"] == 40 and metrics["tokens_done"] > 0
+    assert {"tokens_per_s", "bytes_per_s", "eta_s", "bytes_written", "time"} <= set(metrics)
+
+    write_lock(run, started=time.time() - 4000)  # this very process holds the run
+    metrics |= {"tokens_per_s": 31234.0, "bytes_per_s": 1.2e9, "eta_s": 3600.0, "time": time.time() - 2}
+    (run / METRICS).write_text(json.dumps(metrics))
+    r = CliRunner().invoke(app, ["status", str(run)])
+    line = next(x for x in r.output.splitlines() if "workers" in x)
+    assert r.exit_code == 2 and "fail" in line
+    assert f"alive: pid {os.getpid()}" in line and "running 1h06m" in line
+    assert "31,234 tok/s, 1.2 GB/s, ETA 1h00m" in line

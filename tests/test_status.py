@@ -1,0 +1,270 @@
+"""``hsx status`` on real runs: finished, killed mid-way, damaged, model changed, copied elsewhere.
+
+The command line runs in-process (typer's runner) where a run only needs reading, and as a real
+subprocess where a real extractor is involved. GPU judging is tested on NVML readings given as
+plain data: no GPU is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import TINY, damage, extract_args, flip_byte, hsx, run_files
+from hsx.assess import gpus
+from hsx.assess.checks import ranges
+from hsx.cli import app
+from hsx.store import layout
+from hsx.store.durable import is_temp
+
+LINE = re.compile(r"^\s+(ok|warn|fail)\s+(\w+)\s", re.MULTILINE)
+
+
+def status(out: Path, *args: str) -> tuple[int, str]:
+    r = CliRunner().invoke(app, ["status", str(out), *args])
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.output
+    return r.exit_code, r.output
+
+
+def status_json(out: Path, *args: str) -> tuple[int, dict]:
+    code, text = status(out, "--json", *args)
+    return code, json.loads(text)
+
+
+def levels(text: str) -> dict[str, str]:
+    return {name: level for level, name in LINE.findall(text)}
+
+
+def json_levels(report: dict) -> dict[str, str]:
+    return {c["name"]: c["level"] for c in report["checks"]}
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---------------------------------------------------------------- real runs
+
+
+def test_finished_run_is_ok_and_json_agrees(finished_run):
+    code, text = status(finished_run)
+    assert code == 0, text
+    lv = levels(text)
+    assert list(lv) == ["gpus", "volume", "progress", "integrity", "model", "capture", "spec", "workers"]
+    assert all(lv[k] == "ok" for k in lv if k != "gpus")  # a machine without GPUs warns, never fails
+    assert lv["gpus"] in ("ok", "warn")
+    assert "40/40 samples" in text and "4 sealed, 0 partial, 0 untouched" in text
+    assert "nothing to resume" in text
+    code_j, report = status_json(finished_run)
+    assert code_j == 0 and report["exit_code"] == 0 and report["verdict"] == "ok"
+    assert json_levels(report) == lv
+    progress = next(c for c in report["checks"] if c["name"] == "progress")["data"]
+    assert progress["samples_done"] == progress["samples_total"] == 40 and progress["complete"]
+    assert report["resume_command"] is None
+
+
+def test_no_gpu_machine_gets_a_clear_line_not_a_crash():
+    readings = gpus.read_gpus()
+    check = gpus.judge(readings, gpus.own_pids(None))
+    if isinstance(readings, str):
+        assert check.level == "warn" and check.figure.startswith("no GPU visible")
+    else:
+        assert check.level in ("ok", "warn", "fail") and "GPU" in check.figure
+
+
+def test_copied_run_is_still_ok_and_holds_no_absolute_path_of_its_own(finished_run, tmp_path):
+    moved = copy_run(finished_run, tmp_path / "elsewhere" / "run-copy")
+    code, report = status_json(moved, "--deep")
+    assert code == 0, report
+    assert report["run"] == str(moved)
+    assert {k: v for k, v in json_levels(report).items() if k != "gpus"} == dict.fromkeys(
+        ["volume", "progress", "integrity", "model", "capture", "spec", "workers"], "ok"
+    )
+    for path in moved.rglob("*"):  # only the spec may name outside paths (the model, the source data)
+        if path.is_file() and path.name != layout.SPEC:
+            assert str(finished_run).encode() not in path.read_bytes(), path
+
+
+def test_damaged_files_are_each_listed_and_deep_finds_the_bit_flip(finished_run, tmp_path):
+    run = copy_run(finished_run, tmp_path / "run")
+    injected = damage(run)
+    code, text = status(run)
+    assert code == 1, text  # hsx extract redoes all of these by itself
+    assert levels(text)["integrity"] == "fail"
+    for path, kind in injected.items():
+        if path.endswith("000000002.safetensors"):
+            assert path not in text  # a flipped data bit keeps header and size intact
+        else:
+            assert f"{kind}: {path}" in text, (path, text)
+    assert "resume: hsx extract --out " + str(run) in text
+    assert "partial shards: 0-1" in text
+
+    code, report = status_json(run, "--deep")
+    assert code == 1 and report["verdict"] == "redo"
+    integrity = next(c for c in report["checks"] if c["name"] == "integrity")
+    found = {f["path"]: f["kind"] for f in integrity["data"]["files"]}
+    assert found == injected
+    assert integrity["data"]["problems"] == {"corrupt": 2, "misplaced": 2, "missing": 1, "stray": 1, "truncated": 1}
+    flipped = next(f for f in integrity["data"]["files"] if f["path"].endswith("000000002.safetensors"))
+    assert "digest" in flipped["detail"]
+    assert report["resume_command"] == f"hsx extract --out {run}"
+
+
+def test_changed_model_fails_the_model_line(finished_run, tmp_path):
+    model = Path(shutil.copytree(TINY, tmp_path / "model"))
+    run = copy_run(finished_run, tmp_path / "run")
+    shutil.rmtree(run / "shards" / "000003")  # an unfinished run: there is something to resume
+    spec = json.loads((run / layout.SPEC).read_text())
+    spec["model"]["path"] = str(model)  # as if the run had been started from this copy
+    (run / layout.SPEC).write_text(json.dumps(spec))
+    assert status(run)[0] == 0
+
+    weights = model / "model.safetensors"
+    header_len = int.from_bytes(weights.read_bytes()[:8], "little")
+    flip_byte(weights, 8 + header_len + 1)  # first byte of the first tensor: a probed region
+    code, report = status_json(run)
+    assert code == 2 and report["verdict"] == "act"
+    m = next(c for c in report["checks"] if c["name"] == "model")
+    assert m["level"] == "fail" and m["data"]["differences"] == ["model.safetensors: content differs"]
+    assert any(line.startswith("fix first: model") for line in report["next"])
+
+    shutil.rmtree(model)  # moved away: resume needs --model
+    code, text = status(run)
+    assert code == 2 and levels(text)["model"] == "fail" and "not found" in text
+    assert f"hsx extract --out {run} --model NEW_PATH" in text
+    assert levels(text)["capture"] == "warn"
+
+
+def test_unreadable_spec_or_plan_needs_a_person(finished_run, tmp_path):
+    run = copy_run(finished_run, tmp_path / "run")
+    plan = run / "plan" / "plan.parquet"
+    plan.write_bytes(plan.read_bytes()[:100])
+    code, report = status_json(run)
+    assert code == 2 and json_levels(report)["spec"] == "fail"
+    assert "unreadable" in next(c for c in report["checks"] if c["name"] == "spec")["figure"]
+
+    (run / layout.SPEC).write_text("{not json")
+    code, text = status(run)
+    assert code == 2 and levels(text)["spec"] == "fail" and "cannot be resumed" in text
+    assert levels(text)["integrity"] == "warn" and "not checked" in text
+
+
+def test_run_killed_midway_lists_partial_shards_and_the_resume_command(finished_run, tmp_path, convs):
+    out = tmp_path / "run"
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    args = [sys.executable, "-m", "hsx", *map(str, extract_args(convs, out))]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if len(list((out / "shards").rglob("*.safetensors")) if (out / "shards").exists() else []) >= 5:
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "the extractor finished before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+
+    code, report = status_json(out)
+    lv = json_levels(report)
+    stray = [p for p in (out / "shards").rglob("*") if is_temp(p.name)]
+    assert code == (1 if stray else 0), report
+    progress = next(c for c in report["checks"] if c["name"] == "progress")
+    assert 5 <= progress["data"]["samples_done"] < 40
+    shards = progress["data"]["shards"]
+    assert shards["partial"] >= 1 or shards["sealed"] >= 1
+    assert sum(shards.values()) == 4
+    workers = next(c for c in report["checks"] if c["name"] == "workers")
+    assert lv["workers"] == "warn" and workers["data"]["state"] == "dead" and workers["data"]["pid"] == proc.pid
+    assert report["resume_command"] == f"hsx extract --out {out}"
+    code, text = status(out)
+    assert "resume: hsx extract --out" in text and "dead lock" in text
+    if progress["data"]["partial_shards"]:
+        assert "partial shards: " + ranges(progress["data"]["partial_shards"]) in text
+
+    resumed = hsx("extract", "--out", out)
+    assert "taking over a lock left by a dead extractor" in resumed.stderr + resumed.stdout
+    assert status(out)[0] == 0
+    assert run_files(out) == run_files(finished_run)
+
+
+# ---------------------------------------------------------------- GPU judging on given readings
+
+GiB, MiB = 1 << 30, 1 << 20
+H200 = "NVIDIA H200"
+
+
+def test_idle_h200_is_free_by_v2_memory_though_v1_would_show_615_mib():
+    idle = gpus.GpuReading(0, H200, 141 * GiB, used=2 * MiB, reserved=615 * MiB, v2=True)
+    c = gpus.judge([idle], own={1})
+    assert c.level == "ok" and c.figure == "1 GPU, 1 free" and c.exit_code == 0
+    old_driver = gpus.GpuReading(0, H200, 141 * GiB, used=615 * MiB, v2=False)  # v1: reservation included
+    assert gpus.judge([old_driver], own={1}).level == "ok"
+
+
+def test_foreign_processes_fail_the_gpus_line_with_pid_name_and_memory():
+    readings = [
+        gpus.GpuReading(0, H200, 141 * GiB, used=130 * GiB, reserved=615 * MiB,
+                        processes=[gpus.GpuProcess(4242, "vllm", 130 * GiB)]),
+        gpus.GpuReading(1, H200, 141 * GiB, used=60 * GiB, processes=[gpus.GpuProcess(777, "python", 60 * GiB)]),
+        gpus.GpuReading(2, H200, 141 * GiB, used=1 * MiB),
+    ]  # fmt: skip
+    c = gpus.judge(readings, own={777})
+    assert c.level == "fail" and c.exit_code == 2
+    assert c.figure == "1 of 3 GPUs held by foreign processes, 2 free"
+    assert any("GPU0" in d and "pid 4242 vllm 139.6 GB" in d for d in c.details)
+    assert any("GPU1" in d and "this run's extractor" in d for d in c.details)
+    procs = c.data["devices"][0]["processes"]
+    assert procs == [{"pid": 4242, "name": "vllm", "used": 130 * GiB, "foreign": True}]
+
+
+def test_memory_held_by_no_visible_process_warns():
+    hidden = gpus.GpuReading(0, H200, 141 * GiB, used=40 * GiB, reserved=615 * MiB)
+    c = gpus.judge([hidden], own=set())
+    assert c.level == "warn" and "no visible process" in c.figure and c.exit_code == 0
+
+
+def test_no_nvml_warns_and_boot_servers_are_named():
+    listing = (
+        "ssh.service                     enabled enabled\n"
+        "vllm-server.service             enabled disabled\n"
+        "ollama.service                  enabled enabled\n"
+        "sglang@llama.service            enabled enabled\n"
+        "systemd-resolved.service        enabled enabled\n"
+    )
+    units = gpus.enabled_server_units(listing)
+    assert units == ["vllm-server.service", "ollama.service", "sglang@llama.service"]
+    c = gpus.judge("NVML unavailable (NVML Shared Library Not Found)", set(), units)
+    assert c.level == "warn" and c.figure.startswith("no GPU visible (NVML unavailable")
+    assert "ollama.service" in c.details[0] and c.action.startswith("disable them: systemctl disable --now")
+    idle = gpus.GpuReading(0, H200, 141 * GiB, used=0)
+    assert gpus.judge([idle], set(), units).level == "warn"
+
+
+def test_boot_services_never_hang_or_crash():
+    units = gpus.boot_services(timeout=5)
+    assert units is None or isinstance(units, list)
+
+
+@pytest.mark.parametrize(
+    ("ids", "text"),
+    [
+        ([], ""),
+        ([3], "3"),
+        ([1, 2, 3, 7, 9, 10], "1-3, 7, 9-10"),
+        (range(0, 4000, 2), "0, 2, 4, 6, 8, 10 (+1994 more ranges)"),
+    ],
+)
+def test_shard_ranges_stay_compact(ids, text):
+    assert ranges(ids) == text

@@ -1,0 +1,75 @@
+"""``hsx verify``: the integrity check for scripts, and ``--repair`` that quarantines bad files so
+the next ``hsx extract`` redoes exactly those samples, byte-identical to an undamaged run."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from conftest import damage, hsx, run_files
+from hsx.cli import app
+from hsx.store import layout
+from hsx.store.durable import is_temp
+from hsx.store.format import check
+from hsx.store.layout import parse_sample_name
+
+
+def verify(out: Path, *args: str) -> tuple[int, str]:
+    r = CliRunner().invoke(app, ["verify", str(out), *args])
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.output
+    return r.exit_code, r.output
+
+
+def test_clean_run_verifies_deep_and_cheap(finished_run):
+    code, text = verify(finished_run)
+    assert code == 0 and "40 files good, headers and sizes checked" in text
+    code, text = verify(finished_run, "--deep", "--json")
+    report = json.loads(text)
+    assert code == 0 and report["exit_code"] == 0 and report["redo_sample_ids"] == []
+    assert report["integrity"]["level"] == "ok" and report["integrity"]["data"]["deep"] is True
+
+
+def test_not_a_run_is_refused(tmp_path):
+    code, text = verify(tmp_path)
+    assert code == 2 and "not an hsx run folder" in text
+
+
+def test_repair_quarantines_with_reasons_then_extract_redoes_exactly_those(finished_run, tmp_path):
+    run = Path(shutil.copytree(finished_run, tmp_path / "run"))
+    injected = damage(run)
+    before = {p: p.stat().st_ino for p in (run / "shards").rglob("*.safetensors")}
+
+    code, text = verify(run)  # cheap: the flipped bit in sample 2 goes unseen
+    assert code == 1 and "000000002" not in text and "truncated: shards/000000/000000001.safetensors" in text
+
+    code, text = verify(run, "--deep", "--repair", "--json")
+    report = json.loads(text)
+    assert code == 1
+    assert report["redo_sample_ids"] == [1, 2, 3, 5, 15]
+    moved = {m["path"]: m for m in report["quarantined"]}
+    assert set(moved) == {p for p, kind in injected.items() if kind != "missing"}  # nothing to move for a gap
+    for path, m in moved.items():
+        assert not (run / path).exists()
+        dest = run / m["to"]
+        assert dest.is_file() and dest.parent.is_relative_to(run / layout.QUARANTINE)
+        reason = json.loads(dest.with_name(dest.name + ".reason").read_text())
+        assert reason["kind"] == injected[path] and reason["from"] == path and reason["detail"]
+    # the stray temp file was kept (moved), never deleted
+    assert (run / layout.QUARANTINE / "shards/000000/.000000006.safetensors.tmp-4242-1").read_bytes() == b"half a write"
+    assert not [p for p in (run / "shards").rglob("*") if is_temp(p.name)]
+
+    again = verify(run, "--deep", "--repair", "--json")
+    assert json.loads(again[1])["quarantined"] == []  # idempotent: only the gaps remain
+
+    out = hsx("extract", "--out", run).stderr
+    assert re.search(r"40/40 done, 5 written now, 35 were already verified", out), out
+    assert verify(run, "--deep")[0] == 0
+    assert run_files(run) == run_files(finished_run)
+    untouched = [p for p, ino in before.items() if p.exists() and parse_sample_name(p.name) not in (1, 2, 3, 5, 15)]
+    assert untouched and all(p.stat().st_ino == before[p] for p in untouched)  # nothing else was rewritten
+    for p in (run / "shards").rglob("*.safetensors"):
+        check(p, parse_sample_name(p.name), deep=True)
