@@ -20,9 +20,10 @@ def _opts(out, data=None, **kw):
     return ExtractOptions(out=out, **(base | kw))
 
 
-def test_written_files_equal_transformers_reference(tmp_path, convs):
+@pytest.mark.parametrize("packing", ["off", "on"])
+def test_written_files_equal_transformers_reference(tmp_path, convs, packing):
     out = tmp_path / "run"
-    summary = extract(_opts(out, convs, layers=[0, 2, 5]), log=lambda m: None)
+    summary = extract(_opts(out, convs, layers=[0, 2, 5], packing=packing), log=lambda m: None)
     assert summary.complete and summary.written == 40
     model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
     for sid in (0, 17, 39):
@@ -37,6 +38,7 @@ def test_written_files_equal_transformers_reference(tmp_path, convs):
     assert all((layout.shard_dir(out, s) / layout.SEALED).exists() for s in range(4))
     spec = json.loads((out / "hsx.json").read_text())
     assert spec["layers"] == [0, 2, 5] and spec["plan"]["num_samples"] == 40 and spec["dtype"] == "float32"
+    assert spec["packed"] == (packing == "on")
 
 
 def test_resume_redoes_exactly_the_damaged_samples(tmp_path, convs):

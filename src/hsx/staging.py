@@ -105,8 +105,11 @@ Staging = CpuStaging | CudaStaging
 
 
 def staging_for(
-    device: torch.device, dtype: torch.dtype, width: int, hidden: int, slot_tokens: int, slots: int = 3
+    device: torch.device, dtype: torch.dtype, width: int, hidden: int, slot_tokens: int, budget_bytes: int
 ) -> Staging:
+    """Pinned slots on CUDA, as many as ``budget_bytes`` holds (2..16): spare slots absorb the disk's
+    bursts so that the forward pass does not wait on a slow fsync."""
     if device.type == "cuda":
-        return CudaStaging(device, dtype, width, hidden, slot_tokens, slots)
+        slot_bytes = slot_tokens * (width + hidden) * torch.empty((), dtype=dtype).element_size()
+        return CudaStaging(device, dtype, width, hidden, slot_tokens, max(2, min(16, budget_bytes // slot_bytes)))
     return CpuStaging()

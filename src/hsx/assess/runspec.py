@@ -27,11 +27,9 @@ def inspect(run: Path) -> RunFiles:
     try:
         spec = load_spec(run)
     except SpecError as e:
-        return RunFiles(
-            Check("spec", "fail", str(e), action="restore hsx.json from a backup of this run folder", data={}),
-            None,
-            None,
-        )
+        lost = (run / layout.SPEC).exists() or (run / PLAN_DIR).exists()
+        action = f"restore {layout.SPEC} from a backup of this run folder" if lost else "check the path"
+        return RunFiles(Check("spec", "fail", str(e), action=action, data={}), None, None)
     data = {
         "format": spec.format,
         "created": spec.created,

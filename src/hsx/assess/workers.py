@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hsx.assess.checks import Check, duration, size
 from hsx.lock import LOCK, METRICS, STALE_AFTER, Holder, read_holder
+from hsx.scaleout import registry
 
 
 @dataclass
@@ -21,6 +22,7 @@ class Worker:
     state: str  # none | alive | dead | stale | unreadable
     holder: Holder | None
     metrics: dict | None
+    fleet: list[registry.Seen] = field(default_factory=list)  # scale-out workers (OUT/workers/), alive or dead
 
     @property
     def alive(self) -> bool:
@@ -40,6 +42,12 @@ def read_metrics(run: Path) -> dict | None:
 
 
 def inspect(run: Path, stale_after: float = STALE_AFTER) -> Worker:
+    w = _inspect_lock(run, stale_after)
+    w.fleet = registry.inspect(run, stale_after)
+    return w
+
+
+def _inspect_lock(run: Path, stale_after: float) -> Worker:
     metrics = read_metrics(run)
     if not (run / LOCK).exists():
         return Worker("none", None, metrics)
@@ -61,6 +69,10 @@ def _pace(m: dict | None) -> str:
 
 
 def check(w: Worker) -> Check:
+    return registry.add_to_check(_check_lock(w), w.fleet, w.alive)
+
+
+def _check_lock(w: Worker) -> Check:
     data: dict = {"state": w.state, "metrics": w.metrics}
     h = w.holder
     if h is not None:

@@ -1,0 +1,259 @@
+"""Training-side reading of an hsx run in plain PyTorch: dataset, length-aware batches, collation.
+
+The dataset reads sample files through ``safe_open`` (memory-mapped, no pickle) and, by default,
+only from shards whose ``SEALED`` manifest agrees with the files, so a trainer never sees a sample
+that a running or crashed extraction may still rewrite. Lengths come from the plan, so batching
+needs no file reads. Batches are a function of (lengths, budget, seed, epoch), and every rank
+computes the same list and takes its own slice: no communication, same result on any machine.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+from torch.utils.data import Dataset, Sampler
+
+from hsx.plan import Plan
+from hsx.spec import RunSpec, load_spec
+from hsx.store import layout
+from hsx.store.format import BadFile, check, read_header
+from hsx.store.scan import scan_run
+
+TENSORS = ("aux_hidden_states", "hidden_states", "input_ids", "loss_mask")
+
+
+class SampleUnavailable(Exception):
+    """A sample asked for is not (or no longer) a verified file of the run."""
+
+
+def read_verified(path: Path, sample_id: int) -> dict[str, torch.Tensor]:
+    """Read one sample file whole and check its digest before handing out its tensors.
+
+    One read serves both the digest and the tensors, so a deep-checked read costs no second pass.
+    """
+    from safetensors.torch import load
+
+    header = read_header(path)
+    if header.sample_id != sample_id:
+        raise BadFile("misplaced", f"{path} holds sample {header.sample_id}, expected {sample_id}")
+    raw = path.read_bytes()
+    if len(raw) != header.data_start + header.data_size:
+        raise BadFile("truncated", f"{path} changed size while being read")
+    digest = f"xxh3_128:{xxhash.xxh3_128(memoryview(raw)[header.data_start :]).hexdigest()}"
+    if digest != header.digest:
+        raise BadFile("corrupt", f"{path}: digest mismatch")
+    return load(raw)
+
+
+def read_mapped(path: Path, sample_id: int) -> dict[str, torch.Tensor]:
+    """Read one sample through a memory map after the cheap check (header, size, id)."""
+    from safetensors import safe_open
+
+    check(path, sample_id, deep=False)
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a Mapping
+
+
+def available_ids(run: Path, spec: RunSpec, sealed_only: bool = True, threads: int = 8) -> list[int]:
+    """Ids with a good file (cheap check): only those of sealed shards unless ``sealed_only`` is off."""
+    scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False, threads=threads)
+    return sorted(i for s in scans if s.sealed or not sealed_only for i in s.good)
+
+
+class HsxDataset(Dataset):
+    """A run's samples as dicts of tensors: ``input_ids`` and ``loss_mask`` int64 [T],
+    ``aux_hidden_states`` [T, L*H], ``hidden_states`` [T, H] (post-norm), ``sample_id``.
+
+    ``ids`` restricts (and orders) the samples; by default every sample of a sealed shard.
+    ``verify`` checks each file's digest as it is read (one read, no second pass).
+    """
+
+    def __init__(
+        self,
+        run: str | Path,
+        ids: Sequence[int] | None = None,
+        verify: bool = False,
+        sealed_only: bool = True,
+    ):
+        self.run = Path(run)
+        self.spec = load_spec(self.run)
+        self.plan = Plan(self.run)
+        self.verify = verify
+        self.layers = list(self.spec.layers)
+        if ids is None:
+            ids = available_ids(self.run, self.spec, sealed_only)
+        else:
+            bad = [i for i in ids if not 0 <= i < len(self.plan)]
+            if bad:
+                raise SampleUnavailable(f"ids outside the plan (0..{len(self.plan) - 1}): {bad[:5]}")
+        self.ids = list(ids)
+        self.lengths = self.plan.lengths[self.ids] if self.ids else np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def path(self, sample_id: int) -> Path:
+        return layout.sample_path(self.run, sample_id, self.spec.shard_size)
+
+    def __getitem__(self, index: int) -> dict:
+        sid = self.ids[index]
+        path = self.path(sid)
+        try:
+            t = read_verified(path, sid) if self.verify else read_mapped(path, sid)
+        except FileNotFoundError as e:
+            raise SampleUnavailable(
+                f"sample {sid}: {path} is missing; redo it with hsx extract --out {self.run}"
+            ) from e
+        except BadFile as e:
+            raise SampleUnavailable(f"sample {sid}: {path} is {e}; redo it with hsx extract --out {self.run}") from e
+        return {
+            "sample_id": sid,
+            "input_ids": t["input_ids"].to(torch.int64),
+            "loss_mask": t["loss_mask"].to(torch.int64),
+            "aux_hidden_states": t["aux_hidden_states"],
+            "hidden_states": t["hidden_states"],
+        }
+
+
+# ---------------------------------------------------------------- batching and sharding
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
+    """Indices grouped by length (longest first) into batches of at most ``max_tokens``.
+
+    The budget counts padded tokens (rows x longest) or, ``packed``, real tokens. A sample longer
+    than the budget gets a batch of its own. Deterministic in its arguments.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    longest = total = 0
+    for i in order:
+        n = int(lengths[i])
+        cost = total + n if packed else (len(cur) + 1) * max(longest, n)
+        if cur and cost > max_tokens:
+            out.append(cur)
+            cur, longest, total = [], 0, 0
+        cur.append(i)
+        longest, total = max(longest, n), total + n
+    if cur:
+        out.append(cur)
+    return out
+
+
+class LengthBatchSampler(Sampler[list[int]]):
+    """Batches of similar length within a token budget, shuffled per epoch, split across ranks.
+
+    Every rank builds the same batch list from (lengths, max_tokens, seed, epoch) and takes every
+    ``world_size``-th batch starting at ``rank``. The list is padded by repeating its first batches
+    (or cut, ``drop_last``) so all ranks run the same number of steps.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        max_tokens: int,
+        packed: bool = False,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+        self.batches = length_batches(lengths, max_tokens, packed)
+        if len(self.batches) < world_size and not drop_last:
+            raise ValueError(f"{len(self.batches)} batches cannot feed {world_size} ranks; lower max_tokens")
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _all(self) -> list[list[int]]:
+        batches = list(self.batches)
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(batches)
+        extra = len(batches) % self.world_size
+        if self.drop_last:
+            return batches[: len(batches) - extra]
+        if extra:
+            batches += batches[: self.world_size - extra]
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self._all()[self.rank :: self.world_size])
+
+    def __len__(self) -> int:
+        n = len(self.batches)
+        return (n // self.world_size) if self.drop_last else -(-n // self.world_size)
+
+
+def shard_indices(n: int, rank: int, world_size: int, seed: int | None = None) -> list[int]:
+    """Sample-level split for ranks: a (seeded) permutation of 0..n-1, every ``world_size``-th item."""
+    order = list(range(n))
+    if seed is not None:
+        random.Random(seed).shuffle(order)
+    return order[rank::world_size]
+
+
+# ---------------------------------------------------------------- collation
+
+
+def collate_padded(samples: list[dict], pad_id: int = 0) -> dict:
+    """Right-padded batch: ``input_ids``/``loss_mask``/``attention_mask`` [B, T], states [B, T, *]."""
+    lengths = torch.tensor([s["input_ids"].shape[0] for s in samples], dtype=torch.int64)
+    T, B = int(lengths.max()), len(samples)
+    first = samples[0]
+    out = {
+        "input_ids": torch.full((B, T), pad_id, dtype=torch.int64),
+        "loss_mask": torch.zeros(B, T, dtype=torch.int64),
+        "attention_mask": torch.zeros(B, T, dtype=torch.int64),
+        "aux_hidden_states": first["aux_hidden_states"].new_zeros(B, T, first["aux_hidden_states"].shape[-1]),
+        "hidden_states": first["hidden_states"].new_zeros(B, T, first["hidden_states"].shape[-1]),
+    }
+    for b, s in enumerate(samples):
+        n = int(lengths[b])
+        out["attention_mask"][b, :n] = 1
+        for k in ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states"):
+            out[k][b, :n] = s[k]
+    out["lengths"] = lengths
+    out["sample_ids"] = torch.tensor([s["sample_id"] for s in samples], dtype=torch.int64)
+    return out
+
+
+def collate_packed(samples: list[dict]) -> dict:
+    """All samples in one row [1, sum T], no padding: ``position_ids`` restart per sample,
+    ``document_ids`` give each token's sample (0..B-1), ``cu_seqlens`` [B+1] int32 for varlen attention."""
+    lengths = torch.tensor([s["input_ids"].shape[0] for s in samples], dtype=torch.int64)
+    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    return {
+        "input_ids": torch.cat([s["input_ids"] for s in samples])[None],
+        "loss_mask": torch.cat([s["loss_mask"] for s in samples])[None],
+        "aux_hidden_states": torch.cat([s["aux_hidden_states"] for s in samples])[None],
+        "hidden_states": torch.cat([s["hidden_states"] for s in samples])[None],
+        "position_ids": torch.cat([torch.arange(int(n)) for n in lengths])[None],
+        "document_ids": torch.repeat_interleave(torch.arange(len(samples)), lengths)[None],
+        "cu_seqlens": cu,
+        "lengths": lengths,
+        "sample_ids": torch.tensor([s["sample_id"] for s in samples], dtype=torch.int64),
+    }
+
+
+def describe(run: str | Path) -> dict:
+    """What a trainer needs to size its model from a run, without opening a sample file."""
+    spec = load_spec(Path(run))
+    return {
+        "hidden_size": spec.model.hidden_size,
+        "num_layers": spec.model.num_layers,
+        "layers": list(spec.layers),
+        "dtype": spec.dtype,
+        "num_samples": spec.plan.num_samples,
+    }

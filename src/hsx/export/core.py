@@ -1,0 +1,431 @@
+"""Streaming, resumable export of a run into a trainer's own format.
+
+DEST holds, besides the trainer's files:
+
+    .hsx-export-job.json        what this export is (trainer, options, source plan); written first
+    .hsx-export-progress.jsonl  one line per finished sample (its files, sizes, digests)
+    hsx-export.json             the manifest, written last: every file written, and how
+
+Each output file is written to a temp name, fsynced and renamed (``store.durable``), and only then
+logged, so a logged file is complete. A killed export rerun with the same arguments removes stray
+temp files and continues after the last logged sample. Every source file is deep-checked (its
+digest) as it is read; a bad one stops the export with its name and the command that redoes it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import xxhash
+
+from hsx import target
+from hsx.data import read_verified
+from hsx.export.norm import TOLERANCE, FinalNorm, NormUnavailable, load_final_norm
+from hsx.plan import Plan
+from hsx.progress import Progress
+from hsx.spec import RunSpec, SpecError, load_spec, now
+from hsx.store import layout
+from hsx.store.durable import durable_rename, fsync_dir, is_temp, write_durable
+from hsx.store.format import BadFile
+from hsx.store.scan import scan_run
+
+EXPORT_FORMAT = "hsx-export/1"
+JOB = ".hsx-export-job.json"
+LOG = ".hsx-export-progress.jsonl"
+MANIFEST = "hsx-export.json"
+TMP_DIR_MARK = ".hsx-tmp-"
+
+
+class ExportRefused(Exception):
+    """The export cannot go on as asked; the message says why and what to do."""
+
+
+@dataclass
+class ExportOptions:
+    run: Path
+    dest: Path
+    to: str
+    model: str | None = None  # model folder for the final norm / vocab size (default: the spec's path)
+    prenorm: bool = False  # modelopt: export the pre-norm final state (flagged hidden_states_prenorm)
+    allow_incomplete: bool = False  # export the samples that are done instead of refusing
+    draft_vocab: int | None = None  # also write the trainer's draft-vocab map of this size
+    target_vocab: int | None = None  # target vocabulary size (default: the model's config)
+    pace: float = 0.0  # seconds to sleep after each sample (throttling; lets tests kill mid-export)
+
+
+@dataclass(frozen=True)
+class Written:
+    path: str  # relative to DEST
+    size: int
+    digest: str
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "size": self.size, "digest": self.digest}
+
+
+def digest(data: bytes | memoryview) -> str:
+    return f"xxh3_128:{xxhash.xxh3_128(data).hexdigest()}"
+
+
+def torch_bytes(obj) -> bytes:
+    """torch.save into memory (the trainers read pickled dicts), so the write stays atomic."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def put(dest: Path, rel: str, data: bytes) -> Written:
+    path = dest / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    size = write_durable(path, data)
+    return Written(rel, size, digest(data))
+
+
+def model_dir_for(spec: RunSpec, model: str | None) -> Path:
+    """The run's model (or ``model``), refused unless its fingerprint matches the run's."""
+    given = model or spec.model.path
+    try:
+        path = target.resolve(given)
+    except target.ModelNotFound as e:
+        raise ExportRefused(f"{e}; pass --model PATH (the run's model, wherever it is now)") from e
+    diffs = spec.model.fingerprint.differences(target.identity(given, path).fingerprint)
+    if diffs:
+        raise ExportRefused(f"{path} is not the run's model:\n  - " + "\n  - ".join(diffs))
+    return path
+
+
+@dataclass
+class Context:
+    """Everything a trainer format needs while writing: the run, its plan, the final norm."""
+
+    opts: ExportOptions
+    spec: RunSpec
+    plan: Plan
+    ids: list[int]  # sample id of each export index
+    norm: FinalNorm | None = None
+    prenorm_source: str = ""  # how the pre-norm state is obtained, for the manifest
+    max_norm_error: float = 0.0
+    model_dir: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def dest(self) -> Path:
+        return self.opts.dest
+
+    @property
+    def hidden(self) -> int:
+        return self.spec.model.hidden_size
+
+    def source_id(self, sid: int) -> str:
+        value = self.plan.sources.column("source_id")[sid].as_py()
+        return value if value else str(sid)
+
+    def prenorm(self, sid: int, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The final state before the norm, [T, H], checked to give back the stored post-norm state."""
+        assert self.norm is not None
+        post = t["hidden_states"]
+        last = self.spec.model.num_layers - 1
+        if last in self.spec.layers:
+            k = self.spec.layers.index(last)
+            pre = t["aux_hidden_states"][:, k * self.hidden : (k + 1) * self.hidden].clone()
+        else:
+            pre = self.norm.prenorm_from_post(post)
+        err = self.norm.error(pre, post)
+        limit = TOLERANCE[self.spec.dtype]
+        if not err <= limit:
+            raise ExportRefused(
+                f"sample {sid}: the final norm ({self.norm.key}, eps {self.norm.eps}) applied to the exported "
+                f"pre-norm state differs from the stored post-norm state by {err:.2e} (limit {limit:.0e}); "
+                "the model given is not the one that produced the run, or its final norm is not a plain "
+                "RMSNorm. Refusing to write wrong targets."
+            )
+        self.max_norm_error = max(self.max_norm_error, err)
+        return pre
+
+    def load_norm(self) -> None:
+        self.model_dir = self.model_dir or model_dir_for(self.spec, self.opts.model)
+        try:
+            self.norm = load_final_norm(self.model_dir, self.hidden)
+        except NormUnavailable as e:
+            raise ExportRefused(f"this export needs the pre-norm final state, and {e}") from e
+        last = self.spec.model.num_layers - 1
+        if last in self.spec.layers:
+            self.prenorm_source = f"exact: the run holds hsx layer {last} (the last decoder layer's raw output)"
+        else:
+            self.prenorm_source = (
+                f"post-norm state / {self.norm.key} (RMSNorm is scale-invariant: norm(pre) = post to 1 - O(eps), "
+                f"eps {self.norm.eps}); each sample checked within {TOLERANCE[self.spec.dtype]:.0e}"
+            )
+
+
+class TrainerFormat:
+    """One trainer's on-disk format. Subclasses write one sample's files, then whatever comes last."""
+
+    name = ""
+    description = ""
+    needs_prenorm = False
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def check(self) -> None:
+        """Refuse before writing anything when the run cannot be expressed in this format."""
+
+    def job(self) -> dict:
+        """Options that change the bytes written (part of the export's identity)."""
+        return {}
+
+    def sample(self, index: int, sid: int, t: dict[str, torch.Tensor]) -> list[Written]:
+        raise NotImplementedError
+
+    def finish(self, vocab: tuple[torch.Tensor, torch.Tensor, dict[int, int]] | None) -> list[Written]:
+        return []
+
+    def final_state(self) -> str:
+        return "post-norm (hsx's stored state)"
+
+
+# ---------------------------------------------------------------- DEST: job identity, progress log
+
+
+def _clean(dest: Path) -> int:
+    """Remove temp files and temp folders an interrupted export left."""
+    n = 0
+    for root, dirs, files in os.walk(dest):
+        for d in [d for d in dirs if d.startswith(TMP_DIR_MARK)]:
+            shutil.rmtree(Path(root) / d)
+            dirs.remove(d)
+            n += 1
+        for name in files:
+            if is_temp(name):
+                (Path(root) / name).unlink()
+                n += 1
+    return n
+
+
+def open_dest(dest: Path, job: dict) -> dict[int, list[Written]]:
+    """Create DEST or check it holds this same export; return the samples already done, by index."""
+    if dest.exists() and not dest.is_dir():
+        raise ExportRefused(f"{dest} exists and is not a folder")
+    if dest.exists() and (dest / JOB).exists():
+        try:
+            stored = json.loads((dest / JOB).read_text())
+        except ValueError as e:
+            raise ExportRefused(f"{dest / JOB} is damaged ({e}); remove {dest} and export again") from e
+        diffs = [k for k in sorted(set(stored) | set(job)) if stored.get(k) != job.get(k)]
+        if diffs:
+            raise ExportRefused(
+                f"{dest} holds another export (differs in: {', '.join(diffs)}); choose another DEST or remove it"
+            )
+    elif dest.exists() and any(dest.iterdir()):
+        raise ExportRefused(f"{dest} is not empty and holds no hsx export: choose an empty or new folder")
+    else:
+        dest.mkdir(parents=True, exist_ok=True)
+        write_durable(dest / JOB, json.dumps(job, indent=1, sort_keys=True).encode())
+    _clean(dest)
+    done: dict[int, list[Written]] = {}
+    try:
+        lines = (dest / LOG).read_text().splitlines()
+    except FileNotFoundError:
+        lines = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            files = [Written(f["path"], int(f["size"]), f["digest"]) for f in entry["files"]]
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line of a killed export
+        if all((dest / w.path).is_file() and (dest / w.path).stat().st_size == w.size for w in files):
+            done[int(entry["index"])] = files
+    return done
+
+
+class ProgressLog:
+    """Appends one line per finished sample; fsynced in batches (a lost line only costs a redo)."""
+
+    def __init__(self, path: Path, every: int = 32):
+        self.f = open(path, "a")  # noqa: SIM115 - closed in close()
+        self.every, self.pending = every, 0
+
+    def add(self, index: int, sid: int, files: list[Written]) -> None:
+        entry = {"index": index, "sample_id": sid, "files": [w.to_json() for w in files]}
+        self.f.write(json.dumps(entry, separators=(",", ":")) + "\n")
+        self.pending += 1
+        if self.pending >= self.every:
+            self.sync()
+
+    def sync(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.pending = 0
+
+    def close(self) -> None:
+        self.sync()
+        self.f.close()
+
+
+# ---------------------------------------------------------------- the export
+
+
+@dataclass
+class ExportSummary:
+    dest: Path
+    to: str
+    samples: int
+    written: int
+    already_done: int
+    files: int
+    bytes: int
+    seconds: float
+    final_state: str
+    max_norm_error: float | None
+
+
+def load_plan(run: Path, spec: RunSpec) -> Plan:
+    """The run's plan, refused unless it matches the spec's fingerprint (ids and masks come from it)."""
+    try:
+        plan = Plan(run)
+    except (OSError, ValueError) as e:
+        raise ExportRefused(f"the plan of {run} is unreadable ({e})") from e
+    if len(plan) != spec.plan.num_samples or plan.fingerprint() != spec.plan.fingerprint:
+        raise ExportRefused(f"the plan of {run} does not match its run spec's fingerprint")
+    return plan
+
+
+def export_ids(run: Path, spec: RunSpec, allow_incomplete: bool) -> list[int]:
+    """The samples to export: all of the plan's, or (``allow_incomplete``) those with a good file."""
+    scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False)
+    good = sorted(i for s in scans for i in s.good)
+    missing = spec.plan.num_samples - len(good)
+    if missing and not allow_incomplete:
+        first = [i for s in scans for i in s.missing][:5]
+        raise ExportRefused(
+            f"{run} is incomplete: {missing} of {spec.plan.num_samples} samples have no good file "
+            f"(first ids: {first}). Finish it with: hsx extract --out {run}  "
+            f"(or pass --allow-incomplete to export the {len(good)} that are done)"
+        )
+    if not good:
+        raise ExportRefused(f"{run} has no finished sample to export")
+    return good
+
+
+def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> ExportSummary:
+    from hsx.export import FORMATS
+    from hsx.vocab import draft_map, target_vocab_size, token_counts
+
+    if opts.to not in FORMATS:
+        raise ExportRefused(f"--to takes one of {', '.join(FORMATS)}, not {opts.to!r}")
+    run = opts.run
+    try:
+        spec = load_spec(run)
+    except SpecError as e:
+        raise ExportRefused(str(e)) from e
+    plan = load_plan(run, spec)
+    ids = export_ids(run, spec, opts.allow_incomplete)
+    ctx = Context(opts, spec, plan, ids)
+    fmt = FORMATS[opts.to](ctx)
+    fmt.check()
+    if fmt.needs_prenorm:
+        ctx.load_norm()
+    vocab_size = None
+    if opts.draft_vocab is not None:
+        if opts.target_vocab is None:
+            ctx.model_dir = ctx.model_dir or model_dir_for(spec, opts.model)
+        vocab_size = opts.target_vocab or target_vocab_size(ctx.model_dir)
+    job = {
+        "format": EXPORT_FORMAT,
+        "to": opts.to,
+        "options": fmt.job() | {"draft_vocab": opts.draft_vocab, "target_vocab": vocab_size},
+        "source_plan": spec.plan.fingerprint,
+        "source_model": spec.model.fingerprint.config,
+        "source_layers": spec.layers,
+        "samples": len(ids),
+        "ids_digest": digest(json.dumps(ids).encode()),
+    }
+    dest = opts.dest
+    done = open_dest(dest, job)
+    t0 = time.monotonic()
+    progress_log = ProgressLog(dest / LOG)
+    written = 0
+    try:
+        with Progress.simple(f"exporting to {opts.to}", len(ids)) as bar:
+            bar.advance(len(done))
+            for index, sid in enumerate(ids):
+                if index in done:
+                    continue
+                path = layout.sample_path(run, sid, spec.shard_size)
+                try:
+                    t = read_verified(path, sid)
+                except (BadFile, FileNotFoundError) as e:
+                    progress_log.close()
+                    what = "missing" if isinstance(e, FileNotFoundError) else str(e)
+                    raise ExportRefused(
+                        f"source file {path} (sample {sid}) is {what}; {len(done)} of {len(ids)} samples are "
+                        f"exported. Redo it with: hsx extract --out {run}  then rerun this export: it continues."
+                    ) from None
+                files = fmt.sample(index, sid, t)
+                progress_log.add(index, sid, files)
+                done[index] = files
+                written += 1
+                bar.advance()
+                if opts.pace:
+                    progress_log.sync()
+                    time.sleep(opts.pace)
+    finally:
+        if not progress_log.f.closed:
+            progress_log.close()
+    vocab = None
+    if opts.draft_vocab is not None:
+        counts = token_counts(plan, ids)
+        d2t, t2d = draft_map(counts, opts.draft_vocab, vocab_size)
+        vocab = (d2t, t2d, {int(i): int(c) for i, c in enumerate(counts) if c})
+    extra = fmt.finish(vocab)
+    files = [w for i in sorted(done) for w in done[i]] + extra
+    manifest = {
+        "format": EXPORT_FORMAT,
+        "to": opts.to,
+        "trainer_format": fmt.description,
+        "created": now(),
+        "source": {
+            "run": str(run.resolve()),
+            "plan_fingerprint": spec.plan.fingerprint,
+            "model": spec.model.path,
+            "layers": spec.layers,
+            "layer_convention": spec.layer_convention,
+            "dtype": spec.dtype,
+        },
+        "final_state": fmt.final_state(),
+        "max_norm_error": ctx.max_norm_error if fmt.needs_prenorm else None,
+        "samples": [{"index": i, "sample_id": sid} for i, sid in enumerate(ids)],
+        "files": [w.to_json() for w in files],
+    }
+    write_durable(dest / MANIFEST, json.dumps(manifest, indent=1).encode())
+    return ExportSummary(
+        dest=dest,
+        to=opts.to,
+        samples=len(ids),
+        written=written,
+        already_done=len(ids) - written,
+        files=len(files),
+        bytes=sum(w.size for w in files),
+        seconds=time.monotonic() - t0,
+        final_state=fmt.final_state(),
+        max_norm_error=ctx.max_norm_error if fmt.needs_prenorm else None,
+    )
+
+
+def move_folder_contents(src: Path, dest: Path, last: tuple[str, ...] = ()) -> list[str]:
+    """Durably move every file of ``src`` (flat) into ``dest``, the names in ``last`` at the end."""
+    names = sorted(os.listdir(src), key=lambda n: (n in last, last.index(n) if n in last else 0, n))
+    for name in names:
+        durable_rename(src / name, dest / name)
+    shutil.rmtree(src)
+    fsync_dir(dest)
+    return names

@@ -1,0 +1,274 @@
+"""``hsx extract --workers N [--ray-address ADDR]``: one run extracted by N Ray workers.
+
+The driver does what a single-process extractor does around the loop: open or create the run,
+hold the run lock (so a second driver, or a plain extractor, is refused), check the space, and
+tally. The loop itself is Ray Data over the run's shard ids: ``map_batches`` with a callable class
+(an actor pool of N, one GPU each, one shard per call). Placement, retries of a shard whose worker
+died (Ray restarts the actor), and backpressure are Ray's; redoing a shard is idempotent because a
+worker redoes it as a resume would. Nothing here needs Ray core actors.
+
+Shards go out unsealed first; with digest verification on (the default) sealed shards follow, so
+the workers verify them in parallel instead of the driver reading the whole run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from hsx.assess import volume
+from hsx.extract import DiskFullStop, ExtractOptions, Refused, Summary, load_plan, open_run, verify_run
+from hsx.lock import BEAT_EVERY, Locked, RunLock, read_holder
+from hsx.progress import Progress
+from hsx.scaleout import registry
+from hsx.store import layout
+from hsx.store.scan import scan_run
+
+MAX_SHARD_RETRIES = 3  # a shard whose worker dies this many more times (an OOM-kill loop) fails the run
+CPUS_PER_WORKER = 1  # Ray's logical CPUs per worker: scheduling only; the writer threads are not bound by it
+OBJECT_STORE = 200 << 20  # local Ray: rows are a few hundred bytes; the default takes 30% of RAM
+PASS_ENV = ("HF_", "TRANSFORMERS_", "HSX_", "TORCH_", "PYTORCH_")  # driver env the workers get
+
+
+class WorkerFailed(Refused):
+    """A worker failed on a shard (not a crash Ray retries): the run stopped; a rerun resumes."""
+
+
+@dataclass
+class Cluster:
+    address: str | None  # None: a local Ray started for this run
+    gpus: int
+    cpus: int
+
+
+def import_ray():
+    try:
+        import ray
+        import ray.data
+    except ImportError as e:
+        raise Refused(f"--workers runs on Ray, which does not import here ({e}): pip install 'hsx[ray]'") from None
+    return ray
+
+
+def _short_tempdir() -> str:
+    """Ray puts AF_UNIX sockets under its temp dir: their paths must stay under 108 bytes."""
+    base = tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix="hsx-ray-", dir=base if len(base) <= 40 else "/tmp")
+
+
+@contextlib.contextmanager
+def connect(opts: ExtractOptions, log: Callable[[str], None]) -> Iterator[Cluster]:
+    """Join the cluster at ``--ray-address``, or start a local Ray for this run; shut it down after."""
+    ray = import_ray()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    env = {k: v for k, v in os.environ.items() if k.startswith(PASS_ENV)}
+    runtime_env = {"env_vars": env} if env else None
+    temp = None
+    kids: list[psutil.Process] = []
+    if opts.ray_address:
+        ray.init(address=opts.ray_address, log_to_driver=False, runtime_env=runtime_env)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        temp = _short_tempdir()
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, opts.workers * CPUS_PER_WORKER),
+            include_dashboard=False,
+            object_store_memory=OBJECT_STORE,
+            _temp_dir=temp,
+            log_to_driver=False,
+            runtime_env=runtime_env,
+        )
+    try:
+        res = ray.cluster_resources()
+        cluster = Cluster(opts.ray_address, int(res.get("GPU", 0)), int(res.get("CPU", 0)))
+        where = f"Ray cluster at {opts.ray_address}" if opts.ray_address else "a local Ray"
+        log(f"{where}: {cluster.cpus} CPUs, {cluster.gpus} GPUs")
+        yield cluster
+    finally:
+        kids = psutil.Process().children(recursive=True)
+        ray.shutdown()
+        _, alive = psutil.wait_procs(kids, timeout=15)  # the local Ray's processes, ours by pid
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary:
+    if opts.workers < 1:
+        raise Refused("--workers takes a number of workers >= 1")
+    if opts.backend not in (None, "transformers"):
+        raise Refused(f"--workers runs the transformers backend, not {opts.backend}")
+    holder = read_holder(opts.out)
+    if holder is not None and holder.state() == "alive":  # refuse before spending seconds on Ray
+        raise Locked(holder)
+    with connect(opts, log) as cluster:
+        gpu = (opts.device or ("cuda" if cluster.gpus else "cpu")).startswith("cuda")
+        if gpu and cluster.gpus < opts.workers:
+            raise Refused(f"{opts.workers} GPU workers asked for, but the Ray cluster has {cluster.gpus} GPUs")
+        opts = dataclasses.replace(opts, device="cuda" if gpu else "cpu")  # a worker sees only its own GPU
+        spec = open_run(opts, log)
+        if spec.backend != "transformers":
+            raise Refused(f"--workers runs the transformers backend; this run uses {spec.backend}: omit --workers")
+        progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
+        session: dict = {}
+
+        def metrics() -> dict:
+            if "driver" in session:
+                with progress.lock:
+                    progress.samples, progress.tokens, progress.bytes = registry.totals(opts.out, session["driver"])
+            return progress.metrics() | {"workers": opts.workers}
+
+        with RunLock(opts.out, command=f"extract --workers {opts.workers}", metrics=metrics, warn=log) as lock:
+            session["driver"] = registry.driver_id(lock.me)
+            registry.settle(opts.out, lock.me, log)
+            try:
+                return _extract(opts, spec, lock, progress, gpu, log)
+            finally:
+                for s in registry.clear_session(opts.out, session["driver"]):
+                    if s.state in ("dead", "stale"):
+                        log(f"during the run: {s.describe()}")
+
+
+def _extract(opts: ExtractOptions, spec, lock: RunLock, progress: Progress, gpu: bool, log) -> Summary:
+    import ray
+
+    run = opts.out
+    plan = load_plan(run, spec)
+    summary = Summary(run, spec.plan.num_samples, spec.plan.num_tokens, 0, rejected=spec.plan.num_rejected)
+    scans = verify_run(run, spec, deep=False)  # headers only: what to hand out; workers verify digests
+    try:
+        guard = volume.start_guard(run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log)
+    except volume.NotEnoughSpace as e:
+        raise Refused(str(e)) from None
+    todo = [s.shard for s in scans if not s.sealed]
+    settled = [s for s in scans if s.sealed]
+    if opts.deep_verify:
+        todo += [s.shard for s in settled]
+        settled = []
+    summary.already_done = sum(len(s.good) for s in settled)
+    progress.start(summary.already_done, int(sum(plan.lengths[list(s.good)].sum() for s in settled)))
+    if not todo:
+        return summary
+    # each worker guards only its own writes in flight: keep room for the others' batches too
+    batch = volume.largest_batch_bytes(spec.batch_tokens, int(plan.lengths.max()), spec.bytes_per_token)
+    reserve = guard.reserve + (opts.workers - 1) * batch
+    from hsx.scaleout.worker import ShardWorker
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_no_progress_timeout_s = -1  # loading a large model takes long; that is not a hang
+    ctx.enable_progress_bars = False
+    size = min(opts.workers, len(todo))
+    with warnings.catch_warnings():  # max_task_retries has no named parameter in Ray 2.60
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        ds = ray.data.from_items([{"shard": s} for s in todo], override_num_blocks=len(todo)).map_batches(
+            ShardWorker,
+            fn_constructor_kwargs={"run": str(run), "opts": opts, "driver": lock.me.model_dump(), "reserve": reserve},
+            batch_size=1,
+            batch_format="numpy",
+            num_cpus=CPUS_PER_WORKER,
+            num_gpus=1 if gpu else None,
+            compute=ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=1),
+            max_task_retries=MAX_SHARD_RETRIES,  # a shard whose worker keeps dying fails the run, not loops
+        )
+    log(f"extracting {len(todo)} shards with {size} {'GPU' if gpu else 'CPU'} workers")
+    watch = _Watch(run, registry.driver_id(lock.me), log)
+    watch.start()
+    stopped: dict | None = None
+    t0 = time.monotonic()
+    span = [float("inf"), 0.0]  # first shard begun, last shard ended: the pool's working time
+    try:
+        for n, row in enumerate(ds.iter_rows(), 1):
+            row = {k: v.item() if hasattr(v, "item") else v for k, v in row.items()}
+            if row["error_kind"] == "skipped":
+                continue
+            span = [min(span[0], row["began"]), max(span[1], row["ended"])]
+            summary.already_done += row["kept"]
+            summary.written += row["written"]
+            summary.tokens_written += row["tokens"]
+            summary.bytes_written += row["bytes"]
+            tidied = json.loads(row["tidied"])
+            summary.stray_removed += tidied["stray"]
+            summary.quarantined += tidied["quarantined"]
+            for kind, k in tidied["redone"].items():
+                summary.redone[kind] = summary.redone.get(kind, 0) + k
+            if row["error"]:
+                if stopped is None:  # hand out no more work; shards in flight end cleanly
+                    stopped = row
+                    registry.request_stop(run, row["error"])
+                    log(f"stopping: shard {row['shard']} on {row['host']} (pid {row['pid']}): {row['error']}")
+                continue
+            gpus = f" GPU {row['gpus']}" if row["gpus"] else ""
+            log(
+                f"shard {row['shard']} sealed: {row['written']} written, {row['kept']} kept "
+                f"({row['host']} pid {row['pid']}{gpus}, {row['seconds']:.1f}s) [{n}/{len(todo)}]"
+            )
+    except Exception as e:  # Ray gave up: a shard's workers kept dying, or the cluster went away
+        if stopped is None:
+            raise WorkerFailed(
+                f"Ray gave up on the run: {str(e).strip().splitlines()[-1]}\n"
+                f"Verified work is kept; resume with: hsx extract --out {run} --workers {opts.workers}"
+            ) from e
+    finally:
+        watch.stop()
+        summary.seconds = time.monotonic() - t0
+    if summary.written:
+        work = max(span[1] - span[0], 1e-9)
+        log(
+            f"{size} workers: {summary.tokens_written / work:,.0f} tok/s while extracting ({work:.1f}s, from the "
+            f"first shard begun to the last sealed); {summary.seconds:.1f}s with starting the workers"
+        )
+    if stopped is not None:
+        if stopped["error_kind"] == "disk_full":
+            scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False)
+            done = {i for s in scans for i in s.good}
+            summary.already_done = len(done) - summary.written
+            left = int(plan.lengths.sum()) - int(sum(int(plan.lengths[i]) for i in done))
+            path = layout.shard_dir(run, stopped["shard"])
+            raise DiskFullStop(summary, left * spec.bytes_per_token, path, stopped["error"])
+        raise WorkerFailed(
+            f"worker pid {stopped['pid']} on {stopped['host']} failed on shard {stopped['shard']}: "
+            f"{stopped['error']}\nVerified work is kept; fix the cause, then resume: "
+            f"hsx extract --out {run} --workers {opts.workers}"
+        )
+    return summary
+
+
+class _Watch:
+    """Says so when a worker of this session dies (Ray restarts it and retries its shard)."""
+
+    def __init__(self, run: Path, driver: str, log: Callable[[str], None]):
+        self.run, self.driver, self.log = run, driver, log
+        self.reported: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hsx-worker-watch", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(BEAT_EVERY / 2):
+            for s in registry.inspect(self.run):
+                if s.record.driver != self.driver or s.state not in ("dead", "stale") or s.path.name in self.reported:
+                    continue
+                self.reported.add(s.path.name)
+                r = s.record
+                what = f"holding shard {r.shard}; Ray retries the shard" if r.shard is not None else f"while {r.phase}"
+                self.log(f"worker {r.where()} died {what} on a restarted worker")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,279 @@
+"""Who works on a run, recorded in the run folder: one heartbeat file per scale-out worker process.
+
+``OUT/workers/<host>-<pid>.json`` holds host, pid (and its start time), Ray node, GPUs, the shard
+held now, what the process wrote and its rate, rewritten every few seconds. Records are judged like
+the run lock: same host, alive while the pid lives; another host, alive while the heartbeat is
+fresh, stale after ``STALE_AFTER``. The run folder is on a filesystem every node shares, so
+``hsx status`` on any node sees every worker, alive or dead, without asking Ray.
+
+Fencing: a worker stops itself when its driver no longer holds the run lock (driver dead, or the
+lock taken over), so an extractor started after a driver crash never shares a shard with an
+orphaned worker; ``settle`` makes the next extractor wait until such workers are gone.
+Records stay while their driver runs (history for ``hsx status``); the driver removes its own when
+it ends, and the next extractor removes any a crashed driver left once they are no longer alive.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from pydantic import Field
+
+from hsx.assess.checks import Check
+from hsx.lock import BEAT_EVERY, STALE_AFTER, Holder, Locked, read_holder
+from hsx.store.durable import write_durable
+
+WORKERS = "workers"
+STOP = "STOP"  # written by a driver that stops handing out work (disk full, a worker failed)
+FENCED_EXIT = 75  # exit status of a worker that stopped itself because its driver lost the run
+
+
+def driver_id(holder: Holder) -> str:
+    """A driver session: the run lock holder's identity (a recycled pid gets a new start time)."""
+    return f"{holder.host}:{holder.pid}:{holder.started:.3f}"
+
+
+class WorkerRecord(Holder):
+    command: str = "worker"
+    driver: str
+    node: str = ""  # Ray node id
+    device: str = "cpu"
+    gpus: list[str] = Field(default_factory=list)  # Ray's GPU ids on its node
+    restarted: bool = False  # Ray restarted this actor after its process died
+    phase: str = "loading"  # loading | idle | working | stopped
+    shard: int | None = None
+    shard_since: float | None = None
+    shards_done: int = 0
+    samples: int = 0  # written by this process
+    tokens: int = 0
+    bytes: int = 0
+    tokens_per_s: float = 0.0
+    exited: str | None = None  # why it stopped by itself, if it did
+
+    def liveness(self, stale_after: float = STALE_AFTER) -> str:
+        """alive | dead | stale | exited | ended (gone while idle: Ray let it go as the pool shrank)."""
+        if self.exited:
+            return "exited"
+        state = self.state(stale_after=stale_after)
+        return "ended" if state != "alive" and self.phase == "idle" else state
+
+    def where(self) -> str:
+        gpu = f", GPU {','.join(self.gpus)}" if self.gpus else f", {self.device}"
+        return f"pid {self.pid} on {self.host}{gpu}"
+
+
+def folder(run: Path) -> Path:
+    return run / WORKERS
+
+
+def record_path(run: Path, host: str, pid: int) -> Path:
+    return folder(run) / f"{host}-{pid}.json"
+
+
+@dataclass
+class Seen:
+    path: Path
+    record: WorkerRecord
+    state: str  # alive | dead | stale | exited
+
+    def describe(self, now: float | None = None) -> str:
+        r, now = self.record, now or time.time()
+        if self.state == "alive":
+            if r.shard is not None:
+                doing = f"shard {r.shard} for {now - (r.shard_since or now):.0f}s"
+            else:
+                doing = {"loading": "loading the model", "idle": "waiting for a shard"}.get(r.phase, r.phase)
+        elif r.shard is not None:
+            doing = f"died holding shard {r.shard} (Ray retries it while the driver runs)"
+        elif self.state == "ended":
+            doing = "ended between shards"
+        else:
+            doing = r.exited or f"died while {r.phase}"
+        if r.restarted:
+            doing += " [a restart by Ray]"
+        rate = f", {r.tokens_per_s:,.0f} tok/s" if r.tokens_per_s else ""
+        return (
+            f"{self.state:<6} {r.where()}: {doing}; {r.shards_done} shards, {r.samples:,} samples{rate}; "
+            f"heartbeat {now - r.heartbeat:.0f}s ago"
+        )
+
+
+def inspect(run: Path, stale_after: float = STALE_AFTER) -> list[Seen]:
+    """Every worker record of the run, with its state; unreadable files are skipped."""
+    out = []
+    try:
+        paths = sorted(p for p in folder(run).iterdir() if p.suffix == ".json" and not p.name.startswith("."))
+    except OSError:
+        return []
+    for p in paths:
+        try:
+            rec = WorkerRecord.model_validate_json(p.read_bytes())
+        except (OSError, ValueError):
+            continue
+        out.append(Seen(p, rec, rec.liveness(stale_after)))
+    return out
+
+
+def counts(seen: list[Seen]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in seen:
+        out[s.state] = out.get(s.state, 0) + 1
+    return out
+
+
+def summary(seen: list[Seen]) -> str:
+    c = counts(seen)
+    parts = ", ".join(f"{n} {state}" for state, n in sorted(c.items()))
+    return f"{len(seen)} Ray worker{'s' if len(seen) != 1 else ''} ({parts})"
+
+
+def totals(run: Path, driver: str) -> tuple[int, int, int]:
+    """Samples, tokens, bytes written by one driver session's workers, dead ones included."""
+    s = t = b = 0
+    for seen in inspect(run):
+        if seen.record.driver == driver:
+            s, t, b = s + seen.record.samples, t + seen.record.tokens, b + seen.record.bytes
+    return s, t, b
+
+
+def stop_requested(run: Path) -> str | None:
+    try:
+        return (folder(run) / STOP).read_text().strip() or "stop"
+    except OSError:
+        return None
+
+
+def request_stop(run: Path, reason: str) -> None:
+    folder(run).mkdir(exist_ok=True)
+    write_durable(folder(run) / STOP, reason.encode())
+
+
+def settle(run: Path, me: Holder, log: Callable[[str], None], timeout: float = STALE_AFTER + 2 * BEAT_EVERY) -> None:
+    """Called by a new lock holder: wait until workers of earlier drivers are gone, then drop their records.
+
+    Such workers fence themselves within two heartbeats of the lock changing hands; a worker on
+    another host that was killed cannot say so, and counts as gone once its heartbeat is stale.
+    """
+    mine = driver_id(me)
+    (folder(run) / STOP).unlink(missing_ok=True)
+    deadline = time.monotonic() + timeout
+    waited = False
+    while True:
+        others = [s for s in inspect(run) if s.record.driver != mine]
+        alive = [s for s in others if s.state == "alive"]
+        if not alive:
+            break
+        if time.monotonic() > deadline:
+            raise Locked(alive[0].record)
+        if not waited:
+            log(f"waiting for {len(alive)} worker(s) of an earlier driver to stop ({alive[0].record.where()})")
+            waited = True
+        time.sleep(0.5)
+    for s in others:
+        s.path.unlink(missing_ok=True)
+    if others:
+        dead = [s for s in others if s.state in ("dead", "stale")]
+        log(f"cleared {len(others)} worker record(s) of an earlier driver ({len(dead)} had died)")
+
+
+def clear_session(run: Path, driver: str) -> list[Seen]:
+    """At a driver's end: remove its workers' records (and the stop flag); returns what they said."""
+    seen = [s for s in inspect(run) if s.record.driver == driver]
+    for s in seen:
+        s.path.unlink(missing_ok=True)
+    (folder(run) / STOP).unlink(missing_ok=True)
+    try:
+        folder(run).rmdir()
+    except OSError:
+        pass
+    return seen
+
+
+class Heartbeat:
+    """A worker's record, rewritten every ``every`` seconds by a thread that also checks the fence."""
+
+    def __init__(self, run: Path, driver: Holder, every: float = BEAT_EVERY, **fields):
+        now = time.time()
+        self.run, self.every = run, every
+        self.driver = driver
+        self.record = WorkerRecord(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            pid_started=psutil.Process().create_time(),
+            started=now,
+            heartbeat=now,
+            driver=driver_id(driver),
+            **fields,
+        )
+        self.path = record_path(run, self.record.host, self.record.pid)
+        self.counters: Callable[[], tuple[int, int, int]] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._misses = 0
+        self._t_first_shard: float | None = None
+        self.path.parent.mkdir(exist_ok=True)
+
+    def driver_holds_run(self) -> bool:
+        holder = read_holder(self.run)
+        return holder is not None and driver_id(holder) == self.record.driver and holder.state() == "alive"
+
+    def update(self, **changes) -> None:
+        with self._lock:
+            for k, v in changes.items():
+                setattr(self.record, k, v)
+            if changes.get("phase") == "working" and self._t_first_shard is None:
+                self._t_first_shard = time.time()
+            self._write()
+
+    def _write(self) -> None:
+        r = self.record
+        r.heartbeat = time.time()
+        if self.counters is not None:
+            r.samples, r.tokens, r.bytes = self.counters()
+            if self._t_first_shard is not None:
+                r.tokens_per_s = r.tokens / max(r.heartbeat - self._t_first_shard, 1e-9)
+        write_durable(self.path, r.model_dump_json().encode())
+
+    def fence(self) -> None:
+        """Exit at once when the driver has lost the run (two checks in a row, to ride out a slow read)."""
+        self._misses = 0 if self.driver_holds_run() else self._misses + 1
+        if self._misses >= 2:
+            self.update(exited="stopped itself: its driver no longer holds the run lock", phase="stopped")
+            os._exit(FENCED_EXIT)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                with self._lock:
+                    self._write()
+                self.fence()
+            except OSError:
+                pass  # a full or flaky volume must not kill the heartbeat; the writer reports it
+
+    def start(self) -> None:
+        self.update()
+        threading.Thread(target=self._loop, name="hsx-worker-heartbeat", daemon=True).start()
+
+
+def add_to_check(c: Check, seen: list[Seen], driver_alive: bool) -> Check:
+    """The ``workers`` line of ``hsx status``, with one detail line per scale-out worker, alive or dead."""
+    if not seen:
+        return c
+    c.figure += f"; {summary(seen)}"
+    c.details += [s.describe() for s in seen]
+    c.data["ray_workers"] = [s.record.model_dump() | {"state": s.state} for s in seen]
+    alive = [s for s in seen if s.state == "alive"]
+    if alive and not driver_alive:
+        c.level, c.redo = "fail", False
+        c.action = (
+            f"{len(alive)} worker(s) outlived their driver ({alive[0].record.where()}): they stop themselves "
+            "within two heartbeats of losing it; if they do not, stop them before resuming"
+        )
+    return c

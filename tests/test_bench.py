@@ -1,0 +1,41 @@
+"""The benchmark runs end to end (CPU, tiny model): every variant is measured in one run."""
+
+from conftest import hsx
+
+
+def test_bench_measures_every_variant_in_one_run(tmp_path):
+    proc = hsx(
+        "bench",
+        "--device",
+        "cpu",
+        "--samples",
+        "12",
+        "--mean-len",
+        "40",
+        "--min-len",
+        "8",
+        "--max-len",
+        "96",
+        "--batch-tokens",
+        "256",
+        "--naive-samples",
+        "3",
+        "--workdir",
+        tmp_path,
+    )
+    table = [line for line in proc.stdout.splitlines() if len(line[42:].split()) == 7]
+    rows = {line[:42].strip(): line[42:].split() for line in table}  # tokens s tok/s GB/s x-fwd RSS dev
+    for name in (
+        "forward only (padded)",
+        "naive (1/forward, all layers, torch.save)",
+        "hsx extract (padded)",
+        "forward only (packed)",
+        "hsx extract (packed)",
+        "disk alone (8 threads, fsync)",
+    ):
+        assert name in rows, proc.stdout
+    assert rows["forward only (padded)"][4] == "1.00"  # the reference of the ratios
+    tokens = {name: int(rows[name][0].replace(",", "")) for name in rows if name.startswith(("forward", "hsx"))}
+    assert len(set(tokens.values())) == 1 and tokens["hsx extract (packed)"] > 0  # same work for each
+    assert "hsx extract (padded) / naive:" in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # it cleans up after itself

@@ -1,0 +1,371 @@
+"""hsx export: each trainer's own loader reads the export, states and masks equal hsx's, the
+pre-norm state reproduces transformers' reference, a killed export resumes, bad input is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import TINY, conversations, flip_byte, require, write_jsonl
+from hsx.data import HsxDataset
+from hsx.export.core import LOG, MANIFEST
+from hsx.export.norm import TOLERANCE, NormUnavailable, load_final_norm, measure
+
+warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
+RUN_ARGS = ("--shard-size", "10", "--batch-tokens", "512", "--writers", "2", "--device", "cpu")
+
+
+def normed_model(dest: Path) -> Path:
+    """The tiny Llama with a non-trivial final norm (mixed signs and scales), so post/weight is tested."""
+    shutil.copytree(TINY, dest)
+    weights = load_file(dest / "model.safetensors")
+    g = torch.Generator().manual_seed(1)
+    w = torch.empty(64).uniform_(0.2, 3.0, generator=g) * torch.where(torch.rand(64, generator=g) < 0.2, -1.0, 1.0)
+    weights["model.norm.weight"] = w
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return normed_model(tmp_path_factory.mktemp("model") / "normed")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model) -> dict[str, Path]:
+    """20 samples, 2 shards: default layers [1, 3, 4], and [1, 3, 7] (7 = the last layer's raw output)."""
+    root = tmp_path_factory.mktemp("runs")
+    data = write_jsonl(root / "convs.jsonl", conversations(20))
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    base = [sys.executable, "-m", "hsx", "extract", "--model", str(model), "--data", str(data), *RUN_ARGS]
+    procs = [
+        subprocess.Popen(
+            [*base, "--out", str(root / "run")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        ),
+        subprocess.Popen(
+            [*base, "--out", str(root / "last"), "--layers", "1,3,7"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        ),
+    ]
+    for p in procs:  # both at once: most of each is start-up
+        output = p.communicate(timeout=300)[0]
+        assert p.returncode == 0, output.decode()
+    return {"run": root / "run", "last": root / "last"}
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """transformers' own forward: the final norm's input (pre-norm) and output (post-norm) of a sample."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(_mod, args, out):
+        seen["pre"], seen["post"] = args[0][0].detach(), out[0].detach()
+
+    m.model.norm.register_forward_hook(hook)
+
+    @torch.no_grad()
+    def forward(input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        m(input_ids=input_ids[None])
+        return dict(seen) | {"norm": m.model.norm, "head": m.lm_head}
+
+    return forward
+
+
+def export(*args, code: int = 0) -> str:
+    """``hsx export`` through the real command line, in this process (the trainers import slowly)."""
+    from typer.testing import CliRunner
+
+    from hsx.cli import app
+
+    result = CliRunner().invoke(app, ["export", *map(str, args)])
+    assert result.exit_code == code, f"{result.output}\n{result.exception!r}"
+    return result.output
+
+
+def hsx_samples(run: Path) -> list[dict]:
+    ds = HsxDataset(run, verify=True)
+    return [ds[i] for i in range(len(ds))]
+
+
+def manifest_ok(dest: Path, n: int) -> dict:
+    """The manifest lists every file with its size and digest, and they hold."""
+    import xxhash
+
+    m = json.loads((dest / MANIFEST).read_text())
+    assert len(m["samples"]) == n
+    for f in m["files"]:
+        data = (dest / f["path"]).read_bytes()
+        assert len(data) == f["size"] and f"xxh3_128:{xxhash.xxh3_128(data).hexdigest()}" == f["digest"]
+    assert not [p for p in dest.rglob("*") if ".tmp-" in p.name]
+    return m
+
+
+# ---------------------------------------------------------------- SpecForge
+
+
+def test_specforge_reads_the_export_with_its_own_reader(runs, tmp_path):
+    require("specforge")
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+
+    dest = tmp_path / "sf"
+    export(runs["run"], dest, "--to", "specforge", "--draft-vocab", "64")
+    manifest_ok(dest, 20)
+    src = hsx_samples(runs["run"])
+    assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*.ckpt"))[:2] == [
+        "rows_0-2000/data_0.ckpt",
+        "rows_0-2000/data_1.ckpt",
+    ]
+    assert len(OfflineManifestReader(str(dest), run_id="t", validate_files=True).read()) == 20
+    prov = builtin_algorithm_registry().resolve("eagle3").providers.offline_for("text")
+    max_len = 4096
+    refs = prov.build_reader(str(dest), run_id="t", ttt_length=7, max_len=max_len).read()
+    loader = FeatureDataLoader(
+        LocalFeatureStore(),
+        refs=refs,
+        batch_size=3,
+        drop_last=False,
+        collate_fn=prov.build_collator(),
+        per_sample_transform=prov.build_normalizer(max_len),
+        strategy="eagle3",
+    )
+    n = 0
+    for batch in loader:
+        t = batch.tensors
+        for b in range(t["input_ids"].shape[0]):
+            idx = int(refs[n + b].feature_store_uri.rsplit("data_", 1)[1].removesuffix(".ckpt"))
+            s, T = src[idx], src[idx]["input_ids"].shape[0]
+            assert torch.equal(t["input_ids"][b, :T], s["input_ids"])
+            assert torch.equal(t["hidden_state"][b, :T], s["aux_hidden_states"])  # the draft's input
+            assert torch.equal(t["target"][b, :T], s["hidden_states"])  # post-norm target
+            mask = s["loss_mask"].clone()
+            mask[-1] = 0  # SpecForge's normalizer drops the last position (no next token)
+            assert torch.equal(t["loss_mask"][b, :T], mask)
+        n += t["input_ids"].shape[0]
+    assert n == 20
+    mapping = torch.load(dest / "vocab_mapping-64.pt", weights_only=True)
+    assert mapping["d2t"].shape == (64,) and mapping["t2d"].shape == (2048,) and mapping["t2d"].sum() == 64
+
+
+def test_specforge_refuses_a_run_without_three_aux_layers():
+    from types import SimpleNamespace
+
+    from hsx.export.core import ExportRefused
+    from hsx.export.specforge import SpecForge
+
+    with pytest.raises(ExportRefused, match="exactly 3 aux layers"):
+        SpecForge(SimpleNamespace(spec=SimpleNamespace(layers=[1, 3]))).check()
+
+
+# ---------------------------------------------------------------- speculators
+
+
+def check_speculators(dest: Path, run: Path, reference, exact: bool) -> None:
+    require("speculators")
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    src = hsx_samples(run)
+    ds = ArrowDataset(max_len=4096, datapath=str(dest), on_missing="raise")
+    assert len(ds) == 20 and ds.approx_lengths == [s["input_ids"].shape[0] for s in src]
+    limit = TOLERANCE["float32"]
+    for i, s in enumerate(src):
+        got = ds[i]
+        assert isinstance(got, dict), f"sample {i} unavailable: {got}"
+        assert torch.equal(got["input_ids"], s["input_ids"]) and torch.equal(got["loss_mask"], s["loss_mask"])
+        assert torch.equal(got["hidden_states"], s["aux_hidden_states"])
+        ref = reference(s["input_ids"])
+        pre = got["verifier_last_hidden_states"]
+        with torch.no_grad():
+            normed = ref["norm"](pre)  # what the trainer's verifier_norm computes
+            assert torch.allclose(ref["post"], s["hidden_states"], atol=1e-5)
+            rel = ((normed - ref["post"]).norm(dim=-1) / ref["post"].norm(dim=-1)).max()
+            assert rel < (1e-5 if exact else limit), rel
+            if exact:  # the raw output of the last layer is transformers' pre-norm state
+                assert torch.allclose(pre, ref["pre"], atol=1e-5, rtol=1e-5)
+            p = ref["head"](ref["post"]).softmax(-1)
+            q = ref["head"](normed).softmax(-1)
+            assert (p - q).abs().max() < 1e-5 and torch.equal(p.argmax(-1), q.argmax(-1))
+    coll = CollateFn(4096, 64, num_target_layers=3, dtype=torch.float32, preprocess=shift_batch)
+    out = coll([ds[i] for i in range(4)])
+    assert out["hidden_states"].shape == (1, 4096, 192) and out["error_records"] == 0
+    lens = [src[i]["input_ids"].shape[0] - 1 for i in range(4)]
+    assert int((out["document_ids"] >= 0).sum()) == sum(lens)
+    assert torch.equal(out["loss_mask"][0, : lens[0]], src[0]["loss_mask"][1:])
+
+
+def test_speculators_reads_the_export_and_its_norm_gives_back_the_reference(runs, reference, tmp_path):
+    dest = tmp_path / "sp"
+    out = export(runs["run"], dest, "--to", "speculators", "--draft-vocab", "64")
+    assert "post-norm state / model.norm.weight" in out
+    m = manifest_ok(dest, 20)
+    assert 0 < m["max_norm_error"] < TOLERANCE["float32"]
+    assert json.loads((dest / "state.json").read_text())["_format_type"] == "torch"
+    check_speculators(dest, runs["run"], reference, exact=False)
+    import numpy as np
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    freq = torch.load(dest / "token_freq.pt", weights_only=True)
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, 64, 2048)
+    assert np.array_equal(np.load(dest / "d2t-64.npy"), d2t.numpy())
+    assert np.array_equal(np.load(dest / "t2d-64.npy"), t2d.numpy())
+
+
+def test_speculators_pre_norm_is_exact_when_the_run_holds_the_last_layer(runs, reference, tmp_path):
+    dest = tmp_path / "sp"
+    out = export(runs["last"], dest, "--to", "speculators")
+    assert "exact" in out
+    check_speculators(dest, runs["last"], reference, exact=True)
+
+
+def test_pre_norm_needs_the_runs_model_and_a_readable_norm(runs, model, tmp_path):
+    out = export(runs["run"], tmp_path / "a", "--to", "speculators", "--model", TINY, code=2)
+    assert "is not the run's model" in out
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    w = load_file(broken / "model.safetensors")
+    w["model.final_norm.weight"] = w.pop("model.norm.weight")
+    w["model.other_norm.weight"] = torch.ones(64)
+    save_file(w, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NormUnavailable, match="cannot tell the final norm"):
+        load_final_norm(broken, 64)
+    w = load_file(model / "model.safetensors")
+    w["model.norm.weight"][5] = 0.0
+    save_file(w, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NormUnavailable, match="zero or non-finite"):
+        load_final_norm(broken, 64)
+
+
+def test_measured_target_distribution_error_of_post_over_weight(runs, model):
+    stats = measure(runs["run"], model, samples=20)
+    assert stats["samples"] == 20 and stats["top1_agree"] == 1.0
+    # logits scale by 1 - O(eps) per token (eps 1e-5): relative logit error and KL stay negligible
+    assert stats["max_dlogit_rel"] < 1e-5 and stats["max_abs_dprob"] < 1e-5 and stats["max_kl"] < 1e-5
+    assert stats["max_state_err"] < 1e-5
+
+
+# ---------------------------------------------------------------- Model-Optimizer
+
+
+def test_modelopt_reads_post_and_pre_norm_exports_with_its_own_dataset(runs, reference, model, tmp_path):
+    require("modelopt")
+    from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
+    from modelopt.torch.speculative.plugins.hf_eagle import HFEagleModel
+    from modelopt.torch.speculative.plugins.modeling_final_norm import _maybe_apply_base_final_norm
+
+    src = hsx_samples(runs["run"])
+    for prenorm in (False, True):
+        dest = tmp_path / f"mo-{prenorm}"
+        export(runs["run"], dest, "--to", "modelopt", "--draft-vocab", "64", *(["--prenorm"] * prenorm))
+        manifest_ok(dest, 20)
+        files = sorted(str(p) for p in dest.rglob("*.pt"))  # what its example script globs
+        assert len(files) == 20
+        ds = OfflineSupervisedDataset(files, answer_only_loss=True)
+        for i, s in enumerate(src):
+            got = ds[i]
+            assert torch.equal(got["input_ids"], s["input_ids"]) and torch.equal(got["loss_mask"], s["loss_mask"])
+            assert torch.equal(got["aux_hidden_states"], s["aux_hidden_states"])
+            assert got["base_hidden_prenorm"] is prenorm
+            hidden = got["base_model_hidden_states"]
+            if not prenorm:
+                assert torch.equal(hidden, s["hidden_states"])
+            else:
+                ref = reference(s["input_ids"])
+                with torch.no_grad():
+                    normed = _maybe_apply_base_final_norm(hidden, {"base_hidden_prenorm": True}, ref["norm"])
+                assert torch.allclose(normed, ref["post"], rtol=1e-4, atol=1e-5)
+        batch = EagleOfflineDataCollator(train_len=256)([ds[i] for i in range(4)])
+        assert batch["base_model_outputs"]["aux_hidden_states"].shape == (4, 256, 192)
+        assert batch["base_model_outputs"]["base_hidden_prenorm"] is prenorm
+        record = torch.load(files[0], weights_only=True)
+        assert record["hidden_states"].dim() == 2 and isinstance(record["conversation_id"], str)
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(
+        eagle_config=SimpleNamespace(draft_vocab_size=64, vocab_size=2048),
+        eagle_module=SimpleNamespace(d2t=torch.zeros(64, dtype=torch.int64)),
+    )
+    HFEagleModel.load_draft_vocab_cache(fake, str(dest / "d2t-64.pth"))
+    assert (fake.eagle_module.d2t >= 0).all()
+
+
+# ---------------------------------------------------------------- resume, refusals
+
+
+def test_a_killed_export_resumes_without_redoing_finished_files(runs, tmp_path):
+    dest = tmp_path / "sp"
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "hsx", "export", str(runs["run"]), str(dest), "--to", "speculators"]
+    proc = subprocess.Popen([*cmd, "--pace", "0.3"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            log = dest / LOG
+            if log.exists() and len(log.read_text().splitlines()) >= 5:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (dest / MANIFEST).exists() and not (dest / "state.json").exists()
+    before = {p.name: p.stat().st_mtime_ns for p in (dest / "hidden_states").glob("*.safetensors")}
+    assert 5 <= len(before) < 20
+    out = export(runs["run"], dest, "--to", "speculators")
+    done = int(out.split(" already done")[0].rsplit(" ", 1)[1])
+    assert done >= 5 and f"{20 - done} written now" in out
+    after = {p.name: p.stat().st_mtime_ns for p in (dest / "hidden_states").glob("*.safetensors")}
+    assert len(after) == 20 and sum(after[n] == t for n, t in before.items()) >= done
+    manifest_ok(dest, 20)
+    full = tmp_path / "full"
+    export(runs["run"], full, "--to", "speculators")
+    for name in after:
+        assert (full / "hidden_states" / name).read_bytes() == (dest / "hidden_states" / name).read_bytes()
+    again = export(runs["run"], dest, "--to", "speculators")  # complete: nothing redone
+    assert "0 written now, 20 already done" in again
+    assert "holds another export" in export(runs["run"], dest, "--to", "modelopt", code=2)
+
+
+def test_a_bad_source_file_stops_the_export_naming_it(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs["run"], run)
+    bad = run / "shards" / "000001" / "000000012.safetensors"
+    flip_byte(bad, -7)
+    out = export(run, tmp_path / "d", "--to", "modelopt", code=2)
+    assert str(bad) in out and f"hsx extract --out {run}" in out
+    assert not (tmp_path / "d" / MANIFEST).exists()
+    (run / "shards" / "000001" / "000000013.safetensors").unlink()
+    out = export(run, tmp_path / "e", "--to", "modelopt", code=2)
+    assert "incomplete: 1 of 20" in out
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "notes.txt").write_text("mine")
+    out = export(runs["run"], tmp_path / "f", "--to", "modelopt", code=2)
+    assert "not empty" in out
+
+
+def test_allow_incomplete_exports_the_finished_samples(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs["run"], run)
+    (run / "shards" / "000000" / "000000004.safetensors").unlink()
+    export(run, tmp_path / "d", "--to", "modelopt", "--allow-incomplete")
+    m = manifest_ok(tmp_path / "d", 19)
+    assert [s["sample_id"] for s in m["samples"]] == [i for i in range(20) if i != 4]

