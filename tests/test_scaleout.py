@@ -3,19 +3,24 @@ worker and a SIGKILLed driver, with the run folder telling who works on it."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from rich.console import Console
 
 from conftest import TINY, conversations, hsx, require, run_files, write_jsonl
-from hsx.assess.status import assess
+from hsx.assess.status import assess, render
 from hsx.extract import ExtractOptions, extract
 from hsx.lock import Locked
 
@@ -42,7 +47,8 @@ class Driver:
     """``hsx extract --workers 2`` in its own session, so the test can kill it and everything it started."""
 
     def __init__(self, args: list, log: Path):
-        env = os.environ | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        self.tmp = tempfile.mkdtemp(prefix="hsxt-")  # its local Ray's files, which a killed driver cannot remove
+        env = os.environ | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TMPDIR": self.tmp}
         self.log = log
         with open(log, "w") as f:
             self.proc = subprocess.Popen(
@@ -79,6 +85,7 @@ class Driver:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 @pytest.fixture
@@ -104,8 +111,9 @@ def sealed(out: Path) -> int:
 
 
 def status_json(out: Path) -> tuple[int, dict]:
-    proc = hsx("status", out, "--json", check=False)
-    return proc.returncode, json.loads(proc.stdout)
+    """``hsx status --json``, in-process (the command line adds only printing, and costs seconds)."""
+    report = assess(out).to_json()
+    return report["exit_code"], report
 
 
 def until(what, timeout: float, driver: Driver | None = None, every: float = 0.002):
@@ -167,13 +175,15 @@ def test_worker_sigkilled_mid_shard_is_retried_and_status_names_it_dead(referenc
         else:
             os.kill(rec["pid"], signal.SIGCONT)
 
-    # in-process, so it surely runs while Ray is still restarting the dead worker
-    report = assess(out).to_json()
+    _, report = status_json(out)  # in-process: it surely runs while Ray still restarts the dead worker
     workers = next(c for c in report["checks"] if c["name"] == "workers")
     dead = [w for w in workers["data"]["ray_workers"] if w["pid"] == victim["pid"]]
     assert dead and dead[0]["state"] == "dead" and dead[0]["shard"] == victim["shard"], workers
     assert any(d.startswith("dead") and f"pid {victim['pid']} " in d for d in workers["details"]), workers
     assert workers["level"] == "fail" and report["exit_code"] == 2  # the driver is alive: nobody else may resume
+    text = io.StringIO()
+    render(assess(out), Console(file=text, width=250))
+    assert re.search(rf"dead +pid {victim['pid']} on .*: died holding shard {victim['shard']}", text.getvalue())
 
     # a second driver, and a plain extractor, are refused while it runs
     for workers_asked in (2, 0):

@@ -16,11 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY, conversations, hsx, run_files, write_jsonl
+from conftest import TINY, conversations, hsx, run_files, verified_files, write_jsonl
 from hsx.extract import ExtractOptions, Refused, extract, load_plan
 from hsx.spec import load_spec
-from hsx.store.format import BadFile, check
-from hsx.store.layout import parse_sample_name
 
 TOL = 1e-5
 # --batch-tokens 64: most samples span several engine steps (chunked prefill in vLLM).
@@ -75,19 +73,6 @@ def _assert_equivalent(out, reference):
     return worst
 
 
-def _verified(out):
-    """path -> (inode, mtime) of every file that passes the deep check now."""
-    good = {}
-    for p in (out / "shards").rglob("*.safetensors") if (out / "shards").exists() else []:
-        try:
-            check(p, parse_sample_name(p.name), deep=True)
-        except (BadFile, OSError):
-            continue
-        st = p.stat()
-        good[p] = (st.st_ino, st.st_mtime_ns)
-    return good
-
-
 def test_vllm_files_equal_transformers_files(vllm, tmp_path, data, reference, monkeypatch):
     out = tmp_path / "run"
     for k, v in ENV.items():
@@ -128,12 +113,12 @@ def test_sigkill_mid_run_then_resume(vllm, tmp_path, data, reference, monkeypatc
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    before = _verified(out)
+    before = verified_files(out)
     total = len(run_files(reference))
     assert 0 < len(before) < total, f"the kill did not land mid-run ({len(before)}/{total} files)"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a faster start; the kill hit the process tree
     hsx(*_vllm_args(data, out), timeout=600)  # resume with the same command line
-    after = _verified(out)
+    after = verified_files(out)
     for p, ident in before.items():
         assert after[p] == ident, f"{p.name} was rewritten after it had verified"
     _assert_equivalent(out, reference)

@@ -15,7 +15,7 @@ from hsx.fingerprint import model_fingerprint
 from hsx.spec import RunSpec
 from hsx.target import load_config
 
-BACKENDS = {"transformers": "transformers"}  # backend name in the spec -> module that must import
+BACKENDS = {"transformers": "transformers", "vllm": "vllm"}  # backend name in the spec -> module that must import
 
 
 def locate(given: str) -> Path | None:

@@ -22,8 +22,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -46,13 +45,6 @@ class WorkerFailed(Refused):
     """A worker failed on a shard (not a crash Ray retries): the run stopped; a rerun resumes."""
 
 
-@dataclass
-class Cluster:
-    address: str | None  # None: a local Ray started for this run
-    gpus: int
-    cpus: int
-
-
 def import_ray():
     try:
         import ray
@@ -68,43 +60,50 @@ def _short_tempdir() -> str:
     return tempfile.mkdtemp(prefix="hsx-ray-", dir=base if len(base) <= 40 else "/tmp")
 
 
-@contextlib.contextmanager
-def connect(opts: ExtractOptions, log: Callable[[str], None]) -> Iterator[Cluster]:
-    """Join the cluster at ``--ray-address``, or start a local Ray for this run; shut it down after."""
-    ray = import_ray()
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    env = {k: v for k, v in os.environ.items() if k.startswith(PASS_ENV)}
-    runtime_env = {"env_vars": env} if env else None
-    temp = None
-    kids: list[psutil.Process] = []
-    if opts.ray_address:
-        ray.init(address=opts.ray_address, log_to_driver=False, runtime_env=runtime_env)
-    else:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        temp = _short_tempdir()
-        ray.init(
-            num_cpus=max(os.cpu_count() or 1, opts.workers * CPUS_PER_WORKER),
-            include_dashboard=False,
-            object_store_memory=OBJECT_STORE,
-            _temp_dir=temp,
-            log_to_driver=False,
-            runtime_env=runtime_env,
-        )
-    try:
+class Cluster:
+    """The Ray cluster at ``--ray-address``, or a local Ray started for this run; ``stop`` ends this
+    driver's use of it (Ray then ends the job's workers) and, for a local Ray, Ray itself."""
+
+    def __init__(self, opts: ExtractOptions, log: Callable[[str], None]):
+        ray = import_ray()
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        env = {k: v for k, v in os.environ.items() if k.startswith(PASS_ENV)}
+        runtime_env = {"env_vars": env} if env else None
+        self.address, self.temp = opts.ray_address, None
+        self._before = {p.pid for p in psutil.Process().children(recursive=True)}
+        if opts.ray_address:
+            ray.init(address=opts.ray_address, log_to_driver=False, runtime_env=runtime_env)
+        else:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            self.temp = _short_tempdir()
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, opts.workers * CPUS_PER_WORKER),
+                include_dashboard=False,
+                object_store_memory=OBJECT_STORE,
+                _temp_dir=self.temp,
+                log_to_driver=False,
+                runtime_env=runtime_env,
+            )
+        self._stopped = False
         res = ray.cluster_resources()
-        cluster = Cluster(opts.ray_address, int(res.get("GPU", 0)), int(res.get("CPU", 0)))
+        self.gpus, self.cpus = int(res.get("GPU", 0)), int(res.get("CPU", 0))
         where = f"Ray cluster at {opts.ray_address}" if opts.ray_address else "a local Ray"
-        log(f"{where}: {cluster.cpus} CPUs, {cluster.gpus} GPUs")
-        yield cluster
-    finally:
-        kids = psutil.Process().children(recursive=True)
+        log(f"{where}: {self.cpus} CPUs, {self.gpus} GPUs")
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        import ray
+
+        started = [p for p in psutil.Process().children(recursive=True) if p.pid not in self._before]
         ray.shutdown()
-        _, alive = psutil.wait_procs(kids, timeout=15)  # the local Ray's processes, ours by pid
+        _, alive = psutil.wait_procs(started, timeout=15)  # what the local Ray started, by pid
         for p in alive:
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        if temp is not None:
-            shutil.rmtree(temp, ignore_errors=True)
+        if self.temp is not None:
+            shutil.rmtree(self.temp, ignore_errors=True)
 
 
 def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary:
@@ -115,7 +114,9 @@ def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print
     holder = read_holder(opts.out)
     if holder is not None and holder.state() == "alive":  # refuse before spending seconds on Ray
         raise Locked(holder)
-    with connect(opts, log) as cluster:
+    with contextlib.ExitStack() as stack:
+        cluster = Cluster(opts, log)
+        stack.callback(cluster.stop)
         gpu = (opts.device or ("cuda" if cluster.gpus else "cpu")).startswith("cuda")
         if gpu and cluster.gpus < opts.workers:
             raise Refused(f"{opts.workers} GPU workers asked for, but the Ray cluster has {cluster.gpus} GPUs")
@@ -138,6 +139,7 @@ def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print
             try:
                 return _extract(opts, spec, lock, progress, gpu, log)
             finally:
+                cluster.stop()  # no worker of this driver may outlive its lock
                 for s in registry.clear_session(opts.out, session["driver"]):
                     if s.state in ("dead", "stale"):
                         log(f"during the run: {s.describe()}")

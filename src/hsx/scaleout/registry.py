@@ -15,6 +15,7 @@ it ends, and the next extractor removes any a crashed driver left once they are 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -178,6 +179,8 @@ def settle(run: Path, me: Holder, log: Callable[[str], None], timeout: float = S
         time.sleep(0.5)
     for s in others:
         s.path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder(run).rmdir()  # only when empty: a live session's records stay
     if others:
         dead = [s for s in others if s.state in ("dead", "stale")]
         log(f"cleared {len(others)} worker record(s) of an earlier driver ({len(dead)} had died)")
@@ -189,10 +192,8 @@ def clear_session(run: Path, driver: str) -> list[Seen]:
     for s in seen:
         s.path.unlink(missing_ok=True)
     (folder(run) / STOP).unlink(missing_ok=True)
-    try:
+    with contextlib.suppress(OSError):
         folder(run).rmdir()
-    except OSError:
-        pass
     return seen
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from hsx import target
 from hsx.assess.volume import DiskGuard
-from hsx.extract import ExtractOptions, Extractor, Summary, load_plan, open_extractor, tidy
+from hsx.extract import ExtractOptions, Extractor, Refused, Summary, load_plan, open_extractor, tidy
 from hsx.lock import Holder
 from hsx.progress import Progress
 from hsx.scaleout import registry
@@ -63,6 +64,12 @@ class ShardWorker:
             os._exit(registry.FENCED_EXIT)
         self.beat.start()
         self.spec = load_spec(self.run)
+        if opts.model is not None:  # the driver checked its own copy of the model; this checks this node's
+            diffs = self.spec.model.fingerprint.differences(
+                target.identity(opts.model, target.resolve(opts.model)).fingerprint
+            )
+            if diffs:
+                raise Refused(f"the model {opts.model} on {self.beat.record.host} is not the run's: {'; '.join(diffs)}")
         plan = load_plan(self.run, self.spec)
         self.progress = Progress(self.spec.plan.num_samples, self.spec.plan.num_tokens, self.spec.bytes_per_token)
         self.extractor = open_extractor(self.run, self.spec, plan, opts, self.progress, DiskGuard(self.run, reserve))
