@@ -129,3 +129,16 @@ def test_writer_error_removes_temp_file_and_stops(tmp_path):
     assert not [p for p in layout.shard_dir(tmp_path, 0).iterdir() if is_temp(p.name)]
     with pytest.raises(OSError):
         writer.submit(_sample(2, layers=1))
+
+
+def test_a_valid_file_that_is_not_the_sealed_one_is_redone(tmp_path):
+    writer = SampleWriter(tmp_path, shard_size=2, layers=[0], threads=1)
+    records = writer.wait([writer.submit(_sample(i, layers=1)) for i in range(2)])
+    seal(tmp_path, 0, records)
+    other = _sample(1, layers=1)
+    other.final = other.final + 1  # a well-formed file from some other run, same id
+    writer.wait([writer.submit(other)])
+    writer.close()
+    scan = scan_shard(tmp_path, 0, range(2), deep=True)
+    assert scan.missing == [1] and not scan.sealed
+    assert [(p.kind, p.detail) for p in scan.problems] == [("corrupt", "differs from the shard's SEALED manifest")]

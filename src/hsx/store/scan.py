@@ -82,6 +82,11 @@ def scan_shard(run: Path, shard: int, expected: range, deep: bool) -> ShardScan:
             continue
         out.good[sid] = FileRecord(sid, path.stat().st_size, header.digest)
     seal = read_seal(run, shard) if (folder / layout.SEALED).exists() else None
+    for sid, rec in list(out.good.items()):  # a valid file that is not the one the seal recorded
+        if seal is not None and sid in seal and seal[sid] != rec:
+            del out.good[sid]
+            rel = str((folder / layout.sample_name(sid)).relative_to(run))
+            out.problems.append(Problem(rel, "corrupt", "differs from the shard's SEALED manifest", sid))
     out.sealed = seal is not None and out.complete and seal == out.good
     return out
 
