@@ -128,3 +128,13 @@ def test_quickstart_runs_and_summarises(tmp_path):
     proc = hsx("quickstart", "--out", tmp_path / "qs")
     assert "500/500 done" in proc.stderr
     assert len(run_files(tmp_path / "qs")) == 500
+
+
+def test_set_up_interrupted_by_a_kill_is_redone_cleanly(tmp_path, convs):
+    out = tmp_path / "run"
+    (out / "plan").mkdir(parents=True)
+    (out / "plan" / ".plan.parquet.tmp-4242").write_bytes(b"PAR1 half a plan")
+    (out / ".rejects.jsonl.tmp-4242-1").write_bytes(b"{")
+    summary = extract(_opts(out, convs), log=lambda m: None)
+    assert summary.complete
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]

@@ -11,6 +11,7 @@ computed in the same batch as in an uninterrupted run and its tensors are bit-id
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -31,7 +32,7 @@ from hsx.scaleout import registry as scaleout_registry
 from hsx.spec import DataFile, PlanIdentity, RunSpec, differences, load_spec, now, who
 from hsx.staging import Staging, staging_for
 from hsx.store import layout
-from hsx.store.durable import DiskFull, write_durable
+from hsx.store.durable import TMP_MARK, DiskFull, is_temp, write_durable
 from hsx.store.format import FINAL_STATE, SampleTensors
 from hsx.store.scan import Problem, ShardScan, scan_run
 from hsx.store.writer import FileRecord, SampleWriter, seal
@@ -128,10 +129,24 @@ def _asked(opts: ExtractOptions) -> dict:
     return asked
 
 
+def remove_stray_temps(run: Path) -> int:
+    """Remove the temp files a killed process left beside the run's own files (spec, plan, rejects,
+    lock, metrics); shard folders are tidied by the scan. Returns how many were removed."""
+    removed, mine = 0, f"{TMP_MARK}{os.getpid()}-"  # never this process's own (its heartbeat's)
+    for folder in (run, run / PLAN_DIR):
+        if folder.is_dir():
+            for p in folder.iterdir():
+                if is_temp(p.name) and mine not in p.name and p.is_file():
+                    p.unlink(missing_ok=True)
+                    removed += 1
+    return removed
+
+
 def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     if not opts.model or not opts.data:
         raise Refused(f"{opts.out} is not a run yet: a new run needs --model and --data")
     if opts.out.exists():
+        remove_stray_temps(opts.out)  # an interrupted set-up; the plan is rebuilt from the data
         foreign = sorted(p.name for p in opts.out.iterdir() if p.name not in INIT_FILES)
         if foreign:
             raise Refused(
@@ -330,6 +345,7 @@ def extract(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary
     progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
     with RunLock(run, metrics=progress.metrics, warn=log) as lock:
         scaleout_registry.settle(run, lock.me, log)  # workers of a crashed scale-out driver: gone first
+        remove_stray_temps(run)
         plan = load_plan(run, spec)
         summary = Summary(run, spec.plan.num_samples, spec.plan.num_tokens, 0, rejected=spec.plan.num_rejected)
         scans = verify_run(run, spec, opts.deep_verify)

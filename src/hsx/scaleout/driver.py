@@ -28,7 +28,16 @@ from pathlib import Path
 import psutil
 
 from hsx.assess import volume
-from hsx.extract import DiskFullStop, ExtractOptions, Refused, Summary, load_plan, open_run, verify_run
+from hsx.extract import (
+    DiskFullStop,
+    ExtractOptions,
+    Refused,
+    Summary,
+    load_plan,
+    open_run,
+    remove_stray_temps,
+    verify_run,
+)
 from hsx.lock import BEAT_EVERY, Locked, RunLock, read_holder
 from hsx.progress import Progress
 from hsx.scaleout import registry
@@ -136,6 +145,7 @@ def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print
         with RunLock(opts.out, command=f"extract --workers {opts.workers}", metrics=metrics, warn=log) as lock:
             session["driver"] = registry.driver_id(lock.me)
             registry.settle(opts.out, lock.me, log)
+            remove_stray_temps(opts.out)
             try:
                 return _extract(opts, spec, lock, progress, gpu, log)
             finally:
