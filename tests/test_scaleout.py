@@ -116,6 +116,13 @@ def status_json(out: Path) -> tuple[int, dict]:
     return report["exit_code"], report
 
 
+def _ended(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def until(what, timeout: float, driver: Driver | None = None, every: float = 0.002):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -175,6 +182,8 @@ def test_worker_sigkilled_mid_shard_is_retried_and_status_names_it_dead(referenc
         else:
             os.kill(rec["pid"], signal.SIGCONT)
 
+    gone = victim["pid"]  # SIGKILL is asynchronous: wait until the kernel has ended the process
+    until(lambda: _ended(gone), 30)
     _, report = status_json(out)  # in-process: it surely runs while Ray still restarts the dead worker
     workers = next(c for c in report["checks"] if c["name"] == "workers")
     dead = [w for w in workers["data"]["ray_workers"] if w["pid"] == victim["pid"]]
