@@ -138,3 +138,37 @@ def test_set_up_interrupted_by_a_kill_is_redone_cleanly(tmp_path, convs):
     summary = extract(_opts(out, convs), log=lambda m: None)
     assert summary.complete
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+
+
+def test_resume_needs_only_the_run_folder_and_refuses_a_damaged_plan(tmp_path, convs):
+    out = tmp_path / "run"
+    extract(_opts(out, convs), log=lambda m: None)
+    clean = run_files(out)
+    convs.unlink()  # the source data is gone: a resume must not need it
+    layout.sample_path(out, 7, 10).unlink()
+    summary = extract(_opts(out), log=lambda m: None)
+    assert summary.written == 1 and run_files(out) == clean
+
+    import pyarrow.parquet as pq
+
+    plan_file = out / "plan" / "plan.parquet"
+    table = pq.read_table(plan_file)
+    ids = table.column("input_ids").to_pylist()
+    ids[3] = ids[3][::-1]  # same length and tokens, other order: only the fingerprint can tell
+    pq.write_table(table.set_column(0, "input_ids", [ids]), plan_file)
+    with pytest.raises(Refused, match="does not match the run spec's fingerprint"):
+        extract(_opts(out), log=lambda m: None)
+
+
+def test_resume_with_another_chat_template_is_refused(tmp_path, convs):
+    from hsx.tinymodel import LLAMA3_TEMPLATE
+
+    out = tmp_path / "run"
+    extract(_opts(out, convs), log=lambda m: None)
+    other = tmp_path / "model"
+    other.mkdir()
+    for f in TINY.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    (other / "chat_template.jinja").write_text(LLAMA3_TEMPLATE)
+    with pytest.raises(Refused, match="chat template differs"):
+        extract(_opts(out, model=str(other)), log=lambda m: None)

@@ -30,7 +30,7 @@ import torch
 
 from hsx.capture.transformers import TransformersBackend
 from hsx.fingerprint import ModelFingerprint, digest_json
-from hsx.plan import PlanBuilder, PlanInfo, Sample, batches_for
+from hsx.plan import Sample, batches_for
 from hsx.spec import ModelIdentity, PlanIdentity, RunSpec, TokenizerIdentity, now, who
 
 LLAMA_8B = dict(
@@ -122,21 +122,22 @@ def synthetic_run(
     seed: int = 0,
 ) -> tuple[RunSpec, object]:
     """A run folder whose plan holds random token ids of the given lengths (no tokenizer, no data)."""
-    from hsx.plan import PLAN_DIR, PLAN_FILE, PLAN_META, Plan
-    from hsx.store.durable import durable_rename, write_durable
+    from hsx.plan import Plan, write_plan
 
     rng = np.random.default_rng(seed)
     cfg = model.config
-    (run / PLAN_DIR).mkdir(parents=True, exist_ok=True)
-    tmp = run / PLAN_DIR / "plan.tmp"
-    builder = PlanBuilder(tmp)
-    for i, n in enumerate(lengths):
-        ids = rng.integers(0, cfg.vocab_size, size=int(n)).astype(np.int32)
-        builder.add(Sample(ids, np.ones(int(n), np.int8), False, "synthetic", i, ""))
-    fp = builder.close()
-    durable_rename(tmp, run / PLAN_DIR / PLAN_FILE)
-    info = PlanInfo(fp, builder.num_samples, builder.num_tokens, 0, int(lengths.max()))
-    write_durable(run / PLAN_DIR / PLAN_META, __import__("json").dumps(info.__dict__).encode())
+    samples = (
+        Sample(
+            rng.integers(0, cfg.vocab_size, size=int(n)).astype(np.int32),
+            np.ones(int(n), np.int8),
+            False,
+            "synthetic",
+            i,
+            "",
+        )
+        for i, n in enumerate(lengths)
+    )
+    info, _ = write_plan(run, samples, int(lengths.max()))
     spec = RunSpec(
         created=now(),
         created_by=who(),
@@ -157,7 +158,11 @@ def synthetic_run(
         packed=packed,
         data=[],
         plan=PlanIdentity(
-            fingerprint=fp, num_samples=len(lengths), num_tokens=int(lengths.sum()), num_truncated=0, num_rejected=0
+            fingerprint=info.fingerprint,
+            num_samples=info.num_samples,
+            num_tokens=info.num_tokens,
+            num_truncated=0,
+            num_rejected=0,
         ),
     )
     spec.save(run)

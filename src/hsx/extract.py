@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from hsx.staging import Staging, staging_for
 from hsx.store import layout
 from hsx.store.durable import TMP_MARK, DiskFull, is_temp, write_durable
 from hsx.store.format import FINAL_STATE, SampleTensors
+from hsx.store.quarantine import quarantine
 from hsx.store.scan import Problem, ShardScan, scan_run
 from hsx.store.writer import FileRecord, SampleWriter, seal
 
@@ -258,10 +258,7 @@ def tidy(run: Path, problems: list[Problem], summary: Summary) -> None:
             path.unlink(missing_ok=True)
             summary.stray_removed += 1
         elif p.kind in ("misplaced", "foreign") and p.sample_id is None:
-            dest = run / layout.QUARANTINE / p.path
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(path, dest)
-            write_durable(dest.with_name(dest.name + ".reason"), f"{p.kind}: {p.detail}\n".encode())
+            quarantine(run, p)
             summary.quarantined += 1
         elif p.sample_id is not None:
             summary.redone[p.kind] = summary.redone.get(p.kind, 0) + 1

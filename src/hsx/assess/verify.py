@@ -8,9 +8,6 @@ moving files under a running writer would race with its renames.
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,20 +15,11 @@ from hsx.assess import integrity, workers
 from hsx.assess.checks import EXIT_ACT, EXIT_OK, EXIT_REDO, Check
 from hsx.spec import RunSpec, load_spec
 from hsx.store import layout
-from hsx.store.durable import fsync_dir, write_durable
-from hsx.store.scan import Problem
+from hsx.store.quarantine import Moved, quarantine
 
 
 class RepairRefused(Exception):
     pass
-
-
-@dataclass
-class Moved:
-    path: str  # where it was, relative to the run
-    to: str  # where it is now, relative to the run
-    kind: str
-    sample_id: int | None
 
 
 @dataclass
@@ -60,30 +48,6 @@ class VerifyResult:
 
     def redo_ids(self) -> list[int]:
         return sorted({p.sample_id for p in self.result.problems if p.sample_id is not None})
-
-
-def _aside(run: Path, rel: str) -> Path:
-    dest = run / layout.QUARANTINE / rel
-    n = 1
-    while dest.exists() or dest.with_name(dest.name + ".reason").exists():
-        dest = run / layout.QUARANTINE / f"{rel}.{n}"
-        n += 1
-    return dest
-
-
-def quarantine(run: Path, p: Problem) -> Moved | None:
-    """Move one bad file aside with its reason; None when there is no file to move (``missing``)."""
-    src = run / p.path
-    if not src.exists():
-        return None
-    dest = _aside(run, p.path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    reason = {"kind": p.kind, "detail": p.detail, "sample_id": p.sample_id, "from": p.path, "time": time.time()}
-    write_durable(dest.with_name(dest.name + ".reason"), (json.dumps(reason) + "\n").encode())
-    os.rename(src, dest)  # same volume: atomic, never a copy that could be cut short
-    fsync_dir(dest.parent)
-    fsync_dir(src.parent)
-    return Moved(p.path, str(dest.relative_to(run)), p.kind, p.sample_id)
 
 
 def verify(run: Path, deep: bool = False, repair: bool = False, threads: int = 8) -> VerifyResult:

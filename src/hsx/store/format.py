@@ -17,7 +17,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import xxhash
 
@@ -169,14 +168,3 @@ def check(path: Path, expected_id: int, deep: bool) -> Header:
         if f"xxh3_128:{h.hexdigest()}" != header.digest:
             raise BadFile("corrupt", "digest mismatch")
     return header
-
-
-def load(path: Path) -> dict[str, torch.Tensor]:
-    """Read a sample file's tensors (safetensors, no pickle)."""
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
-
-def as_uint8(mask: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(mask, dtype=np.uint8))
