@@ -36,9 +36,11 @@ def convs(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "convs.jsonl", conversations(40))
 
 
-def hsx(*args: str, check: bool = True, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
-    """Run the real command line in a subprocess."""
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+def hsx(
+    *args: str, check: bool = True, timeout: float = 300, env: dict | None = None, **kw
+) -> subprocess.CompletedProcess:
+    """Run the real command line in a subprocess (``env``: variables added to this one's)."""
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"} | (env or {})
     proc = subprocess.run(
         [sys.executable, "-m", "hsx", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, **kw
     )

@@ -1,4 +1,4 @@
-"""The benchmark runs end to end (CPU, tiny model): every variant is measured in one run."""
+"""The benchmark runs end to end (CPU, tiny model): every variant, compiled ones included, in one run."""
 
 from conftest import hsx
 
@@ -22,6 +22,8 @@ def test_bench_measures_every_variant_in_one_run(tmp_path):
         "3",
         "--workdir",
         tmp_path,
+        "--compile",
+        "on",
     )
     table = [line for line in proc.stdout.splitlines() if len(line[42:].split()) == 7]
     rows = {line[:42].strip(): line[42:].split() for line in table}  # tokens s tok/s GB/s x-fwd RSS dev
@@ -31,11 +33,13 @@ def test_bench_measures_every_variant_in_one_run(tmp_path):
         "hsx extract (padded)",
         "forward only (packed)",
         "hsx extract (packed)",
+        "forward only (packed, compiled)",
+        "hsx extract (packed, compiled)",
         "disk alone (8 threads, fsync)",
     ):
         assert name in rows, proc.stdout
     assert rows["forward only (padded)"][4] == "1.00"  # the reference of the ratios
     tokens = {name: int(rows[name][0].replace(",", "")) for name in rows if name.startswith(("forward", "hsx"))}
-    assert len(set(tokens.values())) == 1 and tokens["hsx extract (packed)"] > 0  # same work for each
+    assert len(set(tokens.values())) == 1 and tokens["hsx extract (packed, compiled)"] > 0  # same work for each
     assert "hsx extract (padded) / naive:" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # it cleans up after itself

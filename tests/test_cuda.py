@@ -1,15 +1,16 @@
 """GPU-only checks (skipped without CUDA): the varlen kernel and the pinned staging path.
 
 The packed path's correctness on CPU is covered by test_capture; here the FlashAttention kernel
-itself is compared with one-sample forwards, in bf16, and a real extraction through the pinned
-ring is compared with float32 CPU states.
+itself (eager and with compiled layers) is compared with eager one-sample forwards, in bf16, a real
+extraction through the pinned ring is compared with float32 CPU states, and a compiled run's
+resume in a fresh process (compiling again, no cache) is compared byte for byte.
 """
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY, convs  # noqa: F401  (fixture)
+from conftest import TINY, convs, hsx, run_files  # noqa: F401  (fixture)
 from hsx.capture import varlen
 from hsx.capture.transformers import TransformersBackend
 from hsx.extract import ExtractOptions, extract
@@ -22,7 +23,8 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def test_varlen_kernel_packed_equals_one_sample_forwards():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_varlen_kernel_packed_equals_one_sample_forwards(compiled):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
@@ -41,20 +43,23 @@ def test_varlen_kernel_packed_equals_one_sample_forwards():
     seqs = [torch.randint(0, 1000, (n,)).numpy() for n in (300, 17, 129, 64)]
     singles = [backend.capture([0], [s]) for s in seqs]
     backend.set_packed(True)
+    backend.set_compiled(compiled)
     before = varlen.CALLS["kernel"]
     packed = backend.capture(list(range(4)), seqs)
     assert varlen.CALLS["kernel"] > before, "the varlen kernel did not run"
+    assert torch.equal(packed.aux, backend.capture(list(range(4)), seqs).aux)  # same batch, same bits
     for i in range(4):
         a, f = packed.sample(i)
         ra, rf = singles[i].sample(0)
         assert _rel(a, ra) < 2e-2 and _rel(f, rf) < 2e-2, (i, _rel(a, ra), _rel(f, rf))
 
 
-@pytest.mark.parametrize("packing", ["off", "on"])
-def test_gpu_extraction_matches_cpu_float32(tmp_path, convs, packing):  # noqa: F811
+@pytest.mark.parametrize("packing,compile", [("off", "off"), ("on", "off"), ("on", "on")])
+def test_gpu_extraction_matches_cpu_float32(tmp_path, convs, packing, compile):  # noqa: F811
     gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
     common = dict(model=str(TINY), data=[convs], shard_size=10, batch_tokens=1024)
-    extract(ExtractOptions(out=gpu, device="cuda", dtype="float32", packing=packing, **common), log=lambda m: None)
+    gpu_opts = ExtractOptions(out=gpu, device="cuda", dtype="float32", packing=packing, compile=compile, **common)
+    extract(gpu_opts, log=lambda m: None)
     extract(ExtractOptions(out=cpu, device="cpu", dtype="float32", packing="off", **common), log=lambda m: None)
     for sid in range(40):
         g = load_file(layout.sample_path(gpu, sid, 10))
@@ -62,3 +67,15 @@ def test_gpu_extraction_matches_cpu_float32(tmp_path, convs, packing):  # noqa: 
         assert torch.equal(g["input_ids"], c["input_ids"]) and torch.equal(g["loss_mask"], c["loss_mask"])
         for key in ("aux_hidden_states", "hidden_states"):
             assert (g[key] - c[key]).abs().max().item() < 1e-3, (sid, key)
+
+
+def test_compiled_run_resumed_in_a_fresh_process_is_byte_identical(tmp_path, convs):  # noqa: F811
+    out = tmp_path / "run"
+    hsx("extract", "--model", TINY, "--data", convs, "--out", out, "--shard-size", "10", "--batch-tokens", "1024")
+    spec = (out / "hsx.json").read_text()
+    assert '"compiled": true' in spec and '"packed": true' in spec and '"bfloat16"' in spec  # CUDA defaults
+    clean = run_files(out)
+    for sid in (1, 12, 30, 31):
+        layout.sample_path(out, sid, 10).unlink()
+    hsx("extract", "--out", out, env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
+    assert run_files(out) == clean

@@ -74,6 +74,27 @@ def test_resume_redoes_exactly_the_damaged_samples(tmp_path, convs):
     assert again.written == 0 and again.complete
 
 
+def test_compiled_layers_equal_reference_and_a_fresh_compile_redoes_them_byte_identical(tmp_path, convs):
+    """--compile on: the fused layers still equal transformers' own states, and a resume in a new
+    process that compiles again from nothing (no compile cache) writes the same bytes."""
+    out = tmp_path / "run"
+    extract(_opts(out, convs, packing="on", compile="on"), log=lambda m: None)
+    assert json.loads((out / "hsx.json").read_text())["compiled"] is True
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    for sid in (0, 21, 39):
+        t = load_file(layout.sample_path(out, sid, 10))
+        with torch.no_grad():
+            ref = model(t["input_ids"][None], output_hidden_states=True).hidden_states
+        # fused float32 kernels sum in another order than eager: equal to rounding, not bit for bit
+        assert (t["aux_hidden_states"][:, 64:128] - ref[4][0]).abs().max() <= 1e-4
+        assert (t["hidden_states"] - ref[-1][0]).abs().max() <= 1e-4
+    clean = run_files(out)
+    for sid in (2, 21, 33):
+        layout.sample_path(out, sid, 10).unlink()
+    hsx("extract", "--out", out, env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})  # compiles from nothing
+    assert run_files(out) == clean
+
+
 def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path, convs):
     out = tmp_path / "run"
     extract(_opts(out, convs, layers=[1, 3]), log=lambda m: None)
@@ -122,6 +143,9 @@ def test_cli_errors_are_clear_not_tracebacks(tmp_path, convs):
     assert taken.returncode == 2 and "not empty" in taken.stderr and "Traceback" not in taken.stderr
     no_run = hsx("extract", "--out", tmp_path / "d", check=False)
     assert no_run.returncode == 2 and "needs --model and --data" in no_run.stderr
+    typo = hsx("extract", "--model", TINY, "--data", convs, "--out", tmp_path / "e", "--compile", "yes", check=False)
+    assert typo.returncode == 2 and "--compile takes auto, on or off, not 'yes'" in typo.stderr
+    assert not (tmp_path / "e").exists()  # refused before anything was written
 
 
 def test_quickstart_runs_and_summarises(tmp_path):

@@ -5,7 +5,8 @@ On one model, one set of samples and the same batches it times:
 - naive: what public dump scripts do (one sample per forward, output_hidden_states=True, .cpu(),
   torch.save per file), on a subset;
 - hsx: the real extraction path (hooks, staging, digests, fsync'd atomic writes, sealing);
-- the same two for the packed (padding-free) layout, where the model supports it;
+- the same two for the packed (padding-free) layout, where the model supports it, and again with
+  the decoder layers compiled (on CUDA by default, as ``hsx extract`` does);
 - disk: fsync'd writes of sample-sized files from the writer threads, alone (is the disk the limit?).
 Each line reports tokens/s, GB/s written, the ratio to padded forward-only, peak host RSS and peak
 device memory. Default model: the Llama-3.1-8B shape with random weights (no download) on CUDA,
@@ -119,6 +120,7 @@ def synthetic_run(
     lengths: np.ndarray,
     batch_tokens: int,
     packed: bool,
+    compiled: bool = False,
     seed: int = 0,
 ) -> tuple[RunSpec, object]:
     """A run folder whose plan holds random token ids of the given lengths (no tokenizer, no data)."""
@@ -156,6 +158,7 @@ def synthetic_run(
         batch_tokens=batch_tokens,
         shard_size=1000,
         packed=packed,
+        compiled=compiled,
         data=[],
         plan=PlanIdentity(
             fingerprint=info.fingerprint,
@@ -218,8 +221,10 @@ def run_bench(
     naive_samples: int,
     writers: int,
     workdir: Path | None,
+    compile: bool | None = None,
     log: Callable[[str], None] = print,
 ) -> list[Result]:
+    """``compile``: also measure the packed layout with compiled layers (None: on CUDA only)."""
     from hsx.extract import ExtractOptions, run_shards
     from hsx.progress import Progress
     from hsx.store import layout
@@ -249,17 +254,22 @@ def run_bench(
     width, hidden = len(layers) * net.config.hidden_size, net.config.hidden_size
     staging = staging_for(dev, dtype, width, hidden, max(batch_tokens, max_len), 4 << 30)
     try:
-        for packed in [False, True] if can_pack else [False]:
+        compile = dev.type == "cuda" if compile is None else compile
+        variants = [(False, False)] + ([(True, False)] + ([(True, True)] if compile else []) if can_pack else [])
+        for packed, compiled in variants:
             backend.set_packed(packed)
-            tag = "packed" if packed else "padded"
-            run = root / f"run-{tag}"
-            spec, plan = synthetic_run(run, net, name, layers, dtype_name, lengths, batch_tokens, packed)
+            backend.set_compiled(compiled)
+            tag = ("packed" if packed else "padded") + (", compiled" if compiled else "")
+            run = root / f"run-{len(results)}"
+            spec, plan = synthetic_run(run, net, name, layers, dtype_name, lengths, batch_tokens, packed, compiled)
             batches = [
                 b
                 for s in range(layout.num_shards(samples, spec.shard_size))
                 for b in batches_for(layout.shard_ids(s, spec.shard_size, samples), plan.lengths, batch_tokens, packed)
             ]
-            forward_only(backend, plan, batches)  # warm-up on every shape: kernel choice, allocator
+            t0 = time.perf_counter()
+            forward_only(backend, plan, batches)  # warm-up on every shape: kernel choice, allocator, compile
+            log(f"{tag}: warm-up pass (with any compiling) {time.perf_counter() - t0:.1f} s")
             with measured(f"forward only ({tag})", dev, results) as r:
                 r.tokens = forward_only(backend, plan, batches)
             if not packed and naive_samples:

@@ -70,6 +70,9 @@ def extract(
     packing: Annotated[
         str, typer.Option(help="auto | on | off: pack each batch into one row with no padding [auto: on for CUDA].")
     ] = "auto",
+    compile: Annotated[
+        str, typer.Option(help="auto | on | off: torch.compile the decoder layers [auto: on for CUDA].")
+    ] = "auto",
     writers: Annotated[int, typer.Option(help="Writer threads.")] = 8,
     fast_verify: Annotated[bool, typer.Option(help="On resume, check headers and sizes only, not digests.")] = False,
     allow_partial: Annotated[
@@ -107,6 +110,7 @@ def extract(
         shard_size=shard_size,
         trust_remote_code=trust_remote_code,
         packing=packing,
+        compile=compile,
         writers=writers,
         deep_verify=not fast_verify,
         allow_partial=allow_partial,
@@ -265,11 +269,16 @@ def bench(
     naive_samples: Annotated[int, typer.Option(help="Samples for the naive baseline (0: skip).")] = 64,
     writers: Annotated[int, typer.Option(help="Writer threads.")] = 8,
     workdir: Annotated[Path | None, typer.Option(help="Where to write (on the volume to measure).")] = None,
+    compile: Annotated[
+        str, typer.Option(help="auto | on | off: also measure packed with compiled layers [auto: on CUDA].")
+    ] = "auto",
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     from hsx.bench import run_bench, table
     from hsx.extract import default_device
 
+    if compile not in ("auto", "on", "off"):
+        raise typer.BadParameter(f"takes auto, on or off, not {compile!r}", param_hint="--compile")
     results = run_bench(
         model,
         device or default_device(),
@@ -281,6 +290,7 @@ def bench(
         naive_samples,
         writers,
         workdir,
+        compile={"auto": None, "on": True, "off": False}[compile],
         log=lambda m: console.print(m, highlight=False),
     )
     print(table(results))

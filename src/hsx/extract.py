@@ -10,6 +10,7 @@ computed in the same batch as in an uninterrupted run and its tensors are bit-id
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -61,6 +62,7 @@ class ExtractOptions:
     max_inflight_bytes: int = 4 << 30  # host memory for states not yet on disk (pinned staging on CUDA)
     deep_verify: bool = True
     packing: str = "auto"  # auto | on | off: one packed row per batch (no padding computed) or padded rows
+    compile: str = "auto"  # auto | on | off: torch.compile the decoder layers (auto: on for CUDA)
     allow_partial: bool = False  # start even when the projected size exceeds free space
     reserve_bytes: int | None = None  # kept free while running; None: max(1% of volume, 2x largest batch)
     backend: str | None = None  # transformers | vllm; a new run's default is transformers
@@ -108,6 +110,20 @@ def resolve_packing(packing: str, device: str, architecture: str) -> bool:
     if packing == "on" and not ok:
         raise ValueError(f"{architecture} does not take a pluggable attention function: use --packing off")
     return ok and (packing == "on" or device.startswith("cuda"))
+
+
+def resolve_compile(compile: str, device: str, backend: str) -> bool:
+    """auto: compile on CUDA where Triton is installed (the element-wise kernels it fuses are a
+    quarter of the forward there); on CPU the compile takes longer than most runs gain."""
+    if compile not in ("auto", "on", "off"):
+        raise ValueError(f"--compile takes auto, on or off, not {compile!r}")
+    if backend != "transformers":
+        if compile == "on":
+            raise ValueError(f"--compile applies to the transformers backend, not {backend}")
+        return False
+    if compile == "auto":
+        return device.startswith("cuda") and importlib.util.find_spec("triton") is not None
+    return compile == "on"
 
 
 # ---------------------------------------------------------------- setting up or checking a run
@@ -171,6 +187,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         final_state = vllm_final_state(model_dir)  # refuses a model whose final norm it cannot apply
     elif backend != "transformers":
         raise Refused(f"unknown backend {backend!r}: use transformers or vllm")
+    compiled = resolve_compile(opts.compile, device, backend)
     max_length = opts.max_length or DEFAULTS["max_length"]
     opts.out.mkdir(parents=True, exist_ok=True)
     log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
@@ -191,6 +208,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         shard_size=opts.shard_size or DEFAULTS["shard_size"],
         trust_remote_code=opts.trust_remote_code,
         packed=packed,
+        compiled=compiled,
         data=[DataFile.of(p) for p in opts.data],
         plan=PlanIdentity(
             fingerprint=info.fingerprint,
@@ -441,5 +459,5 @@ def open_extractor(
 def open_backend(spec: RunSpec, opts: ExtractOptions) -> TransformersBackend:
     device = opts.device or default_device()
     return TransformersBackend.load(
-        model_dir_for(spec, opts), spec.layers, spec.dtype, device, spec.packed, spec.trust_remote_code
+        model_dir_for(spec, opts), spec.layers, spec.dtype, device, spec.packed, spec.trust_remote_code, spec.compiled
     )

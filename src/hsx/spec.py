@@ -77,6 +77,7 @@ class RunSpec(BaseModel):
     shard_size: int
     trust_remote_code: bool = False
     packed: bool = False  # samples packed in one row per batch (hsx_varlen attention) instead of padded rows
+    compiled: bool = False  # decoder layers run through torch.compile (fused element-wise kernels)
     data: list[DataFile]
     plan: PlanIdentity
 
@@ -127,7 +128,7 @@ def differences(stored: RunSpec, asked: dict) -> list[str]:
             out.append("tokenizer: vocabulary or special tokens differ")
         if t.chat_template != stored.tokenizer.chat_template:
             out.append("chat template differs")
-    for key in ("layers", "dtype", "max_length", "batch_tokens", "shard_size", "backend", "packed"):
+    for key in ("layers", "dtype", "max_length", "batch_tokens", "shard_size", "backend", "packed", "compiled"):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
     if (data := asked.get("data")) is not None:

@@ -7,6 +7,12 @@ discarded. Two batch layouts:
   token never sees padding); works for every model;
 - packed: all samples in one row, per-sample ``position_ids``, attention confined to each sample
   by ``hsx_varlen`` (see varlen.py); computes no padding.
+
+Optionally each decoder layer's forward is compiled (``torch.compile``, dynamic shapes): on an 8B
+model about a quarter of an eager forward is element-wise kernels (RMSNorm's five passes, rotary,
+SiLU, residual adds) that the compiler fuses. Inductor runs in its deterministic mode (no
+on-device benchmarking picks kernels), so every process that compiles the same layer gets the
+same kernels: a resumed run or another scale-out worker computes bit-identical states.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ def packing_supported(architecture: str) -> bool:
 class TransformersBackend:
     name = NAME
 
-    def __init__(self, model, layers: list[int], packed: bool = False):
+    def __init__(self, model, layers: list[int], packed: bool = False, compiled: bool = False):
         """Wrap a loaded model; ``load`` is the usual way in."""
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -59,11 +65,31 @@ class TransformersBackend:
         for k in self.layers:
             self.parts.layers[k].register_forward_hook(self._keep(k))
         self.parts.norm.register_forward_hook(self._keep("final"))
+        self.compiled = False
+        self.set_compiled(compiled)
 
     def set_packed(self, packed: bool) -> None:
         """Switch between padded rows and one packed row (same weights, other attention function)."""
         self.model.set_attn_implementation(varlen.register() if packed else "sdpa")
         self.packed = packed
+
+    def set_compiled(self, compiled: bool) -> None:
+        """Compile each decoder layer's forward, or go back to eager. The hooks sit on the modules,
+        outside the compiled forwards, so capture is unchanged."""
+        if compiled:
+            import torch._dynamo.config
+            import torch._inductor.config
+
+            torch._inductor.config.deterministic = True
+            # past the limit dynamo would fall back to eager for new shapes without a word: the
+            # same batch would then give other bits in another process. Fail instead.
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+        for layer in self.parts.layers:
+            layer.__dict__.pop("forward", None)  # the class's own forward again
+            if compiled:
+                layer.forward = torch.compile(layer.forward, dynamic=True)
+        self.compiled = compiled
 
     @classmethod
     def load(
@@ -74,6 +100,7 @@ class TransformersBackend:
         device: str,
         packed: bool = False,
         trust_remote_code: bool = False,
+        compiled: bool = False,
     ) -> TransformersBackend:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -85,7 +112,7 @@ class TransformersBackend:
             trust_remote_code=trust_remote_code,
             attn_implementation=varlen.register() if packed else "sdpa",
         ).to(device)
-        return cls(model, layers, packed)
+        return cls(model, layers, packed, compiled)
 
     def _keep(self, key):
         def hook(_module, _inputs, output):
@@ -119,7 +146,10 @@ class TransformersBackend:
             "max_length_k": max(lengths),
         }
 
+    @torch.inference_mode()
     def inputs(self, sequences: list[np.ndarray]) -> dict:
+        """Made in inference mode, like ``capture`` makes them: a compiled layer's guards tell
+        inference tensors from plain ones, so a mix would compile everything twice."""
         if self.packed:
             return self.pack(sequences)
         ids, mask = self.pad(sequences)
