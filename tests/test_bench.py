@@ -42,4 +42,6 @@ def test_bench_measures_every_variant_in_one_run(tmp_path):
     tokens = {name: int(rows[name][0].replace(",", "")) for name in rows if name.startswith(("forward", "hsx"))}
     assert len(set(tokens.values())) == 1 and tokens["hsx extract (packed, compiled)"] > 0  # same work for each
     assert "hsx extract (padded) / naive:" in proc.stdout
+    waits = [line for line in proc.stdout.splitlines() if "the forward pass waited" in line]
+    assert len(waits) == 3 and all(line.startswith("hsx extract (") for line in waits)
     assert list(tmp_path.iterdir()) == []  # it cleans up after itself

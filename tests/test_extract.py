@@ -95,6 +95,16 @@ def test_compiled_layers_equal_reference_and_a_fresh_compile_redoes_them_byte_id
     assert run_files(out) == clean
 
 
+def test_a_run_held_back_by_its_writes_says_how_long_it_waited(tmp_path, convs):
+    """One sample in flight at a time: every capture waits for the previous file to be on disk,
+    and the summary and metrics.json say how long the model stood still for the writes."""
+    out = tmp_path / "run"
+    summary = extract(_opts(out, convs, writers=1, max_inflight_bytes=1), log=lambda m: None)
+    assert summary.complete and 0 < summary.waited_for_disk < summary.seconds
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["waited_for_disk_s"] == pytest.approx(summary.waited_for_disk, abs=0.5)
+
+
 def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path, convs):
     out = tmp_path / "run"
     extract(_opts(out, convs, layers=[1, 3]), log=lambda m: None)

@@ -1,6 +1,8 @@
 import json
 import os
 import stat
+import threading
+import time
 
 import pytest
 import torch
@@ -116,6 +118,21 @@ def test_writer_seals_and_scan_classifies(tmp_path):
         ("misplaced", "000000009.safetensors"),
         ("stray", ".000000003.safetensors.tmp-1-2"),
     ]
+
+
+def test_writer_backpressure_holds_the_producer_and_counts_the_wait(tmp_path):
+    """Over the in-flight budget, submit blocks until a write finishes, and says how long it blocked."""
+    writer = SampleWriter(tmp_path, shard_size=4, layers=[1, 3, 4], threads=2, max_inflight_bytes=1)
+    gate = threading.Event()
+    first = writer.submit(_sample(0), ready=gate.wait)  # its buffers are "not filled yet"
+    threading.Timer(0.3, gate.set).start()
+    t0 = time.monotonic()
+    second = writer.submit(_sample(1))  # over budget: waits for the first to be written
+    assert time.monotonic() - t0 >= 0.25 and layout.sample_path(tmp_path, 0, 4).exists()
+    assert writer.waited >= 0.25
+    writer.wait([first, second])
+    writer.close()
+    assert writer.inflight == 0
 
 
 def test_writer_error_removes_temp_file_and_stops(tmp_path):

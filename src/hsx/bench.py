@@ -9,8 +9,10 @@ On one model, one set of samples and the same batches it times:
   the decoder layers compiled (on CUDA by default, as ``hsx extract`` does);
 - disk: fsync'd writes of sample-sized files from the writer threads, alone (is the disk the limit?).
 Each line reports tokens/s, GB/s written, the ratio to padded forward-only, peak host RSS and peak
-device memory. Default model: the Llama-3.1-8B shape with random weights (no download) on CUDA,
-the bundled tiny model on CPU.
+device memory; after the table, how long each hsx run's forward pass waited for the disk (0 when
+writing kept up: then any gap to forward-only is the end-of-run wait and capture itself).
+Default model: the Llama-3.1-8B shape with random weights (no download) on CUDA, the bundled tiny
+model on CPU.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Result:
     bytes: int = 0
     peak_rss: int = 0
     peak_device: int = 0
+    waited_for_disk: float | None = None  # hsx rows: seconds the forward pass waited for writes
 
     @property
     def rate(self) -> float:
@@ -283,9 +286,11 @@ def run_bench(
             ]
             progress = Progress(samples, spec.plan.num_tokens, spec.bytes_per_token)
             opts = ExtractOptions(out=run, device=device, writers=writers)
+            earlier = staging.waited  # the ring is shared by the variants
             with measured(f"hsx extract ({tag})", dev, results) as r:
                 run_shards(run, spec, plan, opts, todo, progress, backend=backend, staging=staging)
                 _, r.tokens, r.bytes = progress.session()
+            r.waited_for_disk = progress.waited_for_disk() - earlier if progress.waited_for_disk else None
             shutil.rmtree(run)
         per_file = int(lengths.mean()) * spec.bytes_per_token
         files = max(8, min(256, (2 << 30) // max(per_file, 1)))
@@ -313,4 +318,7 @@ def table(results: list[Result]) -> str:
     for r in results:
         if r.name.startswith("hsx extract") and naive_r is not None and naive_r.rate:
             rows.append(f"{r.name} / naive: {r.rate / naive_r.rate:.2f}x")
+    for r in results:
+        if r.waited_for_disk is not None:
+            rows.append(f"{r.name}: the forward pass waited {r.waited_for_disk:.2f} s for the disk")
     return "\n".join(rows)

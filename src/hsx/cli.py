@@ -44,6 +44,11 @@ def _print_summary(s) -> None:
         + (f" ({s.tokens_written / s.seconds:,.0f} tok/s)" if s.seconds > 0 and s.tokens_written else ""),
         f"rejected   {s.rejected} input rows (see {s.run / layout.REJECTS})",
     ]
+    if s.seconds > 0 and s.waited_for_disk > 0.05 * s.seconds:
+        lines.append(
+            f"disk       the model waited {s.waited_for_disk:.1f}s ({s.waited_for_disk / s.seconds:.0%}) for writes "
+            "to finish: writing, not the forward pass, set the pace (a faster volume or more --writers)"
+        )
     if s.redone:
         lines.append("redone     " + ", ".join(f"{n} {k}" for k, n in sorted(s.redone.items())))
     if s.stray_removed or s.quarantined:

@@ -86,6 +86,7 @@ class Summary:
     redone: dict[str, int] = field(default_factory=dict)
     stray_removed: int = 0
     quarantined: int = 0
+    waited_for_disk: float = 0.0  # seconds the forward pass waited for writes: > a few % means the disk is the limit
 
     @property
     def done(self) -> int:
@@ -388,6 +389,7 @@ def extract(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary
         finally:
             summary.seconds = progress.elapsed()
             summary.written, summary.tokens_written, summary.bytes_written = progress.session()
+            summary.waited_for_disk = progress.waited_for_disk() if progress.waited_for_disk else 0.0
         return summary
 
 
@@ -450,6 +452,7 @@ def open_extractor(
     )
     writer = SampleWriter(run, spec.shard_size, spec.layers, opts.writers, opts.max_inflight_bytes)
     extractor = Extractor(run, spec, plan, backend, writer, progress, staging)
+    progress.waited_for_disk = lambda: staging.waited + writer.waited
     if guard is not None:
         guard.in_flight = lambda: writer.inflight  # queued bytes not yet on disk count against free space
         extractor.guard = guard

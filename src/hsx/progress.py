@@ -30,6 +30,9 @@ class Progress:
         self.samples = self.tokens = self.bytes = 0
         self._bar: RichProgress | None = None
         self._task = None
+        # seconds the forward pass stood still because writes were behind; set by this process's
+        # extractor (not by a scale-out driver or the vLLM path, which do not measure it)
+        self.waited_for_disk: Callable[[], float] | None = None
 
     def start(self, done_samples: int, done_tokens: int) -> None:
         self.base_samples, self.base_tokens = done_samples, done_tokens
@@ -74,7 +77,7 @@ class Progress:
             "tokens_per_s": tok_rate,
             "bytes_per_s": self.bytes / dt,
             "eta_s": left / tok_rate if tok_rate > 0 else None,
-        }
+        } | ({"waited_for_disk_s": self.waited_for_disk()} if self.waited_for_disk else {})
 
     @contextmanager
     def live(self) -> Iterator[None]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -51,6 +52,8 @@ class HostBatch:
 
 
 class CpuStaging:
+    waited = 0.0  # the captured tensors are the host buffers: nothing to wait for
+
     def stage(self, batch: CapturedBatch, wanted: list[int]) -> HostBatch:
         views = [batch.sample(i) for i in wanted]
         return HostBatch(views, lambda: None, lambda: None)
@@ -68,6 +71,7 @@ class CudaStaging:
         self.stream = torch.cuda.Stream(device)
         self.free: queue.Queue = queue.Queue()
         self.slot_tokens = slot_tokens
+        self.waited = 0.0  # seconds the compute side blocked for a free slot (the disk was behind)
         for _ in range(slots):
             aux = torch.empty((slot_tokens, width), dtype=dtype, pin_memory=True)
             final = torch.empty((slot_tokens, hidden), dtype=dtype, pin_memory=True)
@@ -77,7 +81,9 @@ class CudaStaging:
         total = sum(batch.lengths[i] for i in wanted)
         if total > self.slot_tokens:
             raise ValueError(f"batch of {total} tokens exceeds the staging slot of {self.slot_tokens}")
+        t0 = time.perf_counter()
         aux_h, final_h = self.free.get()  # blocks when every slot is still being written
+        self.waited += time.perf_counter() - t0
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
         views, off = [], 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class SampleWriter:
         self.dirty: set[Path] = set()
         self.error: BaseException | None = None
         self.bytes_written = 0
+        self.waited = 0.0  # seconds ``submit`` blocked on the in-flight budget (the disk was behind)
 
     def submit(
         self, sample: SampleTensors, release: Callable[[], None] | None = None, ready: Callable[[], None] | None = None
@@ -56,8 +58,10 @@ class SampleWriter:
         ``release`` is called once they are no longer read."""
         n = sample.nbytes
         with self.cond:
+            t0 = time.perf_counter()
             while self.inflight and self.inflight + n > self.max_inflight and self.error is None:
                 self.cond.wait()
+            self.waited += time.perf_counter() - t0
             if self.error is not None:
                 raise self.error
             self.inflight += n
