@@ -18,7 +18,6 @@ from hsx.data import (
     collate_packed,
     collate_padded,
     describe,
-    length_batches,
     shard_indices,
 )
 from hsx.plan import Plan
@@ -74,12 +73,12 @@ def test_length_batches_respect_the_budget_and_cover_every_index_once():
     g = torch.Generator().manual_seed(0)
     lengths = [*torch.randint(1, 300, (200,), generator=g).tolist(), 1000]
     for packed in (False, True):
-        batches = length_batches(lengths, 1024, packed)
+        batches = LengthBatchSampler(lengths, 1024, packed).batches
         assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
         for b in batches:
             cost = sum(lengths[i] for i in b) if packed else len(b) * max(lengths[i] for i in b)
             assert cost <= 1024 or len(b) == 1
-    assert length_batches(lengths, 1024) == length_batches(lengths, 1024)
+    assert LengthBatchSampler(lengths, 1024).batches == LengthBatchSampler(lengths, 1024).batches
 
 
 def test_sampler_is_deterministic_splits_ranks_evenly_and_reshuffles_per_epoch():

@@ -15,16 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import xxhash
 from torch.utils.data import Dataset, Sampler
 
-from hsx.plan import Plan
+from hsx.plan import Plan, batches_for
 from hsx.spec import RunSpec, load_spec
 from hsx.store import layout
-from hsx.store.format import BadFile, check, read_header
+from hsx.store.format import BadFile, check, read_checked
 from hsx.store.scan import scan_run
-
-TENSORS = ("aux_hidden_states", "hidden_states", "input_ids", "loss_mask")
 
 
 class SampleUnavailable(Exception):
@@ -32,22 +29,10 @@ class SampleUnavailable(Exception):
 
 
 def read_verified(path: Path, sample_id: int) -> dict[str, torch.Tensor]:
-    """Read one sample file whole and check its digest before handing out its tensors.
-
-    One read serves both the digest and the tensors, so a deep-checked read costs no second pass.
-    """
+    """Read one sample file whole, digest-checked by the store (one read for digest and tensors)."""
     from safetensors.torch import load
 
-    header = read_header(path)
-    if header.sample_id != sample_id:
-        raise BadFile("misplaced", f"{path} holds sample {header.sample_id}, expected {sample_id}")
-    raw = path.read_bytes()
-    if len(raw) != header.data_start + header.data_size:
-        raise BadFile("truncated", f"{path} changed size while being read")
-    digest = f"xxh3_128:{xxhash.xxh3_128(memoryview(raw)[header.data_start :]).hexdigest()}"
-    if digest != header.digest:
-        raise BadFile("corrupt", f"{path}: digest mismatch")
-    return load(raw)
+    return load(read_checked(path, sample_id))
 
 
 def read_mapped(path: Path, sample_id: int) -> dict[str, torch.Tensor]:
@@ -123,29 +108,6 @@ class HsxDataset(Dataset):
 # ---------------------------------------------------------------- batching and sharding
 
 
-def length_batches(lengths: Sequence[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
-    """Indices grouped by length (longest first) into batches of at most ``max_tokens``.
-
-    The budget counts padded tokens (rows x longest) or, ``packed``, real tokens. A sample longer
-    than the budget gets a batch of its own. Deterministic in its arguments.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-    out: list[list[int]] = []
-    cur: list[int] = []
-    longest = total = 0
-    for i in order:
-        n = int(lengths[i])
-        cost = total + n if packed else (len(cur) + 1) * max(longest, n)
-        if cur and cost > max_tokens:
-            out.append(cur)
-            cur, longest, total = [], 0, 0
-        cur.append(i)
-        longest, total = max(longest, n), total + n
-    if cur:
-        out.append(cur)
-    return out
-
-
 class LengthBatchSampler(Sampler[list[int]]):
     """Batches of similar length within a token budget, shuffled per epoch, split across ranks.
 
@@ -167,7 +129,8 @@ class LengthBatchSampler(Sampler[list[int]]):
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
-        self.batches = length_batches(lengths, max_tokens, packed)
+        order = range(len(lengths))  # the plan's own batching: longest first, within the budget
+        self.batches = [list(b.ids) for b in batches_for(order, np.asarray(lengths), max_tokens, packed)]
         if len(self.batches) < world_size and not drop_last:
             raise ValueError(f"{len(self.batches)} batches cannot feed {world_size} ranks; lower max_tokens")
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0

@@ -302,7 +302,7 @@ class Extractor:
         self.run, self.spec, self.plan = run, spec, plan
         self.backend, self.writer, self.progress, self.staging = backend, writer, progress, staging
 
-    def shard(self, scan: ShardScan) -> tuple[int, list[Future]]:
+    def shard(self, scan: ShardScan) -> list[Future]:
         """Capture and submit every missing sample of one shard; returns the futures to wait on."""
         missing = set(scan.missing)
         futures: list[Future] = []
@@ -328,7 +328,7 @@ class Extractor:
                 fut = self.writer.submit(sample, release=host.done_one, ready=host.ready)
                 fut.add_done_callback(self.progress.on_written(captured.lengths[row]))
                 futures.append(fut)
-        return scan.shard, futures
+        return futures
 
     def finish(self, scan: ShardScan, futures: list[Future]) -> list[FileRecord]:
         """Wait until a shard's writes are durable, then seal it (its old good files + the new ones)."""
@@ -422,8 +422,7 @@ def run_shards(
     try:
         with progress.live():
             for scan in todo:
-                _, futures = extractor.shard(scan)
-                pending.append((scan, futures))
+                pending.append((scan, extractor.shard(scan)))
                 while len(pending) > 1:  # seal one shard behind, so the device never waits on fsync
                     extractor.finish(*pending.pop(0))
             while pending:

@@ -24,7 +24,6 @@ import json
 import re
 import shutil
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,6 @@ from hsx.store.format import FINAL_STATE, BadFile, check
 from hsx.store.writer import FileRecord, seal
 from hsx.target import load_config
 
-NAME = "vllm"
 __version__ = vllm.__version__
 
 NORM_TENSOR = re.compile(r"(^|\.)(norm|final_layernorm|ln_f|norm_f|final_norm)\.weight$")
@@ -260,7 +258,6 @@ def run_shards_vllm(
     todo,
     progress,
     guard=None,
-    log: Callable[[str], None] = print,
 ) -> None:
     """The vLLM counterpart of ``extract.run_shards``: capture every missing sample of ``todo``."""
     from hsx.extract import model_dir_for

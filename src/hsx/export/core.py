@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -114,7 +114,6 @@ class Context:
     prenorm_source: str = ""  # how the pre-norm state is obtained, for the manifest
     max_norm_error: float = 0.0
     model_dir: Path | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def dest(self) -> Path:

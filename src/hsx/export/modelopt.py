@@ -39,12 +39,12 @@ class ModelOpt(TrainerFormat):
         return super().final_state()
 
     def sample(self, index: int, sid: int, t: dict[str, torch.Tensor]) -> list[Written]:
-        final = self.ctx.prenorm(sid, t) if self.ctx.opts.prenorm else t["hidden_states"].clone()
+        final = self.ctx.prenorm(sid, t) if self.ctx.opts.prenorm else t["hidden_states"]
         record = {
-            "input_ids": t["input_ids"].to(torch.int64).clone(),
+            "input_ids": t["input_ids"].to(torch.int64),
             "hidden_states": final,
-            "aux_hidden_states": t["aux_hidden_states"].clone(),
-            "loss_mask": t["loss_mask"].to(torch.int64).clone(),
+            "aux_hidden_states": t["aux_hidden_states"],
+            "loss_mask": t["loss_mask"].to(torch.int64),
             "conversation_id": self.ctx.source_id(sid),
         }
         if self.ctx.opts.prenorm:

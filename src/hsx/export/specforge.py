@@ -32,10 +32,10 @@ class SpecForge(TrainerFormat):
     def sample(self, index: int, sid: int, t: dict[str, torch.Tensor]) -> list[Written]:
         g = index // GROUP * GROUP
         record = {
-            "input_ids": t["input_ids"].to(torch.int64).clone(),
-            "loss_mask": t["loss_mask"].to(torch.int64).clone(),
-            "hidden_state": t["hidden_states"][None].clone(),
-            "aux_hidden_state": t["aux_hidden_states"][None].clone(),
+            "input_ids": t["input_ids"].to(torch.int64),
+            "loss_mask": t["loss_mask"].to(torch.int64),
+            "hidden_state": t["hidden_states"][None],
+            "aux_hidden_state": t["aux_hidden_states"][None],
         }
         return [put(self.ctx.dest, f"rows_{g}-{g + GROUP}/data_{index}.ckpt", torch_bytes(record))]
 

@@ -36,7 +36,7 @@ def redo_shard(extractor: Extractor, shard: int, deep: bool, summary: Summary) -
     scan = scan_shard(run, shard, layout.shard_ids(shard, spec.shard_size, spec.plan.num_samples), deep)
     tidy(run, scan.problems, summary)
     if not scan.complete:
-        _, futures = extractor.shard(scan)
+        futures = extractor.shard(scan)
         extractor.finish(scan, futures)
     elif not scan.sealed:
         seal(run, shard, list(scan.good.values()))

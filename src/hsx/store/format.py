@@ -154,17 +154,37 @@ def read_header(path: Path) -> Header:
     return Header(metadata, header, 8 + n, pos)
 
 
-def check(path: Path, expected_id: int, deep: bool) -> Header:
-    """Verify one file; raise ``BadFile`` on any problem, return its header when it is good."""
+def _checked_header(path: Path, expected_id: int) -> Header:
     header = read_header(path)
     if header.sample_id != expected_id:
         raise BadFile("misplaced", f"holds sample {header.sample_id}, expected {expected_id}")
+    return header
+
+
+def _match(header: Header, h) -> None:
+    if f"xxh3_128:{h.hexdigest()}" != header.digest:
+        raise BadFile("corrupt", "digest mismatch")
+
+
+def check(path: Path, expected_id: int, deep: bool) -> Header:
+    """Verify one file; raise ``BadFile`` on any problem, return its header when it is good.
+    The deep check streams the data (bounded memory); ``read_checked`` keeps it."""
+    header = _checked_header(path, expected_id)
     if deep:
         h = xxhash.xxh3_128()
         with open(path, "rb") as f:
             f.seek(header.data_start)
             while chunk := f.read(16 << 20):
                 h.update(chunk)
-        if f"xxh3_128:{h.hexdigest()}" != header.digest:
-            raise BadFile("corrupt", "digest mismatch")
+        _match(header, h)
     return header
+
+
+def read_checked(path: Path, expected_id: int) -> bytes:
+    """The whole file after the deep check, for a reader that wants the tensors too (one read)."""
+    header = _checked_header(path, expected_id)
+    raw = path.read_bytes()
+    if len(raw) != header.data_start + header.data_size:
+        raise BadFile("truncated", f"{path} changed size while being read")
+    _match(header, xxhash.xxh3_128(memoryview(raw)[header.data_start :]))
+    return raw
