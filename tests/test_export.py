@@ -360,6 +360,12 @@ def test_a_bad_source_file_stops_the_export_naming_it(runs, tmp_path):
     (tmp_path / "f" / "notes.txt").write_text("mine")
     out = export(runs["run"], tmp_path / "f", "--to", "modelopt", code=2)
     assert "not empty" in out
+    # killed while writing its job file: only a temp file is there, so the rerun starts over
+    (tmp_path / "g").mkdir()
+    torn = tmp_path / "g" / "..hsx-export-job.json.tmp-4242-1"  # write_durable's temp name for the job file
+    torn.write_text('{"to": "mod')
+    export(runs["run"], tmp_path / "g", "--to", "modelopt")
+    assert not torn.exists() and manifest_ok(tmp_path / "g", 20)
 
 
 def test_allow_incomplete_exports_the_finished_samples(runs, tmp_path):

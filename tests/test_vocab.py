@@ -86,3 +86,6 @@ def test_vocab_refuses_without_a_known_vocabulary_size(finished_run, tmp_path):
     assert proc.returncode == 2 and "--model" in proc.stderr
     hsx("vocab", run, "--size", "8", "--model", tmp_path / "nowhere", "--target-vocab", "4096")
     assert np.load(run / "vocab" / "t2d-8.npy").shape == (4096,)
+    (tmp_path / "empty").mkdir()
+    not_a_run = hsx("vocab", tmp_path / "empty", "--size", "8", check=False)
+    assert not_a_run.returncode == 2 and "no run spec" in not_a_run.stderr and "Traceback" not in not_a_run.stderr

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hsx.plan import Plan
-from hsx.spec import load_spec
+from hsx.spec import SpecError, load_spec
 from hsx.store.durable import write_durable
 from hsx.target import load_config
 
@@ -93,12 +93,12 @@ def write_vocab(
     """``hsx vocab``: count over the plan, write every trainer's form into DEST (default OUT/vocab)."""
     from hsx.export.core import ExportRefused, load_plan, model_dir_for
 
-    spec = load_spec(run)
     try:
+        spec = load_spec(run)
         plan = load_plan(run, spec)
         if vocab_size is None:
             vocab_size = target_vocab_size(model_dir_for(spec, model))
-    except ExportRefused as e:
+    except (ExportRefused, SpecError) as e:
         raise VocabError(str(e)) from e
     counts = token_counts(plan)
     d2t, t2d = draft_map(counts, size, vocab_size)

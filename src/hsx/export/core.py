@@ -224,7 +224,7 @@ def open_dest(dest: Path, job: dict) -> dict[int, list[Written]]:
             raise ExportRefused(
                 f"{dest} holds another export (differs in: {', '.join(diffs)}); choose another DEST or remove it"
             )
-    elif dest.exists() and any(dest.iterdir()):
+    elif dest.exists() and any(not is_temp(p.name) for p in dest.iterdir()):  # a kill's temps are ours
         raise ExportRefused(f"{dest} is not empty and holds no hsx export: choose an empty or new folder")
     else:
         dest.mkdir(parents=True, exist_ok=True)
