@@ -158,6 +158,10 @@ def test_two_workers_write_what_one_process_writes(reference, tmp_path):
     assert not (out / "workers").exists() and not (out / "lock.json").exists()
     code, report = status_json(out)
     assert code == 0, report
+    hsx("extract", "--out", out, "--workers", "2", "--device", "cpu")  # resume: workers re-verify digests
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["samples_done"] == metrics["samples_total"] and metrics["tokens_done"] == metrics["tokens_total"]
+    assert run_files(out) == expected
 
 
 def test_worker_sigkilled_mid_shard_is_retried_and_status_names_it_dead(reference, tmp_path, drivers):

@@ -172,7 +172,10 @@ def _extract(opts: ExtractOptions, spec, lock: RunLock, progress: Progress, gpu:
         todo += [s.shard for s in settled]
         settled = []
     summary.already_done = sum(len(s.good) for s in settled)
-    progress.start(summary.already_done, int(sum(plan.lengths[list(s.good)].sum() for s in settled)))
+    # the pace and ETA count every file on disk, also those the workers re-verify (a digest they
+    # find bad is counted again when redone: a slight overcount, never a whole run's undercount)
+    on_disk = [i for s in scans for i in s.good]
+    progress.start(len(on_disk), int(plan.lengths[on_disk].sum()))
     if not todo:
         return summary
     # each worker guards only its own writes in flight: keep room for the others' batches too
