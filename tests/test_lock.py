@@ -139,3 +139,40 @@ def test_status_shows_the_live_extractors_metrics(run):
     assert r.exit_code == 2 and "fail" in line
     assert f"alive: pid {os.getpid()}" in line and "running 1h06m" in line
     assert "31,234 tok/s, 1.2 GB/s, ETA 1h00m" in line
+
+
+def _race(run: Path, start: float, won) -> None:
+    time.sleep(max(0.0, start - time.time()))
+    try:
+        RunLock(run, warn=lambda m: None).acquire()
+        won.put(os.getpid())
+        time.sleep(0.5)  # hold it (alive) while the others try
+    except Locked:
+        pass
+
+
+@pytest.mark.parametrize("before", ["fresh", "dead"])
+def test_racing_extractors_never_both_take_the_lock(tmp_path, before):
+    """Six processes ask for the lock at the same instant, ten times: exactly one wins each time,
+    on a new run and on a run whose lock a dead extractor left."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for trial in range(10):
+        run = tmp_path / str(trial)
+        run.mkdir()
+        if before == "dead":
+            pid, started = dead_pid()
+            write_lock(run, pid=pid, pid_started=started)
+        won = ctx.Queue()
+        start = time.time() + 0.3
+        procs = [ctx.Process(target=_race, args=(run, start, won)) for _ in range(6)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30)
+        winners = []
+        while not won.empty():
+            winners.append(won.get())
+        assert len(winners) == 1, (trial, winners)
+        assert read_holder(run).pid == winners[0]

@@ -6,7 +6,10 @@ for the holder), start time and a heartbeat rewritten every few seconds. A lock 
 - dead: same host and the process is gone;
 - stale: another host and the heartbeat is older than ``STALE_AFTER``.
 A dead or stale lock is taken over (with a warning); an alive one refuses the second extractor.
-Take-over renames the old lock aside first, so two racing extractors cannot both win.
+The lock appears whole (written to a temp file, then hard-linked into place, which fails if a lock
+is there), so a racer never reads a half-written lock as an abandoned one. Take-over renames the
+old lock aside and checks that what it moved is the lock it judged dead: if another racer's fresh
+lock got there first, it is put back and the race is lost.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from hsx.store.durable import write_durable
+from hsx.store.durable import fsync_dir, temp_name, write_durable
 
 LOCK = "lock.json"
 METRICS = "metrics.json"
@@ -62,8 +65,15 @@ class Locked(Exception):
 
 def read_holder(run: Path) -> Holder | None:
     try:
-        return Holder.model_validate_json((run / LOCK).read_bytes())
-    except (OSError, ValueError):
+        return _parse((run / LOCK).read_bytes())
+    except OSError:
+        return None
+
+
+def _parse(raw: bytes) -> Holder | None:
+    try:
+        return Holder.model_validate_json(raw)
+    except ValueError:
         return None
 
 
@@ -98,28 +108,49 @@ class RunLock:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> None:
-        for _ in range(3):
+        mine = self.me.model_dump_json().encode()
+        for _ in range(5):
+            if self._create(mine):
+                return
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                holder = read_holder(self.run)
-                if holder is not None and holder.state() == "alive":
-                    raise Locked(holder) from None
-                aside = self.path.with_name(f".{LOCK}.taken-{os.getpid()}")
-                try:
-                    os.rename(self.path, aside)  # only one racer can move the old lock
-                except FileNotFoundError:
-                    continue
-                aside.unlink(missing_ok=True)
-                what = f"{holder.describe()}, {holder.state()}" if holder else "unreadable"
-                self.warn(f"taking over a lock left by a dead extractor ({what})")
+                seen = self.path.read_bytes()
+            except FileNotFoundError:
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(self.me.model_dump_json())
-                f.flush()
-                os.fsync(f.fileno())
-            return
+            holder = _parse(seen)
+            if holder is not None and holder.state() == "alive":
+                raise Locked(holder)
+            aside = self.path.with_name(f".{LOCK}.taken-{os.getpid()}")
+            try:
+                os.rename(self.path, aside)
+            except FileNotFoundError:
+                continue
+            if aside.read_bytes() != seen:  # a racer's fresh lock replaced the dead one: put it back
+                try:
+                    os.link(aside, self.path)
+                except FileExistsError:
+                    pass
+                aside.unlink(missing_ok=True)
+                continue
+            aside.unlink(missing_ok=True)
+            what = f"{holder.describe()}, {holder.state()}" if holder else "unreadable"
+            self.warn(f"taking over a lock left by a dead extractor ({what})")
         raise RuntimeError("could not acquire the run lock (it changed hands repeatedly)")
+
+    def _create(self, body: bytes) -> bool:
+        """Put this process's lock in place, whole, unless a lock is there (then False)."""
+        tmp = temp_name(self.path)
+        with open(tmp, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, self.path)  # atomic, and refuses to replace an existing lock
+        except (FileExistsError, FileNotFoundError):  # a lock is there (a holder may tidy our temp)
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(self.run)
+        return True
 
     def beat(self) -> None:
         self.me.heartbeat = time.time()
