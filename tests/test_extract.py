@@ -78,8 +78,10 @@ def test_compiled_layers_equal_reference_and_a_fresh_compile_redoes_them_byte_id
     """--compile on: the fused layers still equal transformers' own states, and a resume in a new
     process that compiles again from nothing (no compile cache) writes the same bytes."""
     out = tmp_path / "run"
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     extract(_opts(out, convs, packing="on", compile="on"), log=lambda m: None)
     assert json.loads((out / "hsx.json").read_text())["compiled"] is True
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the layers really were compiled
     model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
     for sid in (0, 21, 39):
         t = load_file(layout.sample_path(out, sid, 10))
@@ -93,6 +95,10 @@ def test_compiled_layers_equal_reference_and_a_fresh_compile_redoes_them_byte_id
         layout.sample_path(out, sid, 10).unlink()
     hsx("extract", "--out", out, env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})  # compiles from nothing
     assert run_files(out) == clean
+    asked_otherwise = ((dict(compile="off"), "compiled: run has True"), (dict(packing="off"), "packed: run has True"))
+    for flags, named in asked_otherwise:
+        with pytest.raises(Refused, match=named):  # an explicit setting that differs is refused, not ignored
+            extract(_opts(out, **flags), log=lambda m: None)
 
 
 def test_a_run_held_back_by_its_writes_says_how_long_it_waited(tmp_path, convs):

@@ -143,6 +143,11 @@ def _asked(opts: ExtractOptions) -> dict:
         asked[key] = getattr(opts, key)
     if opts.dtype not in (None, "auto"):
         asked["dtype"] = opts.dtype
+    for key, flag, value in (("packed", "packing", opts.packing), ("compiled", "compile", opts.compile)):
+        if value not in ("auto", "on", "off"):
+            raise ValueError(f"--{flag} takes auto, on or off, not {value!r}")
+        if value != "auto":  # said out loud on a resume: it must match the run, never silently ignored
+            asked[key] = value == "on"
     return asked
 
 

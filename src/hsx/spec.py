@@ -118,7 +118,7 @@ def differences(stored: RunSpec, asked: dict) -> list[str]:
 
     ``asked`` holds only what the operator gave: ``model`` (a ModelIdentity), ``tokenizer``,
     ``layers``, ``dtype``, ``max_length``, ``batch_tokens``, ``shard_size``, ``data`` (DataFiles),
-    ``backend``.
+    ``backend``, ``packed``, ``compiled``.
     """
     out = []
     if (m := asked.get("model")) is not None:
