@@ -25,7 +25,7 @@ from hsx.assess import volume
 from hsx.capture import check_layers, default_layers
 from hsx.capture.transformers import TransformersBackend, packing_supported, resolve_dtype
 from hsx.input import read_conversations
-from hsx.lock import LOCK, METRICS, RunLock
+from hsx.lock import GUARD, LOCK, METRICS, RunLock
 from hsx.plan import PLAN_DIR, Plan, Tokenize, batches_for, tokenize_all, write_plan
 from hsx.progress import Progress
 from hsx.scaleout import registry as scaleout_registry
@@ -39,7 +39,7 @@ from hsx.store.scan import Problem, ShardScan, scan_run
 from hsx.store.writer import FileRecord, SampleWriter, seal
 
 DEFAULTS = {"max_length": 4096, "batch_tokens": 16384, "shard_size": 1000, "dtype": "auto"}
-INIT_FILES = {PLAN_DIR, layout.REJECTS, LOCK, METRICS}
+INIT_FILES = {PLAN_DIR, layout.REJECTS, LOCK, GUARD, METRICS}
 
 
 class Refused(Exception):

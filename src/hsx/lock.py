@@ -6,14 +6,14 @@ for the holder), start time and a heartbeat rewritten every few seconds. A lock 
 - dead: same host and the process is gone;
 - stale: another host and the heartbeat is older than ``STALE_AFTER``.
 A dead or stale lock is taken over (with a warning); an alive one refuses the second extractor.
-The lock appears whole (written to a temp file, then hard-linked into place, which fails if a lock
-is there), so a racer never reads a half-written lock as an abandoned one. Take-over renames the
-old lock aside and checks that what it moved is the lock it judged dead: if another racer's fresh
-lock got there first, it is put back and the race is lost.
+Racing extractors take turns judging and taking the lock (an flock on a guard file, which the
+kernel releases when its process dies), and the lock appears whole (a temp file hard-linked into
+place, which fails if a lock is there), so no racer reads a half-written lock as an abandoned one.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from hsx.store.durable import fsync_dir, temp_name, write_durable
 
 LOCK = "lock.json"
+GUARD = ".lock.json.guard"  # flocked while a lock is judged and taken; never holds data
 METRICS = "metrics.json"
 STALE_AFTER = 120.0
 BEAT_EVERY = 5.0
@@ -108,33 +109,23 @@ class RunLock:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> None:
-        mine = self.me.model_dump_json().encode()
-        for _ in range(5):
-            if self._create(mine):
+        """Judge and take the lock under an flock on GUARD, so racing extractors take turns (the
+        kernel drops an flock when its process dies: no stale guard); one turn decides."""
+        fd = os.open(self.run / GUARD, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if self._create(self.me.model_dump_json().encode()):
                 return
-            try:
-                seen = self.path.read_bytes()
-            except FileNotFoundError:
-                continue
-            holder = _parse(seen)
+            holder = read_holder(self.run)
             if holder is not None and holder.state() == "alive":
                 raise Locked(holder)
-            aside = self.path.with_name(f".{LOCK}.taken-{os.getpid()}")
-            try:
-                os.rename(self.path, aside)
-            except FileNotFoundError:
-                continue
-            if aside.read_bytes() != seen:  # a racer's fresh lock replaced the dead one: put it back
-                try:
-                    os.link(aside, self.path)
-                except FileExistsError:
-                    pass
-                aside.unlink(missing_ok=True)
-                continue
-            aside.unlink(missing_ok=True)
+            self.path.unlink(missing_ok=True)
             what = f"{holder.describe()}, {holder.state()}" if holder else "unreadable"
             self.warn(f"taking over a lock left by a dead extractor ({what})")
-        raise RuntimeError("could not acquire the run lock (it changed hands repeatedly)")
+            if not self._create(self.me.model_dump_json().encode()):
+                raise RuntimeError("could not acquire the run lock (another lock appeared during take-over)")
+        finally:
+            os.close(fd)  # releases the flock
 
     def _create(self, body: bytes) -> bool:
         """Put this process's lock in place, whole, unless a lock is there (then False)."""
