@@ -141,14 +141,14 @@ def test_status_shows_the_live_extractors_metrics(run):
     assert "31,234 tok/s, 1.2 GB/s, ETA 1h00m" in line
 
 
-def _race(run: Path, start: float, won) -> None:
-    time.sleep(max(0.0, start - time.time()))
+def _race(run: Path, ready, done, won) -> None:
+    ready.wait()  # every contender has started: they ask together, however slowly they forked
     try:
         RunLock(run, warn=lambda m: None).acquire()
         won.put(os.getpid())
-        time.sleep(0.5)  # hold it (alive) while the others try
     except Locked:
         pass
+    done.wait()  # the winner stays alive (holding the lock) until every contender has asked
 
 
 @pytest.mark.parametrize("before", ["fresh", "dead"])
@@ -164,9 +164,8 @@ def test_racing_extractors_never_both_take_the_lock(tmp_path, before):
         if before == "dead":
             pid, started = dead_pid()
             write_lock(run, pid=pid, pid_started=started)
-        won = ctx.Queue()
-        start = time.time() + 0.3
-        procs = [ctx.Process(target=_race, args=(run, start, won)) for _ in range(6)]
+        won, ready, done = ctx.Queue(), ctx.Barrier(6), ctx.Barrier(6)
+        procs = [ctx.Process(target=_race, args=(run, ready, done, won)) for _ in range(6)]
         for p in procs:
             p.start()
         for p in procs:
