@@ -19,8 +19,9 @@ from safetensors.torch import load_file, save_file
 
 from conftest import TINY, conversations, flip_byte, require, write_jsonl
 from hsx.data import HsxDataset
+from hsx.errors import NormUnavailable
 from hsx.export.core import LOG, MANIFEST
-from hsx.export.norm import TOLERANCE, NormUnavailable, load_final_norm, measure
+from hsx.export.norm import TOLERANCE, load_final_norm, measure
 
 warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
 RUN_ARGS = ("--shard-size", "10", "--batch-tokens", "512", "--writers", "2", "--device", "cpu")
@@ -168,7 +169,7 @@ def test_specforge_reads_the_export_with_its_own_reader(runs, tmp_path):
 def test_specforge_refuses_a_run_without_three_aux_layers():
     from types import SimpleNamespace
 
-    from hsx.export.core import ExportRefused
+    from hsx.errors import ExportRefused
     from hsx.export.specforge import SpecForge
 
     with pytest.raises(ExportRefused, match="exactly 3 aux layers"):

@@ -1,8 +1,7 @@
 """``hsx status`` on real runs: finished, killed mid-way, damaged, model changed, copied elsewhere.
 
 The command line runs in-process (typer's runner) where a run only needs reading, and as a real
-subprocess where a real extractor is involved. GPU judging is tested on NVML readings given as
-plain data: no GPU is needed.
+subprocess where a real extractor is involved. The GPU line has its own tests (test_gpus.py).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import TINY, damage, extract_args, flip_byte, hsx, run_files
-from hsx.assess import gpus
 from hsx.assess.checks import ranges
 from hsx.cli import app
 from hsx.store import layout
@@ -72,15 +70,6 @@ def test_finished_run_is_ok_and_json_agrees(finished_run):
     progress = next(c for c in report["checks"] if c["name"] == "progress")["data"]
     assert progress["samples_done"] == progress["samples_total"] == 40 and progress["complete"]
     assert report["resume_command"] is None
-
-
-def test_no_gpu_machine_gets_a_clear_line_not_a_crash():
-    readings = gpus.read_gpus()
-    check = gpus.judge(readings, gpus.own_pids(None))
-    if isinstance(readings, str):
-        assert check.level == "warn" and check.figure.startswith("no GPU visible")
-    else:
-        assert check.level in ("ok", "warn", "fail") and "GPU" in check.figure
 
 
 def test_copied_run_is_still_ok_and_holds_no_absolute_path_of_its_own(finished_run, tmp_path):
@@ -199,62 +188,7 @@ def test_run_killed_midway_lists_partial_shards_and_the_resume_command(finished_
     assert run_files(out) == run_files(finished_run)
 
 
-# ---------------------------------------------------------------- GPU judging on given readings
-
-GiB, MiB = 1 << 30, 1 << 20
-H200 = "NVIDIA H200"
-
-
-def test_idle_h200_is_free_by_v2_memory_though_v1_would_show_615_mib():
-    idle = gpus.GpuReading(0, H200, 141 * GiB, used=2 * MiB, reserved=615 * MiB, v2=True)
-    c = gpus.judge([idle], own={1})
-    assert c.level == "ok" and c.figure == "1 GPU, 1 free" and c.exit_code == 0
-    old_driver = gpus.GpuReading(0, H200, 141 * GiB, used=615 * MiB, v2=False)  # v1: reservation included
-    assert gpus.judge([old_driver], own={1}).level == "ok"
-
-
-def test_foreign_processes_fail_the_gpus_line_with_pid_name_and_memory():
-    readings = [
-        gpus.GpuReading(0, H200, 141 * GiB, used=130 * GiB, reserved=615 * MiB,
-                        processes=[gpus.GpuProcess(4242, "vllm", 130 * GiB)]),
-        gpus.GpuReading(1, H200, 141 * GiB, used=60 * GiB, processes=[gpus.GpuProcess(777, "python", 60 * GiB)]),
-        gpus.GpuReading(2, H200, 141 * GiB, used=1 * MiB),
-    ]  # fmt: skip
-    c = gpus.judge(readings, own={777})
-    assert c.level == "fail" and c.exit_code == 2
-    assert c.figure == "1 of 3 GPUs held by foreign processes, 2 free"
-    assert any("GPU0" in d and "pid 4242 vllm 139.6 GB" in d for d in c.details)
-    assert any("GPU1" in d and "this run's extractor" in d for d in c.details)
-    procs = c.data["devices"][0]["processes"]
-    assert procs == [{"pid": 4242, "name": "vllm", "used": 130 * GiB, "foreign": True}]
-
-
-def test_memory_held_by_no_visible_process_warns():
-    hidden = gpus.GpuReading(0, H200, 141 * GiB, used=40 * GiB, reserved=615 * MiB)
-    c = gpus.judge([hidden], own=set())
-    assert c.level == "warn" and "no visible process" in c.figure and c.exit_code == 0
-
-
-def test_no_nvml_warns_and_boot_servers_are_named():
-    listing = (
-        "ssh.service                     enabled enabled\n"
-        "vllm-server.service             enabled disabled\n"
-        "ollama.service                  enabled enabled\n"
-        "sglang@llama.service            enabled enabled\n"
-        "systemd-resolved.service        enabled enabled\n"
-    )
-    units = gpus.enabled_server_units(listing)
-    assert units == ["vllm-server.service", "ollama.service", "sglang@llama.service"]
-    c = gpus.judge("NVML unavailable (NVML Shared Library Not Found)", set(), units)
-    assert c.level == "warn" and c.figure.startswith("no GPU visible (NVML unavailable")
-    assert "ollama.service" in c.details[0] and c.action.startswith("disable them: systemctl disable --now")
-    idle = gpus.GpuReading(0, H200, 141 * GiB, used=0)
-    assert gpus.judge([idle], set(), units).level == "warn"
-
-
-def test_boot_services_never_hang_or_crash():
-    units = gpus.boot_services(timeout=5)
-    assert units is None or isinstance(units, list)
+# ---------------------------------------------------------------- compact id lists
 
 
 @pytest.mark.parametrize(

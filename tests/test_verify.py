@@ -27,10 +27,17 @@ def verify(out: Path, *args: str) -> tuple[int, str]:
 def test_clean_run_verifies_deep_and_cheap(finished_run):
     code, text = verify(finished_run)
     assert code == 0 and "40 files good, headers and sizes checked" in text
+    code, text = verify(finished_run, "--deep")
+    assert code == 0 and re.search(
+        r"40 files good, digests verified: [\d.]+ [kM]B read in [\d.]+ s \([\d.]+ GB/s\)", text
+    )
     code, text = verify(finished_run, "--deep", "--json")
     report = json.loads(text)
     assert code == 0 and report["exit_code"] == 0 and report["redo_sample_ids"] == []
-    assert report["integrity"]["level"] == "ok" and report["integrity"]["data"]["deep"] is True
+    data = report["integrity"]["data"]
+    assert report["integrity"]["level"] == "ok" and data["deep"] is True
+    size = sum(p.stat().st_size for p in finished_run.rglob("*.safetensors"))
+    assert data["bytes_read"] == size and data["files_opened"] == 40 and data["read_rate_gbps"] > 0
 
 
 def test_not_a_run_is_refused(tmp_path):

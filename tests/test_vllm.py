@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY, conversations, hsx, run_files, verified_files, write_jsonl
-from hsx.extract import ExtractOptions, Refused, extract, load_plan
+from hsx.extract import ExtractOptions, Refused, extract
+from hsx.plan import load_plan
 from hsx.spec import load_spec
 
 TOL = 1e-5
@@ -135,8 +136,26 @@ def test_layer_ids_and_final_norm_mapping(vllm):
     assert (norm.tensor, norm.eps) == ("model.norm.weight", 1e-5)
 
 
+def test_sink_config_travels_as_plain_json_and_offset_norms_are_refused(vllm, tmp_path):
+    import shutil
+
+    from hsx.capture.vllm import final_norm
+    from hsx.capture.vllm_connector import SinkConfig
+    from hsx.errors import CaptureFailed
+
+    cfg = SinkConfig(tmp_path, 10, [4, 1, 7], [1, 0, 2], 2, final_norm(TINY))
+    assert SinkConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    gemma = tmp_path / "gemma"
+    shutil.copytree(TINY, gemma)
+    config = json.loads((gemma / "config.json").read_text())
+    (gemma / "config.json").write_text(json.dumps(config | {"model_type": "gemma"}))
+    with pytest.raises(CaptureFailed, match="does not handle gemma's \\(1 \\+ weight\\) final norm"):
+        final_norm(gemma)
+
+
 def test_token_ids_that_are_not_the_plans_stop_the_run(vllm, reference):
-    from hsx.capture.vllm import SAMPLE_KEY, CaptureFailed, Feeder
+    from hsx.capture.vllm import SAMPLE_KEY, Feeder
+    from hsx.errors import CaptureFailed
     from hsx.progress import Progress
 
     spec = load_spec(reference)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from conftest import hsx, require
+from hsx.errors import VocabError
+from hsx.export.vocab import draft_map, token_counts
 from hsx.plan import Plan
-from hsx.vocab import VocabError, draft_map, token_counts
 
 
 def test_counts_are_over_loss_masked_tokens_only(finished_run):

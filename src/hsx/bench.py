@@ -228,8 +228,9 @@ def run_bench(
     log: Callable[[str], None] = print,
 ) -> list[Result]:
     """``compile``: also measure the packed layout with compiled layers (None: on CUDA only)."""
-    from hsx.extract import ExtractOptions, run_shards
     from hsx.progress import Progress
+    from hsx.run.options import Resources
+    from hsx.run.pipeline import Extractor
     from hsx.store import layout
     from hsx.store.scan import ShardScan
 
@@ -285,10 +286,13 @@ def run_bench(
                 for s in range(layout.num_shards(samples, spec.shard_size))
             ]
             progress = Progress(samples, spec.plan.num_tokens, spec.bytes_per_token)
-            opts = ExtractOptions(out=run, device=device, writers=writers)
             earlier = staging.waited  # the ring is shared by the variants
             with measured(f"hsx extract ({tag})", dev, results) as r:
-                run_shards(run, spec, plan, opts, todo, progress, backend=backend, staging=staging)
+                extractor = Extractor(run, spec, plan, backend, Resources(device, writers), progress, staging=staging)
+                try:
+                    extractor.run_shards(todo)
+                finally:
+                    extractor.close()  # waits for the ring's copies; the ring serves the next variant
                 _, r.tokens, r.bytes = progress.session()
             r.waited_for_disk = progress.waited_for_disk() - earlier if progress.waited_for_disk else None
             shutil.rmtree(run)

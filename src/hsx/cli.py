@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from hsx.errors import CleanStop, DiskFull, Exit, HsxError
 from hsx.progress import console
 
 app = typer.Typer(
@@ -16,12 +19,36 @@ app = typer.Typer(
     help="Verified, crash-safe extraction of an LLM's hidden states for draft training.",
 )
 
-EXIT_REFUSED, EXIT_DISK_FULL, EXIT_INTERRUPTED = 2, 3, 130
-
 
 def _fail(message: str, code: int) -> typer.Exit:
     console.print(f"[bold red]error:[/] {message}", highlight=False)
     return typer.Exit(code)
+
+
+@contextmanager
+def failures(interrupted: str | None = None) -> Iterator[None]:
+    """The one place errors become exit codes: hsx's own errors print their message and exit with
+    their code (``hsx.errors``); anything else is a bug and surfaces as a traceback (exit 1)."""
+    try:
+        yield
+    except CleanStop as e:
+        from hsx.assess.checks import size
+
+        s = e.summary
+        raise _fail(
+            f"{e}.\nStopped cleanly: {s.done}/{s.total_samples} samples are done and verified; "
+            f"about {size(e.needed_bytes)} more are needed to finish.\n"
+            f"Free space, then resume: hsx extract --out {s.run}",
+            e.exit_code,
+        ) from None
+    except DiskFull as e:
+        raise _fail(f"{e}; free space and rerun the same command: it continues", e.exit_code) from None
+    except HsxError as e:
+        raise _fail(str(e), e.exit_code) from None
+    except KeyboardInterrupt:
+        if interrupted is None:
+            raise
+        raise _fail(f"interrupted; {interrupted}", Exit.INTERRUPTED) from None
 
 
 def _layers(value: str | None) -> list[int] | None:
@@ -78,6 +105,7 @@ def extract(
     compile: Annotated[
         str, typer.Option(help="auto | on | off: torch.compile the decoder layers [auto: on for CUDA].")
     ] = "auto",
+    codec: Annotated[str | None, typer.Option(help="raw | zstd | fp8: how states are stored (new run) [raw].")] = None,
     writers: Annotated[int, typer.Option(help="Writer threads.")] = 8,
     fast_verify: Annotated[bool, typer.Option(help="On resume, check headers and sizes only, not digests.")] = False,
     allow_partial: Annotated[
@@ -96,53 +124,34 @@ def extract(
     ] = None,
 ) -> None:
     """Extract hidden states into OUT, or resume the run in OUT."""
-    from hsx.extract import DiskFullStop, ExtractOptions, Refused
+    from hsx.extract import ExtractOptions
     from hsx.extract import extract as run_extract
-    from hsx.input import InputError
-    from hsx.lock import Locked
-    from hsx.spec import SpecError
-    from hsx.target import ModelNotFound
 
-    opts = ExtractOptions(
-        out=out,
-        model=model,
-        data=list(data or []),
-        layers=_layers(layers),
-        max_length=max_length,
-        batch_tokens=batch_tokens,
-        dtype=dtype,
-        device=device,
-        shard_size=shard_size,
-        trust_remote_code=trust_remote_code,
-        packing=packing,
-        compile=compile,
-        writers=writers,
-        deep_verify=not fast_verify,
-        allow_partial=allow_partial,
-        backend=backend,
-        tensor_parallel_size=tensor_parallel_size,
-        data_parallel_size=data_parallel_size,
-        workers=workers,
-        ray_address=ray_address,
-    )
-    try:
+    with failures(interrupted=f"resume with: hsx extract --out {out}"):
+        opts = ExtractOptions(
+            out=out,
+            model=model,
+            data=list(data or []),
+            layers=_layers(layers),
+            max_length=max_length,
+            batch_tokens=batch_tokens,
+            dtype=dtype,
+            device=device,
+            shard_size=shard_size,
+            trust_remote_code=trust_remote_code,
+            packing=packing,
+            compile=compile,
+            codec=codec,
+            writers=writers,
+            deep_verify=not fast_verify,
+            allow_partial=allow_partial,
+            backend=backend,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
+            workers=workers,
+            ray_address=ray_address,
+        )
         summary = run_extract(opts, log=lambda m: console.print(m, highlight=False))
-    except (Refused, Locked, SpecError, ModelNotFound, InputError) as e:
-        raise _fail(str(e), EXIT_REFUSED) from None
-    except ValueError as e:
-        raise _fail(str(e), EXIT_REFUSED) from None
-    except DiskFullStop as e:
-        from hsx.assess.checks import size
-
-        s = e.summary
-        raise _fail(
-            f"{e}.\nStopped cleanly: {s.done}/{s.total_samples} samples are done and verified; "
-            f"about {size(e.needed_bytes)} more are needed to finish.\n"
-            f"Free space, then resume: hsx extract --out {out}",
-            EXIT_DISK_FULL,
-        ) from None
-    except KeyboardInterrupt:
-        raise _fail(f"interrupted; resume with: hsx extract --out {out}", EXIT_INTERRUPTED) from None
     _print_summary(summary)
 
 
@@ -163,7 +172,8 @@ def status(
 
     from hsx.assess.status import assess, render
 
-    report = assess(out, deep=deep, threads=threads)
+    with failures():
+        report = assess(out, deep=deep, threads=threads)
     if json_out:
         print(json.dumps(report.to_json(), indent=1))
     else:
@@ -185,14 +195,10 @@ def verify(
     from rich.console import Console
 
     from hsx.assess.status import render_check
-    from hsx.assess.verify import RepairRefused
     from hsx.assess.verify import verify as run_verify
-    from hsx.spec import SpecError
 
-    try:
+    with failures():
         result = run_verify(out, deep=deep, repair=repair, threads=threads)
-    except (SpecError, RepairRefused) as e:
-        raise _fail(str(e), EXIT_REFUSED) from None
     if json_out:
         print(json.dumps(result.to_json(), indent=1))
     else:
@@ -218,17 +224,11 @@ def export_cmd(
     pace: Annotated[float, typer.Option(hidden=True, help="Seconds to sleep after each sample.")] = 0.0,
 ) -> None:
     """Write OUT's samples in a trainer's own format, verifying each source file; resumable."""
-    from hsx.export import ExportOptions, ExportRefused, run_export
-    from hsx.store.durable import DiskFull
-    from hsx.vocab import VocabError
+    from hsx.export import ExportOptions, run_export
 
     opts = ExportOptions(out, dest, to, model, prenorm, allow_incomplete, draft_vocab, target_vocab, pace)
-    try:
+    with failures():
         s = run_export(opts, log=lambda m: console.print(m, highlight=False))
-    except (ExportRefused, VocabError) as e:
-        raise _fail(str(e), EXIT_REFUSED) from None
-    except DiskFull as e:
-        raise _fail(f"{e}; free space and rerun the same command: it continues", EXIT_DISK_FULL) from None
     err = "" if s.max_norm_error is None else f", max norm error {s.max_norm_error:.1e}"
     console.print(
         f"exported   {s.samples} samples to {s.dest} ({s.to}): {s.written} written now, {s.already_done} already done\n"
@@ -247,12 +247,10 @@ def vocab(
     target_vocab: Annotated[int | None, typer.Option(help="Target vocabulary size [model's config].")] = None,
 ) -> None:
     """Draft-vocab map (d2t/t2d) from loss-masked token counts of the plan; no hidden states read."""
-    from hsx.vocab import VocabError, write_vocab
+    from hsx.export.vocab import write_vocab
 
-    try:
+    with failures():
         r = write_vocab(out, size, dest, model, target_vocab)
-    except VocabError as e:
-        raise _fail(str(e), EXIT_REFUSED) from None
     console.print(
         f"vocab      {r.size} of {r.vocab_size} tokens ({r.distinct} seen), covering {r.coverage:.2%} of "
         f"loss-masked tokens\nwrote      {', '.join(p.name for p in r.files)} in {r.dest}",
@@ -280,10 +278,13 @@ def bench(
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     from hsx.bench import run_bench, table
-    from hsx.extract import default_device
+    from hsx.errors import OptionError
+    from hsx.run.options import default_device, toggle
 
-    if compile not in ("auto", "on", "off"):
-        raise typer.BadParameter(f"takes auto, on or off, not {compile!r}", param_hint="--compile")
+    try:
+        toggle("compile", compile)
+    except OptionError:
+        raise typer.BadParameter(f"takes auto, on or off, not {compile!r}", param_hint="--compile") from None
     results = run_bench(
         model,
         device or default_device(),

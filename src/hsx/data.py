@@ -1,10 +1,12 @@
 """Training-side reading of an hsx run in plain PyTorch: dataset, length-aware batches, collation.
 
-The dataset reads sample files through ``safe_open`` (memory-mapped, no pickle) and, by default,
-only from shards whose ``SEALED`` manifest agrees with the files, so a trainer never sees a sample
-that a running or crashed extraction may still rewrite. Lengths come from the plan, so batching
-needs no file reads. Batches are a function of (lengths, budget, seed, epoch), and every rank
-computes the same list and takes its own slice: no communication, same result on any machine.
+The dataset reads raw sample files through ``safe_open`` (memory-mapped, no pickle) and decodes
+encoded ones (``hsx.store.codec``) to the same tensors, so a trainer sees one kind of sample
+whatever the run's codec. By default it reads only from shards whose ``SEALED`` manifest agrees
+with the files, so a trainer never sees a sample that a running or crashed extraction may still
+rewrite. Lengths come from the plan, so batching needs no file reads. Batches are a function of
+(lengths, budget, seed, epoch), and every rank computes the same list and takes its own slice: no
+communication, same result on any machine.
 """
 
 from __future__ import annotations
@@ -17,29 +19,30 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from hsx.errors import SampleUnavailable
 from hsx.plan import Plan, batches_for
 from hsx.spec import RunSpec, load_spec
 from hsx.store import layout
-from hsx.store.format import BadFile, check, read_checked
+from hsx.store.codec import Codec
+from hsx.store.format import BadFile, check, decode, read_checked
 from hsx.store.scan import scan_run
 
 
-class SampleUnavailable(Exception):
-    """A sample asked for is not (or no longer) a verified file of the run."""
+def read_verified(path: Path, sample_id: int, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
+    """Read one sample file whole, digest-checked by the store (one read for digest and tensors),
+    decoded: ``aux_hidden_states``, ``hidden_states``, ``input_ids``, ``loss_mask`` for any codec
+    (``keep_fp8``: an fp8 file's states as stored, with their scales; see ``format.decode_tensors``)."""
+    return decode(read_checked(path, sample_id), keep_fp8)
 
 
-def read_verified(path: Path, sample_id: int) -> dict[str, torch.Tensor]:
-    """Read one sample file whole, digest-checked by the store (one read for digest and tensors)."""
-    from safetensors.torch import load
-
-    return load(read_checked(path, sample_id))
-
-
-def read_mapped(path: Path, sample_id: int) -> dict[str, torch.Tensor]:
-    """Read one sample through a memory map after the cheap check (header, size, id)."""
+def read_mapped(path: Path, sample_id: int, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
+    """Read a raw sample through a memory map after the cheap check (header, size, id). An encoded
+    one is read whole and digest-checked before it is decoded: its bytes are copied out anyway, and
+    hashing costs a small part of decoding, so damaged bytes never reach a decoder."""
     from safetensors import safe_open
 
-    check(path, sample_id, deep=False)
+    if check(path, sample_id, deep=False).codec is not Codec.RAW:
+        return read_verified(path, sample_id, keep_fp8)
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a Mapping
 
@@ -55,7 +58,10 @@ class HsxDataset(Dataset):
     ``aux_hidden_states`` [T, L*H], ``hidden_states`` [T, H] (post-norm), ``sample_id``.
 
     ``ids`` restricts (and orders) the samples; by default every sample of a sealed shard.
-    ``verify`` checks each file's digest as it is read (one read, no second pass).
+    ``verify`` checks each file's digest as it is read (one read, no second pass); encoded files
+    are always checked. ``keep_fp8``: for a run stored as fp8, the states come as stored,
+    float8_e4m3fn, with ``aux_hidden_states_scale`` [T, L] and ``hidden_states_scale`` [T, 1]
+    beside them (``hsx.store.codec.dequantize`` gives the model's dtype back, on any device).
     """
 
     def __init__(
@@ -64,11 +70,13 @@ class HsxDataset(Dataset):
         ids: Sequence[int] | None = None,
         verify: bool = False,
         sealed_only: bool = True,
+        keep_fp8: bool = False,
     ):
         self.run = Path(run)
         self.spec = load_spec(self.run)
         self.plan = Plan(self.run)
         self.verify = verify
+        self.keep_fp8 = keep_fp8
         self.layers = list(self.spec.layers)
         if ids is None:
             ids = available_ids(self.run, self.spec, sealed_only)
@@ -89,7 +97,8 @@ class HsxDataset(Dataset):
         sid = self.ids[index]
         path = self.path(sid)
         try:
-            t = read_verified(path, sid) if self.verify else read_mapped(path, sid)
+            read = read_verified if self.verify else read_mapped
+            t = read(path, sid, self.keep_fp8)
         except FileNotFoundError as e:
             raise SampleUnavailable(
                 f"sample {sid}: {path} is missing; redo it with hsx extract --out {self.run}"
@@ -100,9 +109,11 @@ class HsxDataset(Dataset):
             "sample_id": sid,
             "input_ids": t["input_ids"].to(torch.int64),
             "loss_mask": t["loss_mask"].to(torch.int64),
-            "aux_hidden_states": t["aux_hidden_states"],
-            "hidden_states": t["hidden_states"],
+            **{k: t[k] for k in STATE_KEYS if k in t},
         }
+
+
+STATE_KEYS = ("aux_hidden_states", "hidden_states", "aux_hidden_states_scale", "hidden_states_scale")
 
 
 # ---------------------------------------------------------------- batching and sharding
@@ -174,17 +185,17 @@ def collate_padded(samples: list[dict], pad_id: int = 0) -> dict:
     lengths = torch.tensor([s["input_ids"].shape[0] for s in samples], dtype=torch.int64)
     T, B = int(lengths.max()), len(samples)
     first = samples[0]
+    states = [k for k in STATE_KEYS if k in first]
     out = {
         "input_ids": torch.full((B, T), pad_id, dtype=torch.int64),
         "loss_mask": torch.zeros(B, T, dtype=torch.int64),
         "attention_mask": torch.zeros(B, T, dtype=torch.int64),
-        "aux_hidden_states": first["aux_hidden_states"].new_zeros(B, T, first["aux_hidden_states"].shape[-1]),
-        "hidden_states": first["hidden_states"].new_zeros(B, T, first["hidden_states"].shape[-1]),
+        **{k: first[k].new_zeros(B, T, first[k].shape[-1]) for k in states},
     }
     for b, s in enumerate(samples):
         n = int(lengths[b])
         out["attention_mask"][b, :n] = 1
-        for k in ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states"):
+        for k in ("input_ids", "loss_mask", *states):
             out[k][b, :n] = s[k]
     out["lengths"] = lengths
     out["sample_ids"] = torch.tensor([s["sample_id"] for s in samples], dtype=torch.int64)
@@ -200,8 +211,7 @@ def collate_packed(samples: list[dict]) -> dict:
     return {
         "input_ids": torch.cat([s["input_ids"] for s in samples])[None],
         "loss_mask": torch.cat([s["loss_mask"] for s in samples])[None],
-        "aux_hidden_states": torch.cat([s["aux_hidden_states"] for s in samples])[None],
-        "hidden_states": torch.cat([s["hidden_states"] for s in samples])[None],
+        **{k: torch.cat([s[k] for s in samples])[None] for k in STATE_KEYS if k in samples[0]},
         "position_ids": torch.cat([torch.arange(int(n)) for n in lengths])[None],
         "document_ids": torch.repeat_interleave(torch.arange(len(samples)), lengths)[None],
         "cu_seqlens": cu,

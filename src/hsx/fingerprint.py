@@ -67,6 +67,11 @@ PROBES, PROBE_BYTES = 16, 4096
 
 
 def _probe_digest(path: Path) -> str:
+    """Digest of the first 8 bytes, the header they announce (as safetensors frames it) and the
+    probes after it. Run specs store these values, so the bytes hashed are fixed: weight files of
+    any kind (.bin, .gguf too) go through here and the header is hashed, never parsed, which is
+    why the safetensors reader of ``hsx.store.format`` (it parses, and refuses non-safetensors
+    files) is not used."""
     h = xxhash.xxh3_128()
     size = path.stat().st_size
     with open(path, "rb") as f:

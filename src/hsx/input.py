@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsx.errors import InputError
+
 ROLES = {
     "system": "system",
     "human": "user",
@@ -23,10 +25,6 @@ ROLES = {
     "bard": "assistant",
     "bing": "assistant",
 }
-
-
-class InputError(Exception):
-    """A data file that cannot be read at all (as opposed to a bad row, which is rejected)."""
 
 
 @dataclass(frozen=True)

@@ -20,18 +20,28 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 
 import psutil
 from pydantic import BaseModel
 
+from hsx.errors import Locked
 from hsx.store.durable import fsync_dir, temp_name, write_durable
+from hsx.store.layout import GUARD, LOCK, METRICS
 
-LOCK = "lock.json"
-GUARD = ".lock.json.guard"  # flocked while a lock is judged and taken; never holds data
-METRICS = "metrics.json"
 STALE_AFTER = 120.0
 BEAT_EVERY = 5.0
+
+
+class Liveness(StrEnum):
+    """What a lock holder or a worker record says of its process."""
+
+    ALIVE = "alive"  # its pid lives (same host) or its heartbeat is fresh (another host)
+    DEAD = "dead"  # same host, the pid is gone (or reused by another process)
+    STALE = "stale"  # another host, no heartbeat for STALE_AFTER
+    EXITED = "exited"  # a worker that stopped by itself, and said why
+    ENDED = "ended"  # a worker gone while idle: Ray let it go as the pool shrank
 
 
 class Holder(BaseModel):
@@ -42,26 +52,20 @@ class Holder(BaseModel):
     heartbeat: float
     command: str = "extract"
 
-    def state(self, now: float | None = None, stale_after: float = STALE_AFTER) -> str:
+    def state(self, now: float | None = None, stale_after: float = STALE_AFTER) -> Liveness:
         if self.host == socket.gethostname():
             try:
                 proc = psutil.Process(self.pid)
                 if abs(proc.create_time() - self.pid_started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
-                    return "alive"
+                    return Liveness.ALIVE
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
-            return "dead"
+            return Liveness.DEAD
         age = (now or time.time()) - self.heartbeat
-        return "alive" if age < stale_after else "stale"
+        return Liveness.ALIVE if age < stale_after else Liveness.STALE
 
     def describe(self) -> str:
         return f"pid {self.pid} on {self.host}, heartbeat {time.time() - self.heartbeat:.0f}s ago"
-
-
-class Locked(Exception):
-    def __init__(self, holder: Holder):
-        super().__init__(f"another extractor holds this run: {holder.describe()}")
-        self.holder = holder
 
 
 def read_holder(run: Path) -> Holder | None:

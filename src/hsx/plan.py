@@ -25,10 +25,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
+from hsx.errors import PlanError
 from hsx.input import Conversation, Reject
+from hsx.store.layout import PLAN_DIR, PLAN_FILE
 
-PLAN_DIR = "plan"
-PLAN_FILE = "plan.parquet"
 PLAN_META = "plan.json"
 
 SCHEMA = pa.schema(
@@ -227,7 +227,7 @@ def write_plan(run_dir: Path, samples: Iterable[Sample | Reject], max_length: in
     fingerprint = builder.close()
     if builder.num_samples == 0:
         tmp.unlink()
-        raise ValueError(f"no usable samples: all {len(rejects)} rows were rejected (see rejects.jsonl)")
+        raise PlanError(f"no usable samples: all {len(rejects)} rows were rejected (see rejects.jsonl)")
     from hsx.store.durable import durable_rename, write_durable
 
     durable_rename(tmp, plan_dir / PLAN_FILE)
@@ -274,3 +274,14 @@ def batches_for(ids: Iterable[int], lengths: np.ndarray, budget: int, packed: bo
     if cur:
         out.append(Batch(tuple(cur), cur_max, total))
     return out
+
+
+def load_plan(run: Path, spec) -> Plan:
+    """The run's plan, refused unless it matches the spec's fingerprint (ids and masks come from it)."""
+    try:
+        plan = Plan(run)
+    except (OSError, ValueError) as e:
+        raise PlanError(f"the plan in {run / PLAN_DIR} is unreadable ({e})") from e
+    if len(plan) != spec.plan.num_samples or plan.fingerprint() != spec.plan.fingerprint:
+        raise PlanError(f"the plan in {run / PLAN_DIR} does not match the run spec's fingerprint")
+    return plan

@@ -17,16 +17,14 @@ from typing import Literal
 from pydantic import BaseModel, ValidationError
 
 from hsx import __version__
+from hsx.errors import SpecError
 from hsx.fingerprint import ModelFingerprint, digest_file
 from hsx.store import layout
+from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
 from hsx.store.format import FINAL_STATE, LAYER_CONVENTION
 
 FORMAT = "hsx-run/1"
-
-
-class SpecError(Exception):
-    pass
 
 
 class ModelIdentity(BaseModel):
@@ -78,6 +76,7 @@ class RunSpec(BaseModel):
     trust_remote_code: bool = False
     packed: bool = False  # samples packed in one row per batch (hsx_varlen attention) instead of padded rows
     compiled: bool = False  # decoder layers run through torch.compile (fused element-wise kernels)
+    codec: Codec = Codec.RAW  # how states are stored (store.codec); runs made before codecs are raw
     data: list[DataFile]
     plan: PlanIdentity
 
@@ -118,7 +117,7 @@ def differences(stored: RunSpec, asked: dict) -> list[str]:
 
     ``asked`` holds only what the operator gave: ``model`` (a ModelIdentity), ``tokenizer``,
     ``layers``, ``dtype``, ``max_length``, ``batch_tokens``, ``shard_size``, ``data`` (DataFiles),
-    ``backend``, ``packed``, ``compiled``.
+    ``backend``, ``packed``, ``compiled``, ``codec``.
     """
     out = []
     if (m := asked.get("model")) is not None:
@@ -128,7 +127,17 @@ def differences(stored: RunSpec, asked: dict) -> list[str]:
             out.append("tokenizer: vocabulary or special tokens differ")
         if t.chat_template != stored.tokenizer.chat_template:
             out.append("chat template differs")
-    for key in ("layers", "dtype", "max_length", "batch_tokens", "shard_size", "backend", "packed", "compiled"):
+    for key in (
+        "layers",
+        "dtype",
+        "max_length",
+        "batch_tokens",
+        "shard_size",
+        "backend",
+        "packed",
+        "compiled",
+        "codec",
+    ):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
     if (data := asked.get("data")) is not None:

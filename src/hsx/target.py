@@ -5,12 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hsx.errors import ModelChanged, ModelNotFound
 from hsx.fingerprint import digest_bytes, digest_json, model_fingerprint
-from hsx.spec import ModelIdentity, TokenizerIdentity
-
-
-class ModelNotFound(Exception):
-    pass
+from hsx.spec import ModelIdentity, RunSpec, TokenizerIdentity
 
 
 def resolve(model: str) -> Path:
@@ -60,3 +57,21 @@ def tokenizer_identity(tokenizer) -> TokenizerIdentity:
         digest=digest_json({"vocab": digest_bytes(vocab.encode()), "special": specials}),
         chat_template=digest_bytes((tokenizer.chat_template or "").encode()),
     )
+
+
+def model_dir_for(spec: RunSpec, given: str | None = None, checked: bool = False) -> Path:
+    """Where the run's model is now: ``given`` (a --model), else the spec's path; refused unless its
+    fingerprint matches the run's (``checked``: the caller has just compared it, skip the re-read)."""
+    where = given or spec.model.path
+    try:
+        path = resolve(where)
+    except ModelNotFound as e:
+        raise ModelNotFound(
+            f"{e}; if the model moved, pass --model NEW_PATH (it must match the run's fingerprint)"
+        ) from e
+    if not checked:
+        diffs = spec.model.fingerprint.differences(identity(where, path).fingerprint)
+        if diffs:
+            what = "the model changed since the run started" if given is None else f"{path} is not the run's model"
+            raise ModelChanged(f"{what}:\n  - " + "\n  - ".join(diffs))
+    return path

@@ -1,7 +1,8 @@
 """Progress from what is verified on disk: samples, tokens and bytes done, and each shard's state.
 
 Counts come from the scan, never from a counter the writer kept: a file that exists but fails its
-check is not done. Shards are summarised as sealed / partial / untouched with compact id ranges, so
+check is not done (a sealed shard's file unchanged since sealing counts as checked: it was verified
+before its manifest was written). Shards are summarised as sealed / partial / untouched with compact id ranges, so
 the line stays short for thousands of shards.
 """
 

@@ -13,13 +13,10 @@ from pathlib import Path
 
 from hsx.assess import integrity, workers
 from hsx.assess.checks import EXIT_ACT, EXIT_OK, EXIT_REDO, Check
+from hsx.errors import RepairRefused
 from hsx.spec import RunSpec, load_spec
 from hsx.store import layout
 from hsx.store.quarantine import Moved, quarantine
-
-
-class RepairRefused(Exception):
-    pass
 
 
 @dataclass
@@ -50,7 +47,8 @@ class VerifyResult:
         return sorted({p.sample_id for p in self.result.problems if p.sample_id is not None})
 
 
-def verify(run: Path, deep: bool = False, repair: bool = False, threads: int = 8) -> VerifyResult:
+def verify(run: Path, deep: bool = False, repair: bool = False, threads: int | None = None) -> VerifyResult:
+    """``threads``: parallel readers (None: the store's default for this machine)."""
     spec = load_spec(run)
     worker = workers.inspect(run)
     if repair and worker.alive:

@@ -19,8 +19,8 @@ import numpy as np
 import psutil
 
 from hsx.assess.checks import Check, size
+from hsx.errors import LowSpace, NotEnoughSpace
 from hsx.spec import RunSpec
-from hsx.store.durable import DiskFull
 from hsx.store.scan import ShardScan
 
 FILE_OVERHEAD = 3 << 10  # header (~0.6 KiB) + half a 4 KiB block of allocation rounding, on average
@@ -189,21 +189,6 @@ def check(p: Projection, out: Path) -> Check:
     return Check("volume", "ok", figure, data=data)
 
 
-class LowSpace(DiskFull):
-    """Free space fell under the reserve: stop before the volume is full, exactly as on ENOSPC."""
-
-    def __init__(self, path: Path, free: int, pending: int, reserve: int):
-        super().__init__(path)
-        self.free, self.pending, self.reserve = free, pending, reserve
-        self.strerror = (
-            f"free space on the output volume ({size(free)}, {size(pending)} of it promised to writes "
-            f"in flight) is under the reserve of {size(reserve)}"
-        )
-
-    def __str__(self) -> str:
-        return self.strerror
-
-
 class DiskGuard:
     """Called before each batch is captured; raises ``LowSpace`` when the batch would eat the reserve."""
 
@@ -214,14 +199,17 @@ class DiskGuard:
         free = shutil.disk_usage(self.out).free
         pending = self.in_flight() + batch_bytes
         if free - pending < self.reserve:
-            raise LowSpace(self.out, free, pending, self.reserve)
+            raise LowSpace(
+                self.out,
+                free,
+                pending,
+                self.reserve,
+                f"free space on the output volume ({size(free)}, {size(pending)} of it promised to writes "
+                f"in flight) is under the reserve of {size(self.reserve)}",
+            )
 
 
-class NotEnoughSpace(Exception):
-    """The projection exceeds free space plus the reserve, and --allow-partial was not given."""
-
-
-def start_guard(
+def check_space(
     run: Path,
     spec: RunSpec,
     lengths: np.ndarray,
@@ -229,8 +217,8 @@ def start_guard(
     allow_partial: bool,
     reserve: int | None,
     log: Callable[[str], None],
-) -> DiskGuard:
-    """At start: print the projection, refuse when it does not fit, and return the running guard."""
+) -> int:
+    """At start: print the projection, refuse when it does not fit; returns the bytes to keep free."""
     missing = np.asarray([i for s in scans for i in s.missing], dtype=np.int64)
     proj = project(
         run,
@@ -252,4 +240,4 @@ def start_guard(
             f"warning: {proj.shortfall()}; --allow-partial: extracting until the volume is too full "
             "to go on, then stopping cleanly"
         )
-    return DiskGuard(run, proj.reserve)
+    return proj.reserve

@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hsx import registry
 from hsx.assess.checks import Check, duration, size
 from hsx.lock import LOCK, METRICS, STALE_AFTER, Holder, read_holder
-from hsx.scaleout import registry
 
 
 @dataclass
@@ -69,7 +69,7 @@ def _pace(m: dict | None) -> str:
 
 
 def check(w: Worker) -> Check:
-    return registry.add_to_check(_check_lock(w), w.fleet, w.alive)
+    return add_fleet(_check_lock(w), w.fleet, w.alive)
 
 
 def _check_lock(w: Worker) -> Check:
@@ -104,3 +104,20 @@ def _check_lock(w: Worker) -> Check:
         f"{w.state} lock: {who}; {why}; hsx extract takes it over{_pace(w.metrics)}",
         data=data,
     )
+
+
+def add_fleet(c: Check, seen: list[registry.Seen], driver_alive: bool) -> Check:
+    """The ``workers`` line of ``hsx status``, with one detail line per scale-out worker, alive or dead."""
+    if not seen:
+        return c
+    c.figure += f"; {registry.summary(seen)}"
+    c.details += [s.describe() for s in seen]
+    c.data["ray_workers"] = [s.record.model_dump() | {"state": s.state} for s in seen]
+    alive = [s for s in seen if s.state == "alive"]
+    if alive and not driver_alive:
+        c.level, c.redo = "fail", False
+        c.action = (
+            f"{len(alive)} worker(s) outlived their driver ({alive[0].record.where()}): they stop themselves "
+            "within two heartbeats of losing it; if they do not, stop them before resuming"
+        )
+    return c

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hsx.errors import OptionError
+
 
 @dataclass
 class CapturedBatch:
@@ -42,11 +44,11 @@ def default_layers(num_layers: int) -> list[int]:
 
 def check_layers(layers: list[int], num_layers: int) -> None:
     if not layers:
-        raise ValueError("at least one layer id is needed")
+        raise OptionError("at least one layer id is needed")
     if len(set(layers)) != len(layers):
-        raise ValueError(f"duplicate layer ids in {layers}")
+        raise OptionError(f"duplicate layer ids in {layers}")
     bad = [k for k in layers if not 0 <= k < num_layers]
     if bad:
-        raise ValueError(
+        raise OptionError(
             f"layer ids {bad} out of range: the model has {num_layers} decoder layers, ids 0..{num_layers - 1}"
         )

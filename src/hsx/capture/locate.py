@@ -11,12 +11,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from hsx.errors import UnsupportedModel
+
 LAYER_LIST_NAMES = ("layers", "h", "blocks", "decoder_layers")
 NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_norm")
-
-
-class UnsupportedModel(Exception):
-    pass
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch
 
 from hsx.capture import CapturedBatch, check_layers, varlen
 from hsx.capture.locate import locate
+from hsx.errors import OptionError
 
 NAME = "transformers"
 
@@ -34,7 +35,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype == "auto":
         return "bfloat16" if device.startswith("cuda") else "float32"
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of auto, {', '.join(DTYPES)}")
+        raise OptionError(f"unknown dtype {dtype!r}: use one of auto, {', '.join(DTYPES)}")
     return dtype
 
 
@@ -44,6 +45,55 @@ def packing_supported(architecture: str) -> bool:
 
     cls = getattr(transformers, architecture, None)
     return cls is not None and varlen.supported(cls)
+
+
+def _head_dims(config: dict) -> tuple[int, int]:
+    """(q/k, v) head dims of the attention layers, the largest where layer kinds differ. MLA configs
+    (DeepSeek-V2/V3, Kimi-K2) split q/k into a rotary and a plain part; their ``head_dim``, where
+    present, is the rotary part only."""
+    if "qk_nope_head_dim" in config and "qk_rope_head_dim" in config:
+        qk = int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"])
+    else:
+        qk = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        qk = max(qk, int(config.get("swa_head_dim") or 0))
+    v = max(int(config.get("v_head_dim") or qk), int(config.get("swa_v_head_dim") or 0))
+    return qk, v
+
+
+def _unimplemented_feature(config: dict) -> str | None:
+    """Attention the packed path does not compute (it refuses such layers at run time)."""
+    if config.get("attn_logit_softcapping"):
+        return "attention logit softcapping"
+    layer_types = config.get("layer_types") or []
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True) and (not layer_types or "sliding_attention" in layer_types):
+        return f"sliding-window attention ({window} tokens)"
+    if config.get("attention_chunk_size") or "chunked_attention" in layer_types:
+        return "chunked attention"
+    return None
+
+
+def packing_refusal(config: dict) -> str | None:
+    """Why packed rows cannot compute this model at all (one line), or None."""
+    architecture = config.get("architectures", ["?"])[0]
+    if not packing_supported(architecture):
+        return f"{architecture} does not take a pluggable attention function"
+    feature = _unimplemented_feature(config)
+    return None if feature is None else f"hsx_varlen does not implement {feature}"
+
+
+def varlen_blocker(config: dict, device: str, dtype: str = "auto") -> str | None:
+    """Why packed rows of this model would not run the varlen kernel on every attention layer on
+    ``device`` (one line), or None when they would. ``config`` is the model's config.json as
+    ``hsx.target.load_config`` returns it; ``dtype`` as ``--dtype`` takes it. Where this is not
+    None, packing is per-sample attention (slower than padded rows) or refused, so ``--packing
+    auto`` should pad. Reads the config's standard fields; ``varlen.CALLS`` counts what really ran."""
+    refusal = packing_refusal(config)
+    if refusal is not None:
+        return refusal
+    qk, v = _head_dims(config)
+    reason = varlen.blocker(max(qk, v), DTYPES[resolve_dtype(dtype, device)], device)
+    return None if reason is None else f"{reason} (q/k head dim {qk}, v head dim {v})"
 
 
 class TransformersBackend:

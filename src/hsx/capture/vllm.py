@@ -20,44 +20,30 @@ starts nothing.
 
 from __future__ import annotations
 
-import json
-import re
 import shutil
 from collections import deque
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import vllm
 
+from hsx.assess.volume import DiskGuard
 from hsx.capture import check_layers
-from hsx.capture.vllm_connector import CONNECTOR, EXTRA_KEY, SAMPLE_KEY
-from hsx.extract import Refused
+from hsx.capture.vllm_connector import CONNECTOR, EXTRA_KEY, SAMPLE_KEY, SinkConfig
+from hsx.errors import BadFile, CaptureFailed, DiskFull
+from hsx.finalnorm import FinalNorm, locate
+from hsx.plan import Plan, batches_for
+from hsx.progress import Progress
+from hsx.spec import RunSpec
 from hsx.store import layout
-from hsx.store.durable import DiskFull
-from hsx.store.format import FINAL_STATE, BadFile, check
+from hsx.store.format import FINAL_STATE, check
+from hsx.store.scan import ShardScan
 from hsx.store.writer import FileRecord, seal
 from hsx.target import load_config
 
 __version__ = vllm.__version__
-
-NORM_TENSOR = re.compile(r"(^|\.)(norm|final_layernorm|ln_f|norm_f|final_norm)\.weight$")
-PER_LAYER = re.compile(r"\.(layers|h|blocks|decoder_layers)\.\d+\.")
-OFFSET_NORMS = ("gemma",)  # model types whose RMSNorm scales by (1 + weight): not handled
-
-
-class CaptureFailed(Refused):
-    """vLLM cannot capture this model, or did not deliver a sample as the plan has it; a person must look."""
-
-
-@dataclass(frozen=True)
-class FinalNorm:
-    """The checkpoint's final RMSNorm: which tensor of which weight file, and its epsilon."""
-
-    file: str  # relative to the model folder
-    tensor: str
-    eps: float
 
 
 def vllm_ids(layers: list[int], num_layers: int) -> tuple[list[int], list[int], int]:
@@ -68,38 +54,15 @@ def vllm_ids(layers: list[int], num_layers: int) -> tuple[list[int], list[int], 
     return ids, [ids.index(k + 1) for k in layers], ids.index(num_layers)
 
 
-def _weight_names(model_dir: Path) -> dict[str, str]:
-    """Tensor name -> weight file, from the safetensors index or the single file's header."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as st:
-            out.update(dict.fromkeys(st.keys(), f.name))
-    return out
-
-
 def final_norm(model_dir: Path) -> FinalNorm:
-    """Locate the final norm's weight in the checkpoint; refuse models whose norm is not a plain RMSNorm."""
-    config = load_config(model_dir)
-    model_type = str(config.get("model_type", ""))
-    if model_type.startswith(OFFSET_NORMS):
+    """The checkpoint's final norm (``hsx.finalnorm.locate``), refused for (1 + weight) norms: the
+    connector would apply them as transformers does, but no vLLM model of those families has been
+    compared with the transformers backend."""
+    norm = locate(model_dir)
+    if norm.offset:
+        model_type = load_config(model_dir).get("model_type", "")
         raise CaptureFailed(f"the vLLM backend does not handle {model_type}'s (1 + weight) final norm")
-    eps = config.get("rms_norm_eps")
-    if eps is None:
-        raise CaptureFailed(f"{model_dir}/config.json has no rms_norm_eps: the final norm is not an RMSNorm")
-    names = _weight_names(model_dir)
-    found = sorted(n for n in names if NORM_TENSOR.search(n) and not PER_LAYER.search(n) and "mtp" not in n)
-    if len(found) > 1 and "model.norm.weight" in found:
-        found = ["model.norm.weight"]
-    if len(found) != 1:
-        raise CaptureFailed(f"cannot tell the final norm's weight in {model_dir}: candidates {found or 'none'}")
-    if found[0].removesuffix("weight") + "bias" in names:
-        raise CaptureFailed(f"{found[0]} has a bias: a LayerNorm, not an RMSNorm")
-    return FinalNorm(names[found[0]], found[0], float(eps))
+    return norm
 
 
 def final_state(model_dir: Path) -> str:
@@ -112,22 +75,21 @@ def final_state(model_dir: Path) -> str:
 
 
 def open_llm(
-    run: Path, model_dir: Path, spec, longest: int, tensor_parallel_size: int = 1, data_parallel_size: int = 1
+    run: Path,
+    model_dir: Path,
+    spec: RunSpec,
+    longest: int,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
 ) -> vllm.LLM:
-    """vLLM with the extract_hidden_states drafter and hsx's connector writing into ``run``."""
+    """vLLM with the extract_hidden_states drafter and hsx's connector writing into ``run``.
+
+    ``longest``: the plan's longest sample in tokens (sets vLLM's context length). Nothing is
+    written until prompts are enqueued (``Feeder``)."""
     from vllm.platforms import current_platform
 
     ids, aux_rows, final_row = vllm_ids(spec.layers, spec.model.num_layers)
-    norm = final_norm(model_dir)
-    sink = {
-        "run": str(run.resolve()),
-        "shard_size": spec.shard_size,
-        "layers": spec.layers,
-        "aux_rows": aux_rows,
-        "final_row": final_row,
-        "dtype": spec.dtype,
-        "norm": {"file": str(model_dir / norm.file), "tensor": norm.tensor, "eps": norm.eps},
-    }
+    sink = SinkConfig(run.resolve(), spec.shard_size, spec.layers, aux_rows, final_row, final_norm(model_dir))
     return vllm.LLM(
         model=str(model_dir),
         dtype=spec.dtype,
@@ -147,7 +109,7 @@ def open_llm(
             "kv_connector": CONNECTOR,
             "kv_connector_module_path": "hsx.capture.vllm_connector",
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {EXTRA_KEY: sink},
+            "kv_connector_extra_config": {EXTRA_KEY: sink.to_dict()},
         },
     )
 
@@ -161,11 +123,21 @@ def close_llm(llm: vllm.LLM) -> None:
 
 
 class Feeder:
-    """Keeps vLLM supplied with the missing samples, shard by shard, and seals shards as they finish."""
+    """Keeps vLLM supplied with the missing samples, shard by shard, and seals shards as they finish.
 
-    def __init__(self, run: Path, spec, plan, todo, progress, guard, window: int):
-        from hsx.plan import batches_for
+    ``todo``: the scans of the shards with missing samples; ``guard`` is called with a batch's
+    bytes before it is enqueued (the disk guard), ``window`` bounds the tokens in flight."""
 
+    def __init__(
+        self,
+        run: Path,
+        spec: RunSpec,
+        plan: Plan,
+        todo: Iterable[ShardScan],
+        progress: Progress,
+        guard: Callable[[int], None] | None,
+        window: int,
+    ):
         self.run, self.spec, self.plan, self.progress, self.guard = run, spec, plan, progress, guard
         self.window = window  # tokens enqueued and not yet finished, at most
         self.batches: deque[list[int]] = deque()
@@ -180,9 +152,11 @@ class Feeder:
         self.inflight = 0  # tokens
 
     def inflight_bytes(self) -> int:
+        """Bytes of the samples enqueued and not yet finished: the disk guard counts them as used."""
         return self.inflight * self.spec.bytes_per_token
 
     def feed(self, llm: vllm.LLM) -> None:
+        """Enqueue batches until the window of tokens in flight is full."""
         from vllm import SamplingParams
 
         while self.batches and (self.inflight == 0 or self.inflight < self.window):
@@ -201,7 +175,7 @@ class Feeder:
             self.requests.update(ids)
             self.inflight += tokens
 
-    def finished(self, out) -> None:
+    def finished(self, out: vllm.RequestOutput) -> None:
         """One request's output: its sample id comes back from the connector on kv_transfer_params."""
         sid = int((out.kv_transfer_params or {}).get(SAMPLE_KEY, -1))
         if sid not in self.requests:
@@ -238,6 +212,7 @@ class Feeder:
             del self.left[shard]
 
     def run_engine(self, llm: vllm.LLM) -> None:
+        """Step the engine until every sample is back; refuse when vLLM dropped any."""
         engine = llm.llm_engine
         while True:
             self.feed(llm)
@@ -252,22 +227,22 @@ class Feeder:
 
 def run_shards_vllm(
     run: Path,
-    spec,
-    plan,
-    opts,
-    todo,
-    progress,
-    guard=None,
+    spec: RunSpec,
+    plan: Plan,
+    model_dir: Path,
+    todo: list[ShardScan],
+    progress: Progress,
+    reserve: int | None = None,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
 ) -> None:
-    """The vLLM counterpart of ``extract.run_shards``: capture every missing sample of ``todo``."""
-    from hsx.extract import model_dir_for
-
-    model_dir = model_dir_for(spec, opts)
-    feeder = Feeder(run, spec, plan, todo, progress, guard, window=max(4 * spec.batch_tokens, int(plan.lengths.max())))
-    if guard is not None:
-        guard.in_flight = feeder.inflight_bytes
-    tp, dp = opts.tensor_parallel_size or 1, opts.data_parallel_size or 1
-    llm = open_llm(run, model_dir, spec, int(plan.lengths.max()), tp, dp)
+    """The vLLM counterpart of ``run.pipeline.Extractor.run_shards``: capture every missing sample
+    of ``todo`` (scans already settled by ``run.resume``), keeping ``reserve`` bytes free."""
+    window = max(4 * spec.batch_tokens, int(plan.lengths.max()))
+    feeder = Feeder(run, spec, plan, todo, progress, None, window=window)
+    if reserve is not None:
+        feeder.guard = DiskGuard(run, reserve, in_flight=feeder.inflight_bytes)
+    llm = open_llm(run, model_dir, spec, int(plan.lengths.max()), tensor_parallel_size, data_parallel_size)
     try:
         with progress.live():
             feeder.run_engine(llm)

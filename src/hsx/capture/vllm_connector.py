@@ -11,9 +11,10 @@ Flow, per request (one plan sample):
   (sample id, the token ids vLLM runs, the request's block ids) in the step's metadata.
 - worker: after that step's drafter has filled the cache (``wait_for_save``), tensor-parallel
   rank 0 gathers the rows, checks vLLM's token ids against the plan's, maps vLLM ids to hsx
-  layers, applies the checkpoint's final norm, and writes the sample file through the store
-  (temp file, fsync, rename); the folders are fsynced before the step returns, so a file is
-  durable before the driver hears the request finished. Nothing is staged outside the run.
+  layers, applies the checkpoint's final norm (``hsx.finalnorm``, as transformers computes it),
+  and writes the sample file through the store (temp file, fsync, rename); the folders are
+  fsynced before the step returns, so a file is durable before the driver hears the request
+  finished. Nothing is staged outside the run.
 A sample that cannot be written (token mismatch, full disk) is logged and left without a file;
 the driver sees the missing file and stops. Imports stay light: this runs in every vLLM process.
 """
@@ -34,6 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from hsx.finalnorm import FinalNorm
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -41,7 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 CONNECTOR = "HsxConnector"
-EXTRA_KEY = "hsx"  # kv_connector_extra_config[EXTRA_KEY]: the sink's settings (see Sink)
+EXTRA_KEY = "hsx"  # kv_connector_extra_config[EXTRA_KEY]: SinkConfig.to_dict()
 SAMPLE_KEY = "hsx_sample_id"  # a request's kv_transfer_params[SAMPLE_KEY]: its plan sample id
 STATE_LAYER = "cache_only_layers"  # name part of the cache-only layer that holds the states
 
@@ -62,29 +65,48 @@ class Metadata(KVConnectorMetadata):
     prompts: list[Prompt] = field(default_factory=list)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's Llama-family RMSNorm, bit for bit: float32 statistics, cast back, times weight."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+@dataclass(frozen=True)
+class SinkConfig:
+    """What the worker needs to write the run's files. vLLM carries it to its processes inside
+    ``kv_connector_extra_config``, which must stay plain JSON: hence ``to_dict``/``from_dict``."""
+
+    run: Path
+    shard_size: int
+    layers: list[int]  # hsx layer ids, in the spec's order
+    aux_rows: list[int]  # state-cache head of each of ``layers``
+    final_row: int  # head holding vLLM id N, the last layer's output before the norm
+    norm: FinalNorm  # applied to that head to give ``hidden_states``
+
+    def to_dict(self) -> dict[str, Any]:
+        n = self.norm
+        return {
+            "run": str(self.run),
+            "shard_size": self.shard_size,
+            "layers": list(self.layers),
+            "aux_rows": list(self.aux_rows),
+            "final_row": self.final_row,
+            "norm": {"file": str(n.file), "tensor": n.tensor, "eps": n.eps, "offset": n.offset},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SinkConfig:
+        norm = d["norm"]
+        return cls(
+            run=Path(d["run"]),
+            shard_size=int(d["shard_size"]),
+            layers=[int(k) for k in d["layers"]],
+            aux_rows=[int(r) for r in d["aux_rows"]],
+            final_row=int(d["final_row"]),
+            norm=FinalNorm(Path(norm["file"]), norm["tensor"], float(norm["eps"]), bool(norm["offset"])),
+        )
 
 
 class Sink:
     """Turns a request's rows of the state cache into a verified sample file of the run."""
 
-    def __init__(self, cfg: dict):
-        from safetensors import safe_open
-
-        self.run = Path(cfg["run"])
-        self.shard_size = int(cfg["shard_size"])
-        self.layers = list(cfg["layers"])
-        self.aux_rows = list(cfg["aux_rows"])  # state-cache head of each hsx layer, in the spec's order
-        self.final_row = int(cfg["final_row"])  # head holding vLLM id N, the last layer before the norm
-        self.dtype = getattr(torch, cfg["dtype"])  # float32 | bfloat16 | float16
-        norm = cfg["norm"]
-        with safe_open(norm["file"], framework="pt") as f:
-            self.norm_weight = f.get_tensor(norm["tensor"]).to(self.dtype)
-        self.eps = float(norm["eps"])
+    def __init__(self, cfg: SinkConfig):
+        self.cfg = cfg
+        _ = cfg.norm.weight  # read at start, so a weight file that cannot be read fails here, not mid-run
         self._plan = None
 
     @property
@@ -92,7 +114,7 @@ class Sink:
         if self._plan is None:  # loaded on first use, only in the process that writes
             from hsx.plan import Plan
 
-            self._plan = Plan(self.run)
+            self._plan = Plan(self.cfg.run)
         return self._plan
 
     def write(self, prompts: list[Prompt], cache: torch.Tensor, block_size: int) -> None:
@@ -115,8 +137,8 @@ class Sink:
             blocks = torch.tensor(p.block_ids, dtype=torch.long, device=cache.device)
             slots = (blocks[:, None] * block_size + torch.arange(block_size, device=cache.device)).flatten()[:n]
             states = cache[slots // block_size, :, slots % block_size].to("cpu")  # [n, n_ids, H], a copy
-            aux = states[:, self.aux_rows].reshape(n, -1).contiguous()
-            final = rms_norm(states[:, self.final_row], self.norm_weight, self.eps).contiguous()
+            aux = states[:, self.cfg.aux_rows].reshape(n, -1).contiguous()
+            final = self.cfg.norm.apply(states[:, self.cfg.final_row]).contiguous()
             sample = SampleTensors(
                 sample_id=p.sample_id,
                 input_ids=torch.from_numpy(want.astype("int64")),
@@ -124,8 +146,8 @@ class Sink:
                 aux=aux,
                 final=final,
             )
-            path = layout.sample_path(self.run, p.sample_id, self.shard_size)
-            parts, _ = encode(sample, self.layers)
+            path = layout.sample_path(self.cfg.run, p.sample_id, self.cfg.shard_size)
+            parts, _ = encode(sample, self.cfg.layers)
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 write_parts(path, parts, sync_dir=False)
@@ -142,9 +164,10 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self.cfg = self._kv_transfer_config.get_from_extra_config(EXTRA_KEY, None)
-        if not self.cfg:
+        extra = self._kv_transfer_config.get_from_extra_config(EXTRA_KEY, None)
+        if not extra:
             raise ValueError(f"{CONNECTOR} needs kv_connector_extra_config[{EXTRA_KEY!r}]")
+        self.cfg = SinkConfig.from_dict(extra)
         self.block_size = vllm_config.cache_config.block_size
         self.group = 0
         if kv_cache_config is not None:

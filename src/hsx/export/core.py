@@ -14,7 +14,6 @@ digest) as it is read; a bad one stops the export with its name and the command 
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -23,173 +22,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import xxhash
-
-from hsx import target
 from hsx.data import read_verified
-from hsx.export.norm import TOLERANCE, FinalNorm, NormUnavailable, load_final_norm
-from hsx.plan import Plan
+from hsx.errors import BadFile, ExportRefused
+from hsx.export.modelopt import ModelOpt
+from hsx.export.specforge import SpecForge
+from hsx.export.speculators import Speculators
+from hsx.export.trainer import TMP_DIR_MARK, Context, ExportOptions, TrainerFormat, Written
+from hsx.export.vocab import draft_map, target_vocab_size, token_counts
+from hsx.plan import load_plan
 from hsx.progress import Progress
-from hsx.spec import RunSpec, SpecError, load_spec, now
+from hsx.spec import RunSpec, load_spec, now
 from hsx.store import layout
-from hsx.store.durable import durable_rename, fsync_dir, is_temp, write_durable
-from hsx.store.format import BadFile
+from hsx.store.durable import is_temp, write_durable
+from hsx.store.format import digest
 from hsx.store.scan import scan_run
+from hsx.target import model_dir_for
 
 EXPORT_FORMAT = "hsx-export/1"
 JOB = ".hsx-export-job.json"
 LOG = ".hsx-export-progress.jsonl"
 MANIFEST = "hsx-export.json"
-TMP_DIR_MARK = ".hsx-tmp-"
-
-
-class ExportRefused(Exception):
-    """The export cannot go on as asked; the message says why and what to do."""
-
-
-@dataclass
-class ExportOptions:
-    run: Path
-    dest: Path
-    to: str
-    model: str | None = None  # model folder for the final norm / vocab size (default: the spec's path)
-    prenorm: bool = False  # modelopt: export the pre-norm final state (flagged hidden_states_prenorm)
-    allow_incomplete: bool = False  # export the samples that are done instead of refusing
-    draft_vocab: int | None = None  # also write the trainer's draft-vocab map of this size
-    target_vocab: int | None = None  # target vocabulary size (default: the model's config)
-    pace: float = 0.0  # seconds to sleep after each sample (throttling; lets tests kill mid-export)
-
-
-@dataclass(frozen=True)
-class Written:
-    path: str  # relative to DEST
-    size: int
-    digest: str
-
-    def to_json(self) -> dict:
-        return {"path": self.path, "size": self.size, "digest": self.digest}
-
-
-def digest(data: bytes | memoryview) -> str:
-    return f"xxh3_128:{xxhash.xxh3_128(data).hexdigest()}"
-
-
-def torch_bytes(obj) -> bytes:
-    """torch.save into memory (the trainers read pickled dicts), so the write stays atomic."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def put(dest: Path, rel: str, data: bytes) -> Written:
-    path = dest / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    size = write_durable(path, data)
-    return Written(rel, size, digest(data))
-
-
-def model_dir_for(spec: RunSpec, model: str | None) -> Path:
-    """The run's model (or ``model``), refused unless its fingerprint matches the run's."""
-    given = model or spec.model.path
-    try:
-        path = target.resolve(given)
-    except target.ModelNotFound as e:
-        raise ExportRefused(f"{e}; pass --model PATH (the run's model, wherever it is now)") from e
-    diffs = spec.model.fingerprint.differences(target.identity(given, path).fingerprint)
-    if diffs:
-        raise ExportRefused(f"{path} is not the run's model:\n  - " + "\n  - ".join(diffs))
-    return path
-
-
-@dataclass
-class Context:
-    """Everything a trainer format needs while writing: the run, its plan, the final norm."""
-
-    opts: ExportOptions
-    spec: RunSpec
-    plan: Plan
-    ids: list[int]  # sample id of each export index
-    norm: FinalNorm | None = None
-    prenorm_source: str = ""  # how the pre-norm state is obtained, for the manifest
-    max_norm_error: float = 0.0
-    model_dir: Path | None = None
-
-    @property
-    def dest(self) -> Path:
-        return self.opts.dest
-
-    @property
-    def hidden(self) -> int:
-        return self.spec.model.hidden_size
-
-    def source_id(self, sid: int) -> str:
-        value = self.plan.sources.column("source_id")[sid].as_py()
-        return value if value else str(sid)
-
-    def prenorm(self, sid: int, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The final state before the norm, [T, H], checked to give back the stored post-norm state."""
-        assert self.norm is not None
-        post = t["hidden_states"]
-        last = self.spec.model.num_layers - 1
-        if last in self.spec.layers:
-            k = self.spec.layers.index(last)
-            pre = t["aux_hidden_states"][:, k * self.hidden : (k + 1) * self.hidden].clone()
-        else:
-            pre = self.norm.prenorm_from_post(post)
-        err = self.norm.error(pre, post)
-        limit = TOLERANCE[self.spec.dtype]
-        if not err <= limit:
-            raise ExportRefused(
-                f"sample {sid}: the final norm ({self.norm.key}, eps {self.norm.eps}) applied to the exported "
-                f"pre-norm state differs from the stored post-norm state by {err:.2e} (limit {limit:.0e}); "
-                "the model given is not the one that produced the run, or its final norm is not a plain "
-                "RMSNorm. Refusing to write wrong targets."
-            )
-        self.max_norm_error = max(self.max_norm_error, err)
-        return pre
-
-    def load_norm(self) -> None:
-        self.model_dir = self.model_dir or model_dir_for(self.spec, self.opts.model)
-        try:
-            self.norm = load_final_norm(self.model_dir, self.hidden)
-        except NormUnavailable as e:
-            raise ExportRefused(f"this export needs the pre-norm final state, and {e}") from e
-        last = self.spec.model.num_layers - 1
-        if last in self.spec.layers:
-            self.prenorm_source = f"exact: the run holds hsx layer {last} (the last decoder layer's raw output)"
-        else:
-            self.prenorm_source = (
-                f"post-norm state / {self.norm.key} (RMSNorm is scale-invariant: norm(pre) = post to 1 - O(eps), "
-                f"eps {self.norm.eps}); each sample checked within {TOLERANCE[self.spec.dtype]:.0e}"
-            )
-
-
-class TrainerFormat:
-    """One trainer's on-disk format. Subclasses write one sample's files, then whatever comes last."""
-
-    name = ""
-    description = ""
-    needs_prenorm = False
-
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
-
-    def check(self) -> None:
-        """Refuse before writing anything when the run cannot be expressed in this format."""
-
-    def job(self) -> dict:
-        """Options that change the bytes written (part of the export's identity)."""
-        return {}
-
-    def sample(self, index: int, sid: int, t: dict[str, torch.Tensor]) -> list[Written]:
-        raise NotImplementedError
-
-    def finish(self, vocab: tuple[torch.Tensor, torch.Tensor, dict[int, int]] | None) -> list[Written]:
-        return []
-
-    def final_state(self) -> str:
-        return "post-norm (hsx's stored state)"
+FORMATS: dict[str, type[TrainerFormat]] = {f.name: f for f in (SpecForge, Speculators, ModelOpt)}
 
 
 # ---------------------------------------------------------------- DEST: job identity, progress log
@@ -287,17 +140,6 @@ class ExportSummary:
     max_norm_error: float | None
 
 
-def load_plan(run: Path, spec: RunSpec) -> Plan:
-    """The run's plan, refused unless it matches the spec's fingerprint (ids and masks come from it)."""
-    try:
-        plan = Plan(run)
-    except (OSError, ValueError) as e:
-        raise ExportRefused(f"the plan of {run} is unreadable ({e})") from e
-    if len(plan) != spec.plan.num_samples or plan.fingerprint() != spec.plan.fingerprint:
-        raise ExportRefused(f"the plan of {run} does not match its run spec's fingerprint")
-    return plan
-
-
 def export_ids(run: Path, spec: RunSpec, allow_incomplete: bool) -> list[int]:
     """The samples to export: all of the plan's, or (``allow_incomplete``) those with a good file."""
     scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False)
@@ -316,16 +158,10 @@ def export_ids(run: Path, spec: RunSpec, allow_incomplete: bool) -> list[int]:
 
 
 def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> ExportSummary:
-    from hsx.export import FORMATS
-    from hsx.vocab import draft_map, target_vocab_size, token_counts
-
     if opts.to not in FORMATS:
         raise ExportRefused(f"--to takes one of {', '.join(FORMATS)}, not {opts.to!r}")
     run = opts.run
-    try:
-        spec = load_spec(run)
-    except SpecError as e:
-        raise ExportRefused(str(e)) from e
+    spec = load_spec(run)
     plan = load_plan(run, spec)
     ids = export_ids(run, spec, opts.allow_incomplete)
     ctx = Context(opts, spec, plan, ids)
@@ -418,13 +254,3 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
         final_state=fmt.final_state(),
         max_norm_error=ctx.max_norm_error if fmt.needs_prenorm else None,
     )
-
-
-def move_folder_contents(src: Path, dest: Path, last: tuple[str, ...] = ()) -> list[str]:
-    """Durably move every file of ``src`` (flat) into ``dest``, the names in ``last`` at the end."""
-    names = sorted(os.listdir(src), key=lambda n: (n in last, last.index(n) if n in last else 0, n))
-    for name in names:
-        durable_rename(src / name, dest / name)
-    shutil.rmtree(src)
-    fsync_dir(dest)
-    return names

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from hsx.export.core import TrainerFormat, Written, put, torch_bytes
+from hsx.export.serialize import torch_bytes
+from hsx.export.trainer import TrainerFormat, Written, put
 
 PER_FOLDER = 1000
 

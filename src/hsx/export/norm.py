@@ -1,12 +1,14 @@
-"""The target's final RMSNorm: post-norm from pre-norm (exact), pre-norm from post-norm (up to eps).
+"""Pre-norm final states for exports: post-norm from pre-norm (exact), pre-norm from post-norm (up to eps).
 
-hsx stores the final state AFTER the norm: ``post = w * x / sqrt(mean(x^2) + eps)``. Some trainers
-want the state BEFORE it and apply the norm themselves. ``x`` is lost, but an RMSNorm is
-invariant to a per-token scale of its input, so ``y = post / w`` (= ``x / sqrt(mean(x^2) + eps)``)
-gives ``norm(y) = post / sqrt(mean(y^2) + eps)`` with ``mean(y^2) = m / (m + eps)``, m = mean(x^2):
-a per-token scale of the logits by 1 - O(eps), plus one rounding in the storage dtype. Where the
-run holds the last decoder layer's raw output (hsx layer N-1) the pre-norm state is exact instead.
-Every converted sample is checked: the norm of what is exported must give back the stored state.
+The norm itself (which tensor, which family, how it is applied) is ``hsx.finalnorm``'s; ``w`` below
+is its per-channel scale. hsx stores the final state AFTER the norm: ``post = w * x / sqrt(mean(x^2)
++ eps)``. Some trainers want the state BEFORE it and apply the norm themselves. ``x`` is lost, but
+an RMSNorm is invariant to a per-token scale of its input, so ``y = post / w`` (= ``x /
+sqrt(mean(x^2) + eps)``) gives ``norm(y) = post / sqrt(mean(y^2) + eps)`` with ``mean(y^2) = m /
+(m + eps)``, m = mean(x^2): a per-token scale of the logits by 1 - O(eps), plus one rounding in
+the storage dtype. Where the run holds the last decoder layer's raw output (hsx layer N-1) the
+pre-norm state is exact instead. Every converted sample is checked: the norm of what is exported
+must give back the stored state.
 
     python -m hsx.export.norm OUT [--model PATH] [--samples 16]
 
@@ -18,101 +20,43 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hsx.target import load_config
+from hsx.data import HsxDataset
+from hsx.errors import NormUnavailable
+from hsx.finalnorm import FinalNorm, locate
+from hsx.spec import load_spec
+from hsx.target import model_dir_for
 
 # Relative error allowed between norm(exported pre-norm) and the stored post-norm state, per token:
 # a few roundings of the storage dtype (float32 also absorbs the O(eps) scale above).
 TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2e-2}
-NAMES = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight", "norm.weight")
-
-
-class NormUnavailable(Exception):
-    """The final norm cannot be read from the checkpoint, or cannot be inverted."""
-
-
-@dataclass
-class FinalNorm:
-    weight: torch.Tensor  # float32 [H]: the effective per-channel scale (1 + w for Gemma-style norms)
-    eps: float
-    key: str
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm in float32, like transformers' implementation; returns float32."""
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
-
-    def prenorm_from_post(self, post: torch.Tensor) -> torch.Tensor:
-        """A valid input to this norm that gives back ``post`` (to 1 - O(eps)), in post's dtype."""
-        return (post.float() / self.weight).to(post.dtype)
-
-    def error(self, pre: torch.Tensor, post: torch.Tensor) -> float:
-        """Largest per-token relative L2 error of norm(pre) against ``post``."""
-        ref = post.float()
-        diff = (self.apply(pre) - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
-        return float(diff.max()) if diff.numel() else 0.0
-
-
-def _headers(model_dir: Path) -> dict[str, tuple[Path, dict]]:
-    """Tensor name -> (file, header entry) over every safetensors file of the checkpoint."""
-    out: dict[str, tuple[Path, dict]] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        out.update({k: (path, v) for k, v in header.items()})
-    return out
 
 
 def load_final_norm(model_dir: Path, hidden_size: int) -> FinalNorm:
-    """Read the final norm's weight and eps from the checkpoint (safetensors + config.json)."""
-    from safetensors import safe_open
-
-    config = load_config(model_dir)
-    raw = json.loads((model_dir / "config.json").read_text())
-    eps = config.get("rms_norm_eps")
-    if eps is None:
+    """The checkpoint's final norm, refused unless it can be inverted (every scale finite, non-zero)."""
+    norm = locate(model_dir, hidden_size)
+    scale = norm.scale
+    if not torch.isfinite(scale).all() or bool((scale == 0).any()):
         raise NormUnavailable(
-            f"{model_dir}/config.json has no rms_norm_eps: the final norm is not an RMSNorm hsx knows"
-        )
-    headers = _headers(model_dir)
-    if not headers:
-        raise NormUnavailable(f"{model_dir} has no safetensors weights to read the final norm from")
-    key = next((k for k in NAMES if k in headers), None)
-    if key is None:
-        layer = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
-        found = [
-            k
-            for k, (_, v) in headers.items()
-            if k.endswith("norm.weight") and not layer.search(k) and v.get("shape") == [hidden_size]
-        ]
-        if len(found) != 1:
-            raise NormUnavailable(
-                f"cannot tell the final norm among {found or 'no'} candidate weights in {model_dir}; "
-                "this model's final norm is not one hsx can read"
-            )
-        key = found[0]
-    path, entry = headers[key]
-    if entry.get("shape") != [hidden_size]:
-        raise NormUnavailable(f"{key} in {path.name} has shape {entry.get('shape')}, expected [{hidden_size}]")
-    with safe_open(str(path), framework="pt") as f:
-        weight = f.get_tensor(key).float()
-    model_type = str(raw.get("model_type", "")) + " " + str(config.get("model_type", ""))
-    if "gemma" in model_type:  # Gemma's RMSNorm scales by (1 + w)
-        weight = weight + 1.0
-    if not torch.isfinite(weight).all() or bool((weight == 0).any()):
-        raise NormUnavailable(
-            f"{key} has zero or non-finite entries: the post-norm state loses those channels, "
+            f"{norm.tensor} has zero or non-finite entries: the post-norm state loses those channels, "
             "so no pre-norm state can be recovered from it"
         )
-    return FinalNorm(weight, float(eps), key)
+    return norm
+
+
+def prenorm_from_post(norm: FinalNorm, post: torch.Tensor) -> torch.Tensor:
+    """A valid input to ``norm`` that gives back ``post`` (to 1 - O(eps)), in post's dtype."""
+    return (post.float() / norm.scale).to(post.dtype)
+
+
+def norm_error(norm: FinalNorm, pre: torch.Tensor, post: torch.Tensor) -> float:
+    """Largest per-token relative L2 error of norm(pre), in float32, against ``post``."""
+    ref = post.float()
+    diff = (norm.apply(pre.float()) - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
+    return float(diff.max()) if diff.numel() else 0.0
 
 
 # ---------------------------------------------------------------- measuring against the reference
@@ -128,14 +72,11 @@ def measure(run: Path, model_dir: Path, samples: int = 16) -> dict:
     """
     from transformers import AutoModelForCausalLM
 
-    from hsx.data import HsxDataset
-    from hsx.spec import load_spec
-
     spec = load_spec(run)
     dtype = getattr(torch, spec.dtype)
     fn = load_final_norm(model_dir, spec.model.hidden_size)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    norm_module = model.get_submodule(fn.key.removesuffix(".weight"))
+    norm_module = model.get_submodule(fn.tensor.removesuffix(".weight"))
     head = model.get_output_embeddings()
     captured: list[torch.Tensor] = []
     hook = norm_module.register_forward_pre_hook(lambda _m, args: captured.append(args[0].detach()))
@@ -149,7 +90,7 @@ def measure(run: Path, model_dir: Path, samples: int = 16) -> dict:
             model(input_ids=s["input_ids"][None])
             x_ref = captured[-1][0]
             post = s["hidden_states"]
-            pre = fn.prenorm_from_post(post)
+            pre = prenorm_from_post(fn, post)
             ref_logits = head(norm_module(x_ref)).float()
             our_logits = head(norm_module(pre)).float()
             p, q = ref_logits.softmax(-1), our_logits.softmax(-1)
@@ -166,21 +107,18 @@ def measure(run: Path, model_dir: Path, samples: int = 16) -> dict:
             stats["stored_max_abs_dprob"] = max(stats["stored_max_abs_dprob"], float((p - r).abs().max()))
             stats["stored_max_kl"] = max(stats["stored_max_kl"], float(kl_r.max()))
             stats["stored_top1_agree"] += int((p.argmax(-1) == r.argmax(-1)).sum())
-            stats["max_state_err"] = max(stats["max_state_err"], fn.error(pre, post))
+            stats["max_state_err"] = max(stats["max_state_err"], norm_error(fn, pre, post))
             stats["tokens"] += int(post.shape[0])
             stats["samples"] += 1
     finally:
         hook.remove()
     for key in ("top1_agree", "stored_top1_agree"):
         stats[key] = stats[key] / max(stats["tokens"], 1)
-    stats |= {"dtype": spec.dtype, "eps": fn.eps, "norm_key": fn.key}
+    stats |= {"dtype": spec.dtype, "eps": fn.eps, "norm_key": fn.tensor}
     return stats
 
 
 def main(argv: list[str] | None = None) -> None:
-    from hsx.export.core import model_dir_for
-    from hsx.spec import load_spec
-
     ap = argparse.ArgumentParser(prog="python -m hsx.export.norm", description=measure.__doc__.splitlines()[0])
     ap.add_argument("run", type=Path)
     ap.add_argument("--model", default=None, help="Model folder (default: the run spec's).")

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from hsx.export.core import ExportRefused, TrainerFormat, Written, put, torch_bytes
+from hsx.errors import ExportRefused
+from hsx.export.serialize import torch_bytes
+from hsx.export.trainer import TrainerFormat, Written, put
 
 GROUP = 2000
 

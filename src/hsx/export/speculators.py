@@ -14,7 +14,9 @@ import numpy as np
 import torch
 from safetensors.torch import save
 
-from hsx.export.core import TMP_DIR_MARK, TrainerFormat, Written, digest, move_folder_contents, put, torch_bytes
+from hsx.export.serialize import npy_bytes, torch_bytes
+from hsx.export.trainer import TMP_DIR_MARK, TrainerFormat, Written, move_folder_contents, put
+from hsx.store.format import digest
 
 
 class Speculators(TrainerFormat):
@@ -49,8 +51,8 @@ class Speculators(TrainerFormat):
             d2t, t2d, freq = vocab
             k = len(d2t)
             out.append(put(dest, "token_freq.pt", torch_bytes(freq)))
-            out.append(put(dest, f"d2t-{k}.npy", _npy(d2t.numpy())))
-            out.append(put(dest, f"t2d-{k}.npy", _npy(t2d.numpy())))
+            out.append(put(dest, f"d2t-{k}.npy", npy_bytes(d2t.numpy())))
+            out.append(put(dest, f"t2d-{k}.npy", npy_bytes(t2d.numpy())))
         rows = {
             "input_ids": [ctx.plan.input_ids(i).astype(np.int64) for i in ctx.ids],
             "loss_mask": [ctx.plan.loss_mask(i).astype(np.int64) for i in ctx.ids],
@@ -65,11 +67,3 @@ class Speculators(TrainerFormat):
             data = (dest / name).read_bytes()
             out.append(Written(name, len(data), digest(data)))
         return out
-
-
-def _npy(array: np.ndarray) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    np.save(buf, array, allow_pickle=False)
-    return buf.getvalue()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import shutil
 import tempfile
@@ -27,20 +26,17 @@ from pathlib import Path
 
 import psutil
 
+from hsx import registry
 from hsx.assess import volume
-from hsx.extract import (
-    DiskFullStop,
-    ExtractOptions,
-    Refused,
-    Summary,
-    load_plan,
-    open_run,
-    remove_stray_temps,
-    verify_run,
-)
-from hsx.lock import BEAT_EVERY, Locked, RunLock, read_holder
+from hsx.errors import CleanStop, Locked, Refused, WorkerFailed
+from hsx.lock import BEAT_EVERY, Liveness, RunLock, read_holder
+from hsx.plan import load_plan
 from hsx.progress import Progress
-from hsx.scaleout import registry
+from hsx.run.folder import open_run, remove_stray_temps
+from hsx.run.options import ExtractOptions
+from hsx.run.resume import Summary, scan_all
+from hsx.scaleout.worker import ShardResult, ShardWorker, WorkerTask
+from hsx.spec import RunSpec
 from hsx.store import layout
 from hsx.store.scan import scan_run
 
@@ -48,10 +44,6 @@ MAX_SHARD_RETRIES = 3  # a shard whose worker dies this many more times (an OOM-
 CPUS_PER_WORKER = 1  # Ray's logical CPUs per worker: scheduling only; the writer threads are not bound by it
 OBJECT_STORE = 200 << 20  # local Ray: rows are a few hundred bytes; the default takes 30% of RAM
 PASS_ENV = ("HF_", "TRANSFORMERS_", "HSX_", "TORCH_", "PYTORCH_")  # driver env the workers get
-
-
-class WorkerFailed(Refused):
-    """A worker failed on a shard (not a crash Ray retries): the run stopped; a rerun resumes."""
 
 
 def import_ray():
@@ -121,7 +113,7 @@ def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print
     if opts.backend not in (None, "transformers"):
         raise Refused(f"--workers runs the transformers backend, not {opts.backend}")
     holder = read_holder(opts.out)
-    if holder is not None and holder.state() == "alive":  # refuse before spending seconds on Ray
+    if holder is not None and holder.state() == Liveness.ALIVE:  # refuse before spending seconds on Ray
         raise Locked(holder)
     with contextlib.ExitStack() as stack:
         cluster = Cluster(opts, log)
@@ -151,21 +143,20 @@ def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print
             finally:
                 cluster.stop()  # no worker of this driver may outlive its lock
                 for s in registry.clear_session(opts.out, session["driver"]):
-                    if s.state in ("dead", "stale"):
+                    if s.state in (Liveness.DEAD, Liveness.STALE):
                         log(f"during the run: {s.describe()}")
 
 
-def _extract(opts: ExtractOptions, spec, lock: RunLock, progress: Progress, gpu: bool, log) -> Summary:
+def _extract(
+    opts: ExtractOptions, spec: RunSpec, lock: RunLock, progress: Progress, gpu: bool, log: Callable[[str], None]
+) -> Summary:
     import ray
 
     run = opts.out
     plan = load_plan(run, spec)
-    summary = Summary(run, spec.plan.num_samples, spec.plan.num_tokens, 0, rejected=spec.plan.num_rejected)
-    scans = verify_run(run, spec, deep=False)  # headers only: what to hand out; workers verify digests
-    try:
-        guard = volume.start_guard(run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log)
-    except volume.NotEnoughSpace as e:
-        raise Refused(str(e)) from None
+    summary = Summary.of(run, spec)
+    scans = scan_all(run, spec, deep=False)  # headers only: what to hand out; workers verify and settle
+    reserve = volume.check_space(run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log)
     todo = [s.shard for s in scans if not s.sealed]
     settled = [s for s in scans if s.sealed]
     if opts.deep_verify:
@@ -180,8 +171,14 @@ def _extract(opts: ExtractOptions, spec, lock: RunLock, progress: Progress, gpu:
         return summary
     # each worker guards only its own writes in flight: keep room for the others' batches too
     batch = volume.largest_batch_bytes(spec.batch_tokens, int(plan.lengths.max()), spec.bytes_per_token)
-    reserve = guard.reserve + (opts.workers - 1) * batch
-    from hsx.scaleout.worker import ShardWorker
+    task = WorkerTask(
+        run=str(run),
+        model=opts.model,
+        resources=opts.resources(),
+        deep_verify=opts.deep_verify,
+        driver=lock.me.model_dump(),
+        reserve=reserve + (opts.workers - 1) * batch,
+    )
 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_no_progress_timeout_s = -1  # loading a large model takes long; that is not a hang
@@ -191,7 +188,7 @@ def _extract(opts: ExtractOptions, spec, lock: RunLock, progress: Progress, gpu:
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
         ds = ray.data.from_items([{"shard": s} for s in todo], override_num_blocks=len(todo)).map_batches(
             ShardWorker,
-            fn_constructor_kwargs={"run": str(run), "opts": opts, "driver": lock.me.model_dump(), "reserve": reserve},
+            fn_constructor_kwargs={"task": task},
             batch_size=1,
             batch_format="numpy",
             num_cpus=CPUS_PER_WORKER,
@@ -202,34 +199,26 @@ def _extract(opts: ExtractOptions, spec, lock: RunLock, progress: Progress, gpu:
     log(f"extracting {len(todo)} shards with {size} {'GPU' if gpu else 'CPU'} workers")
     watch = _Watch(run, registry.driver_id(lock.me), log)
     watch.start()
-    stopped: dict | None = None
+    stopped: ShardResult | None = None
     t0 = time.monotonic()
     span = [float("inf"), 0.0]  # first shard begun, last shard ended: the pool's working time
     try:
-        for n, row in enumerate(ds.iter_rows(), 1):
-            row = {k: v.item() if hasattr(v, "item") else v for k, v in row.items()}
-            if row["error_kind"] == "skipped":
+        for n, raw in enumerate(ds.iter_rows(), 1):
+            row = ShardResult.from_row(raw)
+            if row.error_kind == "skipped":
                 continue
-            span = [min(span[0], row["began"]), max(span[1], row["ended"])]
-            summary.already_done += row["kept"]
-            summary.written += row["written"]
-            summary.tokens_written += row["tokens"]
-            summary.bytes_written += row["bytes"]
-            tidied = json.loads(row["tidied"])
-            summary.stray_removed += tidied["stray"]
-            summary.quarantined += tidied["quarantined"]
-            for kind, k in tidied["redone"].items():
-                summary.redone[kind] = summary.redone.get(kind, 0) + k
-            if row["error"]:
+            span = [min(span[0], row.began), max(span[1], row.ended)]
+            summary.add(row.summary(run))
+            if row.error:
                 if stopped is None:  # hand out no more work; shards in flight end cleanly
                     stopped = row
-                    registry.request_stop(run, row["error"])
-                    log(f"stopping: shard {row['shard']} on {row['host']} (pid {row['pid']}): {row['error']}")
+                    registry.request_stop(run, row.error)
+                    log(f"stopping: shard {row.shard} on {row.host} (pid {row.pid}): {row.error}")
                 continue
-            gpus = f" GPU {row['gpus']}" if row["gpus"] else ""
+            gpus = f" GPU {row.gpus}" if row.gpus else ""
             log(
-                f"shard {row['shard']} sealed: {row['written']} written, {row['kept']} kept "
-                f"({row['host']} pid {row['pid']}{gpus}, {row['seconds']:.1f}s) [{n}/{len(todo)}]"
+                f"shard {row.shard} sealed: {row.written} written, {row.kept} kept "
+                f"({row.host} pid {row.pid}{gpus}, {row.seconds:.1f}s) [{n}/{len(todo)}]"
             )
     except Exception as e:  # Ray gave up: a shard's workers kept dying, or the cluster went away
         if stopped is None:
@@ -247,16 +236,16 @@ def _extract(opts: ExtractOptions, spec, lock: RunLock, progress: Progress, gpu:
             f"first shard begun to the last sealed); {summary.seconds:.1f}s with starting the workers"
         )
     if stopped is not None:
-        if stopped["error_kind"] == "disk_full":
+        if stopped.error_kind == "disk_full":
             scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False)
             done = {i for s in scans for i in s.good}
             summary.already_done = len(done) - summary.written
             left = int(plan.lengths.sum()) - int(sum(int(plan.lengths[i]) for i in done))
-            path = layout.shard_dir(run, stopped["shard"])
-            raise DiskFullStop(summary, left * spec.bytes_per_token, path, stopped["error"])
+            path = layout.shard_dir(run, stopped.shard)
+            raise CleanStop(summary, left * spec.bytes_per_token, path, stopped.error)
         raise WorkerFailed(
-            f"worker pid {stopped['pid']} on {stopped['host']} failed on shard {stopped['shard']}: "
-            f"{stopped['error']}\nVerified work is kept; fix the cause, then resume: "
+            f"worker pid {stopped.pid} on {stopped.host} failed on shard {stopped.shard}: "
+            f"{stopped.error}\nVerified work is kept; fix the cause, then resume: "
             f"hsx extract --out {run} --workers {opts.workers}"
         )
     return summary
@@ -274,7 +263,11 @@ class _Watch:
     def _loop(self) -> None:
         while not self._stop.wait(BEAT_EVERY / 2):
             for s in registry.inspect(self.run):
-                if s.record.driver != self.driver or s.state not in ("dead", "stale") or s.path.name in self.reported:
+                if (
+                    s.record.driver != self.driver
+                    or s.state not in (Liveness.DEAD, Liveness.STALE)
+                    or s.path.name in self.reported
+                ):
                     continue
                 self.reported.add(s.path.name)
                 r = s.record

@@ -1,10 +1,9 @@
 """The Ray Data pool actor: loads the target once, then extracts whole shards, one per call.
 
-A shard is done exactly as a resume does it, so a retried shard (its worker died mid-way) keeps its
-verified samples and redoes the rest: scan the shard (digests by default), remove stray temp files,
-quarantine misplaced ones, capture the missing ids with the single-process ``Extractor`` (same
-batches, same bytes), wait until durable, seal. Ray is not imported at module level: only the
-actor, created by Ray, needs it.
+A shard is done exactly as a resume does it (``run.resume.verify_shard``), so a retried shard (its
+worker died mid-way) keeps its verified samples and redoes the rest with the single-process
+``Extractor`` (same batches, same bytes), then seals. Ray is not imported at module level: only
+the actor, created by Ray, needs it.
 """
 
 from __future__ import annotations
@@ -13,50 +12,85 @@ import json
 import os
 import time
 import traceback
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
-from hsx import target
-from hsx.assess.volume import DiskGuard
-from hsx.extract import ExtractOptions, Extractor, Refused, Summary, load_plan, open_extractor, tidy
+from hsx import registry, target
+from hsx.errors import DiskFull, ModelChanged
 from hsx.lock import Holder
+from hsx.plan import load_plan
 from hsx.progress import Progress
-from hsx.scaleout import registry
+from hsx.run.options import Resources
+from hsx.run.pipeline import Extractor, open_backend
+from hsx.run.resume import Summary, verify_shard
 from hsx.spec import load_spec
-from hsx.store import layout
-from hsx.store.durable import DiskFull
-from hsx.store.scan import ShardScan, scan_shard
-from hsx.store.writer import seal
+
+ErrorKind = Literal["", "skipped", "disk_full", "failed"]
 
 
-def redo_shard(extractor: Extractor, shard: int, deep: bool, summary: Summary) -> ShardScan:
-    """One shard start to end, as a resume does it: verify, tidy, capture what is missing, seal."""
-    run, spec = extractor.run, extractor.spec
-    scan = scan_shard(run, shard, layout.shard_ids(shard, spec.shard_size, spec.plan.num_samples), deep)
-    tidy(run, scan.problems, summary)
-    if not scan.complete:
-        futures = extractor.shard(scan)
-        extractor.finish(scan, futures)
-    elif not scan.sealed:
-        seal(run, shard, list(scan.good.values()))
-    return scan
+@dataclass(frozen=True)
+class WorkerTask:
+    """What every worker of a run needs, resolved by the driver (no ExtractOptions crosses to Ray)."""
+
+    run: str
+    model: str | None  # --model as given: each node checks its own copy against the fingerprint
+    resources: Resources
+    deep_verify: bool
+    driver: dict  # the driver's lock Holder, as a dict
+    reserve: int  # free bytes this worker keeps, counting the other workers' batches
+
+
+@dataclass
+class ShardResult:
+    """One shard's outcome, a row of the Ray dataset the driver iterates."""
+
+    shard: int
+    host: str
+    pid: int
+    gpus: str
+    began: float
+    ended: float = 0.0
+    kept: int = 0
+    written: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    stray: int = 0
+    quarantined: int = 0
+    redone: str = "{}"  # JSON {kind: count}
+    error: str = ""
+    error_kind: ErrorKind = ""
+
+    def to_row(self) -> dict:
+        return {k: np.array([v]) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_row(cls, row: dict) -> ShardResult:
+        return cls(**{k: v.item() if hasattr(v, "item") else v for k, v in row.items()})
+
+    def summary(self, run: Path) -> Summary:
+        s = Summary(run, 0, 0, self.kept, self.written, self.tokens, self.bytes)
+        s.stray_removed, s.quarantined, s.redone = self.stray, self.quarantined, json.loads(self.redone)
+        return s
 
 
 class ShardWorker:
     """Callable class for ``map_batches(batch_size=1)``: one row = one shard id."""
 
-    def __init__(self, run: str, opts: ExtractOptions, driver: dict, reserve: int):
+    def __init__(self, task: WorkerTask):
         import ray
 
-        self.run = Path(run)
-        self.opts = opts
+        self.run = Path(task.run)
+        self.task = task
         ctx = ray.get_runtime_context()
         self.beat = registry.Heartbeat(
             self.run,
-            Holder(**driver),
+            Holder(**task.driver),
             node=ctx.get_node_id(),
-            device=opts.device or "cpu",
+            device=task.resources.device,
             gpus=[str(g) for g in ray.get_gpu_ids()],
             restarted=ctx.was_current_actor_reconstructed,
         )
@@ -64,61 +98,45 @@ class ShardWorker:
             os._exit(registry.FENCED_EXIT)
         self.beat.start()
         self.spec = load_spec(self.run)
-        if opts.model is not None:  # the driver checked its own copy of the model; this checks this node's
-            diffs = self.spec.model.fingerprint.differences(
-                target.identity(opts.model, target.resolve(opts.model)).fingerprint
-            )
-            if diffs:
-                raise Refused(f"the model {opts.model} on {self.beat.record.host} is not the run's: {'; '.join(diffs)}")
+        try:  # the driver checked its own copy of the model; this checks this node's
+            model_dir = target.model_dir_for(self.spec, task.model)
+        except ModelChanged as e:
+            raise ModelChanged(f"the model on {self.beat.record.host}: {e}") from e
         plan = load_plan(self.run, self.spec)
         self.progress = Progress(self.spec.plan.num_samples, self.spec.plan.num_tokens, self.spec.bytes_per_token)
-        self.extractor = open_extractor(self.run, self.spec, plan, opts, self.progress, DiskGuard(self.run, reserve))
+        backend = open_backend(self.spec, model_dir, task.resources.device)
+        self.extractor = Extractor(self.run, self.spec, plan, backend, task.resources, self.progress, task.reserve)
         self.beat.counters = self.progress.session
         self.broken: str | None = None  # after a full disk the writer is spent: refuse further shards
         self.beat.update(phase="idle")
 
     def __call__(self, batch: dict) -> dict:
         shard = int(batch["shard"][0])
-        row = {
-            "shard": shard,
-            "host": self.beat.record.host,
-            "pid": os.getpid(),
-            "gpus": ",".join(self.beat.record.gpus),
-            "kept": 0,
-            "written": 0,
-            "tokens": 0,
-            "bytes": 0,
-            "seconds": 0.0,
-            "began": time.time(),
-            "tidied": "{}",
-            "error": "",
-            "error_kind": "",
-        }
+        r = ShardResult(shard, self.beat.record.host, os.getpid(), ",".join(self.beat.record.gpus), time.time())
         stop = self.broken or registry.stop_requested(self.run)
         if stop:
-            row |= {"error": stop, "error_kind": "skipped", "ended": time.time()}
-            return {k: np.array([v]) for k, v in row.items()}
+            r.error, r.error_kind, r.ended = stop, "skipped", time.time()
+            return r.to_row()
         self.beat.update(shard=shard, shard_since=time.time(), phase="working")
         before = self.progress.session()
-        summary = Summary(self.run, self.spec.plan.num_samples, self.spec.plan.num_tokens, 0)
+        summary = Summary.of(self.run, self.spec)
         t0 = time.monotonic()
         try:
-            scan = redo_shard(self.extractor, shard, self.opts.deep_verify, summary)
-            row["kept"] = len(scan.good)
+            scan = verify_shard(self.run, self.spec, shard, self.task.deep_verify, summary)
+            if not scan.complete:
+                self.extractor.finish(scan, self.extractor.shard(scan))
+            r.kept = len(scan.good)
         except DiskFull as e:
             self.broken = f"the output volume filled up on {self.beat.record.host}"
             self.extractor.close()  # queued writes finish or remove their temp files
-            row |= {"error": str(e), "error_kind": "disk_full"}
+            r.error, r.error_kind = str(e), "disk_full"
         except Exception as e:  # reported to the driver, which stops the run cleanly
-            row |= {"error": f"{type(e).__name__}: {e}", "error_kind": "failed"}
+            r.error, r.error_kind = f"{type(e).__name__}: {e}", "failed"
             traceback.print_exc()
         after = self.progress.session()
-        row["written"], row["tokens"], row["bytes"] = (a - b for a, b in zip(after, before, strict=True))
-        row["seconds"] = time.monotonic() - t0
-        row["ended"] = time.time()
-        row["tidied"] = json.dumps(
-            {"stray": summary.stray_removed, "quarantined": summary.quarantined, "redone": summary.redone}
-        )
-        done = self.beat.record.shards_done + (0 if row["error"] else 1)
+        r.written, r.tokens, r.bytes = (a - b for a, b in zip(after, before, strict=True))
+        r.seconds, r.ended = time.monotonic() - t0, time.time()
+        r.stray, r.quarantined, r.redone = summary.stray_removed, summary.quarantined, json.dumps(summary.redone)
+        done = self.beat.record.shards_done + (0 if r.error else 1)
         self.beat.update(shard=None, shard_since=None, phase="idle", shards_done=done)
-        return {k: np.array([v]) for k, v in row.items()}
+        return r.to_row()

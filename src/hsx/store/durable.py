@@ -13,17 +13,10 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from hsx.errors import DiskFull
+
 TMP_MARK = ".tmp-"
 FILE_MODE = 0o644
-
-
-class DiskFull(OSError):
-    """The volume ran out of space (or quota) while writing ``path``."""
-
-    def __init__(self, path: Path, cause: OSError | None = None):
-        super().__init__(errno.ENOSPC, f"no space left on device while writing {path}")
-        self.path = path
-        self.cause = cause
 
 
 def is_temp(name: str) -> bool:

@@ -7,10 +7,21 @@ dtype, ``input_ids`` [T] int64, ``loss_mask`` [T] uint8. No padding tokens are s
 ``__metadata__`` (all strings): ``format``, ``sample_id``, ``num_tokens``, ``layers`` (JSON list of
 hsx layer ids), ``layer_convention``, ``final_state``, ``digest`` = ``xxh3_128:<hex>`` of the data
 section. Cheap check: the header parses and the file size matches it. Deep check: the digest.
+
+With a storage codec (``hsx.store.codec``) the two states are stored encoded, under the names the
+codec gives (``aux_hidden_states.zstd``, or ``.fp8`` + ``.scale``), and ``input_ids`` and
+``loss_mask`` as they are; tensors are laid out by falling alignment (8, 4, then 1-byte types), so
+every one is aligned for any reader. ``format`` is then ``hsx-sample/2`` and ``__metadata__`` adds
+``codec`` and ``states`` (JSON: each state's original ``dtype`` and ``shape``). Raw files keep
+``hsx-sample/1``, byte for byte what they were: a reader that predates codecs still reads them, and
+refuses an encoded file by its format instead of handing out its payload as hidden states. The
+digest covers the stored bytes, so every check above works on encoded files unchanged and never
+decodes; only ``decode`` does.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -20,7 +31,13 @@ from pathlib import Path
 import torch
 import xxhash
 
-FORMAT = "hsx-sample/1"
+from hsx.errors import BadFile
+from hsx.store.codec import Codec, decode_state, encode_state
+
+FORMAT = "hsx-sample/1"  # raw states
+FORMAT_ENCODED = "hsx-sample/2"  # states stored through a codec other than raw
+FORMATS = (FORMAT, FORMAT_ENCODED)
+STATES = ("aux_hidden_states", "hidden_states")
 LAYER_CONVENTION = "hsx/1: layer k = output of decoder layer k (0-based) = HF hidden_states[k+1]"
 FINAL_STATE = "last decoder layer output after the final norm"
 MAX_HEADER = 1 << 20
@@ -32,10 +49,42 @@ _DTYPES = {
     torch.int64: "I64",
     torch.int32: "I32",
     torch.uint8: "U8",
+    torch.float8_e4m3fn: "F8_E4M3",
 }
+_TORCH = {v: k for k, v in _DTYPES.items()}
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
+DIGEST = "xxh3_128"  # every digest hsx writes: "<DIGEST>:<hex>"
+
+
+def digest_text(h) -> str:
+    """A running xxh3-128 hash as hsx writes digests."""
+    return f"{DIGEST}:{h.hexdigest()}"
+
+
+def digest(data: bytes | memoryview) -> str:
+    return digest_text(xxhash.xxh3_128(data))
+
+
+def safetensors_header(f, size: int, max_header: int = MAX_HEADER) -> tuple[dict, int]:
+    """Any safetensors file's JSON header (``__metadata__`` included) and where its data starts,
+    read from an open binary file of ``size`` bytes. Raises ``BadFile`` when it cannot be one."""
+    raw = f.read(8)
+    if len(raw) < 8:
+        raise BadFile("truncated", f"{size} bytes, shorter than a header")
+    (n,) = struct.unpack("<Q", raw)
+    if n == 0 or n > max_header or 8 + n > size:
+        raise BadFile("truncated" if 8 + n > size and n <= max_header else "corrupt", f"header length {n}")
+    try:
+        header = json.loads(f.read(n))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadFile("corrupt", f"header does not parse ({e})") from e
+    if not isinstance(header, dict):
+        raise BadFile("corrupt", "header is not a JSON object")
+    return header, 8 + n
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
     if not t.is_contiguous():
         raise ValueError("tensor must be contiguous")
@@ -65,29 +114,45 @@ class SampleTensors:
         return sum(t.numel() * t.element_size() for _, t in self.tensors())
 
 
-def encode(sample: SampleTensors, layers: list[int]) -> tuple[list[memoryview | bytes], str]:
-    """The file's parts (header, then each tensor's bytes) and the data digest."""
-    views = [(name, t, _bytes(t)) for name, t in sample.tensors()]
+def encode(sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW) -> tuple[list[memoryview | bytes], str]:
+    """The file's parts (header, then each tensor's bytes) and the data digest. Raw parts are views
+    of the sample's own buffers; encoded ones are new buffers made here, in the caller's thread."""
+    codec = Codec(codec)
+    metadata = {"format": FORMAT if codec is Codec.RAW else FORMAT_ENCODED}
+    if codec is Codec.RAW:
+        stored: list[tuple[str, torch.Tensor | bytes]] = sample.tensors()
+    else:
+        metadata["codec"] = codec.value
+        groups = {"aux_hidden_states": len(layers), "hidden_states": 1}
+        states = dict(sample.tensors()[:2])
+        stored = sample.tensors()[2:]
+        for name, t in states.items():
+            stored += encode_state(codec, name, t, groups[name])
+        stored.sort(key=lambda e: -_align(e[1]))  # stable: 8-byte, then 4-byte, then 1-byte types
+    views = [(name, t, tensor_bytes(t) if isinstance(t, torch.Tensor) else memoryview(t)) for name, t in stored]
     h = xxhash.xxh3_128()
     for _, _, view in views:
         h.update(view)
-    digest = f"xxh3_128:{h.hexdigest()}"
-    header: dict = {
-        "__metadata__": {
-            "format": FORMAT,
-            "sample_id": str(sample.sample_id),
-            "num_tokens": str(sample.input_ids.shape[0]),
-            "layers": json.dumps(layers),
-            "layer_convention": LAYER_CONVENTION,
-            "final_state": FINAL_STATE,
-            "digest": digest,
-        }
+    digest = digest_text(h)
+    metadata |= {
+        "sample_id": str(sample.sample_id),
+        "num_tokens": str(sample.input_ids.shape[0]),
+        "layers": json.dumps(layers),
+        "layer_convention": LAYER_CONVENTION,
+        "final_state": FINAL_STATE,
     }
+    if codec is not Codec.RAW:
+        metadata["states"] = json.dumps(
+            {name: {"dtype": _DTYPES[t.dtype], "shape": list(t.shape)} for name, t in states.items()},
+            separators=(",", ":"),
+        )
+    metadata["digest"] = digest
+    header: dict = {"__metadata__": metadata}
     offset = 0
     for name, t, view in views:
         header[name] = {
-            "dtype": _DTYPES[t.dtype],
-            "shape": list(t.shape),
+            "dtype": _DTYPES[t.dtype] if isinstance(t, torch.Tensor) else "U8",
+            "shape": list(t.shape) if isinstance(t, torch.Tensor) else [view.nbytes],
             "data_offsets": [offset, offset + view.nbytes],
         }
         offset += view.nbytes
@@ -96,13 +161,57 @@ def encode(sample: SampleTensors, layers: list[int]) -> tuple[list[memoryview | 
     return [struct.pack("<Q", len(raw)) + raw] + [v for _, _, v in views], digest
 
 
-class BadFile(Exception):
-    """Why a sample file is not valid; ``kind`` is truncated | corrupt | misplaced."""
+def _align(t: torch.Tensor | bytes) -> int:
+    return t.element_size() if isinstance(t, torch.Tensor) else 1
 
-    def __init__(self, kind: str, detail: str):
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-        self.detail = detail
+
+def decode(data: bytes, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
+    """A whole sample file's bytes (verified by the caller) as the tensors a raw file holds:
+    ``aux_hidden_states``, ``hidden_states`` in the model's dtype, ``input_ids``, ``loss_mask``.
+    ``keep_fp8``: see ``decode_tensors``. Raises ``BadFile`` when the stored tensors do not decode."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    header, _ = safetensors_header(io.BytesIO(data), len(data))
+    try:
+        stored = load(data)
+    except SafetensorError as e:
+        raise BadFile("corrupt", f"not a readable safetensors file ({e})") from e
+    return decode_tensors(stored, header.get("__metadata__") or {}, keep_fp8)
+
+
+def decode_tensors(
+    stored: dict[str, torch.Tensor], metadata: dict[str, str], keep_fp8: bool = False
+) -> dict[str, torch.Tensor]:
+    """The tensors of a file (as read by any safetensors reader) decoded by its ``__metadata__``.
+    ``keep_fp8``: states of an fp8 file stay as stored, float8_e4m3fn with float32 scales beside
+    them (``aux_hidden_states_scale`` [T, L], ``hidden_states_scale`` [T, 1]); other files decode."""
+    try:
+        codec = codec_of(metadata)
+        if codec is Codec.RAW:
+            return {k: stored[k] for k in (*STATES, "input_ids", "loss_mask")}
+        out = {k: stored[k] for k in ("input_ids", "loss_mask")}
+        for name, info in json.loads(metadata["states"]).items():
+            if name not in STATES:
+                raise ValueError(f"unknown state {name!r}")
+            out |= decode_state(codec, name, stored, _TORCH[info["dtype"]], list(info["shape"]), keep_fp8)
+    except (KeyError, ValueError, TypeError) as e:
+        raise BadFile("corrupt", f"stored tensors do not decode ({e!r})") from e
+    if set(STATES) - set(out):
+        raise BadFile("corrupt", f"states missing from the file: {sorted(set(STATES) - set(out))}")
+    return out
+
+
+def codec_of(metadata: dict[str, str]) -> Codec:
+    """The codec a file's states are stored with, by its format version. Raises ``ValueError``."""
+    fmt = metadata.get("format")
+    if fmt == FORMAT and "codec" not in metadata:
+        return Codec.RAW
+    if fmt == FORMAT_ENCODED:
+        codec = Codec(metadata.get("codec"))
+        if codec is not Codec.RAW:
+            return codec
+    raise ValueError(f"format {fmt!r} with codec {metadata.get('codec')!r}")
 
 
 @dataclass(frozen=True)
@@ -124,34 +233,31 @@ class Header:
     def num_tokens(self) -> int:
         return int(self.metadata["num_tokens"])
 
+    @property
+    def codec(self) -> Codec:
+        return codec_of(self.metadata)
+
 
 def read_header(path: Path) -> Header:
     """Parse and sanity-check the header (the cheap check, minus the id match)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise BadFile("truncated", f"{size} bytes, shorter than a header")
-        (n,) = struct.unpack("<Q", raw)
-        if n == 0 or n > MAX_HEADER or 8 + n > size:
-            raise BadFile("truncated" if 8 + n > size and n <= MAX_HEADER else "corrupt", f"header length {n}")
-        try:
-            header = json.loads(f.read(n))
-            metadata = header.pop("__metadata__")
-            if metadata.get("format") != FORMAT:
-                raise ValueError(f"format {metadata.get('format')!r}")
-            ends = sorted((v["data_offsets"][0], v["data_offsets"][1]) for v in header.values())
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-            raise BadFile("corrupt", f"header does not parse ({e})") from e
+        header, start = safetensors_header(f, size)
+    try:
+        metadata = header.pop("__metadata__")
+        codec_of(metadata)
+        ends = sorted((v["data_offsets"][0], v["data_offsets"][1]) for v in header.values())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise BadFile("corrupt", f"header does not parse ({e})") from e
     pos = 0
     for lo, hi in ends:
         if lo != pos or hi < lo:
             raise BadFile("corrupt", "tensor offsets are not contiguous")
         pos = hi
-    if size != 8 + n + pos:
-        kind = "truncated" if size < 8 + n + pos else "corrupt"
-        raise BadFile(kind, f"size {size} != {8 + n + pos} from its header")
-    return Header(metadata, header, 8 + n, pos)
+    if size != start + pos:
+        kind = "truncated" if size < start + pos else "corrupt"
+        raise BadFile(kind, f"size {size} != {start + pos} from its header")
+    return Header(metadata, header, start, pos)
 
 
 def _checked_header(path: Path, expected_id: int) -> Header:
@@ -162,7 +268,7 @@ def _checked_header(path: Path, expected_id: int) -> Header:
 
 
 def _match(header: Header, h) -> None:
-    if f"xxh3_128:{h.hexdigest()}" != header.digest:
+    if digest_text(h) != header.digest:
         raise BadFile("corrupt", "digest mismatch")
 
 

@@ -1,15 +1,38 @@
-"""Where things live in a run folder. A sample's path depends only on its id and the shard size."""
+"""Every name in a run folder, in one place. A sample's path depends only on its id and the shard size.
+
+OUT/
+  hsx.json                 SPEC: the run spec, written once, last of the set-up
+  model-location.json      LOCATION: where the model lives now (beside the spec, which never changes)
+  plan/plan.parquet        PLAN_DIR / PLAN_FILE: the frozen, tokenized work list
+  rejects.jsonl            REJECTS: every input row not in the plan, with its reason
+  shards/000012/000012345.safetensors, shards/000012/SEALED
+  quarantine/              QUARANTINE: files moved aside (never deleted) with the reason
+  lock.json, .lock.json.guard, metrics.json, metrics-history.jsonl   while a run is (or was) going
+  workers/                 WORKERS: the scale-out workers' heartbeats, and STOP
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 SPEC = "hsx.json"
+LOCATION = "model-location.json"
+PLAN_DIR = "plan"
+PLAN_FILE = "plan.parquet"
 REJECTS = "rejects.jsonl"
 SHARDS = "shards"
 SEALED = "SEALED"
 QUARANTINE = "quarantine"
 SUFFIX = ".safetensors"
+LOCK = "lock.json"
+GUARD = ".lock.json.guard"  # flocked while a lock is judged and taken; never holds data
+METRICS = "metrics.json"
+HISTORY = "metrics-history.jsonl"
+WORKERS = "workers"
+STOP = "STOP"  # in WORKERS: written by a driver that stops handing out work (disk full, a worker failed)
+
+# what a run folder may hold before its spec exists (an interrupted set-up, or a lock taken early)
+SETUP_FILES = frozenset({PLAN_DIR, REJECTS, LOCK, GUARD, METRICS, HISTORY})
 
 
 def shard_of(sample_id: int, shard_size: int) -> int:

@@ -9,14 +9,16 @@ stops the writer and is raised from the next ``submit`` or ``wait`` (``DiskFull`
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hsx.store import layout
+from hsx.store.codec import Codec
 from hsx.store.durable import fsync_dir, write_durable, write_parts
 from hsx.store.format import SampleTensors, encode
 
@@ -28,6 +30,8 @@ class FileRecord:
     sample_id: int
     size: int
     digest: str
+    # as sealed, where it proves the file unchanged since (see ``read_seal``); not part of identity
+    mtime_ns: int | None = field(default=None, compare=False)
 
 
 class SampleWriter:
@@ -38,10 +42,12 @@ class SampleWriter:
         layers: list[int],
         threads: int = 8,
         max_inflight_bytes: int = 1 << 30,
+        codec: Codec = Codec.RAW,
     ):
         self.run = run
         self.shard_size = shard_size
         self.layers = list(layers)
+        self.codec = Codec(codec)  # encoding runs in the writer threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hsx-write")
         self.max_inflight = max_inflight_bytes
         self.inflight = 0
@@ -76,7 +82,7 @@ class SampleWriter:
                 ready()
             if self.error is not None:
                 raise self.error
-            parts, digest = encode(sample, self.layers)
+            parts, digest = encode(sample, self.layers, self.codec)
             path.parent.mkdir(parents=True, exist_ok=True)
             size = write_parts(path, parts, sync_dir=False)
             with self.cond:
@@ -121,29 +127,46 @@ class SampleWriter:
 
 
 def seal(run: Path, shard: int, records: list[FileRecord]) -> None:
-    """Write the shard's SEALED manifest, last and atomically, once all its ids are done."""
-    body = {
-        "format": SEAL_FORMAT,
-        "shard": shard,
-        "files": [
-            {"name": layout.sample_name(r.sample_id), "size": r.size, "digest": r.digest}
-            for r in sorted(records, key=lambda r: r.sample_id)
-        ],
-    }
-    write_durable(layout.shard_dir(run, shard) / layout.SEALED, json.dumps(body, indent=0).encode())
+    """Write the shard's SEALED manifest, last and atomically, once all its ids are done.
+
+    Each file's mtime (ns) is recorded as it is now, so that a fast check can trust a file the
+    listing shows unchanged (size and mtime) without opening it. A file whose size on disk is not
+    its record's gets no mtime: it is never trusted, always checked. Manifests without mtimes
+    (older ones) read as before; readers that predate mtimes ignore them."""
+    folder = layout.shard_dir(run, shard)
+    files = []
+    for r in sorted(records, key=lambda r: r.sample_id):
+        entry = {"name": layout.sample_name(r.sample_id), "size": r.size, "digest": r.digest}
+        try:
+            st = os.stat(folder / entry["name"])
+            if st.st_size == r.size:
+                entry["mtime_ns"] = st.st_mtime_ns
+        except FileNotFoundError:
+            pass
+        files.append(entry)
+    body = {"format": SEAL_FORMAT, "shard": shard, "files": files}
+    write_durable(folder / layout.SEALED, json.dumps(body, indent=0).encode())
 
 
 def read_seal(run: Path, shard: int) -> dict[int, FileRecord] | None:
-    """The manifest of a sealed shard, or None when the shard is not sealed (or its seal is unreadable)."""
+    """The manifest of a sealed shard, or None when the shard is not sealed (or its seal is unreadable).
+
+    A recorded mtime is kept only when it is older than the manifest's own: any change after the
+    manifest was written gives the file a newer mtime (same clock, the file system's), while one
+    within the clock tick of the file's own write might not, so such a file is always checked."""
     path = layout.shard_dir(run, shard) / layout.SEALED
     try:
-        body = json.loads(path.read_text())
+        with open(path, "rb") as f:  # one open: the mtime and the text are of the same manifest
+            sealed_ns = os.fstat(f.fileno()).st_mtime_ns
+            body = json.loads(f.read())
         if body.get("format") != SEAL_FORMAT:
             return None
         out = {}
-        for f in body["files"]:
-            sid = layout.parse_sample_name(f["name"])
-            out[sid] = FileRecord(sid, int(f["size"]), f["digest"])
+        for e in body["files"]:
+            sid = layout.parse_sample_name(e["name"])
+            mtime = e.get("mtime_ns")
+            mtime = int(mtime) if mtime is not None and int(mtime) < sealed_ns else None
+            out[sid] = FileRecord(sid, int(e["size"]), e["digest"], mtime)
         return out
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

@@ -13,7 +13,6 @@ SpecForge does the same up to the order of ties). Files, per trainer:
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,14 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsx.plan import Plan
-from hsx.spec import SpecError, load_spec
+from hsx.errors import VocabError
+from hsx.export.serialize import npy_bytes, torch_bytes
+from hsx.plan import Plan, load_plan
+from hsx.spec import load_spec
 from hsx.store.durable import write_durable
-from hsx.target import load_config
-
-
-class VocabError(Exception):
-    pass
+from hsx.target import load_config, model_dir_for
 
 
 def token_counts(plan: Plan, ids: Sequence[int] | None = None) -> np.ndarray:
@@ -59,22 +56,12 @@ def draft_map(counts: np.ndarray, size: int, vocab_size: int) -> tuple[torch.Ten
     return sel - torch.arange(size, dtype=torch.int64), t2d
 
 
-def target_vocab_size(model_dir: Path | None) -> int:
-    if model_dir is None:
-        raise VocabError("the target vocabulary size is unknown: pass --model PATH or --target-vocab V")
+def target_vocab_size(model_dir: Path) -> int:
+    """The target's vocabulary size from its config: the length of t2d."""
     config = load_config(model_dir)
     if "vocab_size" not in config:
         raise VocabError(f"{model_dir}/config.json has no vocab_size: pass --target-vocab V")
     return int(config["vocab_size"])
-
-
-def _save(obj) -> bytes:
-    buf = io.BytesIO()
-    if isinstance(obj, np.ndarray):
-        np.save(buf, obj, allow_pickle=False)
-    else:
-        torch.save(obj, buf)
-    return buf.getvalue()
 
 
 @dataclass
@@ -91,15 +78,10 @@ def write_vocab(
     run: Path, size: int, dest: Path | None = None, model: str | None = None, vocab_size: int | None = None
 ) -> VocabResult:
     """``hsx vocab``: count over the plan, write every trainer's form into DEST (default OUT/vocab)."""
-    from hsx.export.core import ExportRefused, load_plan, model_dir_for
-
-    try:
-        spec = load_spec(run)
-        plan = load_plan(run, spec)
-        if vocab_size is None:
-            vocab_size = target_vocab_size(model_dir_for(spec, model))
-    except (ExportRefused, SpecError) as e:
-        raise VocabError(str(e)) from e
+    spec = load_spec(run)
+    plan = load_plan(run, spec)
+    if vocab_size is None:
+        vocab_size = target_vocab_size(model_dir_for(spec, model))
     counts = token_counts(plan)
     d2t, t2d = draft_map(counts, size, vocab_size)
     dest = dest or run / "vocab"
@@ -108,11 +90,11 @@ def write_vocab(
     selected = (torch.arange(size) + d2t).numpy()
     covered = int(counts[selected[selected < len(counts)]].sum())
     outputs = {
-        "token_freq.pt": _save(freq),
-        f"d2t-{size}.npy": _save(d2t.numpy()),
-        f"t2d-{size}.npy": _save(t2d.numpy()),
-        f"vocab_mapping-{size}.pt": _save({"d2t": d2t, "t2d": t2d}),
-        f"d2t-{size}.pth": _save(d2t),
+        "token_freq.pt": torch_bytes(freq),
+        f"d2t-{size}.npy": npy_bytes(d2t.numpy()),
+        f"t2d-{size}.npy": npy_bytes(t2d.numpy()),
+        f"vocab_mapping-{size}.pt": torch_bytes({"d2t": d2t, "t2d": t2d}),
+        f"d2t-{size}.pth": torch_bytes(d2t),
     }
     total = int(counts.sum())
     info = {"size": size, "vocab_size": vocab_size, "distinct": len(freq), "masked_tokens": total}

@@ -23,16 +23,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import psutil
 from pydantic import Field
 
-from hsx.assess.checks import Check
-from hsx.lock import BEAT_EVERY, STALE_AFTER, Holder, Locked, read_holder
+from hsx.lock import BEAT_EVERY, STALE_AFTER, Holder, Liveness, Locked, read_holder
 from hsx.store.durable import write_durable
+from hsx.store.layout import STOP, WORKERS
 
-WORKERS = "workers"
-STOP = "STOP"  # written by a driver that stops handing out work (disk full, a worker failed)
+Phase = Literal["loading", "idle", "working", "stopped"]
 FENCED_EXIT = 75  # exit status of a worker that stopped itself because its driver lost the run
 
 
@@ -48,7 +48,7 @@ class WorkerRecord(Holder):
     device: str = "cpu"
     gpus: list[str] = Field(default_factory=list)  # Ray's GPU ids on its node
     restarted: bool = False  # Ray restarted this actor after its process died
-    phase: str = "loading"  # loading | idle | working | stopped
+    phase: Phase = "loading"
     shard: int | None = None
     shard_since: float | None = None
     shards_done: int = 0
@@ -58,12 +58,12 @@ class WorkerRecord(Holder):
     tokens_per_s: float = 0.0
     exited: str | None = None  # why it stopped by itself, if it did
 
-    def liveness(self, stale_after: float = STALE_AFTER) -> str:
-        """alive | dead | stale | exited | ended (gone while idle: Ray let it go as the pool shrank)."""
+    def liveness(self, stale_after: float = STALE_AFTER) -> Liveness:
+        """The holder's state, or EXITED (stopped by itself) or ENDED (gone while idle)."""
         if self.exited:
-            return "exited"
+            return Liveness.EXITED
         state = self.state(stale_after=stale_after)
-        return "ended" if state != "alive" and self.phase == "idle" else state
+        return Liveness.ENDED if state != Liveness.ALIVE and self.phase == "idle" else state
 
     def where(self) -> str:
         gpu = f", GPU {','.join(self.gpus)}" if self.gpus else f", {self.device}"
@@ -82,7 +82,7 @@ def record_path(run: Path, host: str, pid: int) -> Path:
 class Seen:
     path: Path
     record: WorkerRecord
-    state: str  # alive | dead | stale | exited
+    state: Liveness
 
     def describe(self, now: float | None = None) -> str:
         r, now = self.record, now or time.time()
@@ -261,20 +261,3 @@ class Heartbeat:
     def start(self) -> None:
         self.update()
         threading.Thread(target=self._loop, name="hsx-worker-heartbeat", daemon=True).start()
-
-
-def add_to_check(c: Check, seen: list[Seen], driver_alive: bool) -> Check:
-    """The ``workers`` line of ``hsx status``, with one detail line per scale-out worker, alive or dead."""
-    if not seen:
-        return c
-    c.figure += f"; {summary(seen)}"
-    c.details += [s.describe() for s in seen]
-    c.data["ray_workers"] = [s.record.model_dump() | {"state": s.state} for s in seen]
-    alive = [s for s in seen if s.state == "alive"]
-    if alive and not driver_alive:
-        c.level, c.redo = "fail", False
-        c.action = (
-            f"{len(alive)} worker(s) outlived their driver ({alive[0].record.where()}): they stop themselves "
-            "within two heartbeats of losing it; if they do not, stop them before resuming"
-        )
-    return c

@@ -1,0 +1,178 @@
+"""Every error hsx raises on purpose, under one root, and the exit code each one means.
+
+    HsxError
+    ├── Refused                  the run cannot start, resume or be read as asked: a person acts (exit 2)
+    │   ├── OptionError            an option's value makes no sense (--packing yes, layer 99 of 32); a ValueError too
+    │   ├── InputError             a data file cannot be read at all (rows that are bad are rejects)
+    │   ├── SpecError              the run spec is missing, unreadable or damaged
+    │   ├── PlanError              the frozen plan is unreadable, does not match the spec, or is empty
+    │   ├── ModelNotFound          the model is not where the spec or --model says
+    │   ├── ModelChanged           the model there is not the run's (fingerprint differs)
+    │   ├── UnsupportedModel       the capture backend cannot hook this architecture
+    │   ├── Locked                 another extractor (or scale-out driver) holds the run
+    │   ├── NotEnoughSpace         the projected size exceeds free space (--allow-partial starts anyway)
+    │   ├── CaptureFailed          the backend did not deliver a sample as the plan has it
+    │   ├── WorkerFailed           a scale-out worker failed on a shard; the run stopped
+    │   ├── RepairRefused          verify --repair on a run an extractor is writing
+    │   ├── NormUnavailable        the final norm cannot be read or inverted from the checkpoint
+    │   ├── ExportRefused          the export cannot go on as asked
+    │   └── VocabError             the draft vocabulary cannot be built as asked
+    ├── CleanStop                the volume filled; stopped cleanly, resumable once space is freed (exit 3)
+    ├── DiskFull (also OSError)  ENOSPC or the reserve reached while writing one file (the store's signal)
+    │   └── LowSpace               free space fell under the reserve before a batch
+    ├── BadFile                  a sample file is not valid: truncated, corrupt or misplaced (scans catch it)
+    └── SampleUnavailable        the loader cannot serve a sample (not verified, outside the plan)
+
+Anything else is a bug: the command line lets it surface as a traceback (exit 1), never as "refused".
+"""
+
+from __future__ import annotations
+
+import errno
+from enum import IntEnum, StrEnum
+from pathlib import Path
+
+
+class Exit(IntEnum):
+    """Exit codes of every command. ``status``/``verify`` use OK, REDO and ACT for their verdict."""
+
+    OK = 0
+    REDO = 1  # status/verify: damage that hsx extract repairs by itself (also a bug's traceback)
+    ACT = 2  # a person must act first; every refusal
+    DISK_FULL = 3
+    INTERRUPTED = 130
+
+
+class HsxError(Exception):
+    """The root: every error hsx raises on purpose."""
+
+    exit_code: Exit = Exit.ACT
+
+
+class Refused(HsxError):
+    """The run cannot start or resume as asked; the message says why and what to do."""
+
+
+class OptionError(Refused, ValueError):
+    """Also a ValueError: what Python code calling hsx expects of a bad argument."""
+
+
+class InputError(Refused):
+    pass
+
+
+class SpecError(Refused):
+    pass
+
+
+class PlanError(Refused):
+    pass
+
+
+class ModelNotFound(Refused):
+    pass
+
+
+class ModelChanged(Refused):
+    pass
+
+
+class UnsupportedModel(Refused):
+    pass
+
+
+class Locked(Refused):
+    """Another live process holds the run; ``holder`` says who (anything with ``describe()``)."""
+
+    def __init__(self, holder):
+        super().__init__(f"another extractor holds this run: {holder.describe()}")
+        self.holder = holder
+
+
+class NotEnoughSpace(Refused):
+    pass
+
+
+class CaptureFailed(Refused):
+    pass
+
+
+class WorkerFailed(Refused):
+    pass
+
+
+class RepairRefused(Refused):
+    pass
+
+
+class NormUnavailable(Refused):
+    pass
+
+
+class ExportRefused(Refused):
+    pass
+
+
+class VocabError(Refused):
+    pass
+
+
+class CleanStop(HsxError):
+    """The volume filled up; the run stopped cleanly and resumes once space is freed.
+
+    ``summary`` is the job's summary at the stop, ``needed_bytes`` the space the rest still needs."""
+
+    exit_code = Exit.DISK_FULL
+
+    def __init__(self, summary, needed_bytes: int, path: Path, reason: str | None = None):
+        super().__init__(reason or f"no space left on the output volume while writing {path}")
+        self.summary = summary
+        self.needed_bytes = needed_bytes
+
+
+class DiskFull(HsxError, OSError):
+    """The volume ran out of space (or quota) while writing ``path``."""
+
+    exit_code = Exit.DISK_FULL
+
+    def __init__(self, path: Path, cause: OSError | None = None):
+        OSError.__init__(self, errno.ENOSPC, f"no space left on device while writing {path}")
+        self.path = path
+        self.cause = cause
+
+
+class LowSpace(DiskFull):
+    """Free space fell under the reserve: stop before the volume is full, exactly as on ENOSPC."""
+
+    def __init__(self, path: Path, free: int, pending: int, reserve: int, message: str):
+        super().__init__(path)
+        self.free, self.pending, self.reserve = free, pending, reserve
+        self.strerror = message
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+class Damage(StrEnum):
+    """What is wrong with a file the scan found (a sample's or a stray one)."""
+
+    MISSING = "missing"
+    TRUNCATED = "truncated"
+    CORRUPT = "corrupt"
+    MISPLACED = "misplaced"
+    FOREIGN = "foreign"
+    STRAY = "stray"
+
+
+class BadFile(HsxError):
+    """Why a sample file is not valid; ``kind`` is truncated, corrupt or misplaced."""
+
+    def __init__(self, kind: Damage | str, detail: str):
+        kind = Damage(kind)
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+class SampleUnavailable(HsxError):
+    pass

@@ -1,0 +1,156 @@
+"""What a trainer format is, and what it writes with: the export's options, its context (run,
+plan, final norm), and durable files recorded with their size and digest.
+
+Each trainer module subclasses ``TrainerFormat``; ``core`` drives them through a run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hsx.errors import ExportRefused, NormUnavailable
+from hsx.export.norm import TOLERANCE, load_final_norm, norm_error, prenorm_from_post
+from hsx.finalnorm import FinalNorm
+from hsx.plan import Plan
+from hsx.spec import RunSpec
+from hsx.store.durable import durable_rename, fsync_dir, write_durable
+from hsx.store.format import digest
+from hsx.target import model_dir_for
+
+TMP_DIR_MARK = ".hsx-tmp-"  # a folder written whole, then moved into DEST; removed when a kill left it
+
+
+@dataclass
+class ExportOptions:
+    run: Path
+    dest: Path
+    to: str
+    model: str | None = None  # model folder for the final norm / vocab size (default: the spec's path)
+    prenorm: bool = False  # modelopt: export the pre-norm final state (flagged hidden_states_prenorm)
+    allow_incomplete: bool = False  # export the samples that are done instead of refusing
+    draft_vocab: int | None = None  # also write the trainer's draft-vocab map of this size
+    target_vocab: int | None = None  # target vocabulary size (default: the model's config)
+    pace: float = 0.0  # seconds to sleep after each sample (throttling; lets tests kill mid-export)
+
+
+@dataclass(frozen=True)
+class Written:
+    path: str  # relative to DEST
+    size: int
+    digest: str
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "size": self.size, "digest": self.digest}
+
+
+def put(dest: Path, rel: str, data: bytes) -> Written:
+    """Write one file of the export durably; what the progress log and manifest record of it."""
+    path = dest / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    size = write_durable(path, data)
+    return Written(rel, size, digest(data))
+
+
+@dataclass
+class Context:
+    """Everything a trainer format needs while writing: the run, its plan, the final norm."""
+
+    opts: ExportOptions
+    spec: RunSpec
+    plan: Plan
+    ids: list[int]  # sample id of each export index
+    norm: FinalNorm | None = None
+    prenorm_source: str = ""  # how the pre-norm state is obtained, for the manifest
+    max_norm_error: float = 0.0
+    model_dir: Path | None = None
+
+    @property
+    def dest(self) -> Path:
+        return self.opts.dest
+
+    @property
+    def hidden(self) -> int:
+        return self.spec.model.hidden_size
+
+    def source_id(self, sid: int) -> str:
+        value = self.plan.sources.column("source_id")[sid].as_py()
+        return value if value else str(sid)
+
+    def prenorm(self, sid: int, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The final state before the norm, [T, H], checked to give back the stored post-norm state."""
+        assert self.norm is not None
+        post = t["hidden_states"]
+        last = self.spec.model.num_layers - 1
+        if last in self.spec.layers:
+            k = self.spec.layers.index(last)
+            pre = t["aux_hidden_states"][:, k * self.hidden : (k + 1) * self.hidden].clone()
+        else:
+            pre = prenorm_from_post(self.norm, post)
+        err = norm_error(self.norm, pre, post)
+        limit = TOLERANCE[self.spec.dtype]
+        if not err <= limit:
+            raise ExportRefused(
+                f"sample {sid}: the final norm ({self.norm.tensor}, eps {self.norm.eps}) applied to the exported "
+                f"pre-norm state differs from the stored post-norm state by {err:.2e} (limit {limit:.0e}); "
+                "the model given is not the one that produced the run, or its final norm is not a plain "
+                "RMSNorm. Refusing to write wrong targets."
+            )
+        self.max_norm_error = max(self.max_norm_error, err)
+        return pre
+
+    def load_norm(self) -> None:
+        self.model_dir = self.model_dir or model_dir_for(self.spec, self.opts.model)
+        try:
+            self.norm = load_final_norm(self.model_dir, self.hidden)
+        except NormUnavailable as e:
+            raise ExportRefused(f"this export needs the pre-norm final state, and {e}") from e
+        last = self.spec.model.num_layers - 1
+        if last in self.spec.layers:
+            self.prenorm_source = f"exact: the run holds hsx layer {last} (the last decoder layer's raw output)"
+        else:
+            self.prenorm_source = (
+                f"post-norm state / {self.norm.tensor} (RMSNorm is scale-invariant: norm(pre) = post to 1 - O(eps), "
+                f"eps {self.norm.eps}); each sample checked within {TOLERANCE[self.spec.dtype]:.0e}"
+            )
+
+
+class TrainerFormat:
+    """One trainer's on-disk format. Subclasses write one sample's files, then whatever comes last."""
+
+    name = ""
+    description = ""
+    needs_prenorm = False
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def check(self) -> None:
+        """Refuse before writing anything when the run cannot be expressed in this format."""
+
+    def job(self) -> dict:
+        """Options that change the bytes written (part of the export's identity)."""
+        return {}
+
+    def sample(self, index: int, sid: int, t: dict[str, torch.Tensor]) -> list[Written]:
+        raise NotImplementedError
+
+    def finish(self, vocab: tuple[torch.Tensor, torch.Tensor, dict[int, int]] | None) -> list[Written]:
+        return []
+
+    def final_state(self) -> str:
+        return "post-norm (hsx's stored state)"
+
+
+def move_folder_contents(src: Path, dest: Path, last: tuple[str, ...] = ()) -> list[str]:
+    """Durably move every file of ``src`` (flat) into ``dest``, the names in ``last`` at the end."""
+    names = sorted(os.listdir(src), key=lambda n: (n in last, last.index(n) if n in last else 0, n))
+    for name in names:
+        durable_rename(src / name, dest / name)
+    shutil.rmtree(src)
+    fsync_dir(dest)
+    return names

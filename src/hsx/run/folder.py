@@ -1,0 +1,145 @@
+"""Create a run folder (plan, rejects, then the spec, last) or open one, refusing any drift from its spec.
+
+The spec is the only source of truth for a resume: whatever the operator passes again must match
+it, and is listed by name where it does not (invariant 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from hsx import target
+from hsx.capture import check_layers, default_layers
+from hsx.capture.transformers import resolve_dtype
+from hsx.errors import InputError, OptionError, Refused
+from hsx.input import read_conversations
+from hsx.plan import Tokenize, tokenize_all, write_plan
+from hsx.run.options import DEFAULTS, ExtractOptions, resolve_compile, resolve_packing
+from hsx.spec import DataFile, PlanIdentity, RunSpec, differences, load_spec, now, who
+from hsx.store import layout
+from hsx.store.codec import Codec
+from hsx.store.durable import TMP_MARK, is_temp, write_durable
+from hsx.store.format import FINAL_STATE
+
+
+def asked(opts: ExtractOptions) -> dict:
+    """What the operator gave on the command line, in the spec's terms (for the drift check)."""
+    out: dict = {}
+    if opts.model is not None:
+        model_dir = target.resolve(opts.model)
+        out["model"] = target.identity(opts.model, model_dir)
+        out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
+    if opts.data:
+        out["data"] = [DataFile.of(p) for p in opts.data]
+    for key in ("layers", "max_length", "batch_tokens", "shard_size", "backend", "codec"):
+        out[key] = getattr(opts, key)
+    if opts.dtype not in (None, "auto"):
+        out["dtype"] = opts.dtype
+    for key, value in (("packed", opts.packing), ("compiled", opts.compile)):
+        if value != "auto":  # said out loud on a resume: it must match the run, never silently ignored
+            out[key] = value == "on"
+    return out
+
+
+def remove_stray_temps(run: Path) -> int:
+    """Remove the temp files a killed process left beside the run's own files (spec, plan, rejects,
+    lock, metrics); shard folders are tidied by the scan. Returns how many were removed."""
+    removed, mine = 0, f"{TMP_MARK}{os.getpid()}-"  # never this process's own (its heartbeat's)
+    for folder in (run, run / layout.PLAN_DIR):
+        if folder.is_dir():
+            for p in folder.iterdir():
+                if is_temp(p.name) and mine not in p.name and p.is_file():
+                    p.unlink(missing_ok=True)
+                    removed += 1
+    return removed
+
+
+def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
+    """A new run: read and tokenize the data into the frozen plan, write the rejects, then the spec."""
+    if not opts.model or not opts.data:
+        raise Refused(f"{opts.out} is not a run yet: a new run needs --model and --data")
+    if opts.out.exists():
+        remove_stray_temps(opts.out)  # an interrupted set-up; the plan is rebuilt from the data
+        foreign = sorted(p.name for p in opts.out.iterdir() if p.name not in layout.SETUP_FILES)
+        if foreign:
+            raise Refused(
+                f"{opts.out} is not empty and holds no run spec ({', '.join(foreign[:5])}"
+                f"{', ...' if len(foreign) > 5 else ''}): choose an empty or new folder"
+            )
+    for path in opts.data:
+        if not path.is_file():
+            raise InputError(f"{path}: no such data file")
+    model_dir = target.resolve(opts.model)
+    tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
+    model = target.identity(opts.model, model_dir)
+    layers = opts.layers if opts.layers is not None else default_layers(model.num_layers)
+    check_layers(layers, model.num_layers)
+    device = opts.resources().device
+    dtype = resolve_dtype(opts.dtype or DEFAULTS["dtype"], device)
+    packed = resolve_packing(opts.packing, device, target.load_config(model_dir), dtype, log)
+    backend, final_state = opts.backend or "transformers", FINAL_STATE
+    if backend == "vllm":
+        from hsx.capture.vllm import final_state as vllm_final_state  # vLLM is optional
+
+        final_state = vllm_final_state(model_dir)  # refuses a model whose final norm it cannot apply
+    elif backend != "transformers":
+        raise Refused(f"unknown backend {backend!r}: use transformers or vllm")
+    compiled = resolve_compile(opts.compile, device, backend)
+    max_length = opts.max_length or DEFAULTS["max_length"]
+    codec = opts.codec or DEFAULTS["codec"]
+    if codec not in set(Codec):
+        raise OptionError(f"--codec takes {', '.join(Codec)}, not {codec!r}")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
+    rows = read_conversations(opts.data)
+    info, rejects = write_plan(opts.out, tokenize_all(rows, Tokenize(tokenizer, max_length)), max_length)
+    write_durable(opts.out / layout.REJECTS, "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode())
+    spec = RunSpec(
+        created=now(),
+        created_by=who(),
+        backend=backend,
+        final_state=final_state,
+        model=model,
+        tokenizer=target.tokenizer_identity(tokenizer),
+        layers=layers,
+        dtype=dtype,
+        max_length=max_length,
+        batch_tokens=opts.batch_tokens or DEFAULTS["batch_tokens"],
+        shard_size=opts.shard_size or DEFAULTS["shard_size"],
+        trust_remote_code=opts.trust_remote_code,
+        packed=packed,
+        compiled=compiled,
+        codec=codec,
+        data=[DataFile.of(p) for p in opts.data],
+        plan=PlanIdentity(
+            fingerprint=info.fingerprint,
+            num_samples=info.num_samples,
+            num_tokens=info.num_tokens,
+            num_truncated=info.num_truncated,
+            num_rejected=len(rejects),
+        ),
+    )
+    spec.save(opts.out)  # last: its presence means the run exists
+    log(
+        f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
+        f"{len(rejects)} rejected (see {layout.REJECTS})"
+    )
+    return spec
+
+
+def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
+    """The run's spec: created for a new run, checked against the options for an existing one."""
+    if not (opts.out / layout.SPEC).exists():
+        return create_run(opts, log)
+    spec = load_spec(opts.out)
+    diffs = differences(spec, asked(opts))
+    if diffs:
+        raise Refused(
+            f"{opts.out} belongs to a run with other settings; refusing to resume:\n  - "
+            + "\n  - ".join(diffs)
+            + f"\nResume with the run's own settings: hsx extract --out {opts.out}"
+        )
+    return spec

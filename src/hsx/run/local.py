@@ -1,0 +1,62 @@
+"""The single-process job: open the run, take its lock, resume (verify, tidy, settle), check the
+space, then extract every shard that is not complete and seal it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hsx import registry, target
+from hsx.assess import volume
+from hsx.errors import CleanStop, DiskFull, LowSpace
+from hsx.lock import RunLock
+from hsx.plan import load_plan
+from hsx.progress import Progress
+from hsx.run.folder import open_run, remove_stray_temps
+from hsx.run.options import ExtractOptions
+from hsx.run.pipeline import Extractor, open_backend
+from hsx.run.resume import Summary, verify_all
+
+
+def extract_local(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary:
+    """``hsx extract`` in this process: a new run, or the resume of one, to the end or a clean stop."""
+    spec = open_run(opts, log)
+    run = opts.out
+    progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
+    with RunLock(run, metrics=progress.metrics, warn=log) as lock:
+        registry.settle(run, lock.me, log)  # workers of a crashed scale-out driver: gone first
+        remove_stray_temps(run)
+        plan = load_plan(run, spec)
+        summary = Summary.of(run, spec)
+        scans = verify_all(run, spec, opts.deep_verify, summary)
+        done_ids = [i for s in scans for i in s.good]
+        progress.start(len(done_ids), int(plan.lengths[done_ids].sum()))
+        todo = [s for s in scans if not s.complete]
+        reserve = volume.check_space(run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log)
+        try:
+            if todo:
+                resources = opts.resources()
+                model_dir = target.model_dir_for(spec, opts.model, checked=opts.model is not None)
+                if spec.backend == "vllm":
+                    from hsx.capture.vllm import run_shards_vllm  # vLLM is optional
+
+                    run_shards_vllm(
+                        run, spec, plan, model_dir, todo, progress, reserve,
+                        opts.tensor_parallel_size or 1, opts.data_parallel_size or 1,
+                    )  # fmt: skip
+                else:
+                    backend = open_backend(spec, model_dir, resources.device)
+                    extractor = Extractor(run, spec, plan, backend, resources, progress, reserve)
+                    try:
+                        extractor.run_shards(todo)
+                    finally:
+                        extractor.close()
+        except DiskFull as e:
+            summary.written, summary.tokens_written, summary.bytes_written = progress.session()
+            left = spec.plan.num_tokens - progress.tokens_done()
+            reason = str(e) if isinstance(e, LowSpace) else None
+            raise CleanStop(summary, left * spec.bytes_per_token, e.path, reason) from e
+        finally:
+            summary.seconds = progress.elapsed()
+            summary.written, summary.tokens_written, summary.bytes_written = progress.session()
+            summary.waited_for_disk = progress.waited_for_disk() if progress.waited_for_disk else 0.0
+        return summary

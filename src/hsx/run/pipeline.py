@@ -1,0 +1,122 @@
+"""One process's capture -> store pipeline: backend -> staging (device-to-host) -> writer threads.
+
+The same ``Extractor`` serves the local job and every scale-out worker, so every process writes a
+shard the same way: the plan fixes the batches, a redone sample is computed in the same batch as
+in an uninterrupted run, and its tensors are bit-identical (invariant 7). The disk guard runs
+before each batch is captured, counting the writer's queued bytes as already spent.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from hsx.assess.volume import DiskGuard
+from hsx.capture.transformers import TransformersBackend
+from hsx.plan import Plan, batches_for
+from hsx.progress import Progress
+from hsx.run.options import Resources
+from hsx.spec import RunSpec
+from hsx.staging import Staging, staging_for
+from hsx.store.format import SampleTensors
+from hsx.store.scan import ShardScan
+from hsx.store.writer import FileRecord, SampleWriter, seal
+
+
+def open_backend(spec: RunSpec, model_dir: Path, device: str) -> TransformersBackend:
+    """The run's model with its capture hooks, laid out as the spec says (packed, compiled)."""
+    return TransformersBackend.load(
+        model_dir, spec.layers, spec.dtype, device, spec.packed, spec.trust_remote_code, spec.compiled
+    )
+
+
+class Extractor:
+    """Captures a shard's missing samples batch by batch and hands them to the writer.
+
+    ``reserve``: bytes of free space to keep (None: no guard). ``staging``: a ring to share
+    (the benchmark reuses one across variants); by default one is made for the backend's device."""
+
+    def __init__(
+        self,
+        run: Path,
+        spec: RunSpec,
+        plan: Plan,
+        backend: TransformersBackend,
+        resources: Resources,
+        progress: Progress,
+        reserve: int | None = None,
+        staging: Staging | None = None,
+    ):
+        self.run, self.spec, self.plan, self.backend, self.progress = run, spec, plan, backend, progress
+        width = len(spec.layers) * spec.model.hidden_size
+        self.staging = staging or staging_for(
+            backend.device,
+            backend.dtype,
+            width,
+            spec.model.hidden_size,
+            max(spec.batch_tokens, spec.max_length),
+            resources.max_inflight_bytes,
+        )
+        self.writer = SampleWriter(
+            run, spec.shard_size, spec.layers, resources.writers, resources.max_inflight_bytes, codec=spec.codec
+        )
+        # queued bytes not yet on disk count against free space
+        self.guard = None if reserve is None else DiskGuard(run, reserve, in_flight=lambda: self.writer.inflight)
+        progress.waited_for_disk = self.waited_for_disk
+
+    def waited_for_disk(self) -> float:
+        """Seconds the forward pass stood still because writes were behind."""
+        return self.staging.waited + self.writer.waited
+
+    def shard(self, scan: ShardScan) -> list[Future]:
+        """Capture and submit every missing sample of one shard; returns the futures to wait on."""
+        missing = set(scan.missing)
+        futures: list[Future] = []
+        for batch in batches_for(scan.expected, self.plan.lengths, self.spec.batch_tokens, self.spec.packed):
+            if missing.isdisjoint(batch.ids):
+                continue
+            if self.guard is not None:
+                tokens = sum(int(self.plan.lengths[i]) for i in missing.intersection(batch.ids))
+                self.guard(tokens * self.spec.bytes_per_token)
+            seqs = [self.plan.input_ids(i) for i in batch.ids]
+            captured = self.backend.capture(list(batch.ids), seqs)
+            wanted = [row for row, sid in enumerate(captured.sample_ids) if sid in missing]
+            host = self.staging.stage(captured, wanted)
+            for row, (aux, final) in zip(wanted, host.views, strict=True):
+                sid = captured.sample_ids[row]
+                sample = SampleTensors(
+                    sample_id=sid,
+                    input_ids=torch.from_numpy(self.plan.input_ids(sid).astype("int64")),
+                    loss_mask=torch.from_numpy(self.plan.loss_mask(sid).astype("uint8")),
+                    aux=aux,
+                    final=final,
+                )
+                fut = self.writer.submit(sample, release=host.done_one, ready=host.ready)
+                fut.add_done_callback(self.progress.on_written(captured.lengths[row]))
+                futures.append(fut)
+        return futures
+
+    def finish(self, scan: ShardScan, futures: list[Future]) -> list[FileRecord]:
+        """Wait until a shard's writes are durable, then seal it (its old good files + the new ones)."""
+        records: list[FileRecord] = self.writer.wait(futures)
+        seal(self.run, scan.shard, list(scan.good.values()) + records)
+        return records
+
+    def run_shards(self, todo: list[ShardScan]) -> None:
+        """Every shard of ``todo``, sealing one shard behind so the device never waits on fsync."""
+        pending: list[tuple[ShardScan, list[Future]]] = []
+        with self.progress.live():
+            for scan in todo:
+                pending.append((scan, self.shard(scan)))
+                while len(pending) > 1:
+                    self.finish(*pending.pop(0))
+            while pending:
+                self.finish(*pending.pop(0))
+
+    def close(self) -> None:
+        """Stop staging; in-flight writes complete or remove their temp files; folders fsynced."""
+        self.staging.close()
+        self.writer.close()
+        self.writer.sync()

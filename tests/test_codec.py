@@ -1,0 +1,351 @@
+"""Storage codecs: zstd is lossless, fp8 stays within its stated bound, and an encoded file is still
+one plain, self-verifying safetensors file that every hsx reader decodes to the tensors of raw."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+from safetensors import safe_open
+from safetensors.torch import load_file, save
+
+from conftest import flip_byte
+from hsx.data import HsxDataset, SampleUnavailable, collate_packed, collate_padded, read_mapped, read_verified
+from hsx.spec import load_spec
+from hsx.store import layout
+from hsx.store.codec import FP8, Codec, dequantize, fp8_bound, prior_ratio, quantize_fp8, zstd_compress
+from hsx.store.codec_bench import bench_codecs, states
+from hsx.store.durable import write_parts
+from hsx.store.format import (
+    FORMAT,
+    FORMAT_ENCODED,
+    BadFile,
+    SampleTensors,
+    check,
+    decode,
+    decode_tensors,
+    encode,
+    read_header,
+)
+from hsx.store.writer import SampleWriter, seal
+
+LAYERS = [1, 3, 4]
+STORED = {
+    Codec.RAW: {"aux_hidden_states", "hidden_states", "input_ids", "loss_mask"},
+    Codec.ZSTD: {"aux_hidden_states.zstd", "hidden_states.zstd", "input_ids", "loss_mask"},
+    Codec.FP8: {
+        *("aux_hidden_states.fp8", "aux_hidden_states.scale", "hidden_states.fp8", "hidden_states.scale"),
+        *("input_ids", "loss_mask"),
+    },
+}
+
+
+def _sample(sid=5, t=37, h=64, dtype=torch.bfloat16, kind="normal") -> SampleTensors:
+    s = states(kind, t, h, len(LAYERS), dtype, seed=sid)
+    s.sample_id = sid
+    return s
+
+
+def _bytes(sample: SampleTensors, codec) -> bytes:
+    return b"".join(encode(sample, LAYERS, codec)[0])
+
+
+def _write(tmp_path: Path, sample: SampleTensors, codec) -> Path:
+    path = tmp_path / f"{codec}" / layout.sample_name(sample.sample_id)
+    path.parent.mkdir(exist_ok=True)
+    write_parts(path, encode(sample, LAYERS, codec)[0])
+    return path
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _rel_error(x: torch.Tensor, y: torch.Tensor, groups: int) -> float:
+    """max |y - x| / amax of x's token-layer."""
+    x = x.float().view(x.shape[0], groups, -1)
+    err = (y.float().view(x.shape) - x).abs()
+    return float((err / x.abs().amax(-1, keepdim=True).clamp_min(1e-30)).max())
+
+
+# ---------------------------------------------------------------- zstd
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_zstd_round_trip_is_bit_identical_to_raw(dtype):
+    s = _sample(dtype=dtype, kind="heavy")
+    finfo = torch.finfo(dtype)
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), finfo.tiny / 4, finfo.max])
+    s.aux[3, : len(specials)] = specials.to(dtype)
+    s.final[0] = 0
+    raw, zstd = decode(_bytes(s, Codec.RAW)), decode(_bytes(s, Codec.ZSTD))
+    assert raw.keys() == zstd.keys() == {"aux_hidden_states", "hidden_states", "input_ids", "loss_mask"}
+    for k in raw:
+        assert zstd[k].dtype == raw[k].dtype and zstd[k].shape == raw[k].shape
+        assert torch.equal(_bits(zstd[k]), _bits(raw[k])), k  # bits: NaN and -0.0 included
+    assert torch.equal(_bits(zstd["aux_hidden_states"]), _bits(s.aux))
+    assert _bytes(s, Codec.ZSTD) == _bytes(s, "zstd")  # same input, same file: resume stays byte-identical
+
+
+def test_zstd_lets_other_threads_run_while_it_compresses():
+    """Blosc2 keeps the GIL by default: the writer threads would run one at a time."""
+    import blosc2
+
+    zstd_compress(torch.zeros(4, dtype=torch.bfloat16))
+    assert blosc2.set_releasegil(True) is True
+
+
+def test_zstd_shrinks_real_states_of_the_tiny_model(finished_run):
+    path = layout.sample_path(finished_run, 7, 10)
+    t = load_file(path)
+    s = SampleTensors(7, t["input_ids"], t["loss_mask"], t["aux_hidden_states"], t["hidden_states"])
+    data = _bytes(s, Codec.ZSTD)
+    assert len(data) < 0.95 * path.stat().st_size
+    assert all(torch.equal(decode(data)[k], t[k]) for k in t)
+
+
+# ---------------------------------------------------------------- fp8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kind", ["normal", "heavy"])
+def test_fp8_stays_within_its_stated_bound(dtype, kind):
+    s = _sample(t=300, h=256, dtype=dtype, kind=kind)
+    if dtype == torch.float16:  # fp16's own range
+        s.aux.clamp_(-6e4, 6e4)
+    before = s.aux.clone()
+    out = decode(_bytes(s, Codec.FP8))
+    assert torch.equal(s.aux, before)  # encoding never writes into the sample's buffers
+    assert torch.equal(out["input_ids"], s.input_ids) and torch.equal(out["loss_mask"], s.loss_mask)
+    assert out["aux_hidden_states"].dtype == dtype and out["aux_hidden_states"].shape == s.aux.shape
+    assert _rel_error(s.aux, out["aux_hidden_states"], len(LAYERS)) <= fp8_bound(dtype)
+    assert _rel_error(s.final, out["hidden_states"], 1) <= fp8_bound(dtype)
+    # the bound is tight, not loose: rounding reaches nearly amax / 28
+    assert _rel_error(s.aux, dequantize(*quantize_fp8(s.aux, 3), torch.float32), 3) > 0.035
+    # and a value in e4m3's normal range errs by at most 2^-4 of itself
+    q, scale = quantize_fp8(s.aux, 3)
+    x = s.aux.float().view(300, 3, -1)
+    y = dequantize(q, scale, torch.float32).view(x.shape)
+    normal = x.abs() >= scale[..., None] * 2**-6
+    assert ((y - x).abs()[normal] <= x.abs()[normal] * 2**-4 * (1 + 1e-6)).all()
+
+
+def test_fp8_scales_are_per_token_and_layer_and_kept_for_trainers():
+    s = _sample(t=29, h=64)
+    kept = decode(_bytes(s, Codec.FP8), keep_fp8=True)
+    assert kept["aux_hidden_states"].dtype == FP8 and kept["aux_hidden_states"].shape == (29, 3 * 64)
+    assert kept["aux_hidden_states_scale"].shape == (29, 3) and kept["hidden_states_scale"].shape == (29, 1)
+    amax = s.aux.float().view(29, 3, 64).abs().amax(-1)
+    assert torch.equal(kept["aux_hidden_states_scale"], amax / 448)
+    full = decode(_bytes(s, Codec.FP8))
+    again = dequantize(kept["aux_hidden_states"], kept["aux_hidden_states_scale"])
+    assert torch.equal(again, full["aux_hidden_states"])
+    raw = _bytes(s, Codec.RAW)
+    ratio = len(_bytes(_sample(t=2000, h=1024), Codec.FP8)) / len(_bytes(_sample(t=2000, h=1024), Codec.RAW))
+    assert ratio == pytest.approx(prior_ratio(Codec.FP8, torch.bfloat16, 1024), rel=0.01)
+    assert decode(raw, keep_fp8=True).keys() == decode(raw).keys()  # other codecs just decode
+
+
+def test_fp8_zero_rows_decode_to_zeros_and_non_finite_rows_to_nan():
+    s = _sample(t=6, h=32)
+    s.aux[1] = 0  # a whole token
+    s.aux[2, 32:64] = 0  # one layer of a token
+    s.final.zero_()  # a whole state
+    s.aux[4, 70] = float("inf")
+    out = decode(_bytes(s, Codec.FP8))
+    aux = out["aux_hidden_states"]
+    assert (aux[1] == 0).all() and (aux[2, 32:64] == 0).all() and (out["hidden_states"] == 0).all()
+    assert torch.isfinite(aux[[0, 1, 2, 3, 5]]).all() and torch.isfinite(aux[4, :64]).all()
+    assert aux[4, 64:96].isnan().all()  # never plausible numbers for a broken row
+    assert _rel_error(s.aux[[0, 1, 2, 3, 5]], aux[[0, 1, 2, 3, 5]], 3) <= fp8_bound(torch.bfloat16)
+
+
+# ---------------------------------------------------------------- the file
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_every_codec_writes_a_plain_safetensors_file(tmp_path, codec):
+    s = _sample()
+    path = _write(tmp_path, s, codec)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        assert set(f.keys()) == STORED[codec]
+        stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a Mapping
+    assert set(load_file(path)) == STORED[codec]
+    assert meta["sample_id"] == "5" and json.loads(meta["layers"]) == LAYERS and "layer_convention" in meta
+    assert meta["format"] == (FORMAT if codec is Codec.RAW else FORMAT_ENCODED)
+    assert read_header(path).codec is codec
+    assert check(path, 5, deep=True).digest == meta["digest"]
+    if codec is not Codec.RAW:
+        assert meta["codec"] == codec
+        assert json.loads(meta["states"]) == {
+            "aux_hidden_states": {"dtype": "BF16", "shape": [37, 3 * 64]},
+            "hidden_states": {"dtype": "BF16", "shape": [37, 64]},
+        }
+    if codec is Codec.ZSTD:
+        assert stored["aux_hidden_states.zstd"].dtype == torch.uint8 and stored["aux_hidden_states.zstd"].ndim == 1
+    if codec is Codec.FP8:
+        assert stored["aux_hidden_states.fp8"].dtype == FP8 and stored["aux_hidden_states.scale"].dtype == torch.float32
+    decoded = decode_tensors(stored, meta)
+    assert all(torch.equal(decoded[k], v) for k, v in decode(path.read_bytes()).items())
+    # the digest covers exactly the stored bytes, as a reader that knows no codec would hash them
+    header = read_header(path)
+    assert meta["digest"] == f"xxh3_128:{xxhash.xxh3_128(path.read_bytes()[header.data_start :]).hexdigest()}"
+
+
+@pytest.mark.parametrize("codec", [Codec.ZSTD, Codec.FP8])
+def test_damage_to_an_encoded_file_is_detected_as_for_raw(tmp_path, codec):
+    path = _write(tmp_path, _sample(), codec)
+    good, size = path.read_bytes(), path.stat().st_size
+    start = read_header(path).data_start
+
+    os.truncate(path, size - 3)
+    with pytest.raises(BadFile, match="truncated"):
+        check(path, 5, deep=False)
+
+    for offset in (start + 3, (start + size) // 2, size - 7):  # ids, the middle of the payload, its end
+        path.write_bytes(good)
+        flip_byte(path, offset)
+        check(path, 5, deep=False)  # a bit flip needs the deep check
+        with pytest.raises(BadFile, match="digest mismatch"):
+            check(path, 5, deep=True)
+        with pytest.raises(BadFile, match="digest mismatch"):
+            read_mapped(path, 5)  # an encoded file is hashed before its bytes reach a decoder
+
+    path.write_bytes(bytes(size))
+    with pytest.raises(BadFile) as e:
+        check(path, 5, deep=False)
+    assert e.value.kind in ("corrupt", "truncated")
+
+
+def test_states_that_do_not_fit_their_metadata_are_corrupt(tmp_path):
+    path = _write(tmp_path, _sample(), Codec.ZSTD)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    stored = load_file(path)
+    states = json.loads(meta["states"])
+    states["aux_hidden_states"]["shape"] = [37, 3 * 64 + 1]
+    with pytest.raises(BadFile, match="do not decode"):
+        decode_tensors(stored, meta | {"states": json.dumps(states)})
+    stored["aux_hidden_states.zstd"] = stored["aux_hidden_states.zstd"][:-9]
+    with pytest.raises(BadFile, match="do not decode"):
+        decode_tensors(stored, meta)
+    with pytest.raises(BadFile, match="do not decode"):
+        decode_tensors(load_file(path), meta | {"codec": "lz4"})
+
+
+def test_raw_files_are_what_they_were_and_old_files_still_read(tmp_path):
+    T, H = 7, 8
+    s = SampleTensors(
+        sample_id=12345,
+        input_ids=torch.arange(T, dtype=torch.int64) * 37,
+        loss_mask=(torch.arange(T) % 2).to(torch.uint8),
+        aux=(torch.arange(T * 3 * H, dtype=torch.float32).reshape(T, 3 * H) / 16 - 5).to(torch.bfloat16),
+        final=(torch.arange(T * H, dtype=torch.float32).reshape(T, H) / 8 - 3).to(torch.bfloat16),
+    )
+    # the exact bytes hsx wrote before codecs existed, for this sample
+    assert (
+        hashlib.sha256(_bytes(s, Codec.RAW)).hexdigest()
+        == "6bdd603f4c22e8f91c7bea89c98bc334e5dd14356495d80ccda76ce89cf92202"
+    )
+    assert _bytes(s, Codec.RAW) == b"".join(encode(s, LAYERS)[0])  # the old call, the same file
+
+    # a format-1 file laid out by safetensors' own writer (another tensor order and header) reads too
+    tensors = {"aux_hidden_states": s.aux, "hidden_states": s.final, "input_ids": s.input_ids, "loss_mask": s.loss_mask}
+    meta = {"format": FORMAT, "sample_id": "12345", "num_tokens": str(T), "layers": json.dumps(LAYERS)}
+    first = save(tensors, meta | {"digest": "xxh3_128:" + "0" * 32})
+    data = first[8 + int.from_bytes(first[:8], "little") :]
+    path = tmp_path / layout.sample_name(12345)
+    path.write_bytes(save(tensors, meta | {"digest": f"xxh3_128:{xxhash.xxh3_128(data).hexdigest()}"}))
+    assert check(path, 12345, deep=True).codec is Codec.RAW
+    for read in (read_verified, read_mapped):
+        t = read(path, 12345)
+        assert all(torch.equal(t[k], v) for k, v in tensors.items())
+
+
+# ---------------------------------------------------------------- readers: hsx.data and the exports' read
+
+
+def _recode(src: Path, dest: Path, codec: Codec) -> Path:
+    """The same run with every sample file rewritten through the writer with ``codec``, resealed."""
+    shutil.copytree(src, dest)
+    spec = load_spec(dest)
+    writer = SampleWriter(dest, spec.shard_size, list(spec.layers), threads=2, codec=codec)
+    for shard in range(layout.num_shards(spec.plan.num_samples, spec.shard_size)):
+        futures = []
+        for sid in layout.shard_ids(shard, spec.shard_size, spec.plan.num_samples):
+            t = load_file(layout.sample_path(src, sid, spec.shard_size))
+            s = SampleTensors(sid, t["input_ids"], t["loss_mask"], t["aux_hidden_states"], t["hidden_states"])
+            futures.append(writer.submit(s))
+        seal(dest, shard, writer.wait(futures))
+    writer.close()
+    return dest
+
+
+@pytest.fixture(scope="module")
+def recoded(finished_run, tmp_path_factory) -> dict[Codec, Path]:
+    root = tmp_path_factory.mktemp("recoded")
+    return {Codec.RAW: finished_run} | {c: _recode(finished_run, root / c, c) for c in (Codec.ZSTD, Codec.FP8)}
+
+
+def test_dataset_yields_the_same_dicts_for_every_codec(recoded):
+    raw = HsxDataset(recoded[Codec.RAW], verify=True)
+    assert len(raw) == 40
+    first = layout.sample_path(recoded[Codec.ZSTD], 0, 10)
+    assert read_header(first).codec is Codec.ZSTD and check(first, 0, deep=True)
+    for verify in (False, True):
+        zstd = HsxDataset(recoded[Codec.ZSTD], verify=verify)
+        fp8 = HsxDataset(recoded[Codec.FP8], verify=verify)
+        assert zstd.ids == fp8.ids == raw.ids  # sealed shards: the manifests agree with the files
+        for i in range(0, 40, 3):
+            a, b, c = raw[i], zstd[i], fp8[i]
+            assert a.keys() == b.keys() == c.keys()
+            for k in a:
+                assert a[k] == b[k] if k == "sample_id" else torch.equal(a[k], b[k]), k
+            for k in ("sample_id", "input_ids", "loss_mask"):
+                assert a[k] == c[k] if k == "sample_id" else torch.equal(a[k], c[k])
+            assert c["aux_hidden_states"].dtype == a["aux_hidden_states"].dtype
+            assert _rel_error(a["aux_hidden_states"], c["aux_hidden_states"], 3) <= fp8_bound(torch.float32)
+            assert _rel_error(a["hidden_states"], c["hidden_states"], 1) <= fp8_bound(torch.float32)
+    # what the exports read (hsx.data.read_verified): the decoded tensors, the same for zstd
+    for sid in (0, 39):
+        a = read_verified(layout.sample_path(recoded[Codec.RAW], sid, 10), sid)
+        b = read_verified(layout.sample_path(recoded[Codec.ZSTD], sid, 10), sid)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fp8_batches_for_a_trainer_that_dequantizes(recoded):
+    ds = HsxDataset(recoded[Codec.FP8], keep_fp8=True)
+    samples = [ds[i] for i in (4, 0, 9)]
+    full = [HsxDataset(recoded[Codec.FP8])[i] for i in (4, 0, 9)]
+    assert samples[0]["aux_hidden_states"].dtype == FP8 and samples[0]["aux_hidden_states_scale"].shape[1] == 3
+    padded = collate_padded(samples)
+    B, T = padded["input_ids"].shape
+    assert padded["aux_hidden_states"].shape == (B, T, 192) and padded["aux_hidden_states_scale"].shape == (B, T, 3)
+    states = dequantize(padded["aux_hidden_states"], padded["aux_hidden_states_scale"], torch.float32)
+    for b, s in enumerate(full):
+        n = s["input_ids"].shape[0]
+        assert torch.equal(states[b, :n].to(s["aux_hidden_states"].dtype), s["aux_hidden_states"])
+    packed = collate_packed(samples)
+    assert packed["hidden_states_scale"].shape == (1, packed["input_ids"].shape[1], 1)
+
+
+def test_a_damaged_encoded_file_is_unavailable_not_served(recoded, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(recoded[Codec.ZSTD], run)
+    flip_byte(layout.sample_path(run, 3, 10), -5)
+    with pytest.raises(SampleUnavailable, match=r"corrupt.*hsx extract --out"):
+        HsxDataset(run, ids=[3])[0]  # even without verify: encoded files are hashed before decoding
+
+
+def test_codec_bench_reports_every_codec():
+    results = bench_codecs(tokens=64, hidden=128, threads=2, repeats=1, kinds=("heavy",))
+    by = {r.codec: r for r in results}
+    assert set(by) == {"raw", "zstd", "fp8"} and by["raw"].ratio == 1.0
+    assert by["zstd"].ratio < 1 and by["fp8"].ratio < 0.6 and by["fp8"].max_err <= fp8_bound(torch.bfloat16)
