@@ -49,6 +49,21 @@ def hsx(
     return proc
 
 
+def save_tiny(config, path: Path, seed: int = 0) -> Path:
+    """A random model of ``config`` in float32, saved with the bundled tokenizer and chat template
+    (``config.vocab_size`` must be the tokenizer's 2048), so that ``hsx extract`` runs on it."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).to(torch.float32).eval().save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TINY / name, path / name)
+    return path
+
+
 def run_files(out: Path) -> dict[str, bytes]:
     """Every sample file of a run, by path relative to its shards folder, with its bytes."""
     root = out / "shards"

@@ -35,6 +35,8 @@ def test_bench_measures_every_variant_in_one_run(tmp_path):
         "hsx extract (packed)",
         "forward only (packed, compiled)",
         "hsx extract (packed, compiled)",
+        "hsx extract (packed, compiled, zstd)",
+        "hsx extract (packed, compiled, fp8)",
         "disk alone (8 threads, fsync)",
     ):
         assert name in rows, proc.stdout
@@ -43,5 +45,12 @@ def test_bench_measures_every_variant_in_one_run(tmp_path):
     assert len(set(tokens.values())) == 1 and tokens["hsx extract (packed, compiled)"] > 0  # same work for each
     assert "hsx extract (padded) / naive:" in proc.stdout
     waits = [line for line in proc.stdout.splitlines() if "the forward pass waited" in line]
-    assert len(waits) == 3 and all(line.startswith("hsx extract (") for line in waits)
+    assert len(waits) == 5 and all(line.startswith("hsx extract (") for line in waits)
+    # the codecs next to raw, on the same batches: stored / raw bytes, tok/s, encode MB/s (1 core, N threads)
+    lines = proc.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("codec  stored/raw"))
+    codecs = {line.split()[0]: line.split()[1:] for line in lines[at + 1 : at + 4]}
+    assert list(codecs) == ["raw", "zstd", "fp8"] and codecs["raw"][0] == "1.0000"
+    assert 0.5 < float(codecs["zstd"][0]) < 1 and 0.25 < float(codecs["fp8"][0]) < 0.35  # fp8 of float32 states
+    assert all(float(v[3].replace(",", "")) > 0 and float(v[4].replace(",", "")) > 0 for v in codecs.values())
     assert list(tmp_path.iterdir()) == []  # it cleans up after itself

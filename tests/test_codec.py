@@ -6,7 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +20,7 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from conftest import flip_byte
+from conftest import conversations, extract_args, flip_byte, hsx, run_files, verified_files, write_jsonl
 from hsx.data import HsxDataset, SampleUnavailable, collate_packed, collate_padded, read_mapped, read_verified
 from hsx.spec import load_spec
 from hsx.store import layout
@@ -349,3 +354,90 @@ def test_codec_bench_reports_every_codec():
     by = {r.codec: r for r in results}
     assert set(by) == {"raw", "zstd", "fp8"} and by["raw"].ratio == 1.0
     assert by["zstd"].ratio < 1 and by["fp8"].ratio < 0.6 and by["fp8"].max_err <= fp8_bound(torch.bfloat16)
+
+
+# ---------------------------------------------------------------- a real run with a codec: kill -9, damage, resume
+
+HANG_GUARD_S = 600  # a hang, not a pace: a healthy run on the slowest machine writes a file within this
+
+
+def expected_files(raw_run: Path, codec: Codec) -> dict[str, bytes]:
+    """What an uninterrupted run with ``codec`` holds: the raw run's tensors, encoded (the writer's
+    encoding is a function of the tensors alone), by path under shards/."""
+    layers = list(load_spec(raw_run).layers)
+    out = {}
+    for p in sorted((raw_run / "shards").rglob("*.safetensors")):
+        t = load_file(p)
+        s = SampleTensors(
+            layout.parse_sample_name(p.name), t["input_ids"], t["loss_mask"], t["aux_hidden_states"], t["hidden_states"]
+        )
+        out[str(p.relative_to(raw_run / "shards"))] = b"".join(encode(s, layers, codec)[0])
+    return out
+
+
+def _kill_after_new_files(proc: subprocess.Popen, out: Path, k: int, seed: int) -> None:
+    """SIGKILL ``proc`` as soon as k sample files have appeared that were not there when it started."""
+
+    def files() -> set[Path]:
+        return set((out / "shards").rglob("*.safetensors")) if (out / "shards").exists() else set()
+
+    before = files()
+    deadline = time.monotonic() + HANG_GUARD_S
+    while len(files() - before) < k:
+        assert proc.poll() is None, f"seed {seed}: the extractor ended (rc {proc.returncode}) before {k} new files"
+        assert time.monotonic() < deadline, f"seed {seed}: no progress for {HANG_GUARD_S} s"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_kill_9_and_damage_then_resume_with_a_codec_is_byte_identical(finished_run, tmp_path):
+    """A zstd run of the finished run's 40 conversations is killed (kill -9) once k new sample files
+    exist (k from a seeded RNG, the seed printed); three of its verified encoded files are damaged
+    (a bit flipped inside a compressed frame, a truncation, zero-fill); a resume asking for another
+    codec is refused by name; the resume redoes exactly the missing and damaged files, and the run is
+    then byte for byte what an uninterrupted zstd run holds, with the raw run's bits."""
+    from typer.testing import CliRunner
+
+    from hsx.cli import app
+
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40))
+    out = tmp_path / "run"
+    seed = int(os.environ.get("HSX_CRASH_SEED", time.time_ns() % 10_000))
+    print(f"HSX_CRASH_SEED={seed}")
+    k = random.Random(seed).randint(4, 12)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hsx", *map(str, extract_args(data, out, "--codec", "zstd"))],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _kill_after_new_files(proc, out, k, seed)
+    assert proc.returncode == -signal.SIGKILL, f"seed {seed}: the kill did not land mid-run"
+    assert k <= len(run_files(out)) < 40, f"seed {seed}: the kill came after the run had finished"
+    assert load_spec(out).codec is Codec.ZSTD
+
+    good = sorted(verified_files(out))
+    assert len(good) >= 3 and all(read_header(p).codec is Codec.ZSTD for p in good), f"seed {seed}"
+    flipped, truncated, zeroed = good[0], good[len(good) // 2], good[-1]
+    flip_byte(flipped, -100)  # inside the compressed frame: only the digest can tell
+    truncated.write_bytes(truncated.read_bytes()[:-1000])
+    zeroed.write_bytes(bytes(zeroed.stat().st_size))
+    kept = verified_files(out)
+    assert len(kept) == len(good) - 3, f"seed {seed}"
+
+    for other in ("fp8", "raw"):  # the codec is per run: refused by name, before any work
+        r = CliRunner().invoke(app, ["extract", "--out", str(out), "--codec", other])
+        assert r.exit_code == 2 and f"codec: run has zstd, asked for {other}" in " ".join(r.output.split()), r.output
+    assert verified_files(out) == kept
+
+    resumed = hsx("extract", "--out", out)
+    said = " ".join(resumed.stdout.split() + resumed.stderr.split())
+    assert "redone 2 corrupt, 1 truncated" in said, f"seed {seed}: {said}"
+    assert run_files(out) == expected_files(finished_run, Codec.ZSTD), f"seed {seed}"
+    final = verified_files(out)
+    assert all(final[p] == ident for p, ident in kept.items()), f"seed {seed}: a verified file was rewritten"
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+    for sid in (0, 17, 39):  # and the bits are the raw run's
+        a = HsxDataset(finished_run, ids=[sid], verify=True)[0]
+        b = HsxDataset(out, ids=[sid], verify=True)[0]
+        assert all(torch.equal(_bits(a[key]), _bits(b[key])) for key in a if key != "sample_id")

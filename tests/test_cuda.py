@@ -120,3 +120,51 @@ def test_compiled_run_resumed_in_a_fresh_process_is_byte_identical(tmp_path, con
         layout.sample_path(out, sid, 10).unlink()
     hsx("extract", "--out", out, env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
     assert run_files(out) == clean
+
+
+def test_fp8_checkpoint_runs_on_transformers_fp8_kernels(tmp_path, caplog):
+    """The tiny block-quantized DeepSeek-V3 of test_checkpoint on the GPU: FP8 layers computing with
+    transformers' FP8 kernels (activations quantized to FP8 per block as well, so the states are
+    near, not equal to, those of the weights dequantized in float and run in bf16). Where the
+    kernels cannot run here (no `kernels` package or no cached kernel offline), the fallback is
+    checked instead, dequantized and said so, and the kernel half is skipped with the reason."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from hsx.capture import checkpoint
+    from test_checkpoint import LAYERS, SEQS, fp8_checkpoint, tiny_deepseek
+
+    plain = tiny_deepseek(tmp_path / "plain")
+    fp8_checkpoint(plain, tmp_path / "fp8", tmp_path / "reference")
+    blocker = checkpoint.fp8_kernel_blocker("cuda")
+    with caplog.at_level(logging.WARNING, logger="hsx.checkpoint"):
+        backend = TransformersBackend.load(tmp_path / "fp8", LAYERS, "bfloat16", "cuda")
+    notes = " | ".join(r.getMessage() for r in caplog.records)
+    ref_model = AutoModelForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.bfloat16).cuda().eval()
+
+    def states(model, ids):
+        with torch.no_grad():
+            out = model(torch.as_tensor(ids)[None].long().cuda(), output_hidden_states=True)
+        return [h[0] for h in out.hidden_states]
+
+    def compare(batch, model, tol):
+        for i, ids in enumerate(SEQS):
+            ref = states(model, ids)
+            aux, final = batch.sample(i)
+            for j, k in enumerate(LAYERS):
+                assert _rel(aux[:, j * 256 : (j + 1) * 256], ref[k + 1]) < tol, (i, k)
+            assert _rel(final, ref[-1]) < tol, i
+
+    batch = backend.capture([0, 1], SEQS)
+    if blocker is not None:
+        assert "dequantize=True" in notes, notes
+        compare(batch, ref_model, 2e-2)
+        pytest.skip(f"transformers' FP8 kernels cannot run here: {blocker}")
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    assert "FP8 kernels on cuda" in notes, notes
+    layer = backend.model.get_submodule("model.layers.0.self_attn.kv_a_proj_with_mqa")
+    assert isinstance(layer, FP8Linear) and layer.weight.dtype == torch.float8_e4m3fn and layer.weight.is_cuda
+    compare(batch, backend.model, 2e-2)  # hsx's capture = the same FP8 model's own output_hidden_states
+    compare(batch, ref_model, 1e-1)  # and near the float dequantization (FP8 activations cost ~1-3%)

@@ -134,3 +134,92 @@ def test_real_enospc_when_inodes_run_out_stops_cleanly_and_resumes_identical(tmp
     remount(d, nr_inodes=400)
     hsx("extract", "--out", run)
     assert run_files(run) == run_files(finished_run)
+
+
+# ---------------------------------------------------------------- with a storage codec
+
+
+def _session(files: int, tokens: int, stored: int):
+    return lambda: (files, tokens, stored)
+
+
+def test_the_projection_and_the_guard_use_the_codecs_ratio(tmpfs, finished_run):
+    from hsx.errors import NotEnoughSpace
+    from hsx.plan import Plan
+    from hsx.spec import load_spec
+    from hsx.store import layout
+    from hsx.store.codec import Codec
+    from hsx.store.scan import ShardScan, scan_run
+
+    raw = load_spec(finished_run)
+    zstd, fp8 = (raw.model_copy(update={"codec": c}) for c in (Codec.ZSTD, Codec.FP8))
+    bpt = raw.bytes_per_token  # float32 states [1, 3, 4] + final, hidden 64: 4 * 64 * 4 + 9
+    assert bpt == 1033
+    # raw is exact, fp8 known in advance (1 byte a value + a float32 scale per 64), zstd measured
+    assert volume.stored_ratio(raw) == 1.0 and volume.stored_ratio(fp8) == (1 + 4 / 64) / 4
+    assert volume.stored_ratio(zstd) == 1.0
+    assert volume.stored_ratio(zstd, volume.Measured(volume.MIN_FILES - 1, 1000, 500)) == 1.0
+    assert volume.stored_ratio(zstd, volume.Measured(volume.MIN_FILES, 1000, 500)) == 0.5 * (1 + volume.MARGIN)
+    assert volume.stored_ratio(zstd, volume.Measured(volume.MIN_FILES, 1000, 999)) == 1.0  # never above raw
+    lengths = Plan(finished_run).lengths
+    scans = scan_run(finished_run, 40, 10, deep=False)
+    m = volume.Measured.on_disk(raw, lengths, scans)
+    on_disk = sum(p.stat().st_size for p in (finished_run / "shards").rglob("*.safetensors"))
+    assert m.files == 40 and m.raw == int(lengths.sum()) * bpt and m.stored == on_disk
+
+    # a new run on a 2 MB volume: raw (2.9 MB) does not fit; fp8 does; zstd is refused at raw size by
+    # a start that must decide now, and left to its first files by one that measures first
+    d = tmpfs("codec", size="2m")
+    empty = [ShardScan(s, layout.shard_ids(s, 10, 40)) for s in range(4)]
+    logged: list[str] = []
+    with pytest.raises(NotEnoughSpace, match="short by"):
+        volume.plan_space(d, raw, lengths, empty, False, None, logged.append)
+    space = volume.plan_space(d, fp8, lengths, empty, False, None, logged.append)
+    assert "fp8 stores 0.266 of raw" in logged[-1] and not space.forecast.undecided
+    with pytest.raises(NotEnoughSpace):
+        volume.check_space(d, zstd, lengths, empty, False, None, logged.append)
+    space = volume.plan_space(d, zstd, lengths, empty, False, None, logged.append, measure_first=True)
+    assert "zstd at raw size until its ratio is measured on 8 files" in logged[-2]
+    assert "judged again on its first 8 files" in logged[-1] and space.forecast.undecided
+
+    # the guard judges it once 8 files are measured: at 0.9 of raw the rest does not fit, at half it does
+    f = space.forecast
+    f.session = _session(7, 400, 400 * bpt // 2)
+    volume.DiskGuard(d, space.reserve, forecast=f)(1)  # 7 files: not yet judged
+    assert not f.decided
+    f.session = _session(8, 400, 400 * bpt * 9 // 10)
+    with pytest.raises(NotEnoughSpace, match="measured on its first 8 files: not enough space"):
+        volume.DiskGuard(d, space.reserve, forecast=f)(1)
+    f = volume.plan_space(d, zstd, lengths, empty, False, None, logged.append, measure_first=True).forecast
+    f.session = _session(20, 1500, 1500 * bpt // 2)
+    volume.DiskGuard(d, space.reserve, forecast=f)(1)
+    assert f.decided and f.ratio() == 0.5 * (1 + volume.MARGIN)
+
+    # batches and bytes in flight count at the ratio (0.525 here)
+    reserve = 256 << 10
+    for in_flight, batch in ((0, 1900 << 10), (1000 << 10, 1000 << 10)):
+        with pytest.raises(volume.LowSpace):
+            volume.DiskGuard(d, reserve, lambda n=in_flight: n)(batch)
+        volume.DiskGuard(d, reserve, lambda n=in_flight: n, forecast=f)(batch)
+    with pytest.raises(volume.LowSpace):
+        volume.DiskGuard(d, reserve, lambda: 2500 << 10, forecast=f)(1000 << 10)
+
+
+def test_a_zstd_run_too_large_at_raw_size_is_judged_on_its_first_files(tmpfs, finished_run, tmp_path):
+    from hsx.store.codec import Codec
+    from test_codec import expected_files
+
+    d = tmpfs("zstd", size="3m")  # raw needs 2.9 MB + a 1.1 MB reserve; zstd ~2.6 MB: neither fits
+    run = d / "run"
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40))
+    refused = hsx(*extract_args(data, run, "--codec", "zstd"), check=False)
+    err = " ".join(refused.stderr.split())
+    assert refused.returncode == EXIT_REFUSED, refused.stderr
+    assert "zstd at raw size until its ratio is measured on 8 files" in err
+    assert "the run starts and is judged again on its first 8 files" in err
+    assert "measured on its first" in err and "not enough space on" in err and "--allow-partial" in err
+    done = assert_clean_stop(run)
+    assert 8 <= done < 40  # decided on the first files, long before the volume was full
+    expected = expected_files(finished_run, Codec.ZSTD)  # what an uninterrupted zstd run holds
+    written = run_files(run)
+    assert len(written) == done and all(expected[name] == data for name, data in written.items())

@@ -45,26 +45,24 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model) -> dict[str, Path]:
-    """20 samples, 2 shards: default layers [1, 3, 4], and [1, 3, 7] (7 = the last layer's raw output)."""
+    """20 samples, 2 shards: default layers [1, 3, 4], and [1, 3, 7] (7 = the last layer's raw output),
+    the latter also stored with each codec ("last-zstd", "last-fp8")."""
     root = tmp_path_factory.mktemp("runs")
     data = write_jsonl(root / "convs.jsonl", conversations(20))
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     base = [sys.executable, "-m", "hsx", "extract", "--model", str(model), "--data", str(data), *RUN_ARGS]
+    last = ["--layers", "1,3,7"]
+    variants = {"run": [], "last": last, "last-zstd": [*last, "--codec", "zstd"], "last-fp8": [*last, "--codec", "fp8"]}
     procs = [
         subprocess.Popen(
-            [*base, "--out", str(root / "run")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        ),
-        subprocess.Popen(
-            [*base, "--out", str(root / "last"), "--layers", "1,3,7"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        ),
+            [*base, "--out", str(root / name), *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        for name, extra in variants.items()
     ]
-    for p in procs:  # both at once: most of each is start-up
+    for p in procs:  # all at once: most of each is start-up
         output = p.communicate(timeout=300)[0]
         assert p.returncode == 0, output.decode()
-    return {"run": root / "run", "last": root / "last"}
+    return {name: root / name for name in variants}
 
 
 @pytest.fixture(scope="module")
@@ -120,22 +118,14 @@ def manifest_ok(dest: Path, n: int) -> dict:
 # ---------------------------------------------------------------- SpecForge
 
 
-def test_specforge_reads_the_export_with_its_own_reader(runs, tmp_path):
+def specforge_read(dest: Path, lengths: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """Every sample of a SpecForge export through its own offline reader and loader, by export
+    index, cut to its length: ``input_ids``, ``hidden_state`` (aux), ``target``, ``loss_mask``."""
     require("specforge")
     from specforge.algorithms.builtin import builtin_algorithm_registry
     from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore
-    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
 
-    dest = tmp_path / "sf"
-    export(runs["run"], dest, "--to", "specforge", "--draft-vocab", "64")
-    manifest_ok(dest, 20)
-    src = hsx_samples(runs["run"])
-    assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*.ckpt"))[:2] == [
-        "rows_0-2000/data_0.ckpt",
-        "rows_0-2000/data_1.ckpt",
-    ]
-    assert len(OfflineManifestReader(str(dest), run_id="t", validate_files=True).read()) == 20
     prov = builtin_algorithm_registry().resolve("eagle3").providers.offline_for("text")
     max_len = 4096
     refs = prov.build_reader(str(dest), run_id="t", ttt_length=7, max_len=max_len).read()
@@ -148,20 +138,39 @@ def test_specforge_reads_the_export_with_its_own_reader(runs, tmp_path):
         per_sample_transform=prov.build_normalizer(max_len),
         strategy="eagle3",
     )
-    n = 0
+    out, n = {}, 0
     for batch in loader:
         t = batch.tensors
         for b in range(t["input_ids"].shape[0]):
             idx = int(refs[n + b].feature_store_uri.rsplit("data_", 1)[1].removesuffix(".ckpt"))
-            s, T = src[idx], src[idx]["input_ids"].shape[0]
-            assert torch.equal(t["input_ids"][b, :T], s["input_ids"])
-            assert torch.equal(t["hidden_state"][b, :T], s["aux_hidden_states"])  # the draft's input
-            assert torch.equal(t["target"][b, :T], s["hidden_states"])  # post-norm target
-            mask = s["loss_mask"].clone()
-            mask[-1] = 0  # SpecForge's normalizer drops the last position (no next token)
-            assert torch.equal(t["loss_mask"][b, :T], mask)
+            out[idx] = {k: t[k][b, : lengths[idx]] for k in ("input_ids", "hidden_state", "target", "loss_mask")}
         n += t["input_ids"].shape[0]
-    assert n == 20
+    assert n == len(out) == len(lengths)
+    return out
+
+
+def test_specforge_reads_the_export_with_its_own_reader(runs, tmp_path):
+    require("specforge")
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+
+    dest = tmp_path / "sf"
+    export(runs["run"], dest, "--to", "specforge", "--draft-vocab", "64")
+    manifest_ok(dest, 20)
+    src = hsx_samples(runs["run"])
+    assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*.ckpt"))[:2] == [
+        "rows_0-2000/data_0.ckpt",
+        "rows_0-2000/data_1.ckpt",
+    ]
+    assert len(OfflineManifestReader(str(dest), run_id="t", validate_files=True).read()) == 20
+    got = specforge_read(dest, [s["input_ids"].shape[0] for s in src])
+    for idx, s in enumerate(src):
+        t = got[idx]
+        assert torch.equal(t["input_ids"], s["input_ids"])
+        assert torch.equal(t["hidden_state"], s["aux_hidden_states"])  # the draft's input
+        assert torch.equal(t["target"], s["hidden_states"])  # post-norm target
+        mask = s["loss_mask"].clone()
+        mask[-1] = 0  # SpecForge's normalizer drops the last position (no next token)
+        assert torch.equal(t["loss_mask"], mask)
     mapping = torch.load(dest / "vocab_mapping-64.pt", weights_only=True)
     assert mapping["d2t"].shape == (64,) and mapping["t2d"].shape == (2048,) and mapping["t2d"].sum() == 64
 
@@ -376,3 +385,117 @@ def test_allow_incomplete_exports_the_finished_samples(runs, tmp_path):
     export(run, tmp_path / "d", "--to", "modelopt", "--allow-incomplete")
     m = manifest_ok(tmp_path / "d", 19)
     assert [s["sample_id"] for s in m["samples"]] == [i for i in range(20) if i != 4]
+
+
+# ---------------------------------------------------------------- storage codecs: every export decodes
+
+EXPORTS = {
+    "specforge": ("--to", "specforge", "--draft-vocab", "64"),
+    "speculators": ("--to", "speculators", "--draft-vocab", "64"),
+    "modelopt": ("--to", "modelopt", "--draft-vocab", "64"),
+    "modelopt-prenorm": ("--to", "modelopt", "--prenorm"),
+}
+PRENORM = ("speculators", "modelopt-prenorm")
+
+
+def trainer_read(kind: str, dest: Path, lengths: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Each sample of an export as its trainer's own loader gives it: ``input_ids``, ``loss_mask``,
+    ``aux`` [T, L*H] and ``final`` [T, H] (post-norm, or pre-norm for the pre-norm formats)."""
+    if kind == "specforge":
+        got = specforge_read(dest, lengths)
+        return [
+            {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"], "aux": t["hidden_state"], "final": t["target"]}
+            for t in (got[i] for i in range(len(lengths)))
+        ]
+    if kind == "speculators":
+        require("speculators")
+        from speculators.train.data import ArrowDataset
+
+        ds = ArrowDataset(max_len=4096, datapath=str(dest), on_missing="raise")
+        rows = [ds[i] for i in range(len(ds))]
+        return [
+            {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"], "aux": r["hidden_states"]}
+            | {"final": r["verifier_last_hidden_states"]}
+            for r in rows
+        ]
+    require("modelopt")
+    from modelopt.torch.speculative.eagle.utils import OfflineSupervisedDataset
+
+    ds = OfflineSupervisedDataset(sorted(str(p) for p in dest.rglob("*.pt")), answer_only_loss=True)
+    rows = [ds[i] for i in range(len(ds))]
+    return [
+        {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"], "aux": r["aux_hidden_states"]}
+        | {"final": r["base_model_hidden_states"]}
+        for r in rows
+    ]
+
+
+def rel_error(x: torch.Tensor, y: torch.Tensor, groups: int) -> float:
+    """max |y - x| / amax of x's token-layer."""
+    x = x.float().view(x.shape[0], groups, -1)
+    err = (y.float().view(x.shape) - x).abs()
+    return float((err / x.abs().amax(-1, keepdim=True).clamp_min(1e-30)).max())
+
+
+def export_files(dest: Path) -> dict[str, bytes]:
+    """Every file of an export but its manifest (which names the source run and the time)."""
+    return {p.relative_to(dest).as_posix(): p.read_bytes() for p in sorted(dest.rglob("*")) if p.is_file()} | {
+        MANIFEST: b""
+    }
+
+
+def test_every_codec_round_trips_through_every_export(runs, model, tmp_path):
+    """The same run stored raw, zstd and fp8 (layers [1, 3, 7]: the pre-norm state is exact where
+    lossless), through every trainer's export and its own loader: zstd's exports are raw's byte for
+    byte; fp8's hold the fp8 run's decoded states, within fp8's bound of raw."""
+    from hsx.export.norm import FP8_SCALE, tolerance
+    from hsx.store.codec import Codec, fp8_bound
+
+    raw, fp8 = hsx_samples(runs["last"]), hsx_samples(runs["last-fp8"])
+    lengths = [s["input_ids"].shape[0] for s in raw]
+    norm = load_final_norm(model, 64)
+    bound = fp8_bound(torch.float32)
+    for kind, args in EXPORTS.items():
+        dests = {name: tmp_path / kind / name for name in ("last", "last-zstd", "last-fp8")}
+        for name, dest in dests.items():
+            export(runs[name], dest, *args)
+            manifest_ok(dest, 20)
+        zstd_files, raw_files = export_files(dests["last-zstd"]), export_files(dests["last"])
+        assert zstd_files.keys() == raw_files.keys() and len(raw_files) >= 21
+        for name in raw_files:
+            assert zstd_files[name] == raw_files[name], (kind, name)
+        manifests = [json.loads((dests[n] / MANIFEST).read_text()) for n in ("last", "last-zstd")]
+        assert [m["files"] for m in manifests[1:]] == [manifests[0]["files"]]
+
+        got, ref = trainer_read(kind, dests["last-fp8"], lengths), trainer_read(kind, dests["last"], lengths)
+        assert len(got) == len(ref) == 20
+        for g, r, s, a in zip(got, ref, fp8, raw, strict=True):
+            assert torch.equal(g["input_ids"], r["input_ids"]) and torch.equal(g["loss_mask"], r["loss_mask"])
+            assert torch.equal(g["aux"], s["aux_hidden_states"])  # what the fp8 run decodes to
+            assert 0 < rel_error(r["aux"], g["aux"], 3) <= bound  # and within fp8's bound of raw
+            if kind not in PRENORM:
+                assert torch.equal(g["final"], s["hidden_states"])
+                assert 0 < rel_error(a["hidden_states"], g["final"], 1) <= bound
+                continue
+            # pre-norm of an fp8 run: from its stored final state, so norm(pre) is that state times
+            # a per-token scale within 1/15 of 1 (its direction exact)
+            normed, post = norm.apply(g["final"].float()), s["hidden_states"]
+            scale = (normed * post).sum(-1) / post.pow(2).sum(-1)
+            assert float((scale - 1).abs().max()) <= FP8_SCALE
+            assert torch.allclose(normed, scale[:, None] * post, rtol=1e-4, atol=1e-6)
+            # raw's (and so zstd's) pre-norm is the last layer's raw output: exact
+            assert torch.equal(r["final"], a["aux_hidden_states"][:, 2 * 64 :])
+        m = json.loads((dests["last-fp8"] / MANIFEST).read_text())
+        if kind in PRENORM:
+            assert 0 < m["max_norm_error"] <= tolerance("float32", Codec.FP8) and "fp8 run" in m["final_state"]
+
+    from typer.testing import CliRunner
+
+    from hsx.cli import app
+
+    vocab = {}  # hsx vocab reads only the plan: the same files whatever the codec
+    for name in ("last", "last-zstd", "last-fp8"):
+        r = CliRunner().invoke(app, ["vocab", str(runs[name]), "--size", "64", "--dest", str(tmp_path / "v" / name)])
+        assert r.exit_code == 0, r.output
+        vocab[name] = {p.name: p.read_bytes() for p in (tmp_path / "v" / name).iterdir()}
+    assert vocab["last"] == vocab["last-zstd"] == vocab["last-fp8"] and len(vocab["last"]) == 6

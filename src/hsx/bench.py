@@ -7,6 +7,9 @@ On one model, one set of samples and the same batches it times:
 - hsx: the real extraction path (hooks, staging, digests, fsync'd atomic writes, sealing);
 - the same two for the packed (padding-free) layout, where the model supports it, and again with
   the decoder layers compiled (on CUDA by default, as ``hsx extract`` does);
+- codecs: hsx's extraction again on the last layout with each storage codec (zstd, fp8), the same
+  batches, and after the table the stored / raw bytes of each, its tok/s against raw's, and its
+  encode MB/s on one core and on the writer threads at once (a sample of this model's own states);
 - disk: fsync'd writes of sample-sized files from the writer threads, alone (is the disk the limit?).
 Each line reports tokens/s, GB/s written, the ratio to padded forward-only, peak host RSS and peak
 device memory; after the table, how long each hsx run's forward pass waited for the disk (0 when
@@ -31,10 +34,14 @@ import numpy as np
 import psutil
 import torch
 
+from hsx.capture import varlen
 from hsx.capture.transformers import TransformersBackend
 from hsx.fingerprint import ModelFingerprint, digest_json
 from hsx.plan import Sample, batches_for
 from hsx.spec import ModelIdentity, PlanIdentity, RunSpec, TokenizerIdentity, now, who
+from hsx.store.codec import Codec
+from hsx.store.codec_bench import CodecResult, measure_states
+from hsx.store.format import SampleTensors
 
 LLAMA_8B = dict(
     vocab_size=128256,
@@ -58,6 +65,9 @@ class Result:
     peak_rss: int = 0
     peak_device: int = 0
     waited_for_disk: float | None = None  # hsx rows: seconds the forward pass waited for writes
+    codec: Codec | None = None  # hsx rows: how the states were stored
+    stored_ratio: float | None = None  # codec rows: bytes written / what raw wrote for the same samples
+    encode: CodecResult | None = None  # codec rows: encoding one sample of this model's states
 
     @property
     def rate(self) -> float:
@@ -101,6 +111,14 @@ def lognormal_lengths(n: int, mean: int, lo: int, hi: int, seed: int = 0) -> np.
 def build_model(model: str | None, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    if model is not None and not any(Path(model).glob("*.safetensors")):  # a config alone: that shape, random
+        from transformers import AutoConfig
+
+        torch.manual_seed(0)
+        with torch.device(device):
+            config = AutoConfig.from_pretrained(model)
+            m = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        return m, f"{Path(model).name} (random weights)"
     if model is not None:
         return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").to(device), model
     if device.type == "cpu":
@@ -125,6 +143,7 @@ def synthetic_run(
     packed: bool,
     compiled: bool = False,
     seed: int = 0,
+    codec: Codec = Codec.RAW,
 ) -> tuple[RunSpec, object]:
     """A run folder whose plan holds random token ids of the given lengths (no tokenizer, no data)."""
     from hsx.plan import Plan, write_plan
@@ -162,6 +181,7 @@ def synthetic_run(
         shard_size=1000,
         packed=packed,
         compiled=compiled,
+        codec=codec,
         data=[],
         plan=PlanIdentity(
             fingerprint=info.fingerprint,
@@ -226,8 +246,10 @@ def run_bench(
     workdir: Path | None,
     compile: bool | None = None,
     log: Callable[[str], None] = print,
+    codecs: tuple[Codec, ...] = tuple(Codec),
 ) -> list[Result]:
-    """``compile``: also measure the packed layout with compiled layers (None: on CUDA only)."""
+    """``compile``: also measure the packed layout with compiled layers (None: on CUDA only).
+    ``codecs``: the storage codecs measured on the last layout next to raw (raw alone: none)."""
     from hsx.progress import Progress
     from hsx.run.options import Resources
     from hsx.run.pipeline import Extractor
@@ -257,6 +279,26 @@ def run_bench(
     # pinned host slots are allocated once, like the model is loaded once: setup, not per-token cost
     width, hidden = len(layers) * net.config.hidden_size, net.config.hidden_size
     staging = staging_for(dev, dtype, width, hidden, max(batch_tokens, max_len), 4 << 30)
+
+    def extract(run: Path, spec: RunSpec, plan, tag: str) -> Result:
+        """hsx's real extraction of every sample, timed."""
+        todo = [
+            ShardScan(s, layout.shard_ids(s, spec.shard_size, samples))
+            for s in range(layout.num_shards(samples, spec.shard_size))
+        ]
+        progress = Progress(samples, spec.plan.num_tokens, spec.bytes_per_token)
+        earlier = staging.waited  # the ring is shared by the variants
+        with measured(f"hsx extract ({tag})", dev, results) as r:
+            extractor = Extractor(run, spec, plan, backend, Resources(device, writers), progress, staging=staging)
+            try:
+                extractor.run_shards(todo)
+            finally:
+                extractor.close()  # waits for the ring's copies; the ring serves the next variant
+            _, r.tokens, r.bytes = progress.session()
+        r.waited_for_disk = progress.waited_for_disk() - earlier if progress.waited_for_disk else None
+        r.codec = spec.codec
+        return r
+
     try:
         compile = dev.type == "cuda" if compile is None else compile
         variants = [(False, False)] + ([(True, False)] + ([(True, True)] if compile else []) if can_pack else [])
@@ -281,20 +323,24 @@ def run_bench(
                 with measured("naive (1/forward, all layers, torch.save)", dev, results) as r:
                     r.tokens, r.bytes = naive(net, plan, subset, root / "naive", dev)
                 shutil.rmtree(root / "naive")
-            todo = [
-                ShardScan(s, layout.shard_ids(s, spec.shard_size, samples))
-                for s in range(layout.num_shards(samples, spec.shard_size))
-            ]
-            progress = Progress(samples, spec.plan.num_tokens, spec.bytes_per_token)
-            earlier = staging.waited  # the ring is shared by the variants
-            with measured(f"hsx extract ({tag})", dev, results) as r:
-                extractor = Extractor(run, spec, plan, backend, Resources(device, writers), progress, staging=staging)
-                try:
-                    extractor.run_shards(todo)
-                finally:
-                    extractor.close()  # waits for the ring's copies; the ring serves the next variant
-                _, r.tokens, r.bytes = progress.session()
-            r.waited_for_disk = progress.waited_for_disk() - earlier if progress.waited_for_disk else None
+            calls = dict(varlen.CALLS)
+            raw = extract(run, spec, plan, tag)
+            if packed:
+                kernel, singles = (varlen.CALLS[k] - calls[k] for k in ("kernel", "per_sample"))
+                log(f"{tag}: packed attention ran {kernel} varlen-kernel and {singles} per-sample calls")
+            if (packed, compiled) == variants[-1] and any(c is not Codec.RAW for c in codecs):
+                # the same batches stored through each codec; encoding timed on one of these files
+                sample = typical_sample(run, spec, plan)
+                encoded = {r.codec: r for r in measure_states(sample, layers, writers)}
+                raw.stored_ratio, raw.encode = 1.0, encoded[Codec.RAW]
+                for codec in (c for c in Codec if c in codecs and c is not Codec.RAW):
+                    crun = root / f"run-{len(results)}"
+                    cspec, cplan = synthetic_run(
+                        crun, net, name, layers, dtype_name, lengths, batch_tokens, packed, compiled, codec=codec
+                    )
+                    r = extract(crun, cspec, cplan, f"{tag}, {codec}")
+                    r.stored_ratio, r.encode = r.bytes / raw.bytes, encoded[codec]
+                    shutil.rmtree(crun)
             shutil.rmtree(run)
         per_file = int(lengths.mean()) * spec.bytes_per_token
         files = max(8, min(256, (2 << 30) // max(per_file, 1)))
@@ -302,10 +348,19 @@ def run_bench(
             r.bytes, _ = disk_probe(root / "disk", per_file, files, writers)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    from hsx.capture import varlen
-
     log(f"packed attention calls: {varlen.CALLS['kernel']} varlen kernel, {varlen.CALLS['per_sample']} per-sample")
     return results
+
+
+def typical_sample(run: Path, spec: RunSpec, plan) -> SampleTensors:
+    """The written sample nearest the mean length, as the writer had it: this model's real states."""
+    from safetensors.torch import load_file
+
+    from hsx.store import layout
+
+    sid = int(np.abs(plan.lengths - plan.lengths.mean()).argmin())
+    t = load_file(layout.sample_path(run, sid, spec.shard_size))
+    return SampleTensors(sid, t["input_ids"], t["loss_mask"], t["aux_hidden_states"], t["hidden_states"])
 
 
 def table(results: list[Result]) -> str:
@@ -325,4 +380,18 @@ def table(results: list[Result]) -> str:
     for r in results:
         if r.waited_for_disk is not None:
             rows.append(f"{r.name}: the forward pass waited {r.waited_for_disk:.2f} s for the disk")
+    coded = [r for r in results if r.stored_ratio is not None and r.encode is not None]
+    if coded:
+        raw = next(r for r in coded if r.codec is Codec.RAW)
+        n = raw.encode.threads
+        rows.append(
+            f"{'codec':<6} {'stored/raw':>10} {'tok/s':>9} {'x raw':>6} {'enc MB/s 1 core':>15} "
+            f"{f'enc MB/s {n} thr':>15} {'per thr':>8} {'dec MB/s':>9}"
+        )
+        for r in coded:
+            e = r.encode
+            rows.append(
+                f"{r.codec:<6} {r.stored_ratio:>10.4f} {r.rate:>9,.0f} {r.rate / raw.rate:>6.3f} "
+                f"{e.encode_mbs:>15,.0f} {e.encode_mbs_n:>15,.0f} {e.encode_mbs_n / n:>8,.0f} {e.decode_mbs:>9,.0f}"
+            )
     return "\n".join(rows)

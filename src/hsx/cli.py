@@ -114,6 +114,12 @@ def extract(
     backend: Annotated[
         str | None, typer.Option(help="transformers | vllm: what runs the model (new run) [transformers].")
     ] = None,
+    tensor_parallel: Annotated[
+        int | None, typer.Option(help="One model replica over N devices of this node (new run; part of the spec).")
+    ] = None,
+    expert_parallel: Annotated[
+        int | None, typer.Option(help="Split the routed experts over the tensor-parallel ranks (1 or N) [1].")
+    ] = None,
     tensor_parallel_size: Annotated[int | None, typer.Option(help="vllm backend: GPUs per model replica.")] = None,
     data_parallel_size: Annotated[int | None, typer.Option(help="vllm backend: model replicas.")] = None,
     workers: Annotated[
@@ -146,6 +152,8 @@ def extract(
             deep_verify=not fast_verify,
             allow_partial=allow_partial,
             backend=backend,
+            tensor_parallel=tensor_parallel,
+            expert_parallel=expert_parallel,
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
             workers=workers,
@@ -275,6 +283,9 @@ def bench(
     compile: Annotated[
         str, typer.Option(help="auto | on | off: also measure packed with compiled layers [auto: on CUDA].")
     ] = "auto",
+    codecs: Annotated[
+        str, typer.Option(help="Storage codecs measured next to raw on the last layout (raw: none).")
+    ] = "raw,zstd,fp8",
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     from hsx.bench import run_bench, table
@@ -298,8 +309,18 @@ def bench(
         workdir,
         compile={"auto": None, "on": True, "off": False}[compile],
         log=lambda m: console.print(m, highlight=False),
+        codecs=_codecs(codecs),
     )
     print(table(results))
+
+
+def _codecs(text: str) -> tuple:
+    from hsx.store.codec import Codec
+
+    try:
+        return tuple(Codec(c.strip()) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise typer.BadParameter(f"takes codecs of {', '.join(Codec)}, not {text!r}", param_hint="--codecs") from None
 
 
 @app.command()

@@ -3,7 +3,8 @@
     hsx extract --model M --data D --out OUT     new run: plan, spec, then extraction
     hsx extract --out OUT                         resume: everything comes from OUT/hsx.json
 
-This module only dispatches: this process alone (``run.local``) or Ray workers (``scaleout``).
+This module only dispatches: this process alone (``run.local``), a tensor-parallel group of this
+node's devices (``run.group``) or Ray workers (``scaleout``).
 The stages live in ``hsx.run``: options, folder (create/open, drift check), resume (verify, tidy,
 settle), pipeline (capture -> staging -> writer).
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hsx.errors import CleanStop, Refused
+from hsx.run.folder import open_run
+from hsx.run.group import extract_group
 from hsx.run.local import extract_local
 from hsx.run.options import ExtractOptions
 from hsx.run.resume import Summary
@@ -28,4 +31,7 @@ def extract(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary
     volume filled; returns the summary otherwise."""
     if opts.workers:
         return extract_distributed(opts, log)
-    return extract_local(opts, log)
+    spec = open_run(opts, log)
+    if spec.parallel.ranks > 1:
+        return extract_group(opts, spec, log)
+    return extract_local(opts, log, spec)

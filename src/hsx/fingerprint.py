@@ -3,11 +3,17 @@
 All digests are xxh3-128 in hex. A model is identified by its config and, for each weight file, its
 name, size, safetensors header and 16 evenly spaced 4 KiB probes of its data (cheap: reads ~64 KiB per
 file, yet catches a retrained or swapped checkpoint of the same shapes); ``full=True`` hashes every byte.
+The probes see a few KiB of the data at most and miss small tensors: a quantized checkpoint's
+scales (fine-grained FP8's per-block ``weight_scale_inv``, compressed-tensors' ``weight_scale`` /
+``weight_zero_point``...) decide its weights as much as the stored integers do, so every tensor of a
+safetensors file whose name says it is one is hashed whole as well (``WeightFile.scales``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import struct
 from pathlib import Path
 
@@ -38,6 +44,9 @@ class WeightFile(BaseModel):
     name: str
     size: int
     header: str  # digest of header + probes, or of the whole file when ``full``
+    # digest of every quantization scale tensor of a safetensors file (names and bytes), None
+    # where it has none; fingerprints made before hsx hashed them have None too, and are not compared
+    scales: str | None = None
 
 
 class ModelFingerprint(BaseModel):
@@ -60,6 +69,8 @@ class ModelFingerprint(BaseModel):
                 out.append(f"{name}: size {b.size} != {a.size}")
             elif a.header != b.header:
                 out.append(f"{name}: content differs")
+            elif a.scales is not None and b.scales is not None and a.scales != b.scales:
+                out.append(f"{name}: quantization scales differ")
         return out
 
 
@@ -89,6 +100,39 @@ def _probe_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+# the last part of a tensor's name, for the tensors quantization methods store beside their weights
+SCALE_NAME = re.compile(r"(scale|zero_point|zeros|g_idx)[^.]*$")
+MAX_SCALE_BYTES = 64 << 20  # a tensor this large is a weight whatever its name; the probes sample it
+
+
+def _scales_digest(path: Path) -> str | None:
+    """Digest of the names and bytes of every scale tensor in a safetensors file, in name order;
+    None where it has none (or is not a readable safetensors file: ``header`` covers that)."""
+    from hsx.errors import BadFile
+    from hsx.store.format import safetensors_header  # the one reader (it parses: safetensors files only)
+
+    with open(path, "rb") as f:
+        try:
+            header, start = safetensors_header(f, os.fstat(f.fileno()).st_size, max_header=100 << 20)
+        except BadFile:
+            return None
+        spans = []
+        for name, entry in header.items():
+            if name == "__metadata__" or not isinstance(entry, dict) or not SCALE_NAME.search(name):
+                continue
+            begin, end = entry.get("data_offsets", (0, 0))
+            if 0 < end - begin <= MAX_SCALE_BYTES:
+                spans.append((name, begin, end))
+        if not spans:
+            return None
+        h = xxhash.xxh3_128()
+        for name, begin, end in sorted(spans):
+            f.seek(start + begin)
+            h.update(name.encode() + b"\0")
+            h.update(f.read(end - begin))
+    return h.hexdigest()
+
+
 def model_fingerprint(model_dir: Path, full: bool = False) -> ModelFingerprint:
     config = json.loads((model_dir / "config.json").read_text())
     config.pop("transformers_version", None)
@@ -97,5 +141,7 @@ def model_fingerprint(model_dir: Path, full: bool = False) -> ModelFingerprint:
         if not path.is_file() or not path.name.endswith(WEIGHT_SUFFIXES):
             continue
         header = digest_file(path) if full else _probe_digest(path)
-        weights.append(WeightFile(name=str(path.relative_to(model_dir)), size=path.stat().st_size, header=header))
+        scales = _scales_digest(path) if path.name.endswith(".safetensors") else None
+        name = str(path.relative_to(model_dir))
+        weights.append(WeightFile(name=name, size=path.stat().st_size, header=header, scales=scales))
     return ModelFingerprint(config=digest_json(config), weights=weights)

@@ -44,6 +44,16 @@ class Liveness(StrEnum):
     ENDED = "ended"  # a worker gone while idle: Ray let it go as the pool shrank
 
 
+def process_alive(pid: int, started: float) -> bool:
+    """Whether process ``pid`` of this host lives and is the one that started at ``started``
+    (not a recycled pid, not a zombie)."""
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
 class Holder(BaseModel):
     host: str
     pid: int
@@ -54,13 +64,7 @@ class Holder(BaseModel):
 
     def state(self, now: float | None = None, stale_after: float = STALE_AFTER) -> Liveness:
         if self.host == socket.gethostname():
-            try:
-                proc = psutil.Process(self.pid)
-                if abs(proc.create_time() - self.pid_started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
-                    return Liveness.ALIVE
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
-            return Liveness.DEAD
+            return Liveness.ALIVE if process_alive(self.pid, self.pid_started) else Liveness.DEAD
         age = (now or time.time()) - self.heartbeat
         return Liveness.ALIVE if age < stale_after else Liveness.STALE
 

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Literal
 
 import psutil
-from pydantic import Field
+from pydantic import BaseModel, Field
 
-from hsx.lock import BEAT_EVERY, STALE_AFTER, Holder, Liveness, Locked, read_holder
+from hsx.lock import BEAT_EVERY, STALE_AFTER, Holder, Liveness, Locked, process_alive, read_holder
 from hsx.store.durable import write_durable
-from hsx.store.layout import STOP, WORKERS
+from hsx.store.layout import GROUP, STOP, WORKERS
 
 Phase = Literal["loading", "idle", "working", "stopped"]
 FENCED_EXIT = 75  # exit status of a worker that stopped itself because its driver lost the run
@@ -261,3 +261,47 @@ class Heartbeat:
     def start(self) -> None:
         self.update()
         threading.Thread(target=self._loop, name="hsx-worker-heartbeat", daemon=True).start()
+
+
+class Rank(BaseModel):
+    """One process of a tensor-parallel group (run.group): rank 0 writes, the others compute."""
+
+    rank: int
+    pid: int
+    pid_started: float
+    device: str
+
+
+class GroupRecord(BaseModel):
+    """``OUT/group.json``: the ranks of the group extracting now, written by rank 0 once they all
+    started; removed when the group ends cleanly, left behind by a crash (status names the dead)."""
+
+    host: str
+    launcher: int  # the ``hsx extract`` process the ranks belong to (they die with it)
+    launcher_started: float
+    started: float
+    ranks: list[Rank]
+
+    def launcher_alive(self) -> bool:
+        return self.host == socket.gethostname() and process_alive(self.launcher, self.launcher_started)
+
+    def states(self) -> list[tuple[Rank, Liveness]]:
+        """Each rank alive or dead; a group on another host is judged by the run lock instead."""
+        if self.host != socket.gethostname():
+            return []
+        return [(r, Liveness.ALIVE if process_alive(r.pid, r.pid_started) else Liveness.DEAD) for r in self.ranks]
+
+
+def write_group(run: Path, record: GroupRecord) -> None:
+    write_durable(run / GROUP, record.model_dump_json(indent=2).encode())
+
+
+def read_group(run: Path) -> GroupRecord | None:
+    try:
+        return GroupRecord.model_validate_json((run / GROUP).read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def clear_group(run: Path) -> None:
+    (run / GROUP).unlink(missing_ok=True)

@@ -12,7 +12,7 @@ import getpass
 import json
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
@@ -27,12 +27,26 @@ from hsx.store.format import FINAL_STATE, LAYER_CONVENTION
 FORMAT = "hsx-run/1"
 
 
+class Quantization(BaseModel):
+    """How the checkpoint stores its weights, as its config.json's ``quantization_config`` says."""
+
+    method: str  # its quant_method: fp8 (block-scaled, as DeepSeek-V3 and Kimi-K2 are released), compressed-tensors...
+    config: dict[str, Any]  # the quantization_config as config.json has it
+
+    def __str__(self) -> str:
+        rest = ", ".join(f"{k} {v}" for k, v in sorted(self.config.items()) if k != "quant_method")
+        return f"{self.method} ({rest})" if rest else self.method
+
+
 class ModelIdentity(BaseModel):
     path: str  # as given; informative only: identity is the fingerprint, so a moved model still matches
     architecture: str
     num_layers: int
     hidden_size: int
     fingerprint: ModelFingerprint
+    # None: unquantized weights. A spec written before hsx recorded this has no such key, and
+    # is then not compared (see ``differences``)
+    quantization: Quantization | None = None
 
 
 class TokenizerIdentity(BaseModel):
@@ -58,6 +72,21 @@ class PlanIdentity(BaseModel):
     num_rejected: int
 
 
+class Parallel(BaseModel):
+    """How one model replica is laid over the devices of a node. Part of the spec, since the
+    numerics depend on it: TP and EP change the order of reductions (and MoE router near-ties)."""
+
+    tensor: int = 1  # ranks the dense layers are split over (transformers' TP plan)
+    expert: int = 1  # ranks the routed experts are split over (its EP plan): 1 or ``tensor``
+
+    @property
+    def ranks(self) -> int:
+        return self.tensor
+
+    def __str__(self) -> str:
+        return f"tensor {self.tensor}, expert {self.expert}"
+
+
 class RunSpec(BaseModel):
     format: Literal["hsx-run/1"] = FORMAT
     hsx_version: str = __version__
@@ -77,6 +106,7 @@ class RunSpec(BaseModel):
     packed: bool = False  # samples packed in one row per batch (hsx_varlen attention) instead of padded rows
     compiled: bool = False  # decoder layers run through torch.compile (fused element-wise kernels)
     codec: Codec = Codec.RAW  # how states are stored (store.codec); runs made before codecs are raw
+    parallel: Parallel = Parallel()  # runs made before tensor parallel ran in one process
     data: list[DataFile]
     plan: PlanIdentity
 
@@ -117,11 +147,14 @@ def differences(stored: RunSpec, asked: dict) -> list[str]:
 
     ``asked`` holds only what the operator gave: ``model`` (a ModelIdentity), ``tokenizer``,
     ``layers``, ``dtype``, ``max_length``, ``batch_tokens``, ``shard_size``, ``data`` (DataFiles),
-    ``backend``, ``packed``, ``compiled``, ``codec``.
+    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``.
     """
     out = []
     if (m := asked.get("model")) is not None:
         out += [f"model: {d}" for d in stored.model.fingerprint.differences(m.fingerprint)]
+        if "quantization" in stored.model.model_fields_set and m.quantization != stored.model.quantization:
+            have, ask = stored.model.quantization or "none", m.quantization or "none"
+            out.append(f"model: quantization: run has {have}, asked for {ask}")
     if (t := asked.get("tokenizer")) is not None:
         if t.digest != stored.tokenizer.digest:
             out.append("tokenizer: vocabulary or special tokens differ")
@@ -137,6 +170,7 @@ def differences(stored: RunSpec, asked: dict) -> list[str]:
         "packed",
         "compiled",
         "codec",
+        "parallel",
     ):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")

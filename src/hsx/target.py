@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hsx.capture import checkpoint
 from hsx.errors import ModelChanged, ModelNotFound
 from hsx.fingerprint import digest_bytes, digest_json, model_fingerprint
 from hsx.spec import ModelIdentity, RunSpec, TokenizerIdentity
@@ -40,6 +41,7 @@ def identity(model: str, model_dir: Path) -> ModelIdentity:
         num_layers=int(config["num_hidden_layers"]),
         hidden_size=int(config["hidden_size"]),
         fingerprint=model_fingerprint(model_dir),
+        quantization=checkpoint.quantization_of(model_dir),
     )
 
 

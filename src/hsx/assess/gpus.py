@@ -372,16 +372,18 @@ def process_line(p: GpuProcess) -> str:
 # ---------------------------------------------------------------- whose pids, boot services, the verdict
 
 
-def own_pids(holder_pid: int | None) -> set[int]:
-    """This run's extractor and its children (workers, compile helpers) are not foreign."""
+def own_pids(*roots: int | None) -> set[int]:
+    """This run's extractor (the lock holder, a tensor-parallel group's launcher) and its children
+    (ranks, workers, compile helpers) are not foreign."""
     pids = {psutil.Process().pid}
-    if holder_pid is None:
-        return pids
-    pids.add(holder_pid)
-    try:
-        pids |= {c.pid for c in psutil.Process(holder_pid).children(recursive=True)}
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        pass
+    for root in roots:
+        if root is None:
+            continue
+        pids.add(root)
+        try:
+            pids |= {c.pid for c in psutil.Process(root).children(recursive=True)}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
     return pids
 
 
@@ -516,5 +518,6 @@ def judge(readings: list[GpuReading] | str, own: set[int], units: list[str] | No
     return Check("gpus", level, figure, details=details + unit_note, action=unit_action, data=data)
 
 
-def check(holder_pid: int | None = None) -> Check:
-    return judge(read_gpus(), own_pids(holder_pid), boot_services())
+def check(*own: int | None) -> Check:
+    """``own``: the pids whose process trees are this run's."""
+    return judge(read_gpus(), own_pids(*own), boot_services())

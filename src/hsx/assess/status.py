@@ -57,7 +57,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8) -> Report:
     spec, plan = files.spec, files.plan
     checks = {"spec": files.check, "workers": workers.check(worker)}
     local = worker.alive and worker.holder is not None and worker.holder.host == socket.gethostname()
-    checks["gpus"] = gpus.check(worker.pid if local else None)  # its own GPU use is not foreign
+    launcher = worker.group.launcher if worker.group is not None and worker.group.launcher_alive() else None
+    checks["gpus"] = gpus.check(worker.pid if local else None, launcher)  # its own GPU use is not foreign
     t = None
     if spec is None:
         for name in ("volume", "progress", "integrity", "model", "capture"):
@@ -70,6 +71,10 @@ def assess(run: Path, deep: bool = False, threads: int = 8) -> Report:
         left_tokens = t.tokens_left
         if t.tokens_done is None:  # plan unreadable: assume average-length samples are left
             left_tokens = spec.plan.num_tokens * t.samples_left // max(t.samples_total, 1)
+        # the codec's ratio as the files on disk measure it (without a readable plan: unmeasured)
+        measured = volume.Measured()
+        if t.tokens_done is not None:
+            measured = volume.Measured(t.samples_done, t.tokens_done * spec.bytes_per_token, t.bytes_done)
         proj = volume.project(
             run,
             spec.bytes_per_token,
@@ -82,6 +87,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8) -> Report:
                 spec.batch_tokens, int(plan.lengths.max()) if plan else spec.max_length, spec.bytes_per_token
             ),
             new_dirs=len(t.shards["untouched"]),
+            ratio=volume.stored_ratio(spec, measured),
+            basis=volume.ratio_basis(spec, measured),
         )
         checks["volume"] = volume.check(proj, run)
         model_dir = model.locate(spec.model.path)

@@ -1,30 +1,45 @@
 """The output volume: free space against what the rest of the run needs, and the disk guard.
 
 Projection: every remaining token costs the run's ``bytes_per_token`` (its layers, hidden size and
-dtype), every remaining file a header plus allocation rounding. The reserve kept free while running
-is max(1% of the volume, 2x the largest batch): the guard stops before each batch whose bytes, plus
-what the writer still holds in flight, would cut into it. A real ENOSPC is still handled by the
-store (``DiskFull``); the guard only makes the common case a clean stop before the volume is full.
+dtype) times the storage codec's ratio (``stored_ratio``: stored bytes per raw byte), every
+remaining file a header plus allocation rounding. The reserve kept free while running is max(1% of
+the volume, 2x the largest batch, raw): the guard stops before each batch whose bytes, plus what
+the writer still holds in flight, would cut into it, both at the codec's ratio. A real ENOSPC is
+still handled by the store (``DiskFull``); the guard only makes the common case a clean stop before
+the volume is full.
+
+The codec's ratio: raw is 1 and fp8's is known in advance (``codec.prior_ratio``). zstd's depends
+on the states, so it is measured: on a resume from the files on disk, on a new run from its own
+first ``MIN_FILES`` files; until then its prior is 1.0 (lossless compression promises nothing),
+and a measured one gets ``MARGIN`` on top (the rest of a run may compress a little worse than its
+start). A new zstd run that does not fit at raw size starts anyway, and the guard decides once the
+ratio is measured: it stops with ``NotEnoughSpace`` if the rest still does not fit (the files
+written so far are kept), exactly as the start would have refused it (``Forecast``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import psutil
+import torch
 
 from hsx.assess.checks import Check, size
 from hsx.errors import LowSpace, NotEnoughSpace
 from hsx.spec import RunSpec
+from hsx.store.codec import Codec, prior_ratio
 from hsx.store.scan import ShardScan
 
 FILE_OVERHEAD = 3 << 10  # header (~0.6 KiB) + half a 4 KiB block of allocation rounding, on average
 INODE_HEADROOM = 16  # temp files of writes in flight, lock and metrics rewrites
+MIN_FILES = 8  # files measured before a codec's measured ratio replaces its prior
+MARGIN = 0.05  # added to a measured ratio (relative): later samples may compress a little worse
 
 
 @dataclass(frozen=True)
@@ -63,8 +78,56 @@ def volume_of(path: Path) -> Volume:
     )
 
 
-def projected_bytes(tokens: int, samples: int, bytes_per_token: int) -> int:
-    return tokens * bytes_per_token + samples * FILE_OVERHEAD
+def projected_bytes(tokens: int, samples: int, bytes_per_token: int, ratio: float = 1.0) -> int:
+    """What ``samples`` files of ``tokens`` tokens take, their states stored at ``ratio`` of raw."""
+    raw = tokens * bytes_per_token
+    return (raw if ratio == 1.0 else math.ceil(raw * ratio)) + samples * FILE_OVERHEAD
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Sample files written: how many, what their tokens take raw (tokens x bytes per token) and
+    what the files take on disk."""
+
+    files: int = 0
+    raw: int = 0
+    stored: int = 0
+
+    def __add__(self, other: Measured) -> Measured:
+        return Measured(self.files + other.files, self.raw + other.raw, self.stored + other.stored)
+
+    @classmethod
+    def on_disk(cls, spec: RunSpec, lengths: np.ndarray, scans: list[ShardScan]) -> Measured:
+        """The good files of a scan."""
+        good = [r for s in scans for r in s.good.values()]
+        tokens = int(lengths[[r.sample_id for r in good]].sum()) if good else 0
+        return cls(len(good), tokens * spec.bytes_per_token, sum(r.size for r in good))
+
+
+def stored_ratio(spec: RunSpec, measured: Measured = Measured()) -> float:
+    """Stored bytes per raw byte to project a run's states with, erring high: 1 for raw, fp8's
+    exact ratio; for zstd 1.0 until ``MIN_FILES`` files are measured, then their ratio plus
+    ``MARGIN``, never above max(1, the ratio measured)."""
+    prior = prior_ratio(spec.codec, getattr(torch, spec.dtype), spec.model.hidden_size)
+    if spec.codec is not Codec.ZSTD or measured.files < MIN_FILES or measured.raw <= 0:
+        return prior
+    r = measured.stored / measured.raw
+    return min(r * (1 + MARGIN), max(1.0, r))
+
+
+def ratio_basis(spec: RunSpec, measured: Measured) -> str:
+    """How ``stored_ratio`` was reached, for the projection's line."""
+    if spec.codec is Codec.RAW:
+        return ""
+    ratio = stored_ratio(spec, measured)
+    if spec.codec is not Codec.ZSTD:
+        return f"{spec.codec} stores {ratio:.3f} of raw"
+    if measured.files < MIN_FILES:
+        return f"zstd at raw size until its ratio is measured on {MIN_FILES} files"
+    return (
+        f"zstd at {ratio:.3f} of raw: {measured.stored / measured.raw:.3f} measured on {measured.files} files "
+        f"+ {MARGIN:.0%}"
+    )
 
 
 def largest_batch_bytes(batch_tokens: int, longest: int, bytes_per_token: int) -> int:
@@ -86,6 +149,7 @@ class Projection:
     needed_bytes: int  # still to write
     reserve: int
     needed_inodes: int = 0  # one per file still to write, one per shard folder still to create
+    basis: str = ""  # how the codec's ratio was reached (``ratio_basis``); empty for raw
 
     @property
     def margin(self) -> int:
@@ -102,9 +166,10 @@ class Projection:
 
     def describe(self) -> str:
         v = self.volume
+        basis = f", {self.basis}" if self.basis else ""
         return (
             f"projected size {size(self.total_bytes)} ({size(self.written_bytes)} on disk, "
-            f"{size(self.needed_bytes)} still to write); {size(v.free)} free on {v.mount} ({v.fstype}), "
+            f"{size(self.needed_bytes)} still to write{basis}); {size(v.free)} free on {v.mount} ({v.fstype}), "
             f"reserve {size(self.reserve)}, margin {size(self.margin)}"
         )
 
@@ -141,15 +206,21 @@ def project(
     batch_bytes: int,
     reserve: int | None = None,
     new_dirs: int = 0,
+    ratio: float = 1.0,
+    basis: str = "",
 ) -> Projection:
+    """``ratio``: stored / raw bytes of the states still to write (``stored_ratio``)."""
     vol = volume_of(out)
     return Projection(
         volume=vol,
-        total_bytes=projected_bytes(total_tokens, total_samples, bytes_per_token),
+        total_bytes=written_bytes + projected_bytes(left_tokens, left_samples, bytes_per_token, ratio)
+        if ratio != 1.0
+        else projected_bytes(total_tokens, total_samples, bytes_per_token),
         written_bytes=written_bytes,
-        needed_bytes=projected_bytes(left_tokens, left_samples, bytes_per_token),
+        needed_bytes=projected_bytes(left_tokens, left_samples, bytes_per_token, ratio),
         reserve=default_reserve(vol.total, batch_bytes) if reserve is None else reserve,
         needed_inodes=left_samples + new_dirs,
+        basis=basis,
     )
 
 
@@ -169,10 +240,12 @@ def check(p: Projection, out: Path) -> Check:
         "margin": p.margin,
         "inodes_free": v.inodes_free,
         "inodes_needed": p.needed_inodes,
+        "ratio_basis": p.basis,
     }
     figure = (
         f"{v.fstype} {v.mount}: {size(v.free)} free of {size(v.total)}; rest of run needs "
         f"{size(p.needed_bytes)} + {size(p.reserve)} reserve; margin {size(p.margin)}"
+        + (f" ({p.basis})" if p.basis else "")
     )
     if p.needed_bytes == 0:
         return Check("volume", "ok", f"{v.fstype} {v.mount}: {size(v.free)} free; nothing left to write", data=data)
@@ -189,15 +262,87 @@ def check(p: Projection, out: Path) -> Check:
     return Check("volume", "ok", figure, data=data)
 
 
-class DiskGuard:
-    """Called before each batch is captured; raises ``LowSpace`` when the batch would eat the reserve."""
+def _nothing_yet() -> tuple[int, int, int]:
+    return 0, 0, 0
 
-    def __init__(self, out: Path, reserve: int, in_flight: Callable[[], int] = lambda: 0):
-        self.out, self.reserve, self.in_flight = out, reserve, in_flight
+
+@dataclass
+class Forecast:
+    """What a run's writes will take, re-judged while it runs: the ratio its guard scales raw
+    bytes by, from the files on disk at the start and those this session has written since.
+
+    ``session``: this process's (files, tokens, bytes) written so far (``Progress.session``).
+    ``undecided``: the start could not tell whether the run fits (zstd, nothing measured, the raw
+    size too large): the guard projects the rest once ``MIN_FILES`` are measured, and refuses then.
+    ``left_tokens``, ``left_files``: what was still to write at the start."""
+
+    spec: RunSpec
+    on_disk: Measured = Measured()
+    session: Callable[[], tuple[int, int, int]] = _nothing_yet
+    undecided: bool = False
+    left_tokens: int = 0
+    left_files: int = 0
+    decided: bool = field(default=False, init=False)
+
+    def measured(self, session: tuple[int, int, int] | None = None) -> Measured:
+        files, tokens, stored = session or self.session()
+        return self.on_disk + Measured(files, tokens * self.spec.bytes_per_token, stored)
+
+    def ratio(self) -> float:
+        return stored_ratio(self.spec, self.measured())
+
+    def decide(self, out: Path, reserve: int) -> None:
+        """Once measured, project the rest of an undecided run: refuse (``NotEnoughSpace``) if it
+        does not fit; otherwise it is decided and the guard only checks batches from then on."""
+        if not self.undecided or self.decided:
+            return
+        files, tokens, _ = session = self.session()
+        m = self.measured(session)
+        if m.files < MIN_FILES:
+            return
+        left_tokens, left_files = max(self.left_tokens - tokens, 0), max(self.left_files - files, 0)
+        proj = project(
+            out,
+            self.spec.bytes_per_token,
+            self.spec.plan.num_tokens,
+            self.spec.plan.num_samples,
+            left_tokens,
+            left_files,
+            m.stored,
+            0,
+            reserve,
+            ratio=stored_ratio(self.spec, m),
+            basis=ratio_basis(self.spec, m),
+        )
+        self.decided = True
+        if proj.margin < 0:
+            raise NotEnoughSpace(
+                f"measured on its first {m.files} files: {proj.refusal(out)}\n"
+                "The samples written so far are kept; a resume verifies them and writes only the rest."
+            )
+
+
+class DiskGuard:
+    """Called before each batch is captured; raises ``LowSpace`` when the batch would eat the reserve.
+
+    ``batch_bytes`` and ``in_flight`` are raw bytes (tokens x bytes per token); ``forecast`` scales
+    them by the codec's current ratio and decides a run its start left undecided."""
+
+    def __init__(
+        self,
+        out: Path,
+        reserve: int,
+        in_flight: Callable[[], int] = lambda: 0,
+        forecast: Forecast | None = None,
+    ):
+        self.out, self.reserve, self.in_flight, self.forecast = out, reserve, in_flight, forecast
 
     def __call__(self, batch_bytes: int) -> None:
         free = shutil.disk_usage(self.out).free
         pending = self.in_flight() + batch_bytes
+        if self.forecast is not None:
+            self.forecast.decide(self.out, self.reserve)
+            pending = math.ceil(pending * self.forecast.ratio())
         if free - pending < self.reserve:
             raise LowSpace(
                 self.out,
@@ -209,6 +354,66 @@ class DiskGuard:
             )
 
 
+@dataclass(frozen=True)
+class Space:
+    """The start's verdict on a run's space: the bytes to keep free, and the forecast its guard uses."""
+
+    reserve: int
+    forecast: Forecast
+
+
+def plan_space(
+    run: Path,
+    spec: RunSpec,
+    lengths: np.ndarray,
+    scans: list[ShardScan],
+    allow_partial: bool,
+    reserve: int | None,
+    log: Callable[[str], None],
+    measure_first: bool = False,
+) -> Space:
+    """At start: print the projection, refuse when it does not fit. ``measure_first``: the caller
+    hands the forecast to its guard, so a run whose ratio is still unmeasured (zstd) and whose raw
+    size does not fit starts and is judged on its first files (``Forecast.decide``)."""
+    missing = np.asarray([i for s in scans for i in s.missing], dtype=np.int64)
+    on_disk = Measured.on_disk(spec, lengths, scans)
+    proj = project(
+        run,
+        spec.bytes_per_token,
+        spec.plan.num_tokens,
+        spec.plan.num_samples,
+        int(lengths[missing].sum()),
+        len(missing),
+        on_disk.stored,
+        largest_batch_bytes(spec.batch_tokens, int(lengths.max()), spec.bytes_per_token),
+        reserve,
+        new_dirs=sum(1 for s in scans if not s.good and not s.problems),
+        ratio=stored_ratio(spec, on_disk),
+        basis=ratio_basis(spec, on_disk),
+    )
+    log(f"space: {proj.describe()}")
+    unmeasured = spec.codec is Codec.ZSTD and on_disk.files < MIN_FILES
+    undecided = False
+    if proj.needed_bytes and not proj.fits:
+        if unmeasured and measure_first and not allow_partial and not proj.inodes_short:
+            undecided = True
+            log(
+                f"space: {proj.shortfall()} at raw size; zstd stores less, so the run starts and is "
+                f"judged again on its first {MIN_FILES} files"
+            )
+        elif not allow_partial:
+            raise NotEnoughSpace(proj.refusal(run))
+        else:
+            log(
+                f"warning: {proj.shortfall()}; --allow-partial: extracting until the volume is too full "
+                "to go on, then stopping cleanly"
+            )
+    forecast = Forecast(
+        spec, on_disk, undecided=undecided, left_tokens=int(lengths[missing].sum()), left_files=len(missing)
+    )
+    return Space(proj.reserve, forecast)
+
+
 def check_space(
     run: Path,
     spec: RunSpec,
@@ -218,26 +423,5 @@ def check_space(
     reserve: int | None,
     log: Callable[[str], None],
 ) -> int:
-    """At start: print the projection, refuse when it does not fit; returns the bytes to keep free."""
-    missing = np.asarray([i for s in scans for i in s.missing], dtype=np.int64)
-    proj = project(
-        run,
-        spec.bytes_per_token,
-        spec.plan.num_tokens,
-        spec.plan.num_samples,
-        int(lengths[missing].sum()),
-        len(missing),
-        sum(r.size for s in scans for r in s.good.values()),
-        largest_batch_bytes(spec.batch_tokens, int(lengths.max()), spec.bytes_per_token),
-        reserve,
-        new_dirs=sum(1 for s in scans if not s.good and not s.problems),
-    )
-    log(f"space: {proj.describe()}")
-    if proj.needed_bytes and not proj.fits:
-        if not allow_partial:
-            raise NotEnoughSpace(proj.refusal(run))
-        log(
-            f"warning: {proj.shortfall()}; --allow-partial: extracting until the volume is too full "
-            "to go on, then stopping cleanly"
-        )
-    return proj.reserve
+    """``plan_space`` deciding at start (the scale-out driver's check); returns the bytes to keep free."""
+    return plan_space(run, spec, lengths, scans, allow_partial, reserve, log).reserve

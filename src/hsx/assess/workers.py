@@ -23,6 +23,7 @@ class Worker:
     holder: Holder | None
     metrics: dict | None
     fleet: list[registry.Seen] = field(default_factory=list)  # scale-out workers (OUT/workers/), alive or dead
+    group: registry.GroupRecord | None = None  # the ranks of a tensor-parallel group (OUT/group.json)
 
     @property
     def alive(self) -> bool:
@@ -44,6 +45,7 @@ def read_metrics(run: Path) -> dict | None:
 def inspect(run: Path, stale_after: float = STALE_AFTER) -> Worker:
     w = _inspect_lock(run, stale_after)
     w.fleet = registry.inspect(run, stale_after)
+    w.group = registry.read_group(run)
     return w
 
 
@@ -69,7 +71,7 @@ def _pace(m: dict | None) -> str:
 
 
 def check(w: Worker) -> Check:
-    return add_fleet(_check_lock(w), w.fleet, w.alive)
+    return add_group(add_fleet(_check_lock(w), w.fleet, w.alive), w.group)
 
 
 def _check_lock(w: Worker) -> Check:
@@ -120,4 +122,21 @@ def add_fleet(c: Check, seen: list[registry.Seen], driver_alive: bool) -> Check:
             f"{len(alive)} worker(s) outlived their driver ({alive[0].record.where()}): they stop themselves "
             "within two heartbeats of losing it; if they do not, stop them before resuming"
         )
+    return c
+
+
+def add_group(c: Check, group: registry.GroupRecord | None) -> Check:
+    """One detail line per rank of a tensor-parallel group, alive or dead. Ranks alive without
+    their launcher would hold GPUs and block a resume: a person must stop them (they should not
+    exist: each dies with its launcher)."""
+    states = group.states() if group is not None else []
+    if not states:
+        return c
+    alive = [r for r, s in states if s == "alive"]
+    c.figure += f"; tensor-parallel group of {len(states)} ranks, {len(alive)} alive"
+    c.details += [f"rank {r.rank}: pid {r.pid} on {r.device}, {s}" for r, s in states]
+    c.data["ranks"] = [r.model_dump() | {"state": s} for r, s in states]
+    if alive and not group.launcher_alive():
+        c.level, c.redo = "fail", False
+        c.action = f"stop the ranks that outlived their launcher: kill {' '.join(str(r.pid) for r in alive)}"
     return c

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsx.capture import CapturedBatch, check_layers, varlen
+from hsx.capture import CapturedBatch, check_layers, checkpoint, varlen
 from hsx.capture.locate import locate
 from hsx.errors import OptionError
 
@@ -96,6 +96,31 @@ def varlen_blocker(config: dict, device: str, dtype: str = "auto") -> str | None
     return None if reason is None else f"{reason} (q/k head dim {qk}, v head dim {v})"
 
 
+EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
+
+
+def parallel_refusal(config: dict, tensor: int, expert: int) -> str | None:
+    """Why this model cannot be split ``tensor`` ways (experts ``expert`` ways), or None.
+
+    hsx runs one replica per group, every rank on the same batch: the experts may be split over
+    the same ranks as the dense layers (EP = TP) or not at all; more expert ranks than that would
+    need ranks with their own batches (data parallel), which is what ``--workers`` is for."""
+    if tensor < 1 or expert < 1:
+        return "parallel sizes are at least 1"
+    if expert not in (1, tensor):
+        return f"the expert-parallel size must be 1 or the tensor-parallel size ({tensor}), not {expert}"
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = config.get(key)
+        if heads and int(heads) % tensor:
+            return f"{key} = {heads} does not split over {tensor} ranks"
+    experts = next((int(config[k]) for k in EXPERT_COUNTS if config.get(k)), 0)
+    if expert > 1 and not experts:
+        return f"{config.get('architectures', ['this model'])[0]} has no routed experts to split"
+    if expert > 1 and experts % expert:
+        return f"{experts} routed experts do not split over {expert} ranks"
+    return None
+
+
 class TransformersBackend:
     name = NAME
 
@@ -151,17 +176,30 @@ class TransformersBackend:
         packed: bool = False,
         trust_remote_code: bool = False,
         compiled: bool = False,
+        tensor: int = 1,
+        expert: int = 1,
     ) -> TransformersBackend:
+        """Load the model onto ``device``; with ``tensor`` > 1 this process is one rank of an
+        initialised torch.distributed group and holds its share (transformers' TP/EP plans)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+        placement: dict = {}
+        if tensor > 1:
+            from transformers.distributed import DistributedConfig
+
+            placement["distributed_config"] = DistributedConfig(tp_size=tensor, ep_size=expert)
         model = AutoModelForCausalLM.from_pretrained(
             model_dir,
             dtype=DTYPES[dtype],
             trust_remote_code=trust_remote_code,
             attn_implementation=varlen.register() if packed else "sdpa",
-        ).to(device)
+            **placement,
+            **checkpoint.load_kwargs(model_dir, device, dtype),  # quantized / native-class checkpoints
+        )
+        if tensor == 1:
+            model = model.to(device)
         return cls(model, layers, packed, compiled)
 
     def _keep(self, key):

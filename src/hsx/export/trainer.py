@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 
 from hsx.errors import ExportRefused, NormUnavailable
-from hsx.export.norm import TOLERANCE, load_final_norm, norm_error, prenorm_from_post
+from hsx.export.norm import load_final_norm, norm_error, prenorm_from_post, tolerance
 from hsx.finalnorm import FinalNorm
 from hsx.plan import Plan
 from hsx.spec import RunSpec
+from hsx.store.codec import is_lossless
 from hsx.store.durable import durable_rename, fsync_dir, write_durable
 from hsx.store.format import digest
 from hsx.target import model_dir_for
@@ -77,6 +78,14 @@ class Context:
     def hidden(self) -> int:
         return self.spec.model.hidden_size
 
+    @property
+    def exact_prenorm(self) -> bool:
+        """The run holds the last decoder layer's raw output, stored losslessly. An fp8 run's copy of
+        it is quantized apart from the final state, so its norm would not give the stored target
+        back (it errs by both roundings): there the pre-norm state is derived from the final state,
+        like any run without that layer, and the trainer's target is the one the other exports carry."""
+        return self.spec.model.num_layers - 1 in self.spec.layers and is_lossless(self.spec.codec)
+
     def source_id(self, sid: int) -> str:
         value = self.plan.sources.column("source_id")[sid].as_py()
         return value if value else str(sid)
@@ -86,13 +95,13 @@ class Context:
         assert self.norm is not None
         post = t["hidden_states"]
         last = self.spec.model.num_layers - 1
-        if last in self.spec.layers:
+        if self.exact_prenorm:
             k = self.spec.layers.index(last)
             pre = t["aux_hidden_states"][:, k * self.hidden : (k + 1) * self.hidden].clone()
         else:
             pre = prenorm_from_post(self.norm, post)
         err = norm_error(self.norm, pre, post)
-        limit = TOLERANCE[self.spec.dtype]
+        limit = tolerance(self.spec.dtype, self.spec.codec)
         if not err <= limit:
             raise ExportRefused(
                 f"sample {sid}: the final norm ({self.norm.tensor}, eps {self.norm.eps}) applied to the exported "
@@ -110,13 +119,17 @@ class Context:
         except NormUnavailable as e:
             raise ExportRefused(f"this export needs the pre-norm final state, and {e}") from e
         last = self.spec.model.num_layers - 1
-        if last in self.spec.layers:
+        if self.exact_prenorm:
             self.prenorm_source = f"exact: the run holds hsx layer {last} (the last decoder layer's raw output)"
         else:
             self.prenorm_source = (
                 f"post-norm state / {self.norm.tensor} (RMSNorm is scale-invariant: norm(pre) = post to 1 - O(eps), "
-                f"eps {self.norm.eps}); each sample checked within {TOLERANCE[self.spec.dtype]:.0e}"
+                f"eps {self.norm.eps}); each sample checked within {tolerance(self.spec.dtype, self.spec.codec):.0e}"
             )
+            if not is_lossless(self.spec.codec):
+                self.prenorm_source += (
+                    f"; {self.spec.codec} run: norm(pre) is the stored state times a per-token scale within 1/15 of 1"
+                )
 
 
 class TrainerFormat:

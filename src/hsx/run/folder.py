@@ -17,8 +17,8 @@ from hsx.capture.transformers import resolve_dtype
 from hsx.errors import InputError, OptionError, Refused
 from hsx.input import read_conversations
 from hsx.plan import Tokenize, tokenize_all, write_plan
-from hsx.run.options import DEFAULTS, ExtractOptions, resolve_compile, resolve_packing
-from hsx.spec import DataFile, PlanIdentity, RunSpec, differences, load_spec, now, who
+from hsx.run.options import DEFAULTS, ExtractOptions, resolve_compile, resolve_packing, resolve_parallel
+from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, differences, load_spec, now, who
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import TMP_MARK, is_temp, write_durable
@@ -38,6 +38,8 @@ def asked(opts: ExtractOptions) -> dict:
         out[key] = getattr(opts, key)
     if opts.dtype not in (None, "auto"):
         out["dtype"] = opts.dtype
+    if opts.tensor_parallel is not None or opts.expert_parallel is not None:
+        out["parallel"] = Parallel(tensor=opts.tensor_parallel or 1, expert=opts.expert_parallel or 1)
     for key, value in (("packed", opts.packing), ("compiled", opts.compile)):
         if value != "auto":  # said out loud on a resume: it must match the run, never silently ignored
             out[key] = value == "on"
@@ -88,6 +90,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     elif backend != "transformers":
         raise Refused(f"unknown backend {backend!r}: use transformers or vllm")
     compiled = resolve_compile(opts.compile, device, backend)
+    parallel = resolve_parallel(opts.tensor_parallel, opts.expert_parallel, target.load_config(model_dir), backend)
     max_length = opts.max_length or DEFAULTS["max_length"]
     codec = opts.codec or DEFAULTS["codec"]
     if codec not in set(Codec):
@@ -113,6 +116,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         packed=packed,
         compiled=compiled,
         codec=codec,
+        parallel=parallel,
         data=[DataFile.of(p) for p in opts.data],
         plan=PlanIdentity(
             fingerprint=info.fingerprint,

@@ -13,13 +13,19 @@ from hsx.plan import load_plan
 from hsx.progress import Progress
 from hsx.run.folder import open_run, remove_stray_temps
 from hsx.run.options import ExtractOptions
-from hsx.run.pipeline import Extractor, open_backend
+from hsx.run.pipeline import Extractor, Peers, open_backend
 from hsx.run.resume import Summary, verify_all
+from hsx.spec import RunSpec
 
 
-def extract_local(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary:
-    """``hsx extract`` in this process: a new run, or the resume of one, to the end or a clean stop."""
-    spec = open_run(opts, log)
+def extract_local(
+    opts: ExtractOptions, log: Callable[[str], None] = print, spec: RunSpec | None = None, peers: Peers | None = None
+) -> Summary:
+    """``hsx extract`` in this process: a new run, or the resume of one, to the end or a clean stop.
+
+    ``spec``: the run's, already opened by the caller; ``peers``: the other ranks of this process's
+    tensor-parallel group (run.group), told when to load the model and which batch comes next."""
+    spec = spec or open_run(opts, log)
     run = opts.out
     progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
     with RunLock(run, metrics=progress.metrics, warn=log) as lock:
@@ -31,7 +37,11 @@ def extract_local(opts: ExtractOptions, log: Callable[[str], None] = print) -> S
         done_ids = [i for s in scans for i in s.good]
         progress.start(len(done_ids), int(plan.lengths[done_ids].sum()))
         todo = [s for s in scans if not s.complete]
-        reserve = volume.check_space(run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log)
+        space = volume.plan_space(
+            run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log,
+            measure_first=spec.backend != "vllm",  # the vLLM path's guard does not decide later
+        )  # fmt: skip
+        reserve = space.reserve
         try:
             if todo:
                 resources = opts.resources()
@@ -44,8 +54,12 @@ def extract_local(opts: ExtractOptions, log: Callable[[str], None] = print) -> S
                         opts.tensor_parallel_size or 1, opts.data_parallel_size or 1,
                     )  # fmt: skip
                 else:
+                    if peers is not None:
+                        peers.load()
                     backend = open_backend(spec, model_dir, resources.device)
-                    extractor = Extractor(run, spec, plan, backend, resources, progress, reserve)
+                    extractor = Extractor(
+                        run, spec, plan, backend, resources, progress, reserve, peers=peers, forecast=space.forecast
+                    )
                     try:
                         extractor.run_shards(todo)
                     finally:
@@ -54,7 +68,8 @@ def extract_local(opts: ExtractOptions, log: Callable[[str], None] = print) -> S
             summary.written, summary.tokens_written, summary.bytes_written = progress.session()
             left = spec.plan.num_tokens - progress.tokens_done()
             reason = str(e) if isinstance(e, LowSpace) else None
-            raise CleanStop(summary, left * spec.bytes_per_token, e.path, reason) from e
+            needed = volume.projected_bytes(left, 0, spec.bytes_per_token, space.forecast.ratio())
+            raise CleanStop(summary, needed, e.path, reason) from e
         finally:
             summary.seconds = progress.elapsed()
             summary.written, summary.tokens_written, summary.bytes_written = progress.session()

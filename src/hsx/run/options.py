@@ -14,8 +14,9 @@ from typing import Literal, get_args
 
 import torch
 
-from hsx.capture.transformers import packing_refusal, varlen_blocker
+from hsx.capture.transformers import packing_refusal, parallel_refusal, varlen_blocker
 from hsx.errors import OptionError
+from hsx.spec import Parallel
 
 Toggle = Literal["auto", "on", "off"]
 Backend = Literal["transformers", "vllm"]
@@ -59,6 +60,8 @@ class ExtractOptions:
     allow_partial: bool = False  # start even when the projected size exceeds free space
     reserve_bytes: int | None = None  # kept free while running; None: max(1% of volume, 2x largest batch)
     backend: str | None = None  # transformers | vllm; a new run's default is transformers
+    tensor_parallel: int | None = None  # transformers backend: one replica over this many devices (spec)
+    expert_parallel: int | None = None  # ... with its routed experts split over this many (1 or the TP size)
     tensor_parallel_size: int | None = None  # vllm backend only; not part of the spec
     data_parallel_size: int | None = None  # vllm backend only; not part of the spec
     workers: int = 0  # scale-out: this many Ray workers, one per GPU (0: this process alone)
@@ -104,3 +107,16 @@ def resolve_compile(compile: Toggle, device: str, backend: str) -> bool:
     if compile == "auto":
         return device.startswith("cuda") and importlib.util.find_spec("triton") is not None
     return compile == "on"
+
+
+def resolve_parallel(tensor: int | None, expert: int | None, config: dict, backend: str) -> Parallel:
+    """The layout of one model replica, checked against the model: refused where it cannot split."""
+    parallel = Parallel(tensor=tensor or 1, expert=expert or 1)
+    if parallel.ranks == 1 and parallel.expert == 1:
+        return parallel
+    if backend != "transformers":
+        raise OptionError(f"--tensor-parallel/--expert-parallel are the transformers backend's; {backend} has its own")
+    refusal = parallel_refusal(config, parallel.tensor, parallel.expert)
+    if refusal is not None:
+        raise OptionError(f"cannot lay the model over {parallel}: {refusal}")
+    return parallel

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from hsx.assess.volume import DiskGuard
+from hsx.assess.volume import DiskGuard, Forecast
+from hsx.capture import CapturedBatch
 from hsx.capture.transformers import TransformersBackend
 from hsx.plan import Plan, batches_for
 from hsx.progress import Progress
@@ -26,17 +28,38 @@ from hsx.store.writer import FileRecord, SampleWriter, seal
 
 
 def open_backend(spec: RunSpec, model_dir: Path, device: str) -> TransformersBackend:
-    """The run's model with its capture hooks, laid out as the spec says (packed, compiled)."""
+    """The run's model with its capture hooks, laid out as the spec says (packed, compiled, its
+    share of a tensor-parallel group)."""
+    p = spec.parallel
     return TransformersBackend.load(
-        model_dir, spec.layers, spec.dtype, device, spec.packed, spec.trust_remote_code, spec.compiled
+        model_dir,
+        spec.layers,
+        spec.dtype,
+        device,
+        spec.packed,
+        spec.trust_remote_code,
+        spec.compiled,
+        p.tensor,
+        p.expert,
     )
+
+
+class Peers(Protocol):
+    """The other ranks of a tensor-parallel group, as the writing rank sees them (run.group)."""
+
+    def load(self) -> None: ...  # they load their share of the model, now
+    def batch(self, ids: list[int]) -> None: ...  # they capture the same batch, now
+    def agree(self, captured: CapturedBatch) -> None: ...  # their capture equals ours
 
 
 class Extractor:
     """Captures a shard's missing samples batch by batch and hands them to the writer.
 
     ``reserve``: bytes of free space to keep (None: no guard). ``staging``: a ring to share
-    (the benchmark reuses one across variants); by default one is made for the backend's device."""
+    (the benchmark reuses one across variants); by default one is made for the backend's device.
+    ``peers``: the other ranks of a tensor-parallel group, which compute every batch with us.
+    ``forecast``: the start's space forecast (``assess.volume.plan_space``) for the disk guard; it is
+    bound to ``progress`` here, so its ratio counts this session's files."""
 
     def __init__(
         self,
@@ -48,8 +71,11 @@ class Extractor:
         progress: Progress,
         reserve: int | None = None,
         staging: Staging | None = None,
+        peers: Peers | None = None,
+        forecast: Forecast | None = None,
     ):
         self.run, self.spec, self.plan, self.backend, self.progress = run, spec, plan, backend, progress
+        self.peers = peers
         width = len(spec.layers) * spec.model.hidden_size
         self.staging = staging or staging_for(
             backend.device,
@@ -63,7 +89,10 @@ class Extractor:
             run, spec.shard_size, spec.layers, resources.writers, resources.max_inflight_bytes, codec=spec.codec
         )
         # queued bytes not yet on disk count against free space
-        self.guard = None if reserve is None else DiskGuard(run, reserve, in_flight=lambda: self.writer.inflight)
+        # the codec's ratio from the files this session writes (and a resume's, in ``forecast``)
+        self.forecast = forecast or Forecast(spec)
+        self.forecast.session = progress.session
+        self.guard = None if reserve is None else DiskGuard(run, reserve, lambda: self.writer.inflight, self.forecast)
         progress.waited_for_disk = self.waited_for_disk
 
     def waited_for_disk(self) -> float:
@@ -81,7 +110,11 @@ class Extractor:
                 tokens = sum(int(self.plan.lengths[i]) for i in missing.intersection(batch.ids))
                 self.guard(tokens * self.spec.bytes_per_token)
             seqs = [self.plan.input_ids(i) for i in batch.ids]
+            if self.peers is not None:
+                self.peers.batch(list(batch.ids))
             captured = self.backend.capture(list(batch.ids), seqs)
+            if self.peers is not None:
+                self.peers.agree(captured)
             wanted = [row for row, sid in enumerate(captured.sample_ids) if sid in missing]
             host = self.staging.stage(captured, wanted)
             for row, (aux, final) in zip(wanted, host.views, strict=True):

@@ -178,6 +178,11 @@ def fp8_bound(dtype: torch.dtype) -> float:
     return 1 / 28 + torch.finfo(dtype).eps / 2 + 2**-20
 
 
+def is_lossless(codec: Codec) -> bool:
+    """Whether decoding gives back the exact bits the model produced."""
+    return Codec(codec) is not Codec.FP8
+
+
 def prior_ratio(codec: Codec, dtype: torch.dtype, hidden_size: int) -> float:
     """Stored / raw bytes of the states to assume before any batch is measured: exact for raw and
     fp8, 1.0 for zstd (lossless compression promises nothing until it has seen the data)."""

@@ -109,6 +109,19 @@ def _measure(
     return r
 
 
+def measure_states(
+    sample: SampleTensors, layer_ids: list[int], threads: int, repeats: int = 3, kind: str = "model"
+) -> list[CodecResult]:
+    """Every codec on one given sample (a model's own states), torch on one intra-op thread."""
+    intra = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        raw_size = sum(len(p) for p in encode(sample, layer_ids)[0])
+        return [_measure(sample, layer_ids, codec, kind, raw_size, threads, repeats) for codec in Codec]
+    finally:
+        torch.set_num_threads(intra)
+
+
 def bench_codecs(
     tokens: int = 2000,
     hidden: int = 4096,
@@ -121,16 +134,9 @@ def bench_codecs(
     """Measure every codec on each kind of data; ``threads`` defaults to min(8, CPUs)."""
     threads = threads or min(8, os.cpu_count() or 1)
     layer_ids = list(range(layers))
-    intra = torch.get_num_threads()
-    torch.set_num_threads(1)
     results = []
-    try:
-        for kind in kinds:
-            sample = states(kind, tokens, hidden, layers, dtype)
-            raw_size = sum(len(p) for p in encode(sample, layer_ids)[0])
-            results += [_measure(sample, layer_ids, codec, kind, raw_size, threads, repeats) for codec in Codec]
-    finally:
-        torch.set_num_threads(intra)
+    for kind in kinds:
+        results += measure_states(states(kind, tokens, hidden, layers, dtype), layer_ids, threads, repeats, kind)
     return results
 
 

@@ -9,6 +9,7 @@ OUT/
   quarantine/              QUARANTINE: files moved aside (never deleted) with the reason
   lock.json, .lock.json.guard, metrics.json, metrics-history.jsonl   while a run is (or was) going
   workers/                 WORKERS: the scale-out workers' heartbeats, and STOP
+  group.json               GROUP: the ranks of a running tensor-parallel group (pids, devices)
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ GUARD = ".lock.json.guard"  # flocked while a lock is judged and taken; never ho
 METRICS = "metrics.json"
 HISTORY = "metrics-history.jsonl"
 WORKERS = "workers"
+GROUP = "group.json"
 STOP = "STOP"  # in WORKERS: written by a driver that stops handing out work (disk full, a worker failed)
 
 # what a run folder may hold before its spec exists (an interrupted set-up, or a lock taken early)
-SETUP_FILES = frozenset({PLAN_DIR, REJECTS, LOCK, GUARD, METRICS, HISTORY})
+SETUP_FILES = frozenset({PLAN_DIR, REJECTS, LOCK, GUARD, METRICS, HISTORY, GROUP})
 
 
 def shard_of(sample_id: int, shard_size: int) -> int:

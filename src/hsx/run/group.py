@@ -1,0 +1,265 @@
+"""One model replica over N devices of this node: a tensor-parallel group whose rank 0 writes.
+
+    hsx extract (launcher: PyTorch's elastic agent, in this process)
+      rank 0      the local job unchanged (lock, resume, disk guard, capture -> staging -> writer)
+      rank 1..N-1 load their share of the model, then capture each batch rank 0 names; write nothing
+
+Every rank computes every batch, since TP and EP collectives need all of them; after each decoder
+layer the residual stream is replicated, so rank 0's copy is the whole capture (the first batch
+of every session checks it: every rank's digest of its capture must equal rank 0's). Rank 0 tells
+the others, over a gloo control group, when to load the model and which batch comes next; the end
+of the job, a clean stop or a refusal ends them too.
+
+No rank outlives the group: the agent stops every rank when one fails, and a rank whose launcher
+died is killed by the kernel (PR_SET_PDEATHSIG). What crosses processes is JSON: the options in,
+rank 0's summary or refusal out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime as dt
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+import xxhash
+from pydantic import TypeAdapter
+
+from hsx import errors, registry, target
+from hsx.capture import CapturedBatch
+from hsx.errors import CleanStop, HsxError, OptionError, WorkerFailed
+from hsx.plan import load_plan
+from hsx.run.local import extract_local
+from hsx.run.options import ExtractOptions
+from hsx.run.pipeline import open_backend
+from hsx.run.resume import Summary
+from hsx.spec import RunSpec
+from hsx.store.format import digest_text
+
+WAIT = dt.timedelta(days=7)  # the others wait on rank 0 through a whole verification of terabytes
+STOP, LOAD, BATCH = 0, 1, 2
+OPTIONS = TypeAdapter(ExtractOptions)
+SUMMARY = TypeAdapter(Summary)
+
+
+def extract_group(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None] = print) -> Summary:
+    """Run the job on ``spec.parallel.ranks`` ranks of this node; returns rank 0's summary, or
+    raises its refusal or clean stop as if it had happened here."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    n = spec.parallel.ranks
+    device = opts.resources().device
+    if device.startswith("cuda") and torch.cuda.device_count() < n:
+        raise OptionError(
+            f"the run is laid over {n} GPUs ({spec.parallel}); this machine has {torch.cuda.device_count()}"
+        )
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=n,
+        run_id=f"hsx-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # a free port of this host
+        max_restarts=0,  # a failed rank fails the job; the resume is the restart
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    log(f"starting {n} ranks ({spec.parallel}) on {device}")
+    try:
+        entry = elastic_launch(config, rank_main)
+        results = entry(OPTIONS.dump_json(opts).decode(), spec.model_dump_json(), os.getpid())
+    except ChildFailedError as e:
+        raise WorkerFailed(f"the tensor-parallel group failed: {_failures(e)}") from None
+    return _outcome(results[0])
+
+
+def rank_main(options: str, run_spec: str, launcher: int) -> str:
+    """One rank's life (the agent's entry point); returns rank 0's outcome as JSON."""
+    _die_with(launcher)
+    opts, spec = OPTIONS.validate_json(options), RunSpec.model_validate_json(run_spec)
+    rank, local, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    device = opts.resources().device
+    cuda = device.startswith("cuda")
+    if cuda:
+        device = f"cuda:{local}"
+        torch.cuda.set_device(local)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=WAIT, device_id=torch.device(device) if cuda else None)
+    control = dist.new_group(backend="gloo", timeout=WAIT)
+    try:
+        ranks = _gather_ranks(control, device)
+        if rank == 0:
+            leader = Leader(control, opts.out, launcher)
+            leader.register(ranks)
+            return _lead(opts, spec, leader)
+        _follow(opts, spec, device, control)
+        return ""
+    finally:
+        dist.destroy_process_group()
+
+
+class Leader:
+    """Rank 0's side of the control channel (``pipeline.Peers``)."""
+
+    def __init__(self, control, run: Path, launcher: int):
+        self.control, self.run, self.launcher = control, run, launcher
+        self.loaded = self.stopped = self.agreed = False
+
+    def register(self, ranks: list[registry.Rank]) -> None:
+        """Record every rank's pid in the run folder (``hsx status`` shows them alive or dead)."""
+        record = registry.GroupRecord(
+            host=socket.gethostname(),
+            launcher=self.launcher,
+            launcher_started=psutil.Process(self.launcher).create_time(),
+            started=time.time(),
+            ranks=ranks,
+        )
+        registry.write_group(self.run, record)
+
+    def load(self) -> None:
+        _send(self.control, LOAD)
+        self.loaded = True
+
+    def batch(self, ids: list[int]) -> None:
+        _send(self.control, BATCH, ids)
+
+    def agree(self, captured: CapturedBatch) -> None:
+        if not self.agreed:
+            same = _agree(self.control, captured)
+            print(f"ranks 0-{dist.get_world_size() - 1} captured the same states on the first batch ({same})")
+            self.agreed = True
+
+    def stop(self) -> None:
+        if not self.stopped:
+            _send(self.control, STOP)
+            self.stopped = True
+
+
+def _lead(opts: ExtractOptions, spec: RunSpec, leader: Leader) -> str:
+    """Rank 0: the local job, with the other ranks as its peers; its outcome as JSON."""
+    try:
+        summary = extract_local(opts, spec=spec, peers=leader)
+        outcome = {"summary": SUMMARY.dump_python(summary, mode="json")}
+    except CleanStop as e:
+        stop = {"needed_bytes": e.needed_bytes, "path": str(e.path), "reason": e.reason}
+        outcome = {"summary": SUMMARY.dump_python(e.summary, mode="json"), "clean_stop": stop}
+    except HsxError as e:
+        outcome = {"error": type(e).__name__, "message": str(e)}
+    finally:
+        leader.stop()
+    registry.clear_group(opts.out)
+    return TypeAdapter(dict).dump_json(outcome).decode()
+
+
+def _outcome(result: str) -> Summary:
+    """Rank 0's outcome, raised or returned here as it was there."""
+    out = TypeAdapter(dict).validate_json(result)
+    if "error" in out:
+        cls = getattr(errors, out["error"], None)
+        raise (cls if isinstance(cls, type) and issubclass(cls, errors.Refused) else errors.Refused)(out["message"])
+    summary = SUMMARY.validate_python(out["summary"])
+    if "clean_stop" in out:
+        s = out["clean_stop"]
+        raise CleanStop(summary, s["needed_bytes"], Path(s["path"]), s["reason"])
+    return summary
+
+
+def _follow(opts: ExtractOptions, spec: RunSpec, device: str, control) -> None:
+    """Ranks 1..N-1: load when told, capture each batch named, until told to stop."""
+    kind, _ = _receive(control)
+    if kind == STOP:
+        return
+    plan = load_plan(opts.out, spec)
+    backend = open_backend(spec, target.model_dir_for(spec, opts.model), device)
+    agreed = False
+    while True:
+        kind, ids = _receive(control)
+        if kind == STOP:
+            return
+        captured = backend.capture(ids, [plan.input_ids(i) for i in ids])
+        if not agreed:
+            _agree(control, captured)
+            agreed = True
+
+
+def _gather_ranks(control, device: str) -> list[registry.Rank]:
+    """Every rank's pid, start time and device (a collective: all ranks call it)."""
+    me = torch.tensor([os.getpid(), int(psutil.Process().create_time() * 1000)], dtype=torch.int64)
+    gathered = [torch.zeros_like(me) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, me, group=control)
+    return [
+        registry.Rank(rank=r, pid=int(t[0]), pid_started=int(t[1]) / 1000, device=_device_of(device, r))
+        for r, t in enumerate(gathered)
+    ]
+
+
+def _send(control, kind: int, ids: list[int] = ()) -> None:
+    dist.broadcast(torch.tensor([kind, len(ids)], dtype=torch.int64), 0, group=control)
+    if ids:
+        dist.broadcast(torch.tensor(ids, dtype=torch.int64), 0, group=control)
+
+
+def _receive(control) -> tuple[int, list[int]]:
+    head = torch.zeros(2, dtype=torch.int64)
+    dist.broadcast(head, 0, group=control)
+    kind, n = (int(v) for v in head)
+    if not n:
+        return kind, []
+    ids = torch.zeros(n, dtype=torch.int64)
+    dist.broadcast(ids, 0, group=control)
+    return kind, ids.tolist()
+
+
+def capture_digest(captured: CapturedBatch) -> str:
+    """A digest of every bit of a capture (aux and final states), to compare ranks' copies."""
+    h = xxhash.xxh3_128()
+    for t in (captured.aux, captured.final):
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy())
+    return digest_text(h)
+
+
+def _agree(control, captured: CapturedBatch) -> str:
+    """Every rank's capture must equal rank 0's, bit for bit: the replication hsx relies on.
+    Returns the digest they share."""
+    ours = capture_digest(captured)
+    mine = bytes.fromhex(ours.split(":", 1)[1])
+    gathered = [torch.zeros(len(mine), dtype=torch.uint8) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, torch.frombuffer(bytearray(mine), dtype=torch.uint8), group=control)
+    differ = [r for r, t in enumerate(gathered) if not torch.equal(t, gathered[0])]
+    if differ:
+        raise errors.CaptureFailed(
+            f"ranks {differ} captured other states than rank 0: the layer outputs are not replicated "
+            "under this model's parallel plan, so hsx cannot take one rank's copy"
+        )
+    return ours
+
+
+def _device_of(device: str, rank: int) -> str:
+    return f"cuda:{rank}" if device.startswith("cuda") else device
+
+
+def _die_with(launcher: int) -> None:
+    """Have the kernel kill this rank when its launcher dies (Linux); if it already has, go now."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != launcher:
+        os._exit(1)
+
+
+def _failures(e) -> str:
+    """One line per failed rank, from the agent's report: exit code or signal."""
+    parts = []
+    for rank, f in sorted(e.failures.items()):
+        how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+        parts.append(f"rank {rank} (pid {f.pid}) {how}")
+    return "; ".join(parts) or str(e)

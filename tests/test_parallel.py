@@ -1,0 +1,265 @@
+"""Tensor- and expert-parallel extraction (hsx.run.group) on CPU, two ranks over gloo.
+
+The references are independent: transformers' own ``output_hidden_states`` of one-sample forwards
+of the same checkpoint in one process. Dense models must match every token within 1e-5 (float32).
+MoE models are discontinuous (a router near-tie picks other experts under another reduction
+order, and that token differs by O(1) from there on), so their tests count the tokens beyond
+1e-5 and bound their share; every other token must still match within 1e-5.
+
+Kills are placed by progress (k new sample files, k from a seeded RNG, the seed printed), never by
+time; every wait has a hang guard far beyond any healthy pace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
+
+from conftest import TINY, conversations, hsx, run_files, save_tiny, verified_files, write_jsonl
+from hsx import registry
+from hsx.errors import Exit
+from hsx.store import layout
+
+TOL = 1e-5
+NEAR_TIE_SHARE = 0.01  # at most this share of a MoE model's tokens may differ (router near-ties)
+HANG_GUARD_S = 600  # a hang, not a pace
+HIDDEN = 64
+LAYERS = (0, 1)  # of 3-4 layers; the final state is captured too
+
+DENSE = LlamaConfig(
+    vocab_size=2048,
+    hidden_size=HIDDEN,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA whose kv heads split over 2 ranks
+    head_dim=16,
+)
+QWEN3_MOE = Qwen3MoeConfig(
+    vocab_size=2048,
+    hidden_size=HIDDEN,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+DEEPSEEK_V3 = DeepseekV3Config(  # MLA (q/k head dim 24, v head dim 16), routed + shared experts
+    vocab_size=2048,
+    hidden_size=HIDDEN,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("parallel-models")
+    configs = {"dense": DENSE, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
+    return {name: save_tiny(config, root / name) for name, config in configs.items()}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("parallel-data") / "convs.jsonl", conversations(60, start=200))
+
+
+def _args(model: Path, data: Path, out: Path, *extra) -> list:
+    return [
+        "extract",
+        "--model",
+        model,
+        "--data",
+        data,
+        "--out",
+        out,
+        "--layers",
+        ",".join(map(str, LAYERS)),
+        "--dtype",
+        "float32",
+        "--shard-size",
+        "10",
+        "--batch-tokens",
+        "512",
+        "--device",
+        "cpu",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def dense_tp(models, data, tmp_path_factory) -> tuple[Path, str]:
+    """An uninterrupted TP=2 run of the dense model, and what it printed."""
+    out = tmp_path_factory.mktemp("dense-tp") / "run"
+    proc = hsx(*_args(models["dense"], data, out, "--tensor-parallel", "2"))
+    return out, proc.stdout + proc.stderr
+
+
+def off_tokens(out: Path, model_dir: Path) -> tuple[int, int, float]:
+    """(tokens whose captured states differ from the reference by more than TOL at any captured
+    layer, tokens in all, the largest difference of the other tokens)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    off = total = 0
+    worst = 0.0
+    for path in sorted((out / "shards").rglob("*.safetensors")):
+        t = load_file(path)
+        with torch.no_grad():
+            ref = model(t["input_ids"][None].long(), output_hidden_states=True).hidden_states
+        want = torch.cat([ref[k + 1][0] for k in LAYERS] + [ref[-1][0]], dim=-1)
+        got = torch.cat([t["aux_hidden_states"], t["hidden_states"]], dim=-1)
+        diff = (got - want).abs().amax(dim=-1)
+        off += int((diff > TOL).sum())
+        total += diff.numel()
+        worst = max(worst, float(diff[diff <= TOL].max()))
+    return off, total, worst
+
+
+def test_tp2_dense_equals_the_single_process_reference_and_records_the_layout(dense_tp, models, data):
+    out, printed = dense_tp
+    assert "starting 2 ranks (tensor 2, expert 1) on cpu" in printed
+    assert "ranks 0-1 captured the same states on the first batch" in printed  # the replication check ran
+    files = run_files(out)
+    assert len(files) == 60
+    off, total, worst = off_tokens(out, models["dense"])
+    assert off == 0, f"{off} of {total} tokens beyond {TOL} (a dense model has no near-ties)"
+    assert worst <= TOL
+    spec = json.loads((out / "hsx.json").read_text())
+    assert spec["parallel"] == {"tensor": 2, "expert": 1}
+    assert not (out / layout.GROUP).exists()  # a group that ended cleanly leaves no record behind
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_tp2_ep2_moe_equals_the_reference_but_for_a_counted_share_of_near_ties(name, models, data, tmp_path):
+    out = tmp_path / "run"
+    proc = hsx(*_args(models[name], data, out, "--tensor-parallel", "2", "--expert-parallel", "2"))
+    assert "ranks 0-1 captured the same states on the first batch" in proc.stdout + proc.stderr
+    assert json.loads((out / "hsx.json").read_text())["parallel"] == {"tensor": 2, "expert": 2}
+    off, total, worst = off_tokens(out, models[name])
+    print(f"{name}: {off} of {total} tokens beyond {TOL} (router near-ties); the others within {worst:.2e}")
+    assert total > 2000
+    assert off <= NEAR_TIE_SHARE * total
+    assert worst <= TOL
+
+
+def test_a_layout_the_run_was_not_made_with_or_the_model_cannot_take_is_refused_by_name(
+    dense_tp, models, data, tmp_path
+):
+    out, _ = dense_tp
+    proc = hsx("extract", "--out", out, "--tensor-parallel", "1", check=False)
+    assert proc.returncode == Exit.ACT
+    assert "parallel: run has tensor 2, expert 1, asked for tensor 1, expert 1" in proc.stderr + proc.stdout
+    refusals = [
+        (TINY, ("--tensor-parallel", "2"), "num_key_value_heads = 1 does not split over 2 ranks"),
+        (models["dense"], ("--tensor-parallel", "2", "--expert-parallel", "2"), "has no routed experts to split"),
+        (models["qwen3_moe"], ("--tensor-parallel", "2", "--expert-parallel", "4"), "must be 1 or the tensor"),
+    ]
+    for i, (model, flags, reason) in enumerate(refusals):
+        proc = hsx(*_args(model, data, tmp_path / f"new{i}", *flags), check=False)
+        assert proc.returncode != 0 and reason in proc.stderr + proc.stdout, proc.stderr
+        assert not (tmp_path / f"new{i}" / "hsx.json").exists()
+
+
+# ---------------------------------------------------------------- kill -9 of a real group
+
+
+def _sample_files(out: Path) -> set[Path]:
+    shards = out / "shards"
+    return set(shards.rglob("*.safetensors")) if shards.exists() else set()
+
+
+def _wait(what: str, done, seed: int) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not done():
+        assert time.monotonic() < deadline, f"seed {seed}: {what} did not happen in {HANG_GUARD_S} s"
+        time.sleep(0.005)
+
+
+def _gone(pids: list[int]) -> bool:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return not alive
+
+
+def _group(out: Path, launcher: int) -> registry.GroupRecord | None:
+    g = registry.read_group(out)
+    return g if g is not None and g.launcher == launcher else None
+
+
+def test_kill9_of_the_launcher_or_of_a_rank_then_resume_is_byte_identical(dense_tp, models, data, tmp_path):
+    """Two kills of the launcher and one of rank 1, each after k new files: every rank is gone
+    soon after (none outlives its group), every file on disk verifies, status names the dead
+    ranks, and the resume equals the uninterrupted TP run byte for byte."""
+    reference = run_files(dense_tp[0])
+    seed = int(os.environ.get("HSX_CRASH_SEED", time.time_ns() % 10_000))
+    print(f"HSX_CRASH_SEED={seed}")
+    rng = random.Random(seed)
+    out = tmp_path / "crashed"
+    args = [sys.executable, "-m", "hsx", *map(str, _args(models["dense"], data, out, "--tensor-parallel", "2"))]
+    for victim in ("launcher", "launcher", "rank 1"):
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        before = _sample_files(out)
+        k = rng.randint(1, 8)
+        _wait("the group record", lambda p=proc: _group(out, p.pid) is not None or p.poll() is not None, seed)
+        group = _group(out, proc.pid)
+        assert group is not None, f"seed {seed}: the run ended (rc {proc.poll()}) before its ranks registered"
+        pids = [r.pid for r in group.ranks]
+        _wait(
+            f"{k} new files",
+            lambda p=proc, k=k, b=before: len(_sample_files(out) - b) >= k or p.poll() is not None,
+            seed,
+        )
+        assert proc.poll() is None, f"seed {seed}: the run ended before {k} new files"
+        assert len(run_files(out)) < 60, f"seed {seed}: the kill came after the run had finished"
+        if victim == "launcher":
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        else:
+            os.kill(pids[1], signal.SIGKILL)
+            _, err = proc.communicate(timeout=HANG_GUARD_S)
+            assert proc.returncode == Exit.ACT, err
+            assert f"rank 1 (pid {pids[1]}) killed by SIGKILL" in err
+        _wait("every rank's exit", lambda p=pids: _gone(p), seed)  # no rank outlives its launcher
+        on_disk = _sample_files(out)
+        assert set(verified_files(out)) == on_disk, f"seed {seed}: a partial file has a sample's name"
+        if victim == "launcher":
+            status = hsx("status", out, "--json", check=False)
+            workers = next(c for c in json.loads(status.stdout)["checks"] if c["name"] == "workers")
+            assert [r["state"] for r in workers["data"]["ranks"]] == ["dead", "dead"], workers
+            assert any(f"rank 1: pid {pids[1]} on cpu, dead" in d for d in workers["details"])
+    hsx("extract", "--out", out)
+    assert run_files(out) == reference
+    assert not (out / layout.GROUP).exists()
