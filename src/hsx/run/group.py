@@ -113,7 +113,7 @@ class Leader:
 
     def __init__(self, control, run: Path, launcher: int):
         self.control, self.run, self.launcher = control, run, launcher
-        self.loaded = self.stopped = self.agreed = False
+        self.stopped = self.agreed = False
 
     def register(self, ranks: list[registry.Rank]) -> None:
         """Record every rank's pid in the run folder (``hsx status`` shows them alive or dead)."""
@@ -128,7 +128,6 @@ class Leader:
 
     def load(self) -> None:
         _send(self.control, LOAD)
-        self.loaded = True
 
     def batch(self, ids: list[int]) -> None:
         _send(self.control, BATCH, ids)
