@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from conftest import conversations, extract_args, flip_byte, hsx, run_files, verified_files, write_jsonl
+from hsx.assess.verify import verify
 from hsx.data import HsxDataset, SampleUnavailable, collate_packed, collate_padded, read_mapped, read_verified
 from hsx.spec import load_spec
 from hsx.store import layout
@@ -278,9 +279,11 @@ def test_raw_files_are_what_they_were_and_old_files_still_read(tmp_path):
 
 
 def _recode(src: Path, dest: Path, codec: Codec) -> Path:
-    """The same run with every sample file rewritten through the writer with ``codec``, resealed."""
+    """The same run with every sample file rewritten through the writer with ``codec``, resealed,
+    and the spec saying so (as if the run had been made with it)."""
     shutil.copytree(src, dest)
-    spec = load_spec(dest)
+    spec = load_spec(dest).model_copy(update={"codec": codec})
+    spec.save(dest)
     writer = SampleWriter(dest, spec.shard_size, list(spec.layers), threads=2, codec=codec)
     for shard in range(layout.num_shards(spec.plan.num_samples, spec.shard_size)):
         futures = []
@@ -304,9 +307,9 @@ def test_dataset_yields_the_same_dicts_for_every_codec(recoded):
     assert len(raw) == 40
     first = layout.sample_path(recoded[Codec.ZSTD], 0, 10)
     assert read_header(first).codec is Codec.ZSTD and check(first, 0, deep=True)
-    for verify in (False, True):
-        zstd = HsxDataset(recoded[Codec.ZSTD], verify=verify)
-        fp8 = HsxDataset(recoded[Codec.FP8], verify=verify)
+    for deep in (False, True):
+        zstd = HsxDataset(recoded[Codec.ZSTD], verify=deep)
+        fp8 = HsxDataset(recoded[Codec.FP8], verify=deep)
         assert zstd.ids == fp8.ids == raw.ids  # sealed shards: the manifests agree with the files
         for i in range(0, 40, 3):
             a, b, c = raw[i], zstd[i], fp8[i]
@@ -394,7 +397,8 @@ def _kill_after_new_files(proc: subprocess.Popen, out: Path, k: int, seed: int) 
 def test_kill_9_and_damage_then_resume_with_a_codec_is_byte_identical(finished_run, tmp_path):
     """A zstd run of the finished run's 40 conversations is killed (kill -9) once k new sample files
     exist (k from a seeded RNG, the seed printed); three of its verified encoded files are damaged
-    (a bit flipped inside a compressed frame, a truncation, zero-fill); a resume asking for another
+    (a bit flipped inside a compressed frame, a truncation, zero-fill) and a fourth is replaced by
+    the raw run's valid file of the same sample (another codec); a resume asking for another
     codec is refused by name; the resume redoes exactly the missing and damaged files, and the run is
     then byte for byte what an uninterrupted zstd run holds, with the raw run's bits."""
     from typer.testing import CliRunner
@@ -417,22 +421,27 @@ def test_kill_9_and_damage_then_resume_with_a_codec_is_byte_identical(finished_r
     assert load_spec(out).codec is Codec.ZSTD
 
     good = sorted(verified_files(out))
-    assert len(good) >= 3 and all(read_header(p).codec is Codec.ZSTD for p in good), f"seed {seed}"
-    flipped, truncated, zeroed = good[0], good[len(good) // 2], good[-1]
+    assert len(good) >= 4 and all(read_header(p).codec is Codec.ZSTD for p in good), f"seed {seed}"
+    flipped, truncated, zeroed, raw = good[0], good[len(good) // 2], good[-1], good[1]
     flip_byte(flipped, -100)  # inside the compressed frame: only the digest can tell
     truncated.write_bytes(truncated.read_bytes()[:-1000])
     zeroed.write_bytes(bytes(zeroed.stat().st_size))
-    kept = verified_files(out)
-    assert len(kept) == len(good) - 3, f"seed {seed}"
+    shutil.copyfile(finished_run / raw.relative_to(out), raw)  # valid, but not this run's codec
+    untouched = verified_files(out)  # the raw file's digest holds: only its codec is wrong
+    kept = {p: ident for p, ident in untouched.items() if p != raw}
+    assert len(kept) == len(good) - 4, f"seed {seed}"
 
     for other in ("fp8", "raw"):  # the codec is per run: refused by name, before any work
         r = CliRunner().invoke(app, ["extract", "--out", str(out), "--codec", other])
         assert r.exit_code == 2 and f"codec: run has zstd, asked for {other}" in " ".join(r.output.split()), r.output
-    assert verified_files(out) == kept
+    assert verified_files(out) == untouched
+
+    found = {p.path: p.detail for p in verify(out).result.problems}
+    assert found[str(raw.relative_to(out))] == "stored with codec raw; this run's is zstd", found
 
     resumed = hsx("extract", "--out", out)
     said = " ".join(resumed.stdout.split() + resumed.stderr.split())
-    assert "redone 2 corrupt, 1 truncated" in said, f"seed {seed}: {said}"
+    assert "redone 3 corrupt, 1 truncated" in said, f"seed {seed}: {said}"
     assert run_files(out) == expected_files(finished_run, Codec.ZSTD), f"seed {seed}"
     final = verified_files(out)
     assert all(final[p] == ident for p, ident in kept.items()), f"seed {seed}: a verified file was rewritten"

@@ -177,7 +177,7 @@ def test_the_projection_and_the_guard_use_the_codecs_ratio(tmpfs, finished_run):
     space = volume.plan_space(d, fp8, lengths, empty, False, None, logged.append)
     assert "fp8 stores 0.266 of raw" in logged[-1] and not space.forecast.undecided
     with pytest.raises(NotEnoughSpace):
-        volume.check_space(d, zstd, lengths, empty, False, None, logged.append)
+        volume.plan_space(d, zstd, lengths, empty, False, None, logged.append)
     space = volume.plan_space(d, zstd, lengths, empty, False, None, logged.append, measure_first=True)
     assert "zstd at raw size until its ratio is measured on 8 files" in logged[-2]
     assert "judged again on its first 8 files" in logged[-1] and space.forecast.undecided

@@ -103,12 +103,24 @@ def test_compiled_layers_equal_reference_and_a_fresh_compile_redoes_them_byte_id
 
 def test_a_run_held_back_by_its_writes_says_how_long_it_waited(tmp_path, convs):
     """One sample in flight at a time: every capture waits for the previous file to be on disk,
-    and the summary and metrics.json say how long the model stood still for the writes."""
-    out = tmp_path / "run"
-    summary = extract(_opts(out, convs, writers=1, max_inflight_bytes=1), log=lambda m: None)
+    and the summary, metrics.json, the history's last line and the Prometheus textfile say how
+    long the model stood still for the writes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hsx.spec import load_spec
+    from hsx.telemetry import read_history
+
+    out, prom = tmp_path / "run", tmp_path / "hsx.prom"
+    summary = extract(_opts(out, convs, writers=1, max_inflight_bytes=1, metrics_textfile=prom), log=lambda m: None)
     assert summary.complete and 0 < summary.waited_for_disk < summary.seconds
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["waited_for_disk_s"] == pytest.approx(summary.waited_for_disk, abs=0.5)
+    total = load_spec(out).plan.num_tokens
+    last = read_history(out)[-1]  # the session's final beat always adds a line
+    assert last.tokens_done == total and last.waited_for_disk_s == metrics["waited_for_disk_s"]
+    exposed = {s.name: s.value for f in text_string_to_metric_families(prom.read_text()) for s in f.samples}
+    assert exposed["hsx_tokens_done"] == exposed["hsx_tokens_total"] == total
+    assert exposed["hsx_waited_for_disk_seconds"] == metrics["waited_for_disk_s"]
 
 
 def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path, convs):

@@ -21,7 +21,8 @@ from conftest import extract_args, hsx
 from hsx.assess import workers
 from hsx.assess.status import assess
 from hsx.cli import app
-from hsx.lock import LOCK, METRICS, Holder, Locked, RunLock, read_holder
+from hsx.lock import LOCK, Holder, Locked, RunLock, read_holder
+from hsx.store.layout import METRICS
 
 
 def write_lock(run: Path, **kw) -> Holder:

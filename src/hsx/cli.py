@@ -128,6 +128,12 @@ def extract(
     ray_address: Annotated[
         str | None, typer.Option(help="With --workers: join this Ray cluster [a local Ray for this run].")
     ] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve the run's metrics in Prometheus' text format on this port.")
+    ] = None,
+    metrics_textfile: Annotated[
+        Path | None, typer.Option(help="Keep this file in Prometheus' text format (node_exporter's textfile).")
+    ] = None,
 ) -> None:
     """Extract hidden states into OUT, or resume the run in OUT."""
     from hsx.extract import ExtractOptions
@@ -158,6 +164,8 @@ def extract(
             data_parallel_size=data_parallel_size,
             workers=workers,
             ray_address=ray_address,
+            metrics_port=metrics_port,
+            metrics_textfile=metrics_textfile,
         )
         summary = run_extract(opts, log=lambda m: console.print(m, highlight=False))
     _print_summary(summary)
@@ -169,8 +177,11 @@ def status(
     deep: Annotated[bool, typer.Option(help="Verify every file's digest (reads all data), not only headers.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Machine-readable report on stdout.")] = False,
     threads: Annotated[int, typer.Option(help="Parallel readers for the integrity check.")] = 8,
+    model: Annotated[
+        str | None, typer.Option(help="Check this model folder against the run's fingerprint (where it moved).")
+    ] = None,
 ) -> None:
-    """Is it safe to resume? One line per item: GPUs, volume, progress, integrity, model, capture, spec, workers.
+    """Is it safe to resume? One line per item: GPUs, volume, progress, pace, integrity, model, capture, spec, workers.
 
     Exit 0: nothing wrong; 1: damage that hsx extract redoes by itself; 2: a person must act first.
     """
@@ -181,7 +192,7 @@ def status(
     from hsx.assess.status import assess, render
 
     with failures():
-        report = assess(out, deep=deep, threads=threads)
+        report = assess(out, deep=deep, threads=threads, given_model=model)
     if json_out:
         print(json.dumps(report.to_json(), indent=1))
     else:

@@ -49,7 +49,7 @@ def read_mapped(path: Path, sample_id: int, keep_fp8: bool = False) -> dict[str,
 
 def available_ids(run: Path, spec: RunSpec, sealed_only: bool = True, threads: int = 8) -> list[int]:
     """Ids with a good file (cheap check): only those of sealed shards unless ``sealed_only`` is off."""
-    scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False, threads=threads)
+    scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False, threads=threads, codec=spec.codec)
     return sorted(i for s in scans if s.sealed or not sealed_only for i in s.good)
 
 

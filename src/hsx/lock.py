@@ -14,7 +14,6 @@ place, which fails if a lock is there), so no racer reads a half-written lock as
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import socket
 import threading
@@ -28,7 +27,7 @@ from pydantic import BaseModel
 
 from hsx.errors import Locked
 from hsx.store.durable import fsync_dir, temp_name, write_durable
-from hsx.store.layout import GUARD, LOCK, METRICS
+from hsx.store.layout import GUARD, LOCK
 
 STALE_AFTER = 120.0
 BEAT_EVERY = 5.0
@@ -99,19 +98,20 @@ def _me(command: str) -> Holder:
 
 
 class RunLock:
-    """Context manager: acquire, keep a heartbeat (and optional metrics) fresh, release."""
+    """Context manager: acquire, keep a heartbeat fresh, release. ``on_beat``: called after each
+    heartbeat (``final`` on release), e.g. ``Telemetry.beat``."""
 
     def __init__(
         self,
         run: Path,
         command: str = "extract",
-        metrics: Callable[[], dict] | None = None,
+        on_beat: Callable[[bool], None] | None = None,
         warn: Callable[[str], None] = print,
     ):
         self.run = run
         self.path = run / LOCK
         self.me = _me(command)
-        self.metrics = metrics
+        self.on_beat = on_beat
         self.warn = warn
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -151,14 +151,14 @@ class RunLock:
         fsync_dir(self.run)
         return True
 
-    def beat(self) -> None:
+    def beat(self, final: bool = False) -> None:
         self.me.heartbeat = time.time()
         current = read_holder(self.run)
         if current is None or (current.pid, current.host) != (self.me.pid, self.me.host):
             return  # someone took it over: never overwrite another holder's lock
         write_durable(self.path, self.me.model_dump_json().encode())
-        if self.metrics is not None:
-            write_durable(self.run / METRICS, json.dumps(self.metrics() | {"time": time.time()}).encode())
+        if self.on_beat is not None:
+            self.on_beat(final)
 
     def _loop(self) -> None:
         while not self._stop.wait(BEAT_EVERY):
@@ -178,7 +178,7 @@ class RunLock:
         if self._thread is not None:
             self._thread.join()
         try:
-            self.beat()
+            self.beat(final=True)
         except OSError:
             pass
         holder = read_holder(self.run)

@@ -132,6 +132,46 @@ def who() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
+class ModelLocation(BaseModel):
+    """``OUT/model-location.json``: where the run's model is now, once it moved. Written (atomically,
+    replaced whole) only by a resume that matched the model there against the spec's fingerprint;
+    the spec keeps the path the run started with."""
+
+    path: str
+    recorded: str  # when (UTC, ISO 8601)
+    by: str  # user@host
+    previous: str  # where the run looked for it before
+
+
+def model_location(run: Path, spec: RunSpec) -> str:
+    """Where the run's model is: the last location a resume recorded, else the spec's path."""
+    try:
+        return ModelLocation.model_validate_json((run / layout.LOCATION).read_bytes()).path
+    except FileNotFoundError:
+        return spec.model.path
+    except (ValidationError, ValueError) as e:
+        raise SpecError(f"{run / layout.LOCATION} is unreadable or damaged: {str(e).splitlines()[0]}") from e
+
+
+def record_location(run: Path, spec: RunSpec, path: str) -> bool:
+    """Record ``path`` (its fingerprint already matched) as the model's location; False when it
+    is where the run already looks."""
+    previous = model_location(run, spec)
+    if same_place(previous, path):
+        return False
+    record = ModelLocation(path=path, recorded=now(), by=who(), previous=previous)
+    write_durable(run / layout.LOCATION, record.model_dump_json(indent=2).encode())
+    return True
+
+
+def same_place(a: str, b: str) -> bool:
+    """Two model locations name the same folder (or the same hub id)."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return a == b
+
+
 def load_spec(run: Path) -> RunSpec:
     path = run / layout.SPEC
     try:

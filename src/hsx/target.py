@@ -8,7 +8,7 @@ from pathlib import Path
 from hsx.capture import checkpoint
 from hsx.errors import ModelChanged, ModelNotFound
 from hsx.fingerprint import digest_bytes, digest_json, model_fingerprint
-from hsx.spec import ModelIdentity, RunSpec, TokenizerIdentity
+from hsx.spec import ModelIdentity, RunSpec, TokenizerIdentity, model_location
 
 
 def resolve(model: str) -> Path:
@@ -61,10 +61,11 @@ def tokenizer_identity(tokenizer) -> TokenizerIdentity:
     )
 
 
-def model_dir_for(spec: RunSpec, given: str | None = None, checked: bool = False) -> Path:
-    """Where the run's model is now: ``given`` (a --model), else the spec's path; refused unless its
-    fingerprint matches the run's (``checked``: the caller has just compared it, skip the re-read)."""
-    where = given or spec.model.path
+def model_dir_for(run: Path, spec: RunSpec, given: str | None = None, checked: bool = False) -> Path:
+    """Where the run's model is now: ``given`` (a --model), else where the run last recorded it
+    (``spec.model_location``); refused unless its fingerprint matches the run's (``checked``: the
+    caller has just compared it, skip the re-read)."""
+    where = given or model_location(run, spec)
     try:
         path = resolve(where)
     except ModelNotFound as e:

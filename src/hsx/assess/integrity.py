@@ -18,6 +18,7 @@ from pathlib import Path
 from hsx.assess.checks import Check, size
 from hsx.errors import Damage
 from hsx.progress import Progress
+from hsx.spec import RunSpec
 from hsx.store import layout
 from hsx.store.scan import Problem, ShardScan, scan_run
 
@@ -81,15 +82,16 @@ def _seal_problems(run: Path, scan: ShardScan) -> list[Problem]:
     ]
 
 
-def inspect(
-    run: Path, num_samples: int, shard_size: int, deep: bool, writer_alive: bool, threads: int | None = None
-) -> Integrity:
+def inspect(run: Path, spec: RunSpec, deep: bool, writer_alive: bool, threads: int | None = None) -> Integrity:
     """``threads``: parallel readers (None: the store's default for this machine)."""
+    num_samples, shard_size = spec.plan.num_samples, spec.shard_size
     n = layout.num_shards(num_samples, shard_size)
     what = "verifying digests" if deep else "checking headers"
     t0 = time.perf_counter()
     with Progress.simple(what, n) as bar:
-        scans = scan_run(run, num_samples, shard_size, deep, threads=threads, on_shard=lambda _: bar.advance())
+        scans = scan_run(
+            run, num_samples, shard_size, deep, threads=threads, on_shard=lambda _: bar.advance(), codec=spec.codec
+        )
     result = Integrity(deep, scans, seconds=time.perf_counter() - t0)
     for s in scans:
         for p in s.problems:

@@ -33,15 +33,18 @@ def locate(given: str) -> Path | None:
         return None
 
 
-def check_model(spec: RunSpec, model_dir: Path | None) -> Check:
-    given = spec.model.path
+def check_model(spec: RunSpec, model_dir: Path | None, where: str, recorded: bool = True) -> Check:
+    """``where``: the path looked at, ``model_dir`` what it resolved to (None: not here).
+    ``recorded``: ``where`` is the run's own record of its model (spec or model-location.json);
+    False for ``hsx status --model PATH``, whose match is a resume with that --model away from
+    being the run's."""
     if model_dir is None:
         return Check(
             "model",
             "fail",
-            f"{given}: not found on this machine",
+            f"{where}: not found on this machine",
             action="if it moved, resume with --model NEW_PATH (the weights must match the run's fingerprint)",
-            data={"path": given, "found": False},
+            data={"path": where, "found": False},
         )
     try:
         now = model_fingerprint(model_dir)
@@ -59,12 +62,16 @@ def check_model(spec: RunSpec, model_dir: Path | None) -> Check:
             action="restore the original weights, or point --model at a copy that matches the fingerprint",
             data=data,
         )
-    return Check(
-        "model",
-        "ok",
-        f"{model_dir}: config + {len(now.weights)} weight file(s), {size(total)}, match the fingerprint",
-        data=data,
-    )
+    figure = f"{model_dir}: config + {len(now.weights)} weight file(s), {size(total)}, match the fingerprint"
+    if not recorded:
+        return Check(
+            "model",
+            "warn",
+            figure + "; the run does not look there yet",
+            action=f"resume with --model {where}: it is recorded as the run's model",
+            data=data,
+        )
+    return Check("model", "ok", figure, data=data)
 
 
 def check_capture(spec: RunSpec, model_dir: Path | None) -> Check:

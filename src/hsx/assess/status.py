@@ -14,10 +14,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from hsx.assess import gpus, integrity, model, runspec, tally, volume, workers
+from hsx.assess import gpus, integrity, model, pace, runspec, tally, volume, workers
 from hsx.assess.checks import EXIT_ACT, EXIT_REDO, Check, exit_code, skipped
+from hsx.errors import SpecError
+from hsx.spec import model_location, same_place
+from hsx.store import layout
+from hsx.telemetry import read_history
 
-ORDER = ("gpus", "volume", "progress", "integrity", "model", "capture", "spec", "workers")
+ORDER = ("gpus", "volume", "progress", "pace", "integrity", "model", "capture", "spec", "workers")
 VERDICTS = {0: "ok", EXIT_REDO: "redo", EXIT_ACT: "act"}
 STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 
@@ -51,7 +55,9 @@ def resume_command(run: Path) -> str:
     return f"hsx extract --out {shlex.quote(str(run))}"
 
 
-def assess(run: Path, deep: bool = False, threads: int = 8) -> Report:
+def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | None = None) -> Report:
+    """``given_model``: ``hsx status --model PATH``, checked against the fingerprint instead of
+    where the run looks for its model."""
     files = runspec.inspect(run)
     worker = workers.inspect(run)
     spec, plan = files.spec, files.plan
@@ -61,13 +67,14 @@ def assess(run: Path, deep: bool = False, threads: int = 8) -> Report:
     checks["gpus"] = gpus.check(worker.pid if local else None, launcher)  # its own GPU use is not foreign
     t = None
     if spec is None:
-        for name in ("volume", "progress", "integrity", "model", "capture"):
+        for name in ("volume", "progress", "pace", "integrity", "model", "capture"):
             checks[name] = skipped(name, "no readable run spec")
     else:
-        result = integrity.inspect(run, spec.plan.num_samples, spec.shard_size, deep, worker.alive, threads)
+        result = integrity.inspect(run, spec, deep, worker.alive, threads)
         t = tally.tally(result.scans, spec.plan.num_samples, spec.plan.num_tokens, plan.lengths if plan else None)
         checks["integrity"] = integrity.check(result)
         checks["progress"] = tally.check(t)
+        checks["pace"] = pace.check(pace.pace(read_history(run)), t.complete)
         left_tokens = t.tokens_left
         if t.tokens_done is None:  # plan unreadable: assume average-length samples are left
             left_tokens = spec.plan.num_tokens * t.samples_left // max(t.samples_total, 1)
@@ -91,8 +98,15 @@ def assess(run: Path, deep: bool = False, threads: int = 8) -> Report:
             basis=volume.ratio_basis(spec, measured),
         )
         checks["volume"] = volume.check(proj, run)
-        model_dir = model.locate(spec.model.path)
-        checks["model"] = model.check_model(spec, model_dir)
+        try:
+            recorded = model_location(run, spec)
+        except SpecError as e:
+            recorded = spec.model.path
+            checks["model"] = Check("model", "fail", str(e), action=f"remove {layout.LOCATION} and resume with --model")
+        where = given_model or recorded
+        model_dir = model.locate(where)
+        if "model" not in checks:
+            checks["model"] = model.check_model(spec, model_dir, where, same_place(where, recorded))
         checks["capture"] = model.check_capture(spec, model_dir)
     report = Report(run, [checks[n] for n in ORDER])
     _next_steps(report, t)

@@ -54,7 +54,7 @@ def verify(run: Path, deep: bool = False, repair: bool = False, threads: int | N
     if repair and worker.alive:
         h = worker.holder
         raise RepairRefused(f"an extractor is running on this run (pid {h.pid} on {h.host}): repair after it stops")
-    result = integrity.inspect(run, spec.plan.num_samples, spec.shard_size, deep, worker.alive, threads)
+    result = integrity.inspect(run, spec, deep, worker.alive, threads)
     moved = []
     if repair:
         for p in result.problems:

@@ -412,16 +412,3 @@ def plan_space(
         spec, on_disk, undecided=undecided, left_tokens=int(lengths[missing].sum()), left_files=len(missing)
     )
     return Space(proj.reserve, forecast)
-
-
-def check_space(
-    run: Path,
-    spec: RunSpec,
-    lengths: np.ndarray,
-    scans: list[ShardScan],
-    allow_partial: bool,
-    reserve: int | None,
-    log: Callable[[str], None],
-) -> int:
-    """``plan_space`` deciding at start (the scale-out driver's check); returns the bytes to keep free."""
-    return plan_space(run, spec, lengths, scans, allow_partial, reserve, log).reserve

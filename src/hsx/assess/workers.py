@@ -14,7 +14,8 @@ from pathlib import Path
 
 from hsx import registry
 from hsx.assess.checks import Check, duration, size
-from hsx.lock import LOCK, METRICS, STALE_AFTER, Holder, read_holder
+from hsx.lock import LOCK, STALE_AFTER, Holder, read_holder
+from hsx.store.layout import METRICS
 
 
 @dataclass

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import vllm
 
-from hsx.assess.volume import DiskGuard
+from hsx.assess.volume import DiskGuard, Forecast
 from hsx.capture import check_layers
 from hsx.capture.vllm_connector import CONNECTOR, EXTRA_KEY, SAMPLE_KEY, SinkConfig
 from hsx.errors import BadFile, CaptureFailed, DiskFull
@@ -89,7 +89,9 @@ def open_llm(
     from vllm.platforms import current_platform
 
     ids, aux_rows, final_row = vllm_ids(spec.layers, spec.model.num_layers)
-    sink = SinkConfig(run.resolve(), spec.shard_size, spec.layers, aux_rows, final_row, final_norm(model_dir))
+    sink = SinkConfig(
+        run.resolve(), spec.shard_size, spec.layers, aux_rows, final_row, final_norm(model_dir), spec.codec.value
+    )
     return vllm.LLM(
         model=str(model_dir),
         dtype=spec.dtype,
@@ -235,13 +237,17 @@ def run_shards_vllm(
     reserve: int | None = None,
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
+    forecast: Forecast | None = None,
 ) -> None:
     """The vLLM counterpart of ``run.pipeline.Extractor.run_shards``: capture every missing sample
-    of ``todo`` (scans already settled by ``run.resume``), keeping ``reserve`` bytes free."""
+    of ``todo`` (scans already settled by ``run.resume``), keeping ``reserve`` bytes free, the
+    bytes in flight scaled by the codec's ratio (``forecast``, bound here to this session's files)."""
     window = max(4 * spec.batch_tokens, int(plan.lengths.max()))
     feeder = Feeder(run, spec, plan, todo, progress, None, window=window)
     if reserve is not None:
-        feeder.guard = DiskGuard(run, reserve, in_flight=feeder.inflight_bytes)
+        forecast = forecast or Forecast(spec)
+        forecast.session = progress.session
+        feeder.guard = DiskGuard(run, reserve, in_flight=feeder.inflight_bytes, forecast=forecast)
     llm = open_llm(run, model_dir, spec, int(plan.lengths.max()), tensor_parallel_size, data_parallel_size)
     try:
         with progress.live():

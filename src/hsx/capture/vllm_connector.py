@@ -76,6 +76,7 @@ class SinkConfig:
     aux_rows: list[int]  # state-cache head of each of ``layers``
     final_row: int  # head holding vLLM id N, the last layer's output before the norm
     norm: FinalNorm  # applied to that head to give ``hidden_states``
+    codec: str = "raw"  # the run's storage codec (hsx.store.codec), by name
 
     def to_dict(self) -> dict[str, Any]:
         n = self.norm
@@ -86,6 +87,7 @@ class SinkConfig:
             "aux_rows": list(self.aux_rows),
             "final_row": self.final_row,
             "norm": {"file": str(n.file), "tensor": n.tensor, "eps": n.eps, "offset": n.offset},
+            "codec": self.codec,
         }
 
     @classmethod
@@ -98,6 +100,7 @@ class SinkConfig:
             aux_rows=[int(r) for r in d["aux_rows"]],
             final_row=int(d["final_row"]),
             norm=FinalNorm(Path(norm["file"]), norm["tensor"], float(norm["eps"]), bool(norm["offset"])),
+            codec=str(d.get("codec", "raw")),
         )
 
 
@@ -147,7 +150,7 @@ class Sink:
                 final=final,
             )
             path = layout.sample_path(self.cfg.run, p.sample_id, self.cfg.shard_size)
-            parts, _ = encode(sample, self.cfg.layers)
+            parts, _ = encode(sample, self.cfg.layers, self.cfg.codec)
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 write_parts(path, parts, sync_dir=False)

@@ -31,7 +31,7 @@ from hsx.export.trainer import TMP_DIR_MARK, Context, ExportOptions, TrainerForm
 from hsx.export.vocab import draft_map, target_vocab_size, token_counts
 from hsx.plan import load_plan
 from hsx.progress import Progress
-from hsx.spec import RunSpec, load_spec, now
+from hsx.spec import RunSpec, load_spec, model_location, now
 from hsx.store import layout
 from hsx.store.durable import is_temp, write_durable
 from hsx.store.format import digest
@@ -142,7 +142,7 @@ class ExportSummary:
 
 def export_ids(run: Path, spec: RunSpec, allow_incomplete: bool) -> list[int]:
     """The samples to export: all of the plan's, or (``allow_incomplete``) those with a good file."""
-    scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False)
+    scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False, codec=spec.codec)
     good = sorted(i for s in scans for i in s.good)
     missing = spec.plan.num_samples - len(good)
     if missing and not allow_incomplete:
@@ -172,7 +172,7 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
     vocab_size = None
     if opts.draft_vocab is not None:
         if opts.target_vocab is None:
-            ctx.model_dir = ctx.model_dir or model_dir_for(spec, opts.model)
+            ctx.model_dir = ctx.model_dir or model_dir_for(run, spec, opts.model)
         vocab_size = opts.target_vocab or target_vocab_size(ctx.model_dir)
     job = {
         "format": EXPORT_FORMAT,
@@ -231,7 +231,7 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
         "source": {
             "run": str(run.resolve()),
             "plan_fingerprint": spec.plan.fingerprint,
-            "model": spec.model.path,
+            "model": model_location(run, spec),
             "layers": spec.layers,
             "layer_convention": spec.layer_convention,
             "dtype": spec.dtype,

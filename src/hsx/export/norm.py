@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None, help="Model folder (default: the run spec's).")
     ap.add_argument("--samples", type=int, default=16)
     args = ap.parse_args(argv)
-    model_dir = model_dir_for(load_spec(args.run), args.model)
+    model_dir = model_dir_for(args.run, load_spec(args.run), args.model)
     print(json.dumps(measure(args.run, model_dir, args.samples), indent=1))
 
 

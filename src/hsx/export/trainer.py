@@ -113,7 +113,7 @@ class Context:
         return pre
 
     def load_norm(self) -> None:
-        self.model_dir = self.model_dir or model_dir_for(self.spec, self.opts.model)
+        self.model_dir = self.model_dir or model_dir_for(self.opts.run, self.spec, self.opts.model)
         try:
             self.norm = load_final_norm(self.model_dir, self.hidden)
         except NormUnavailable as e:

@@ -81,7 +81,7 @@ def write_vocab(
     spec = load_spec(run)
     plan = load_plan(run, spec)
     if vocab_size is None:
-        vocab_size = target_vocab_size(model_dir_for(spec, model))
+        vocab_size = target_vocab_size(model_dir_for(run, spec, model))
     counts = token_counts(plan)
     d2t, t2d = draft_map(counts, size, vocab_size)
     dest = dest or run / "vocab"

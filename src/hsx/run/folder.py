@@ -18,7 +18,7 @@ from hsx.errors import InputError, OptionError, Refused
 from hsx.input import read_conversations
 from hsx.plan import Tokenize, tokenize_all, write_plan
 from hsx.run.options import DEFAULTS, ExtractOptions, resolve_compile, resolve_packing, resolve_parallel
-from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, differences, load_spec, now, who
+from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, differences, load_spec, now, record_location, who
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import TMP_MARK, is_temp, write_durable
@@ -135,7 +135,8 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
 
 
 def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
-    """The run's spec: created for a new run, checked against the options for an existing one."""
+    """The run's spec: created for a new run, checked against the options for an existing one.
+    A ``--model`` that matched the fingerprint is recorded as the model's location, if it moved."""
     if not (opts.out / layout.SPEC).exists():
         return create_run(opts, log)
     spec = load_spec(opts.out)
@@ -146,4 +147,9 @@ def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
             + "\n  - ".join(diffs)
             + f"\nResume with the run's own settings: hsx extract --out {opts.out}"
         )
+    if opts.model is not None:
+        local = Path(opts.model).expanduser()
+        where = str(local.resolve()) if local.is_dir() else opts.model  # a folder absolute, a hub id as given
+        if record_location(opts.out, spec, where):
+            log(f"model: {where} matches the run's fingerprint; recorded in {layout.LOCATION} as its location")
     return spec

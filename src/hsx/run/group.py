@@ -179,7 +179,7 @@ def _follow(opts: ExtractOptions, spec: RunSpec, device: str, control) -> None:
     if kind == STOP:
         return
     plan = load_plan(opts.out, spec)
-    backend = open_backend(spec, target.model_dir_for(spec, opts.model), device)
+    backend = open_backend(spec, target.model_dir_for(opts.out, spec, opts.model), device)
     agreed = False
     while True:
         kind, ids = _receive(control)

@@ -28,7 +28,8 @@ def extract_local(
     spec = spec or open_run(opts, log)
     run = opts.out
     progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
-    with RunLock(run, metrics=progress.metrics, warn=log) as lock:
+    telemetry = opts.telemetry(progress.metrics)
+    with telemetry, RunLock(run, on_beat=telemetry.beat, warn=log) as lock:
         registry.settle(run, lock.me, log)  # workers of a crashed scale-out driver: gone first
         remove_stray_temps(run)
         plan = load_plan(run, spec)
@@ -38,20 +39,19 @@ def extract_local(
         progress.start(len(done_ids), int(plan.lengths[done_ids].sum()))
         todo = [s for s in scans if not s.complete]
         space = volume.plan_space(
-            run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log,
-            measure_first=spec.backend != "vllm",  # the vLLM path's guard does not decide later
-        )  # fmt: skip
+            run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log, measure_first=True
+        )
         reserve = space.reserve
         try:
             if todo:
                 resources = opts.resources()
-                model_dir = target.model_dir_for(spec, opts.model, checked=opts.model is not None)
+                model_dir = target.model_dir_for(run, spec, opts.model, checked=opts.model is not None)
                 if spec.backend == "vllm":
                     from hsx.capture.vllm import run_shards_vllm  # vLLM is optional
 
                     run_shards_vllm(
                         run, spec, plan, model_dir, todo, progress, reserve,
-                        opts.tensor_parallel_size or 1, opts.data_parallel_size or 1,
+                        opts.tensor_parallel_size or 1, opts.data_parallel_size or 1, space.forecast,
                     )  # fmt: skip
                 else:
                     if peers is not None:

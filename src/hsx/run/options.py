@@ -17,6 +17,7 @@ import torch
 from hsx.capture.transformers import packing_refusal, parallel_refusal, varlen_blocker
 from hsx.errors import OptionError
 from hsx.spec import Parallel
+from hsx.telemetry import Telemetry
 
 Toggle = Literal["auto", "on", "off"]
 Backend = Literal["transformers", "vllm"]
@@ -66,10 +67,15 @@ class ExtractOptions:
     data_parallel_size: int | None = None  # vllm backend only; not part of the spec
     workers: int = 0  # scale-out: this many Ray workers, one per GPU (0: this process alone)
     ray_address: str | None = None  # join this Ray cluster; None: start a local one for the run
+    metrics_port: int | None = None  # serve Prometheus' text format on this port while running
+    metrics_textfile: Path | None = None  # keep this file in Prometheus' text format (node_exporter)
 
     def __post_init__(self) -> None:
         self.packing = toggle("packing", self.packing)
         self.compile = toggle("compile", self.compile)
+
+    def telemetry(self, metrics: Callable[[], dict]) -> Telemetry:
+        return Telemetry(self.out, metrics, self.metrics_port, self.metrics_textfile)
 
     def resources(self, device: str | None = None) -> Resources:
         return Resources(device or self.device or default_device(), self.writers, self.max_inflight_bytes)

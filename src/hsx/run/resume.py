@@ -86,7 +86,8 @@ def settle(run: Path, scan: ShardScan, summary: Summary) -> ShardScan:
 
 def verify_shard(run: Path, spec: RunSpec, shard: int, deep: bool, summary: Summary) -> ShardScan:
     """Scan and settle one shard (a scale-out worker's first step on each shard it is handed)."""
-    scan = scan_shard(run, shard, layout.shard_ids(shard, spec.shard_size, spec.plan.num_samples), deep)
+    ids = layout.shard_ids(shard, spec.shard_size, spec.plan.num_samples)
+    scan = scan_shard(run, shard, ids, deep, codec=spec.codec)
     return settle(run, scan, summary)
 
 
@@ -97,7 +98,9 @@ def scan_all(run: Path, spec: RunSpec, deep: bool) -> list[ShardScan]:
     if not shards_dir.exists() or not any(shards_dir.iterdir()):
         return [ShardScan(s, layout.shard_ids(s, spec.shard_size, spec.plan.num_samples)) for s in range(n)]
     with Progress.simple(f"verifying ({'digests' if deep else 'headers'})", n) as bar:
-        return scan_run(run, spec.plan.num_samples, spec.shard_size, deep, on_shard=lambda _: bar.advance())
+        return scan_run(
+            run, spec.plan.num_samples, spec.shard_size, deep, on_shard=lambda _: bar.advance(), codec=spec.codec
+        )
 
 
 def verify_all(run: Path, spec: RunSpec, deep: bool, summary: Summary) -> list[ShardScan]:

@@ -134,7 +134,11 @@ def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print
                     progress.samples, progress.tokens, progress.bytes = registry.totals(opts.out, session["driver"])
             return progress.metrics() | {"workers": opts.workers}
 
-        with RunLock(opts.out, command=f"extract --workers {opts.workers}", metrics=metrics, warn=log) as lock:
+        telemetry = opts.telemetry(metrics)
+        with (
+            telemetry,
+            RunLock(opts.out, command=f"extract --workers {opts.workers}", on_beat=telemetry.beat, warn=log) as lock,
+        ):
             session["driver"] = registry.driver_id(lock.me)
             registry.settle(opts.out, lock.me, log)
             remove_stray_temps(opts.out)
@@ -156,7 +160,7 @@ def _extract(
     plan = load_plan(run, spec)
     summary = Summary.of(run, spec)
     scans = scan_all(run, spec, deep=False)  # headers only: what to hand out; workers verify and settle
-    reserve = volume.check_space(run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log)
+    space = volume.plan_space(run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log)
     todo = [s.shard for s in scans if not s.sealed]
     settled = [s for s in scans if s.sealed]
     if opts.deep_verify:
@@ -177,7 +181,8 @@ def _extract(
         resources=opts.resources(),
         deep_verify=opts.deep_verify,
         driver=lock.me.model_dump(),
-        reserve=reserve + (opts.workers - 1) * batch,
+        reserve=space.reserve + (opts.workers - 1) * batch,
+        on_disk=space.forecast.on_disk,
     )
 
     ctx = ray.data.DataContext.get_current()
@@ -237,7 +242,7 @@ def _extract(
         )
     if stopped is not None:
         if stopped.error_kind == "disk_full":
-            scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False)
+            scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False, codec=spec.codec)
             done = {i for s in scans for i in s.good}
             summary.already_done = len(done) - summary.written
             left = int(plan.lengths.sum()) - int(sum(int(plan.lengths[i]) for i in done))

@@ -12,13 +12,14 @@ import json
 import os
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
 from hsx import registry, target
+from hsx.assess.volume import Forecast, Measured
 from hsx.errors import DiskFull, ModelChanged
 from hsx.lock import Holder
 from hsx.plan import load_plan
@@ -41,6 +42,7 @@ class WorkerTask:
     deep_verify: bool
     driver: dict  # the driver's lock Holder, as a dict
     reserve: int  # free bytes this worker keeps, counting the other workers' batches
+    on_disk: Measured = field(default_factory=Measured)  # the files on disk at the start: the codec's measured ratio
 
 
 @dataclass
@@ -99,13 +101,16 @@ class ShardWorker:
         self.beat.start()
         self.spec = load_spec(self.run)
         try:  # the driver checked its own copy of the model; this checks this node's
-            model_dir = target.model_dir_for(self.spec, task.model)
+            model_dir = target.model_dir_for(self.run, self.spec, task.model)
         except ModelChanged as e:
             raise ModelChanged(f"the model on {self.beat.record.host}: {e}") from e
         plan = load_plan(self.run, self.spec)
         self.progress = Progress(self.spec.plan.num_samples, self.spec.plan.num_tokens, self.spec.bytes_per_token)
         backend = open_backend(self.spec, model_dir, task.resources.device)
-        self.extractor = Extractor(self.run, self.spec, plan, backend, task.resources, self.progress, task.reserve)
+        forecast = Forecast(self.spec, task.on_disk)  # and this worker's own files, as it writes them
+        self.extractor = Extractor(
+            self.run, self.spec, plan, backend, task.resources, self.progress, task.reserve, forecast=forecast
+        )
         self.beat.counters = self.progress.session
         self.broken: str | None = None  # after a full disk the writer is spent: refuse further shards
         self.beat.update(phase="idle")

@@ -27,6 +27,7 @@ import xxhash
 
 from hsx.errors import Damage
 from hsx.store import layout
+from hsx.store.codec import Codec
 from hsx.store.durable import is_temp
 from hsx.store.format import BadFile, check, digest_text
 from hsx.store.writer import FileRecord, read_seal
@@ -49,9 +50,9 @@ class Readers:
         self.large = ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="hsx-read")
         self.small = ThreadPoolExecutor(SMALL_THREADS, thread_name_prefix="hsx-check")
 
-    def submit(self, batch: list[tuple[Path, int, str]], deep: bool, nbytes: int) -> Future:
+    def submit(self, batch: list[tuple[Path, int, str]], deep: bool, nbytes: int, codec: Codec | None) -> Future:
         pool = self.large if deep and nbytes >= CHUNK else self.small
-        return pool.submit(_check_batch, batch, deep)
+        return pool.submit(_check_batch, batch, deep, codec)
 
     def __enter__(self) -> Readers:
         return self
@@ -130,14 +131,20 @@ def _hash(path: Path, start: int, end: int) -> str:
     return digest_text(h)
 
 
-def _check_batch(batch: list[tuple[Path, int, str]], deep: bool) -> list[tuple[str, FileRecord | Problem, int]]:
-    """Check (path, id, relative path) in turn: each one's record, or its problem, and the bytes read."""
+def _check_batch(
+    batch: list[tuple[Path, int, str]], deep: bool, codec: Codec | None
+) -> list[tuple[str, FileRecord | Problem, int]]:
+    """Check (path, id, relative path) in turn: each one's record, or its problem, and the bytes read.
+    ``codec``: the run's; a valid file stored with another one is not this run's sample (the codec
+    is per run: a run never mixes them)."""
     out: list[tuple[str, FileRecord | Problem, int]] = []
     for path, sid, rel in batch:
         read = 0
         try:
             header = check(path, sid, deep=False)
             read = size = header.data_start + header.data_size
+            if codec is not None and header.codec is not codec:
+                raise BadFile(Damage.CORRUPT, f"stored with codec {header.codec}; this run's is {codec}")
             if not deep:
                 read = header.data_start
             elif _hash(path, header.data_start, size) != header.digest:
@@ -168,15 +175,20 @@ def _size(entry: os.DirEntry) -> int:
         return 0
 
 
-def scan_shard(run: Path, shard: int, expected: range, deep: bool, readers: Readers | None = None) -> ShardScan:
-    """One shard; its files are checked on ``readers`` (pools of its own when None)."""
+def scan_shard(
+    run: Path, shard: int, expected: range, deep: bool, readers: Readers | None = None, codec: Codec | None = None
+) -> ShardScan:
+    """One shard; its files are checked on ``readers`` (pools of its own when None). ``codec``:
+    the run's (None: any)."""
     if readers is None:
         with Readers() as own:
-            return scan_shard(run, shard, expected, deep, own)
-    return _collect(*_list(run, shard, expected, deep, readers))
+            return scan_shard(run, shard, expected, deep, own, codec)
+    return _collect(*_list(run, shard, expected, deep, readers, codec))
 
 
-def _list(run: Path, shard: int, expected: range, deep: bool, readers: Readers) -> tuple[ShardScan, list[Future]]:
+def _list(
+    run: Path, shard: int, expected: range, deep: bool, readers: Readers, codec: Codec | None
+) -> tuple[ShardScan, list[Future]]:
     """Classify the shard's listing; files that need opening are queued to ``readers``, in batches."""
     out = ShardScan(shard, expected)
     folder = layout.shard_dir(run, shard)
@@ -216,10 +228,10 @@ def _list(run: Path, shard: int, expected: range, deep: bool, readers: Readers) 
         batch.append((Path(e.path), sid, rel))
         batch_bytes += _size(e) if deep else 0
         if len(batch) >= BATCH_FILES or batch_bytes >= CHUNK:
-            batches.append(readers.submit(batch, deep, batch_bytes))
+            batches.append(readers.submit(batch, deep, batch_bytes, codec))
             batch, batch_bytes = [], 0
     if batch:
-        batches.append(readers.submit(batch, deep, batch_bytes))
+        batches.append(readers.submit(batch, deep, batch_bytes, codec))
     return out, batches
 
 
@@ -251,12 +263,13 @@ def scan_run(
     shards: Iterable[int] | None = None,
     threads: int | None = None,
     on_shard: Callable[[ShardScan], None] | None = None,
+    codec: Codec | None = None,
 ) -> list[ShardScan]:
     """Scan the given shards (default: all of the plan's) with ``threads`` readers; results in shard
     order, ``on_shard`` called (in this thread) as each one is done, so a resume can start on the
     first shards while later ones are still read. A few threads list shards ahead and queue their
     files in shard order, so the readers never wait at a shard's end; listing is mostly Python work
-    under the GIL, where more threads would only contend."""
+    under the GIL, where more threads would only contend. ``codec``: the run's (None: any)."""
     todo = list(range(layout.num_shards(num_samples, shard_size)) if shards is None else shards)
     n = threads or default_threads()
     with (
@@ -264,7 +277,9 @@ def scan_run(
         ThreadPoolExecutor(min(n, max(2, (os.cpu_count() or 2) // 4)), thread_name_prefix="hsx-list") as listers,
     ):
         out = []
-        listed = listers.map(lambda s: _list(run, s, layout.shard_ids(s, shard_size, num_samples), deep, readers), todo)
+        listed = listers.map(
+            lambda s: _list(run, s, layout.shard_ids(s, shard_size, num_samples), deep, readers, codec), todo
+        )
         for scan, batches in listed:
             out.append(_collect(scan, batches))
             if on_shard is not None:
