@@ -139,6 +139,8 @@ def test_a_moved_model_is_checked_with_model_and_recorded_by_the_resume(finished
     """The story: the model moved after the run started. ``status --model NEW`` checks NEW against
     the fingerprint; the resume with ``--model NEW`` records it beside the spec, and from then on
     status, the loader and export find it without being told."""
+    from hsx.errors import Refused
+    from hsx.extract import ExtractOptions, extract
     from hsx.spec import ModelLocation, load_spec
     from hsx.target import model_dir_for
 
@@ -161,21 +163,36 @@ def test_a_moved_model_is_checked_with_model_and_recorded_by_the_resume(finished
     flip_byte(other / "model.safetensors", -1)
     code, report = status_json(run, "--model", str(other))
     assert code == 2 and next(c for c in report["checks"] if c["name"] == "model")["level"] == "fail"
-    refused = hsx("extract", "--out", run, "--model", other, check=False)
-    assert refused.returncode == 2 and not (run / layout.LOCATION).exists(), refused.stderr
+    with pytest.raises(Refused, match="content differs"):
+        extract(ExtractOptions(out=run, model=str(other)), log=lambda m: None)
+    assert not (run / layout.LOCATION).exists()
 
-    resumed = hsx("extract", "--out", run, "--model", new)
-    said = " ".join((resumed.stdout + resumed.stderr).split())
-    assert f"model: {new} matches the run's fingerprint; recorded in {layout.LOCATION}" in said, said
+    said: list[str] = []
+    extract(ExtractOptions(out=run, model=str(new)), log=said.append)
+    assert f"model: {new} matches the run's fingerprint; recorded in {layout.LOCATION} as its location" in said
     record = ModelLocation.model_validate_json((run / layout.LOCATION).read_bytes())
     assert record.path == str(new) and record.previous == str(old) and "@" in record.by and record.recorded
     assert (run / layout.SPEC).read_bytes() == spec_bytes  # the spec stays written once
     code, text = status(run)
     assert code == 0 and levels(text)["model"] == "ok" and str(new) in text, text
     assert model_dir_for(run, load_spec(run)) == new
-    again = hsx("extract", "--out", run, "--model", new)  # the same place again: nothing rewritten
-    assert "recorded in" not in again.stdout + again.stderr
+    said.clear()
+    extract(ExtractOptions(out=run, model=str(new)), log=said.append)  # the same place: nothing rewritten
+    assert not [line for line in said if "recorded in" in line]
     assert ModelLocation.model_validate_json((run / layout.LOCATION).read_bytes()) == record
+
+
+def test_a_model_class_the_backend_lacks_fails_capture_fast_and_deep(finished_run, tmp_path):
+    model = Path(shutil.copytree(TINY, tmp_path / "model"))
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    run = copy_run(finished_run, tmp_path / "run")
+    for args in ((), ("--deep",)):  # found in the installed source / imported
+        code, report = status_json(run, "--model", str(model), *args)
+        capture = next(c for c in report["checks"] if c["name"] == "capture")
+        assert code == 2 and capture["level"] == "fail", capture
+        assert "has no NoSuchModelForCausalLM" in capture["figure"]
 
 
 def test_unreadable_spec_or_plan_needs_a_person(finished_run, tmp_path):

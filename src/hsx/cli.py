@@ -76,6 +76,12 @@ def _print_summary(s) -> None:
             f"disk       the model waited {s.waited_for_disk:.1f}s ({s.waited_for_disk / s.seconds:.0%}) for writes "
             "to finish: writing, not the forward pass, set the pace (a faster volume or more --writers)"
         )
+    v = s.verified
+    if v is not None and v.files:
+        lines.append(
+            f"verified   {v.files:,} files, {v.bytes / 1e9:,.2f} GB in {v.seconds:.1f}s ({v.rate / 1e9:.2f} GB/s); "
+            f"extraction waited {v.waited:.1f}s for it"
+        )
     if s.redone:
         lines.append("redone     " + ", ".join(f"{n} {k}" for k, n in sorted(s.redone.items())))
     if s.stray_removed or s.quarantined:

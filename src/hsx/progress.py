@@ -38,6 +38,12 @@ class Progress:
         self.base_samples, self.base_tokens = done_samples, done_tokens
         self.t0 = time.monotonic()
 
+    def add_done(self, samples: int, tokens: int) -> None:
+        """Samples found verified on disk (a resume's verification, shard by shard)."""
+        with self.lock:
+            self.base_samples += samples
+            self.base_tokens += tokens
+
     def on_written(self, tokens: int) -> Callable[[Future], None]:
         def done(f: Future) -> None:
             if f.cancelled() or f.exception() is not None:

@@ -113,8 +113,12 @@ class RunSpec(BaseModel):
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token costs on disk: L aux states + the final state + input id + mask."""
-        width = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
-        return (len(self.layers) + 1) * self.model.hidden_size * width + 8 + 1
+        return (len(self.layers) + 1) * self.model.hidden_size * self.state_itemsize + 8 + 1
+
+    @property
+    def state_itemsize(self) -> int:
+        """Bytes of one value of a state in the run's dtype."""
+        return {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
 
     def save(self, run: Path) -> None:
         write_durable(run / layout.SPEC, self.model_dump_json(indent=2).encode())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hsx.capture import checkpoint
 from hsx.errors import ModelChanged, ModelNotFound
 from hsx.fingerprint import digest_bytes, digest_json, model_fingerprint
 from hsx.spec import ModelIdentity, RunSpec, TokenizerIdentity, model_location
@@ -34,6 +33,8 @@ def load_config(model_dir: Path) -> dict:
 
 
 def identity(model: str, model_dir: Path) -> ModelIdentity:
+    from hsx.capture import checkpoint  # the capture package loads torch: not for hsx status
+
     config = load_config(model_dir)
     return ModelIdentity(
         path=model,

@@ -8,6 +8,9 @@ cache only, so ``hsx status`` never downloads anything.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import importlib.util
+import itertools
 from pathlib import Path
 
 from hsx.assess.checks import Check, size
@@ -74,14 +77,21 @@ def check_model(spec: RunSpec, model_dir: Path | None, where: str, recorded: boo
     return Check("model", "ok", figure, data=data)
 
 
-def check_capture(spec: RunSpec, model_dir: Path | None) -> Check:
+def check_capture(spec: RunSpec, model_dir: Path | None, deep: bool = False) -> Check:
+    """Can the spec's backend capture the model? ``deep`` imports the backend; otherwise (seconds
+    count for ``hsx status``) its installed package is looked up and the model's class found in
+    its source, without importing it."""
     module = BACKENDS.get(spec.backend)
     if module is None:
         return Check(
             "capture", "fail", f"unknown backend {spec.backend!r} in the run spec", data={"backend": spec.backend}
         )
     try:
-        mod = importlib.import_module(module)
+        found = importlib.util.find_spec(module)
+        if found is None or not found.submodule_search_locations:
+            raise ImportError(f"no module named {module!r}")
+        version = importlib.metadata.version(module)
+        names = dir(importlib.import_module(module)) if deep else None  # the lazy module's names: no torch
     except Exception as e:
         return Check(
             "capture",
@@ -90,10 +100,9 @@ def check_capture(spec: RunSpec, model_dir: Path | None) -> Check:
             action=f"install {module} in this environment",
             data={"backend": spec.backend, "importable": False},
         )
-    version = getattr(mod, "__version__", "?")
     data = {"backend": spec.backend, "version": version, "importable": True, "layers": spec.layers}
     if model_dir is None:
-        return Check("capture", "warn", f"{module} {version} imports; layers not checked: model not found", data=data)
+        return Check("capture", "warn", f"{module} {version} installed; layers not checked: model not found", data=data)
     try:
         config = load_config(model_dir)
         num_layers = int(config["num_hidden_layers"])
@@ -110,7 +119,8 @@ def check_capture(spec: RunSpec, model_dir: Path | None) -> Check:
             data=data,
         )
     arch = config["architectures"][0]
-    if not spec.trust_remote_code and arch not in dir(mod):  # the lazy module's names: no torch import
+    has = arch in names if names is not None else _defines(Path(found.submodule_search_locations[0]), arch, config)
+    if not spec.trust_remote_code and not has:
         return Check(
             "capture",
             "fail",
@@ -124,3 +134,12 @@ def check_capture(spec: RunSpec, model_dir: Path | None) -> Check:
         f"{module} {version} ({arch}); layers {spec.layers} of {num_layers} decoder layers",
         data=data,
     )
+
+
+def _defines(package: Path, arch: str, config: dict) -> bool:
+    """Whether the installed package's source defines class ``arch``: first where transformers
+    keeps the model type's code, then anywhere in the package."""
+    want = f"class {arch}(".encode()
+    folder = str(config.get("model_type", "")).replace("-", "_")
+    first = sorted((package / "models" / folder).glob("modeling_*.py")) if folder else []
+    return any(want in p.read_bytes() for p in itertools.chain(first, package.rglob("*.py")))

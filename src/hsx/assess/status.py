@@ -107,7 +107,7 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         model_dir = model.locate(where)
         if "model" not in checks:
             checks["model"] = model.check_model(spec, model_dir, where, same_place(where, recorded))
-        checks["capture"] = model.check_capture(spec, model_dir)
+        checks["capture"] = model.check_capture(spec, model_dir, deep)
     report = Report(run, [checks[n] for n in ORDER])
     _next_steps(report, t)
     return report

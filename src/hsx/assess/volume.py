@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-import torch
 
 from hsx.assess.checks import Check, size
 from hsx.errors import LowSpace, NotEnoughSpace
@@ -108,7 +107,7 @@ def stored_ratio(spec: RunSpec, measured: Measured = Measured()) -> float:
     """Stored bytes per raw byte to project a run's states with, erring high: 1 for raw, fp8's
     exact ratio; for zstd 1.0 until ``MIN_FILES`` files are measured, then their ratio plus
     ``MARGIN``, never above max(1, the ratio measured)."""
-    prior = prior_ratio(spec.codec, getattr(torch, spec.dtype), spec.model.hidden_size)
+    prior = prior_ratio(spec.codec, spec.state_itemsize, spec.model.hidden_size)
     if spec.codec is not Codec.ZSTD or measured.files < MIN_FILES or measured.raw <= 0:
         return prior
     r = measured.stored / measured.raw

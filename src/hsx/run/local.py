@@ -1,9 +1,13 @@
-"""The single-process job: open the run, take its lock, resume (verify, tidy, settle), check the
-space, then extract every shard that is not complete and seal it."""
+"""The single-process job: open the run, take its lock, check the headers and the space, then load
+the model and extract while the digests are verified (``run.resume.Verifier``): every shard that
+is not complete is extracted, once its own scan is settled, and sealed.
+
+The model is loaded only when something is missing: a resume that finds every file in place
+verifies them and loads nothing, and loads the model afterwards only if a digest was bad."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from hsx import registry, target
 from hsx.assess import volume
@@ -14,8 +18,9 @@ from hsx.progress import Progress
 from hsx.run.folder import open_run, remove_stray_temps
 from hsx.run.options import ExtractOptions
 from hsx.run.pipeline import Extractor, Peers, open_backend
-from hsx.run.resume import Summary, verify_all
+from hsx.run.resume import Summary, Verifier, scan_all
 from hsx.spec import RunSpec
+from hsx.store.scan import ShardScan
 
 
 def extract_local(
@@ -34,15 +39,23 @@ def extract_local(
         remove_stray_temps(run)
         plan = load_plan(run, spec)
         summary = Summary.of(run, spec)
-        scans = verify_all(run, spec, opts.deep_verify, summary)
-        done_ids = [i for s in scans for i in s.good]
-        progress.start(len(done_ids), int(plan.lengths[done_ids].sum()))
-        todo = [s for s in scans if not s.complete]
+        headers = scan_all(run, spec, deep=False)  # seconds: sealed shards are trusted by their listing
         space = volume.plan_space(
-            run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log, measure_first=True
+            run, spec, plan.lengths, headers, opts.allow_partial, opts.reserve_bytes, log, measure_first=True
         )
         reserve = space.reserve
+        progress.start(0, 0)
+
+        def done(scan: ShardScan) -> None:
+            progress.add_done(len(scan.good), int(plan.lengths[list(scan.good)].sum()) if scan.good else 0)
+
+        verifier = Verifier(run, spec, headers, opts.deep_verify, summary, done).start()
+        summary.verified = verifier.stats
         try:
+            todo: Iterable[ShardScan] = verifier.todo()
+            if all(s.complete for s in headers) or spec.backend == "vllm":
+                todo = verifier.rest()  # nothing missing (or vLLM, which takes its work whole): no model yet
+                _log_verified(verifier, log)
             if todo:
                 resources = opts.resources()
                 model_dir = target.model_dir_for(run, spec, opts.model, checked=opts.model is not None)
@@ -64,6 +77,7 @@ def extract_local(
                         extractor.run_shards(todo)
                     finally:
                         extractor.close()
+                    _log_verified(verifier, log)
         except DiskFull as e:
             summary.written, summary.tokens_written, summary.bytes_written = progress.session()
             left = spec.plan.num_tokens - progress.tokens_done()
@@ -71,7 +85,17 @@ def extract_local(
             needed = volume.projected_bytes(left, 0, spec.bytes_per_token, space.forecast.ratio())
             raise CleanStop(summary, needed, e.path, reason) from e
         finally:
+            verifier.stop()
             summary.seconds = progress.elapsed()
             summary.written, summary.tokens_written, summary.bytes_written = progress.session()
             summary.waited_for_disk = progress.waited_for_disk() if progress.waited_for_disk else 0.0
         return summary
+
+
+def _log_verified(verifier: Verifier, log: Callable[[str], None]) -> None:
+    v = verifier.stats
+    if v.files:
+        log(
+            f"verified {v.files:,} files ({v.bytes / 1e9:,.2f} GB) in {v.seconds:.1f}s at {v.rate / 1e9:.2f} GB/s; "
+            f"extraction waited {v.waited:.1f}s for it"
+        )

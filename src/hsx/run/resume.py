@@ -8,6 +8,10 @@ shard whose every id verified is sealed. Nothing is written into a shard before 
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +41,7 @@ class Summary:
     stray_removed: int = 0
     quarantined: int = 0
     waited_for_disk: float = 0.0  # seconds the forward pass waited for writes: > a few % means the disk is the limit
+    verified: Verified | None = None  # what the resume's verification read, and whether extraction waited for it
 
     @classmethod
     def of(cls, run: Path, spec: RunSpec) -> Summary:
@@ -103,6 +108,112 @@ def scan_all(run: Path, spec: RunSpec, deep: bool) -> list[ShardScan]:
         )
 
 
-def verify_all(run: Path, spec: RunSpec, deep: bool, summary: Summary) -> list[ShardScan]:
-    """Scan and settle every shard; returns the scans, sealed and not."""
-    return [settle(run, s, summary) for s in scan_all(run, spec, deep)]
+@dataclass
+class Verified:
+    """What the resume's verification did: for the summary and the log."""
+
+    files: int = 0  # files opened (the others were trusted by their shard's seal)
+    bytes: int = 0  # bytes read
+    seconds: float = 0.0  # from its start to its last shard
+    waited: float = 0.0  # seconds the extractor, model loaded, stood waiting for a shard's scan
+
+    @property
+    def rate(self) -> float:
+        return self.bytes / self.seconds if self.seconds else 0.0
+
+
+class _Stopped(Exception):
+    pass
+
+
+class Verifier:
+    """The resume's verification, beside the model load and the extraction (invariants 2 and 7 hold:
+    a shard is handed out only once its own scan is done and settled, and only once).
+
+    ``first`` is the header-only scan every resume starts with (``scan_all(deep=False)``): it is what
+    the space projection counts, and it tells which shards hold nothing good yet. With ``deep``, a
+    thread re-reads every file's digest, those shards first (their scans are cheap: nothing to hash),
+    then the rest in shard order; without, ``first`` is settled as it is. ``todo`` yields the settled
+    scans that still miss samples, as they come, and ``done`` is called with each shard's good files
+    (the progress count)."""
+
+    def __init__(
+        self,
+        run: Path,
+        spec: RunSpec,
+        first: list[ShardScan],
+        deep: bool,
+        summary: Summary,
+        done: Callable[[ShardScan], None] = lambda scan: None,
+    ):
+        self.run, self.spec, self.first, self.deep, self.summary, self.done = run, spec, first, deep, summary, done
+        self.stats = Verified()
+        self.scans: list[ShardScan] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._verify, name="hsx-verify", daemon=True)
+
+    def start(self) -> Verifier:
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def _settled(self, scan: ShardScan) -> None:
+        if self._stopping.is_set():
+            raise _Stopped
+        settle(self.run, scan, self.summary)
+        self.scans.append(scan)
+        self.stats.files += scan.opened
+        self.stats.bytes += scan.bytes_read
+        self.stats.seconds = time.perf_counter() - self._t0
+        self.done(scan)
+        if not scan.complete:
+            self._queue.put(scan)
+
+    def _verify(self) -> None:
+        try:
+            if not self.deep:
+                for scan in self.first:
+                    self._settled(scan)
+                return
+            # nothing good yet first (no digests to read), then partial shards, then complete ones
+            order = sorted(self.first, key=lambda s: (bool(s.good), s.complete, s.shard))
+            scan_run(
+                self.run,
+                self.spec.plan.num_samples,
+                self.spec.shard_size,
+                deep=True,
+                shards=[s.shard for s in order],
+                on_shard=self._settled,
+                codec=self.spec.codec,
+            )
+        except _Stopped:
+            pass
+        except BaseException as e:  # handed to whoever waits on ``todo``
+            self._queue.put(e)
+        finally:
+            self._queue.put(None)
+
+    def stop(self) -> None:
+        """Settle no further shard and wait for the thread: nothing is written once the job leaves."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def todo(self, extracting: bool = True) -> Iterator[ShardScan]:
+        """The shards that miss samples, each once its scan is settled; raises what verification
+        raised. ``extracting``: the caller is the extraction (its waits are counted)."""
+        while True:
+            t0 = time.perf_counter()
+            item = self._queue.get()
+            if extracting:
+                self.stats.waited += time.perf_counter() - t0
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def rest(self) -> list[ShardScan]:
+        """Wait for the whole verification (no model loaded: nothing waits for it); the shards that miss samples."""
+        return list(self.todo(extracting=False))

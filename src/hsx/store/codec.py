@@ -28,8 +28,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch  # imported where a function needs it: hsx status and verify never load torch
 
 
 class Codec(StrEnum):
@@ -38,8 +40,17 @@ class Codec(StrEnum):
     FP8 = "fp8"
 
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def __getattr__(name: str):
+    if name == "FP8":  # torch.float8_e4m3fn, without importing torch at module load
+        import torch
+
+        return torch.float8_e4m3fn
+    raise AttributeError(name)
+
+
 ZSTD_LEVEL = 1
 _CHUNK = 8 << 20  # Blosc2 chunk: well under its 2 GiB limit per chunk, large enough for zstd
 _BLOCK = 4 << 20  # float32 bytes of scratch per step of (de)quantizing: bounded memory per thread
@@ -70,8 +81,10 @@ def decode_state(
     if codec is Codec.ZSTD:
         return {name: zstd_decompress(stored[f"{name}.zstd"], dtype, shape)}
     if codec is Codec.FP8:
+        import torch
+
         q, scale = stored[f"{name}.fp8"], stored[f"{name}.scale"]
-        if q.dtype != FP8 or list(q.shape) != shape or scale.dtype != torch.float32 or scale.ndim != 2:
+        if q.dtype != torch.float8_e4m3fn or list(q.shape) != shape or scale.dtype != torch.float32 or scale.ndim != 2:
             raise ValueError(f"{name}: fp8 {q.dtype} {list(q.shape)} does not decode to {shape}")
         if scale.shape[0] != shape[0] or shape[1] % scale.shape[1]:
             raise ValueError(f"{name}: scales {list(scale.shape)} do not fit {shape}")
@@ -109,6 +122,8 @@ def _cparams(typesize: int):
 
 def zstd_compress(t: torch.Tensor) -> bytes:
     """A contiguous CPU tensor's bytes as one Blosc2 frame (byte-shuffled at its element size, zstd)."""
+    import torch
+
     if not t.is_contiguous():
         raise ValueError("tensor must be contiguous")
     data = t.reshape(-1).view(torch.uint8).numpy()
@@ -117,6 +132,8 @@ def zstd_compress(t: torch.Tensor) -> bytes:
 
 def zstd_decompress(frame: torch.Tensor | bytes | memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     """The tensor a ``zstd_compress`` frame holds, checked against the expected dtype and shape."""
+    import torch
+
     buf = frame.numpy() if isinstance(frame, torch.Tensor) else frame
     out = torch.empty(shape, dtype=dtype)
     want = out.numel() * out.element_size()
@@ -143,11 +160,13 @@ def _row_steps(rows: int, row_elems: int, device: torch.device) -> range:
 def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [T, groups*H] as float8_e4m3fn [T, groups*H] and float32 scales [T, groups] (amax / 448).
     Works in row blocks so its float32 scratch stays a few MB whatever T is."""
+    import torch
+
     T, D = x.shape
     if D % groups:
         raise ValueError(f"{D} columns do not split into {groups} layers")
     g = x.view(T, groups, D // groups)
-    q = torch.empty((T, groups, D // groups), dtype=FP8, device=x.device)
+    q = torch.empty((T, groups, D // groups), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((T, groups), dtype=torch.float32, device=x.device)
     step = _row_steps(T, D, x.device)
     for lo in step:
@@ -159,9 +178,13 @@ def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tens
     return q.view(T, D), scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """fp8 states [..., G*H] with scales [..., G] back to ``dtype`` (float32 arithmetic, one rounding).
-    Any leading dims: a trainer may collate fp8 batches and dequantize them on its device."""
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """fp8 states [..., G*H] with scales [..., G] back to ``dtype`` (default bfloat16; float32
+    arithmetic, one rounding). Any leading dims: a trainer may collate fp8 batches and dequantize
+    them on its device."""
+    import torch
+
+    dtype = dtype or torch.bfloat16
     D, G = q.shape[-1], scale.shape[-1]
     rows = q.reshape(-1, G, D // G)
     scales = scale.reshape(-1, G, 1)
@@ -175,6 +198,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 
 def fp8_bound(dtype: torch.dtype) -> float:
     """Largest |x̂ - x| / amax of the token-layer for fp8 decoded to ``dtype`` (see the module notes)."""
+    import torch
+
     return 1 / 28 + torch.finfo(dtype).eps / 2 + 2**-20
 
 
@@ -183,9 +208,9 @@ def is_lossless(codec: Codec) -> bool:
     return Codec(codec) is not Codec.FP8
 
 
-def prior_ratio(codec: Codec, dtype: torch.dtype, hidden_size: int) -> float:
+def prior_ratio(codec: Codec, itemsize: int, hidden_size: int) -> float:
     """Stored / raw bytes of the states to assume before any batch is measured: exact for raw and
     fp8, 1.0 for zstd (lossless compression promises nothing until it has seen the data)."""
     if codec is Codec.FP8:
-        return (1 + 4 / hidden_size) / dtype.itemsize
+        return (1 + 4 / hidden_size) / itemsize
     return 1.0

@@ -21,18 +21,22 @@ decodes; only ``decode`` does.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 
 from hsx.errors import BadFile
 from hsx.store.codec import Codec, decode_state, encode_state
+
+if TYPE_CHECKING:
+    import torch  # imported where a function needs it: checking a file never loads torch
 
 FORMAT = "hsx-sample/1"  # raw states
 FORMAT_ENCODED = "hsx-sample/2"  # states stored through a codec other than raw
@@ -42,16 +46,21 @@ LAYER_CONVENTION = "hsx/1: layer k = output of decoder layer k (0-based) = HF hi
 FINAL_STATE = "last decoder layer output after the final norm"
 MAX_HEADER = 1 << 20
 
-_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.float8_e4m3fn: "F8_E4M3",
-}
-_TORCH = {v: k for k, v in _DTYPES.items()}
+
+@functools.cache
+def _dtypes() -> dict:
+    """torch dtype -> safetensors' name for it."""
+    import torch
+
+    return {
+        torch.float32: "F32",
+        torch.bfloat16: "BF16",
+        torch.float16: "F16",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.uint8: "U8",
+        torch.float8_e4m3fn: "F8_E4M3",
+    }
 
 
 DIGEST = "xxh3_128"  # every digest hsx writes: "<DIGEST>:<hex>"
@@ -86,6 +95,8 @@ def safetensors_header(f, size: int, max_header: int = MAX_HEADER) -> tuple[dict
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
+    import torch
+
     if not t.is_contiguous():
         raise ValueError("tensor must be contiguous")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
@@ -117,6 +128,8 @@ class SampleTensors:
 def encode(sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW) -> tuple[list[memoryview | bytes], str]:
     """The file's parts (header, then each tensor's bytes) and the data digest. Raw parts are views
     of the sample's own buffers; encoded ones are new buffers made here, in the caller's thread."""
+    import torch
+
     codec = Codec(codec)
     metadata = {"format": FORMAT if codec is Codec.RAW else FORMAT_ENCODED}
     if codec is Codec.RAW:
@@ -143,7 +156,7 @@ def encode(sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW) -
     }
     if codec is not Codec.RAW:
         metadata["states"] = json.dumps(
-            {name: {"dtype": _DTYPES[t.dtype], "shape": list(t.shape)} for name, t in states.items()},
+            {name: {"dtype": _dtypes()[t.dtype], "shape": list(t.shape)} for name, t in states.items()},
             separators=(",", ":"),
         )
     metadata["digest"] = digest
@@ -151,7 +164,7 @@ def encode(sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW) -
     offset = 0
     for name, t, view in views:
         header[name] = {
-            "dtype": _DTYPES[t.dtype] if isinstance(t, torch.Tensor) else "U8",
+            "dtype": _dtypes()[t.dtype] if isinstance(t, torch.Tensor) else "U8",
             "shape": list(t.shape) if isinstance(t, torch.Tensor) else [view.nbytes],
             "data_offsets": [offset, offset + view.nbytes],
         }
@@ -162,7 +175,7 @@ def encode(sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW) -
 
 
 def _align(t: torch.Tensor | bytes) -> int:
-    return t.element_size() if isinstance(t, torch.Tensor) else 1
+    return 1 if isinstance(t, bytes | bytearray | memoryview) else t.element_size()
 
 
 def decode(data: bytes, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
@@ -194,7 +207,8 @@ def decode_tensors(
         for name, info in json.loads(metadata["states"]).items():
             if name not in STATES:
                 raise ValueError(f"unknown state {name!r}")
-            out |= decode_state(codec, name, stored, _TORCH[info["dtype"]], list(info["shape"]), keep_fp8)
+            dtype = next(t for t, n in _dtypes().items() if n == info["dtype"])
+            out |= decode_state(codec, name, stored, dtype, list(info["shape"]), keep_fp8)
     except (KeyError, ValueError, TypeError) as e:
         raise BadFile("corrupt", f"stored tensors do not decode ({e!r})") from e
     if set(STATES) - set(out):

@@ -58,8 +58,9 @@ class Readers:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.large.shutdown()
-        self.small.shutdown()
+        cancel = exc[0] is not None  # an abandoned scan: reads not started are dropped
+        self.large.shutdown(cancel_futures=cancel)
+        self.small.shutdown(cancel_futures=cancel)
 
 
 @dataclass(frozen=True)
@@ -272,16 +273,17 @@ def scan_run(
     under the GIL, where more threads would only contend. ``codec``: the run's (None: any)."""
     todo = list(range(layout.num_shards(num_samples, shard_size)) if shards is None else shards)
     n = threads or default_threads()
-    with (
-        Readers(n) as readers,
-        ThreadPoolExecutor(min(n, max(2, (os.cpu_count() or 2) // 4)), thread_name_prefix="hsx-list") as listers,
-    ):
-        out = []
-        listed = listers.map(
-            lambda s: _list(run, s, layout.shard_ids(s, shard_size, num_samples), deep, readers, codec), todo
-        )
-        for scan, batches in listed:
-            out.append(_collect(scan, batches))
-            if on_shard is not None:
-                on_shard(out[-1])
-        return out
+    listers = ThreadPoolExecutor(min(n, max(2, (os.cpu_count() or 2) // 4)), thread_name_prefix="hsx-list")
+    with Readers(n) as readers:
+        try:
+            out = []
+            listed = listers.map(
+                lambda s: _list(run, s, layout.shard_ids(s, shard_size, num_samples), deep, readers, codec), todo
+            )
+            for scan, batches in listed:
+                out.append(_collect(scan, batches))
+                if on_shard is not None:
+                    on_shard(out[-1])  # may raise to abandon the scan
+            return out
+        finally:
+            listers.shutdown(cancel_futures=True)
