@@ -79,8 +79,8 @@ def _print_summary(s) -> None:
     v = s.verified
     if v is not None and v.files:
         lines.append(
-            f"verified   {v.files:,} files, {v.bytes / 1e9:,.2f} GB in {v.seconds:.1f}s ({v.rate / 1e9:.2f} GB/s); "
-            f"extraction waited {v.waited:.1f}s for it"
+            f"verified   {v.files:,} files, {v.bytes / 1e9:,.2f} GB in {v.seconds:.1f}s ({v.rate / 1e9:.2f} GB/s)"
+            + (f"; extraction waited {v.waited:.1f}s for it" if s.written else "; nothing to extract: no model loaded")
         )
     if s.redone:
         lines.append("redone     " + ", ".join(f"{n} {k}" for k, n in sorted(s.redone.items())))

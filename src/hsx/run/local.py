@@ -55,7 +55,6 @@ def extract_local(
             todo: Iterable[ShardScan] = verifier.todo()
             if all(s.complete for s in headers) or spec.backend == "vllm":
                 todo = verifier.rest()  # nothing missing (or vLLM, which takes its work whole): no model yet
-                _log_verified(verifier, log)
             if todo:
                 resources = opts.resources()
                 model_dir = target.model_dir_for(run, spec, opts.model, checked=opts.model is not None)
