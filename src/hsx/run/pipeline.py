@@ -8,6 +8,7 @@ before each batch is captured, counting the writer's queued bytes as already spe
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
@@ -93,11 +94,14 @@ class Extractor:
         self.forecast = forecast or Forecast(spec)
         self.forecast.session = progress.session
         self.guard = None if reserve is None else DiskGuard(run, reserve, lambda: self.writer.inflight, self.forecast)
+        self.sealing_waited = 0.0
         progress.waited_for_disk = self.waited_for_disk
 
     def waited_for_disk(self) -> float:
-        """Seconds the forward pass stood still because writes were behind."""
-        return self.staging.waited + self.writer.waited
+        """Seconds the forward pass stood still because writes were behind: for a staging slot, for
+        room in the writer's queue, or for a shard's writes to be durable before its seal (the
+        last shard's too: the run ends when its files are on disk)."""
+        return self.staging.waited + self.writer.waited + self.sealing_waited
 
     def shard(self, scan: ShardScan) -> list[Future]:
         """Capture and submit every missing sample of one shard; returns the futures to wait on."""
@@ -133,7 +137,9 @@ class Extractor:
 
     def finish(self, scan: ShardScan, futures: list[Future]) -> list[FileRecord]:
         """Wait until a shard's writes are durable, then seal it (its old good files + the new ones)."""
+        t0 = time.perf_counter()
         records: list[FileRecord] = self.writer.wait(futures)
+        self.sealing_waited += time.perf_counter() - t0
         seal(self.run, scan.shard, list(scan.good.values()) + records)
         return records
 
