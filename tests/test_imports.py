@@ -91,3 +91,22 @@ def test_lower_stages_never_import_upper_ones():
 
     bad = [f"{m} -> {d}" for m, deps in graph().items() if stage(m) in LOWER for d in deps if stage(d) in UPPER]
     assert bad == []
+
+
+def test_status_and_a_resume_with_nothing_to_do_never_load_torch(finished_run, tmp_path):
+    """Seconds count for both on a run of tens of thousands of files: neither imports torch or
+    transformers (several seconds on their own) when no model is needed."""
+    import shutil
+    import subprocess
+    import sys
+
+    run = str(shutil.copytree(finished_run, tmp_path / "run"))
+    code = (
+        "import sys; from typer.testing import CliRunner; from hsx.cli import app\n"
+        f"r = CliRunner().invoke(app, ['status', {run!r}]); assert r.exit_code == 0, r.output\n"
+        f"r = CliRunner().invoke(app, ['extract', '--out', {run!r}]); assert r.exit_code == 0, r.output\n"
+        "assert 'verified   40 files' in r.output and 'no model loaded' in r.output, r.output\n"
+        "loaded = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not loaded, loaded\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr

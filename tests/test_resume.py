@@ -83,12 +83,12 @@ def test_extraction_runs_while_verification_reads_and_never_writes_an_unsettled_
 
 
 def test_a_resume_with_every_file_in_place_loads_no_model_unless_a_digest_is_bad(finished_run, tmp_path, monkeypatch):
-    import hsx.run.local as local
+    import hsx.run.pipeline as pipeline
 
     run = shutil.copytree(finished_run, tmp_path / "run")
     loads: list[str] = []
-    real = local.open_backend
-    monkeypatch.setattr(local, "open_backend", lambda *a, **k: loads.append("load") or real(*a, **k))
+    real = pipeline.open_backend
+    monkeypatch.setattr(pipeline, "open_backend", lambda *a, **k: loads.append("load") or real(*a, **k))
     summary = extract(ExtractOptions(out=run), log=lambda m: None)
     assert summary.complete and summary.written == 0 and loads == [] and summary.verified.files == 40
 
@@ -103,7 +103,7 @@ def test_a_failure_during_extraction_stops_the_verification_before_the_job_leave
     could still tidy or seal shards once the lock is released."""
     import threading
 
-    import hsx.run.local as local
+    import hsx.run.pipeline as pipeline
 
     run = shutil.copytree(finished_run, tmp_path / "run")
     shutil.rmtree(layout.shard_dir(run, 0))
@@ -111,7 +111,7 @@ def test_a_failure_during_extraction_stops_the_verification_before_the_job_leave
     def broken(*a, **k):
         raise RuntimeError("model load failed")
 
-    monkeypatch.setattr(local, "open_backend", broken)
+    monkeypatch.setattr(pipeline, "open_backend", broken)
     with pytest.raises(RuntimeError, match="model load failed"):
         extract(ExtractOptions(out=run), log=lambda m: None)
     assert not [t for t in threading.enumerate() if t.name == "hsx-verify"]

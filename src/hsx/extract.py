@@ -15,11 +15,9 @@ from collections.abc import Callable
 
 from hsx.errors import CleanStop, Refused
 from hsx.run.folder import open_run
-from hsx.run.group import extract_group
 from hsx.run.local import extract_local
 from hsx.run.options import ExtractOptions
 from hsx.run.resume import Summary
-from hsx.scaleout.driver import extract_distributed
 
 __all__ = ["CleanStop", "ExtractOptions", "Refused", "Summary", "extract"]
 
@@ -30,8 +28,12 @@ def extract(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary
     Raises a ``Refused`` (exit 2) when it cannot start as asked, ``CleanStop`` (exit 3) when the
     volume filled; returns the summary otherwise."""
     if opts.workers:
+        from hsx.scaleout.driver import extract_distributed
+
         return extract_distributed(opts, log)
     spec = open_run(opts, log)
     if spec.parallel.ranks > 1:
+        from hsx.run.group import extract_group  # torch.distributed: imported only for a group
+
         return extract_group(opts, spec, log)
     return extract_local(opts, log, spec)

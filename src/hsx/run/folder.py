@@ -12,8 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hsx import target
-from hsx.capture import check_layers, default_layers
-from hsx.capture.transformers import resolve_dtype
 from hsx.errors import InputError, OptionError, Refused
 from hsx.input import read_conversations
 from hsx.plan import Tokenize, tokenize_all, write_plan
@@ -61,6 +59,9 @@ def remove_stray_temps(run: Path) -> int:
 
 def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     """A new run: read and tokenize the data into the frozen plan, write the rejects, then the spec."""
+    from hsx.capture import check_layers, default_layers
+    from hsx.capture.transformers import resolve_dtype
+
     if not opts.model or not opts.data:
         raise Refused(f"{opts.out} is not a run yet: a new run needs --model and --data")
     if opts.out.exists():

@@ -8,6 +8,7 @@ verifies them and loads nothing, and loads the model afterwards only if a digest
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from hsx import registry, target
 from hsx.assess import volume
@@ -17,10 +18,12 @@ from hsx.plan import load_plan
 from hsx.progress import Progress
 from hsx.run.folder import open_run, remove_stray_temps
 from hsx.run.options import ExtractOptions
-from hsx.run.pipeline import Extractor, Peers, open_backend
 from hsx.run.resume import Summary, Verifier, scan_all
 from hsx.spec import RunSpec
 from hsx.store.scan import ShardScan
+
+if TYPE_CHECKING:
+    from hsx.run.pipeline import Peers
 
 
 def extract_local(
@@ -66,6 +69,8 @@ def extract_local(
                         opts.tensor_parallel_size or 1, opts.data_parallel_size or 1, space.forecast,
                     )  # fmt: skip
                 else:
+                    from hsx.run.pipeline import Extractor, open_backend  # torch: only when there is work
+
                     if peers is not None:
                         peers.load()
                     backend = open_backend(spec, model_dir, resources.device)

@@ -12,9 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-import torch
-
-from hsx.capture.transformers import packing_refusal, parallel_refusal, varlen_blocker
 from hsx.errors import OptionError
 from hsx.spec import Parallel
 from hsx.telemetry import Telemetry
@@ -82,12 +79,16 @@ class ExtractOptions:
 
 
 def default_device() -> str:
+    import torch  # here, not at import: a resume with nothing to do never loads torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def resolve_packing(packing: Toggle, device: str, config: dict, dtype: str, log: Callable[[str], None]) -> bool:
     """auto: pack on CUDA where the varlen kernel runs for every attention layer, padded rows
     otherwise (and the log says why); on: pack wherever packed rows can compute the model."""
+    from hsx.capture.transformers import packing_refusal, varlen_blocker
+
     if packing == "off":
         return False
     if packing == "on":
@@ -122,6 +123,8 @@ def resolve_parallel(tensor: int | None, expert: int | None, config: dict, backe
         return parallel
     if backend != "transformers":
         raise OptionError(f"--tensor-parallel/--expert-parallel are the transformers backend's; {backend} has its own")
+    from hsx.capture.transformers import parallel_refusal
+
     refusal = parallel_refusal(config, parallel.tensor, parallel.expert)
     if refusal is not None:
         raise OptionError(f"cannot lay the model over {parallel}: {refusal}")
