@@ -3,6 +3,7 @@ are verified; a shard is written only after its own scan is settled; the result 
 the uninterrupted run's, and the summary says what verification read and how long extraction
 waited for it."""
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -80,6 +81,9 @@ def test_extraction_runs_while_verification_reads_and_never_writes_an_unsettled_
     ) - sum(layout.sample_path(finished_run, sid, 10).stat().st_size for sid in (12, 17))
     assert v.seconds > 0 and v.waited >= 0
     assert any(line.startswith("verified 28 files") and "extraction waited" in line for line in logged), logged
+    metrics = json.loads((run / layout.METRICS).read_text())  # the session's last beat
+    assert (metrics["verify_files"], metrics["verify_bytes"]) == (v.files, v.bytes)
+    assert metrics["verify_seconds"] == v.seconds and metrics["verify_waited_s"] == v.waited
 
 
 def test_a_resume_with_every_file_in_place_loads_no_model_unless_a_digest_is_bad(finished_run, tmp_path, monkeypatch):

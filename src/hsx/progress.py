@@ -33,6 +33,8 @@ class Progress:
         # seconds the forward pass stood still because writes were behind; set by this process's
         # extractor (not by a scale-out driver or the vLLM path, which do not measure it)
         self.waited_for_disk: Callable[[], float] | None = None
+        # a resume's verification so far (files, bytes, seconds, extraction's wait): run.resume.Verified
+        self.verified: Callable[[], dict] | None = None
 
     def start(self, done_samples: int, done_tokens: int) -> None:
         self.base_samples, self.base_tokens = done_samples, done_tokens
@@ -74,16 +76,20 @@ class Progress:
         dt = max(self.elapsed(), 1e-9)
         tok_rate = self.tokens / dt
         left = self.total_tokens - self.tokens_done()
-        return {
-            "samples_done": self.base_samples + self.samples,
-            "samples_total": self.total_samples,
-            "tokens_done": self.tokens_done(),
-            "tokens_total": self.total_tokens,
-            "bytes_written": self.bytes,
-            "tokens_per_s": tok_rate,
-            "bytes_per_s": self.bytes / dt,
-            "eta_s": left / tok_rate if tok_rate > 0 else None,
-        } | ({"waited_for_disk_s": self.waited_for_disk()} if self.waited_for_disk else {})
+        return (
+            {
+                "samples_done": self.base_samples + self.samples,
+                "samples_total": self.total_samples,
+                "tokens_done": self.tokens_done(),
+                "tokens_total": self.total_tokens,
+                "bytes_written": self.bytes,
+                "tokens_per_s": tok_rate,
+                "bytes_per_s": self.bytes / dt,
+                "eta_s": left / tok_rate if tok_rate > 0 else None,
+            }
+            | ({"waited_for_disk_s": self.waited_for_disk()} if self.waited_for_disk else {})
+            | (self.verified() if self.verified else {})
+        )
 
     @contextmanager
     def live(self) -> Iterator[None]:

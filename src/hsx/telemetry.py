@@ -44,6 +44,9 @@ GAUGES = {
     "eta_s": ("hsx_eta_seconds", "Projected seconds to the run's end at this session's rate"),
     "free_bytes": ("hsx_volume_free_bytes", "Free bytes on the output volume"),
     "waited_for_disk_s": ("hsx_waited_for_disk_seconds", "Seconds the forward pass waited for writes"),
+    "verify_bytes": ("hsx_verify_bytes_read", "Bytes this session's resume verification read"),
+    "verify_seconds": ("hsx_verify_seconds", "Seconds this session's resume verification took so far"),
+    "verify_waited_s": ("hsx_verify_waited_seconds", "Seconds the loaded model waited for verification"),
 }
 
 

@@ -54,6 +54,7 @@ def extract_local(
 
         verifier = Verifier(run, spec, headers, opts.deep_verify, summary, done).start()
         summary.verified = verifier.stats
+        progress.verified = verifier.stats.metrics
         try:
             todo: Iterable[ShardScan] = verifier.todo()
             if all(s.complete for s in headers) or spec.backend == "vllm":

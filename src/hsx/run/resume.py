@@ -121,6 +121,15 @@ class Verified:
     def rate(self) -> float:
         return self.bytes / self.seconds if self.seconds else 0.0
 
+    def metrics(self) -> dict:
+        """Its figures under metrics.json's names."""
+        return {
+            "verify_files": self.files,
+            "verify_bytes": self.bytes,
+            "verify_seconds": self.seconds,
+            "verify_waited_s": self.waited,
+        }
+
 
 class _Stopped(Exception):
     pass
