@@ -49,16 +49,22 @@ def hsx(
     return proc
 
 
-def save_tiny(config, path: Path, seed: int = 0) -> Path:
-    """A random model of ``config`` in float32, saved with the bundled tokenizer and chat template
-    (``config.vocab_size`` must be the tokenizer's 2048), so that ``hsx extract`` runs on it."""
-    import shutil
-
+def save_random(config, path: Path, seed: int = 0) -> Path:
+    """A random model of ``config`` in float32, saved as transformers saves it."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).to(torch.float32).eval().save_pretrained(path)
+    return path
+
+
+def save_tiny(config, path: Path, seed: int = 0) -> Path:
+    """``save_random`` with the bundled tokenizer and chat template (``config.vocab_size`` must be
+    the tokenizer's 2048), so that ``hsx extract`` runs on it."""
+    import shutil
+
+    save_random(config, path, seed)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(TINY / name, path / name)
     return path

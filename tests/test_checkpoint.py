@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY, conversations, write_jsonl
+from conftest import TINY, conversations, save_random, write_jsonl
 from hsx import target
 from hsx.capture import checkpoint
 from hsx.capture.transformers import TransformersBackend
@@ -40,9 +40,8 @@ LAYERS = [0, 1]  # hidden_states[3] of 3 layers is after the final norm: the fin
 
 def tiny_deepseek(path: Path) -> Path:
     """A random tiny DeepSeek-V3 in float32, saved as transformers saves it (per-expert weights)."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    from transformers import DeepseekV3Config
 
-    torch.manual_seed(0)
     config = DeepseekV3Config(
         vocab_size=VOCAB,
         hidden_size=256,
@@ -64,8 +63,7 @@ def tiny_deepseek(path: Path) -> Path:
         n_group=1,
         topk_group=1,
     )
-    AutoModelForCausalLM.from_config(config).to(torch.float32).eval().save_pretrained(path)
-    return path
+    return save_random(config, path)
 
 
 def _quantized(name: str, t: torch.Tensor) -> bool:

@@ -25,7 +25,7 @@ from hsx.assess.verify import verify
 from hsx.data import HsxDataset, SampleUnavailable, collate_packed, collate_padded, read_mapped, read_verified
 from hsx.spec import load_spec
 from hsx.store import layout
-from hsx.store.codec import FP8, Codec, dequantize, fp8_bound, prior_ratio, quantize_fp8, zstd_compress
+from hsx.store.codec import Codec, dequantize, fp8_bound, prior_ratio, quantize_fp8, zstd_compress
 from hsx.store.codec_bench import bench_codecs, states
 from hsx.store.durable import write_parts
 from hsx.store.format import (
@@ -50,6 +50,9 @@ STORED = {
         *("input_ids", "loss_mask"),
     },
 }
+
+
+FP8 = torch.float8_e4m3fn
 
 
 def _sample(sid=5, t=37, h=64, dtype=torch.bfloat16, kind="normal") -> SampleTensors:

@@ -167,6 +167,13 @@ def test_a_moved_model_is_checked_with_model_and_recorded_by_the_resume(finished
         extract(ExtractOptions(out=run, model=str(other)), log=lambda m: None)
     assert not (run / layout.LOCATION).exists()
 
+    from hsx.errors import Locked
+    from hsx.lock import RunLock
+
+    with RunLock(run, warn=lambda m: None), pytest.raises(Locked):  # another extractor is alive
+        extract(ExtractOptions(out=run, model=str(new)), log=lambda m: None)
+    assert not (run / layout.LOCATION).exists()  # a refused resume writes nothing
+
     said: list[str] = []
     extract(ExtractOptions(out=run, model=str(new)), log=said.append)
     assert f"model: {new} matches the run's fingerprint; recorded in {layout.LOCATION} as its location" in said

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from hsx.store.durable import fsync_dir, write_durable
+from hsx.store.durable import write_durable
 from hsx.store.layout import HISTORY, METRICS
 
 HISTORY_EVERY = 60.0  # seconds between history lines
@@ -78,6 +78,7 @@ class Telemetry:
         self.run, self.metrics, self.port, self.textfile = run, metrics, port, textfile
         self.history_every, self.history_max = history_every, history_max
         self.last_point = 0.0
+        self.lines: int | None = None  # the history's length, counted once, then kept
         self.lock = threading.Lock()  # the heartbeat thread and the final beat
         self.server = None
 
@@ -91,9 +92,17 @@ class Telemetry:
             write_durable(self.run / METRICS, json.dumps(m).encode())
             if final or m["time"] - self.last_point >= self.history_every:
                 self.last_point = m["time"]
-                append_history(self.run, Point.model_validate(m, strict=False), self.history_max)
+                self.add_point(Point.model_validate(m, strict=False))
             if self.textfile is not None:
                 write_durable(self.textfile, exposition(self.registry_for(m)))
+
+    def add_point(self, point: Point) -> None:
+        if self.lines is None:
+            self.lines = len(read_history(self.run))
+        append_history(self.run, point)
+        self.lines += 1
+        if self.lines > self.history_max:
+            self.lines = thin_history(self.run)
 
     def registry_for(self, m: dict | None = None):
         from prometheus_client import CollectorRegistry
@@ -144,21 +153,22 @@ def exposition(registry) -> bytes:
     return generate_latest(registry)
 
 
-def append_history(run: Path, point: Point, history_max: int = HISTORY_MAX) -> None:
-    path = run / HISTORY
-    with open(path, "a+b") as f:
+def append_history(run: Path, point: Point) -> None:
+    with open(run / HISTORY, "a+b") as f:
         end = f.seek(0, os.SEEK_END)
         torn = end > 0 and os.pread(f.fileno(), 1, end - 1) != b"\n"  # a kill cut the last line short
         f.write((b"\n" if torn else b"") + point.model_dump_json().encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())
-    if path.stat().st_size > history_max * 100:  # a cheap pre-check: every line is longer
-        points = read_history(run)
-        if len(points) > history_max:
-            half = len(points) // 2
-            kept = points[:half:2] + points[half:]
-            write_durable(path, "".join(p.model_dump_json() + "\n" for p in kept).encode())
-            fsync_dir(run)
+
+
+def thin_history(run: Path) -> int:
+    """Keep every other line of the older half (replaced whole); returns the lines kept."""
+    points = read_history(run)
+    half = len(points) // 2
+    kept = points[:half:2] + points[half:]
+    write_durable(run / HISTORY, "".join(p.model_dump_json() + "\n" for p in kept).encode())
+    return len(kept)
 
 
 def read_history(run: Path) -> list[Point]:

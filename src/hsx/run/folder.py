@@ -136,8 +136,8 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
 
 
 def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
-    """The run's spec: created for a new run, checked against the options for an existing one.
-    A ``--model`` that matched the fingerprint is recorded as the model's location, if it moved."""
+    """The run's spec: created for a new run, checked against the options for an existing one
+    (a ``--model`` must match the fingerprint: ``record_model`` keeps where it now is)."""
     if not (opts.out / layout.SPEC).exists():
         return create_run(opts, log)
     spec = load_spec(opts.out)
@@ -148,9 +148,15 @@ def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
             + "\n  - ".join(diffs)
             + f"\nResume with the run's own settings: hsx extract --out {opts.out}"
         )
-    if opts.model is not None:
-        local = Path(opts.model).expanduser()
-        where = str(local.resolve()) if local.is_dir() else opts.model  # a folder absolute, a hub id as given
-        if record_location(opts.out, spec, where):
-            log(f"model: {where} matches the run's fingerprint; recorded in {layout.LOCATION} as its location")
     return spec
+
+
+def record_model(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None]) -> None:
+    """After ``open_run`` matched ``--model`` against the fingerprint, and under the run's lock
+    (a resume refused by a live extractor writes nothing): record it if the model moved."""
+    if opts.model is None:
+        return
+    local = Path(opts.model).expanduser()
+    where = str(local.resolve()) if local.is_dir() else opts.model  # a folder absolute, a hub id as given
+    if record_location(opts.out, spec, where):
+        log(f"model: {where} matches the run's fingerprint; recorded in {layout.LOCATION} as its location")

@@ -16,7 +16,7 @@ from hsx.errors import CleanStop, DiskFull, LowSpace
 from hsx.lock import RunLock
 from hsx.plan import load_plan
 from hsx.progress import Progress
-from hsx.run.folder import open_run, remove_stray_temps
+from hsx.run.folder import open_run, record_model, remove_stray_temps
 from hsx.run.options import ExtractOptions
 from hsx.run.resume import Summary, Verifier, scan_all
 from hsx.spec import RunSpec
@@ -40,6 +40,7 @@ def extract_local(
     with telemetry, RunLock(run, on_beat=telemetry.beat, warn=log) as lock:
         registry.settle(run, lock.me, log)  # workers of a crashed scale-out driver: gone first
         remove_stray_temps(run)
+        record_model(opts, spec, log)
         plan = load_plan(run, spec)
         summary = Summary.of(run, spec)
         headers = scan_all(run, spec, deep=False)  # seconds: sealed shards are trusted by their listing
@@ -56,10 +57,12 @@ def extract_local(
         summary.verified = verifier.stats
         progress.verified = verifier.stats.metrics
         try:
-            todo: Iterable[ShardScan] = verifier.todo()
+            todo: Iterable[ShardScan] = verifier.todo()  # the shards that miss samples, as they are settled
+            work = True  # the headers say something is missing: load the model now, beside verification
             if all(s.complete for s in headers) or spec.backend == "vllm":
                 todo = verifier.rest()  # nothing missing (or vLLM, which takes its work whole): no model yet
-            if todo:
+                work = bool(todo)
+            if work:
                 resources = opts.resources()
                 model_dir = target.model_dir_for(run, spec, opts.model, checked=opts.model is not None)
                 if spec.backend == "vllm":

@@ -32,7 +32,7 @@ from hsx.errors import CleanStop, Locked, Refused, WorkerFailed
 from hsx.lock import BEAT_EVERY, Liveness, RunLock, read_holder
 from hsx.plan import load_plan
 from hsx.progress import Progress
-from hsx.run.folder import open_run, remove_stray_temps
+from hsx.run.folder import open_run, record_model, remove_stray_temps
 from hsx.run.options import ExtractOptions
 from hsx.run.resume import Summary, scan_all
 from hsx.scaleout.worker import ShardResult, ShardWorker, WorkerTask
@@ -142,6 +142,7 @@ def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print
             session["driver"] = registry.driver_id(lock.me)
             registry.settle(opts.out, lock.me, log)
             remove_stray_temps(opts.out)
+            record_model(opts, spec, log)
             try:
                 return _extract(opts, spec, lock, progress, gpu, log)
             finally:

@@ -43,14 +43,6 @@ class Codec(StrEnum):
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
-def __getattr__(name: str):
-    if name == "FP8":  # torch.float8_e4m3fn, without importing torch at module load
-        import torch
-
-        return torch.float8_e4m3fn
-    raise AttributeError(name)
-
-
 ZSTD_LEVEL = 1
 _CHUNK = 8 << 20  # Blosc2 chunk: well under its 2 GiB limit per chunk, large enough for zstd
 _BLOCK = 4 << 20  # float32 bytes of scratch per step of (de)quantizing: bounded memory per thread
