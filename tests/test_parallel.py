@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
-from conftest import TINY, conversations, hsx, run_files, save_tiny, verified_files, write_jsonl
+from conftest import TINY, conversations, hsx, require, run_files, save_tiny, verified_files, write_jsonl
 from hsx import registry
 from hsx.errors import Exit
 from hsx.store import layout
@@ -263,3 +263,45 @@ def test_kill9_of_the_launcher_or_of_a_rank_then_resume_is_byte_identical(dense_
     hsx("extract", "--out", out)
     assert run_files(out) == reference
     assert not (out / layout.GROUP).exists()
+
+
+# ---------------------------------------------------------------- scale-out: Ray workers of tensor-parallel groups
+
+
+def test_ray_workers_of_tp_groups_survive_a_killed_rank_and_equal_one_group(dense_tp, models, data, tmp_path):
+    """``--workers 2 --tensor-parallel 2``: two Ray workers, each launching its own group of two
+    ranks. Rank 1 of a worker holding an unsealed shard is SIGKILLed (its rank 0 frozen meanwhile,
+    so the shard cannot be sealed while the test looks): the group goes down with its actor, Ray
+    restarts the actor on a fresh group, and the run still equals the one-group run byte for byte,
+    with no rank of any group left behind."""
+    from test_scaleout import Driver, records, until
+
+    require("ray")
+    reference = run_files(dense_tp[0])
+    out = tmp_path / "run"
+    args = _args(models["dense"], data, out, "--tensor-parallel", "2", "--workers", "2")
+    driver = Driver(args, tmp_path / "driver.log")
+    try:
+        victim, groups = None, {}
+        while victim is None:
+            rec = until(lambda: next((r for r in records(out) if r["phase"] == "working"), None), HANG_GUARD_S, driver)
+            os.kill(rec["pid"], signal.SIGSTOP)
+            now = next((r for r in records(out) if r["pid"] == rec["pid"]), None)
+            groups |= {r["pid"]: [rank["pid"] for rank in r["ranks"]] for r in records(out)}
+            if now and now["phase"] == "working" and not (out / "shards" / f"{now['shard']:06d}" / "SEALED").exists():
+                assert [r["rank"] for r in now["ranks"]] == [0, 1] and now["ranks"][0]["pid"] == now["pid"], now
+                os.kill(now["ranks"][1]["pid"], signal.SIGKILL)
+                victim = now
+            os.kill(rec["pid"], signal.SIGCONT)
+        assert len(list((out / "shards").glob("*/SEALED"))) < 6, "the kill came after the run had finished"
+        log = driver.wait(timeout=HANG_GUARD_S)
+        assert driver.proc.returncode == 0, log
+        assert "extracting 6 shards with 2 CPU workers, each a group of 2 ranks (tensor 2, expert 1)" in log
+        pids = ", ".join(str(r["pid"]) for r in victim["ranks"])
+        assert f"worker pid {victim['pid']} (rank 0 of 2: pids {pids}) on" in log and "died" in log, log
+        assert run_files(out) == reference
+        assert not (out / "workers").exists()
+        every = [pid for ranks in groups.values() for pid in ranks]
+        assert len(every) >= 4 and _gone(every), groups  # both workers' groups were seen, and are gone
+    finally:
+        driver.kill_all()

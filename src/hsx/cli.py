@@ -129,7 +129,8 @@ def extract(
     tensor_parallel_size: Annotated[int | None, typer.Option(help="vllm backend: GPUs per model replica.")] = None,
     data_parallel_size: Annotated[int | None, typer.Option(help="vllm backend: model replicas.")] = None,
     workers: Annotated[
-        int, typer.Option(help="Scale out: this many Ray workers, one per GPU (needs hsx[ray]) [0: this process].")
+        int,
+        typer.Option(help="Scale out: this many Ray workers, on 1 GPU or --tensor-parallel N each (hsx[ray]) [0]."),
     ] = 0,
     ray_address: Annotated[
         str | None, typer.Option(help="With --workers: join this Ray cluster [a local Ray for this run].")

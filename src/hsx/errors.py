@@ -176,3 +176,10 @@ class BadFile(HsxError):
 
 class SampleUnavailable(HsxError):
     pass
+
+
+def refusal(name: str, message: str) -> Refused:
+    """A refusal raised in another process (a rank, a worker's group), rebuilt here from its class
+    name and message; a name that is not a refusal of hsx's becomes a plain ``Refused``."""
+    cls = globals().get(name)
+    return (cls if isinstance(cls, type) and issubclass(cls, Refused) else Refused)(message)

@@ -41,6 +41,15 @@ def driver_id(holder: Holder) -> str:
     return f"{holder.host}:{holder.pid}:{holder.started:.3f}"
 
 
+class Rank(BaseModel):
+    """One process of a tensor-parallel group (run.group): rank 0 writes, the others compute."""
+
+    rank: int
+    pid: int
+    pid_started: float
+    device: str
+
+
 class WorkerRecord(Holder):
     command: str = "worker"
     driver: str
@@ -48,6 +57,7 @@ class WorkerRecord(Holder):
     device: str = "cpu"
     gpus: list[str] = Field(default_factory=list)  # Ray's GPU ids on its node
     restarted: bool = False  # Ray restarted this actor after its process died
+    ranks: list[Rank] = Field(default_factory=list)  # a tensor-parallel worker's group; this pid is rank 0
     phase: Phase = "loading"
     shard: int | None = None
     shard_since: float | None = None
@@ -67,7 +77,10 @@ class WorkerRecord(Holder):
 
     def where(self) -> str:
         gpu = f", GPU {','.join(self.gpus)}" if self.gpus else f", {self.device}"
-        return f"pid {self.pid} on {self.host}{gpu}"
+        group = (
+            f" (rank 0 of {len(self.ranks)}: pids {', '.join(str(r.pid) for r in self.ranks)})" if self.ranks else ""
+        )
+        return f"pid {self.pid}{group} on {self.host}{gpu}"
 
 
 def folder(run: Path) -> Path:
@@ -142,6 +155,12 @@ def totals(run: Path, driver: str) -> tuple[int, int, int]:
         if seen.record.driver == driver:
             s, t, b = s + seen.record.samples, t + seen.record.tokens, b + seen.record.bytes
     return s, t, b
+
+
+def driver_holds(run: Path, driver: str) -> bool:
+    """Whether driver session ``driver`` still holds the run lock (the fence)."""
+    holder = read_holder(run)
+    return holder is not None and driver_id(holder) == driver and holder.state() == "alive"
 
 
 def stop_requested(run: Path) -> str | None:
@@ -222,8 +241,7 @@ class Heartbeat:
         self.path.parent.mkdir(exist_ok=True)
 
     def driver_holds_run(self) -> bool:
-        holder = read_holder(self.run)
-        return holder is not None and driver_id(holder) == self.record.driver and holder.state() == "alive"
+        return driver_holds(self.run, self.record.driver)
 
     def update(self, **changes) -> None:
         with self._lock:
@@ -261,15 +279,6 @@ class Heartbeat:
     def start(self) -> None:
         self.update()
         threading.Thread(target=self._loop, name="hsx-worker-heartbeat", daemon=True).start()
-
-
-class Rank(BaseModel):
-    """One process of a tensor-parallel group (run.group): rank 0 writes, the others compute."""
-
-    rank: int
-    pid: int
-    pid_started: float
-    device: str
 
 
 class GroupRecord(BaseModel):

@@ -1,18 +1,19 @@
 """One model replica over N devices of this node: a tensor-parallel group whose rank 0 writes.
 
-    hsx extract (launcher: PyTorch's elastic agent, in this process)
-      rank 0      the local job unchanged (lock, resume, disk guard, capture -> staging -> writer)
+    launcher: PyTorch's elastic agent, in the calling thread (``hsx extract``, or a scale-out worker)
+      rank 0      its lead: the local job unchanged (lock, resume, disk guard, capture -> staging ->
+                  writer), or a scale-out worker's shards (scaleout.group)
       rank 1..N-1 load their share of the model, then capture each batch rank 0 names; write nothing
 
 Every rank computes every batch, since TP and EP collectives need all of them; after each decoder
 layer the residual stream is replicated, so rank 0's copy is the whole capture (the first batch
 of every session checks it: every rank's digest of its capture must equal rank 0's). Rank 0 tells
 the others, over a gloo control group, when to load the model and which batch comes next; the end
-of the job, a clean stop or a refusal ends them too.
+of its lead (the job's end, a clean stop, a refusal) ends them too.
 
 No rank outlives the group: the agent stops every rank when one fails, and a rank whose launcher
-died is killed by the kernel (PR_SET_PDEATHSIG). What crosses processes is JSON: the options in,
-rank 0's summary or refusal out.
+died is killed by the kernel (PR_SET_PDEATHSIG). What crosses processes is JSON text: the options
+or task in, rank 0's outcome out.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,11 +55,24 @@ SUMMARY = TypeAdapter(Summary)
 def extract_group(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None] = print) -> Summary:
     """Run the job on ``spec.parallel.ranks`` ranks of this node; returns rank 0's summary, or
     raises its refusal or clean stop as if it had happened here."""
+    device = opts.resources().device
+    log(f"starting {spec.parallel.ranks} ranks ({spec.parallel}) on {device}")
+    result = run_group(spec, device, opts.out, opts.model, _lead_local, OPTIONS.dump_json(opts).decode())
+    return _outcome(result)
+
+
+Lead = Callable[["Leader", RunSpec, str], str]  # rank 0's job: (its peers, the spec, its payload) -> its outcome
+
+
+def run_group(spec: RunSpec, device: str, run: Path, model: str | None, lead: Lead, payload: str) -> str:
+    """Launch ``spec.parallel.ranks`` ranks under PyTorch's elastic agent in this thread, until
+    they end. Rank 0 runs ``lead(leader, spec, payload)`` (a module-level function: it crosses to the
+    spawned ranks by name) and its return value is returned here; the others follow it. Raises
+    ``WorkerFailed`` naming the ranks that failed."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     n = spec.parallel.ranks
-    device = opts.resources().device
     if device.startswith("cuda") and torch.cuda.device_count() < n:
         raise OptionError(
             f"the run is laid over {n} GPUs ({spec.parallel}); this machine has {torch.cuda.device_count()}"
@@ -66,28 +81,26 @@ def extract_group(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=n,
-        run_id=f"hsx-{os.getpid()}",
+        run_id=f"hsx-{os.getpid()}-{threading.get_ident()}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",  # a free port of this host
         max_restarts=0,  # a failed rank fails the job; the resume is the restart
         monitor_interval=0.2,
         start_method="spawn",
     )
-    log(f"starting {n} ranks ({spec.parallel}) on {device}")
     try:
         entry = elastic_launch(config, rank_main)
-        results = entry(OPTIONS.dump_json(opts).decode(), spec.model_dump_json(), os.getpid())
+        results = entry(lead, str(run), model, device, spec.model_dump_json(), payload, os.getpid())
     except ChildFailedError as e:
         raise WorkerFailed(f"the tensor-parallel group failed: {_failures(e)}") from None
-    return _outcome(results[0])
+    return results[0]
 
 
-def rank_main(options: str, run_spec: str, launcher: int) -> str:
-    """One rank's life (the agent's entry point); returns rank 0's outcome as JSON."""
+def rank_main(lead: Lead, run: str, model: str | None, device: str, run_spec: str, payload: str, launcher: int) -> str:
+    """One rank's life (the agent's entry point); returns rank 0's outcome."""
     _die_with(launcher)
-    opts, spec = OPTIONS.validate_json(options), RunSpec.model_validate_json(run_spec)
+    spec = RunSpec.model_validate_json(run_spec)
     rank, local, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    device = opts.resources().device
     cuda = device.startswith("cuda")
     if cuda:
         device = f"cuda:{local}"
@@ -99,32 +112,23 @@ def rank_main(options: str, run_spec: str, launcher: int) -> str:
     try:
         ranks = _gather_ranks(control, device)
         if rank == 0:
-            leader = Leader(control, opts.out, launcher)
-            leader.register(ranks)
-            return _lead(opts, spec, leader)
-        _follow(opts, spec, device, control)
+            leader = Leader(control, ranks)
+            try:
+                return lead(leader, spec, payload)
+            finally:
+                leader.stop()
+        _follow(Path(run), model, spec, device, control)
         return ""
     finally:
         dist.destroy_process_group()
 
 
 class Leader:
-    """Rank 0's side of the control channel (``pipeline.Peers``)."""
+    """Rank 0's side of the control channel (``pipeline.Peers``); ``ranks``: every rank's process."""
 
-    def __init__(self, control, run: Path, launcher: int):
-        self.control, self.run, self.launcher = control, run, launcher
+    def __init__(self, control, ranks: list[registry.Rank]):
+        self.control, self.ranks = control, ranks
         self.stopped = self.agreed = False
-
-    def register(self, ranks: list[registry.Rank]) -> None:
-        """Record every rank's pid in the run folder (``hsx status`` shows them alive or dead)."""
-        record = registry.GroupRecord(
-            host=socket.gethostname(),
-            launcher=self.launcher,
-            launcher_started=psutil.Process(self.launcher).create_time(),
-            started=time.time(),
-            ranks=ranks,
-        )
-        registry.write_group(self.run, record)
 
     def load(self) -> None:
         _send(self.control, LOAD)
@@ -144,8 +148,19 @@ class Leader:
             self.stopped = True
 
 
-def _lead(opts: ExtractOptions, spec: RunSpec, leader: Leader) -> str:
-    """Rank 0: the local job, with the other ranks as its peers; its outcome as JSON."""
+def _lead_local(leader: Leader, spec: RunSpec, options: str) -> str:
+    """Rank 0 of ``hsx extract --tensor-parallel N``: the local job, with the other ranks as its
+    peers, recorded in the run folder (``hsx status`` shows them alive or dead); its outcome as JSON."""
+    opts = OPTIONS.validate_json(options)
+    launcher = os.getppid()
+    record = registry.GroupRecord(
+        host=socket.gethostname(),
+        launcher=launcher,
+        launcher_started=psutil.Process(launcher).create_time(),
+        started=time.time(),
+        ranks=leader.ranks,
+    )
+    registry.write_group(opts.out, record)
     try:
         summary = extract_local(opts, spec=spec, peers=leader)
         outcome = {"summary": SUMMARY.dump_python(summary, mode="json")}
@@ -155,7 +170,7 @@ def _lead(opts: ExtractOptions, spec: RunSpec, leader: Leader) -> str:
     except HsxError as e:
         outcome = {"error": type(e).__name__, "message": str(e)}
     finally:
-        leader.stop()
+        leader.stop()  # before the record goes: a rank seen gone is then really done
     registry.clear_group(opts.out)
     return TypeAdapter(dict).dump_json(outcome).decode()
 
@@ -164,8 +179,7 @@ def _outcome(result: str) -> Summary:
     """Rank 0's outcome, raised or returned here as it was there."""
     out = TypeAdapter(dict).validate_json(result)
     if "error" in out:
-        cls = getattr(errors, out["error"], None)
-        raise (cls if isinstance(cls, type) and issubclass(cls, errors.Refused) else errors.Refused)(out["message"])
+        raise errors.refusal(out["error"], out["message"])
     summary = SUMMARY.validate_python(out["summary"])
     if "clean_stop" in out:
         s = out["clean_stop"]
@@ -173,13 +187,13 @@ def _outcome(result: str) -> Summary:
     return summary
 
 
-def _follow(opts: ExtractOptions, spec: RunSpec, device: str, control) -> None:
+def _follow(run: Path, model: str | None, spec: RunSpec, device: str, control) -> None:
     """Ranks 1..N-1: load when told, capture each batch named, until told to stop."""
     kind, _ = _receive(control)
     if kind == STOP:
         return
-    plan = load_plan(opts.out, spec)
-    backend = open_backend(spec, target.model_dir_for(opts.out, spec, opts.model), device)
+    plan = load_plan(run, spec)
+    backend = open_backend(spec, target.model_dir_for(run, spec, model), device)
     agreed = False
     while True:
         kind, ids = _receive(control)

@@ -62,7 +62,7 @@ class ExtractOptions:
     expert_parallel: int | None = None  # ... with its routed experts split over this many (1 or the TP size)
     tensor_parallel_size: int | None = None  # vllm backend only; not part of the spec
     data_parallel_size: int | None = None  # vllm backend only; not part of the spec
-    workers: int = 0  # scale-out: this many Ray workers, one per GPU (0: this process alone)
+    workers: int = 0  # scale-out: this many Ray workers, each on 1 GPU or a TP group (0: this process alone)
     ray_address: str | None = None  # join this Ray cluster; None: start a local one for the run
     metrics_port: int | None = None  # serve Prometheus' text format on this port while running
     metrics_textfile: Path | None = None  # keep this file in Prometheus' text format (node_exporter)

@@ -3,9 +3,10 @@
 The driver does what a single-process extractor does around the loop: open or create the run,
 hold the run lock (so a second driver, or a plain extractor, is refused), check the space, and
 tally. The loop itself is Ray Data over the run's shard ids: ``map_batches`` with a callable class
-(an actor pool of N, one GPU each, one shard per call). Placement, retries of a shard whose worker
-died (Ray restarts the actor), and backpressure are Ray's; redoing a shard is idempotent because a
-worker redoes it as a resume would. Nothing here needs Ray core actors.
+(an actor pool of N, one shard per call; each actor on one GPU, or on the N GPUs of its own
+tensor-parallel group: scaleout.group). Placement, retries of a shard whose worker died (Ray
+restarts the actor), and backpressure are Ray's; redoing a shard is idempotent because a worker
+redoes it as a resume would. Nothing here needs Ray core actors.
 
 Shards go out unsealed first; with digest verification on (the default) sealed shards follow, so
 the workers verify them in parallel instead of the driver reading the whole run.
@@ -35,7 +36,8 @@ from hsx.progress import Progress
 from hsx.run.folder import open_run, record_model, remove_stray_temps
 from hsx.run.options import ExtractOptions
 from hsx.run.resume import Summary, scan_all
-from hsx.scaleout.worker import ShardResult, ShardWorker, WorkerTask
+from hsx.scaleout.actor import ShardWorker
+from hsx.scaleout.worker import ShardResult, WorkerTask
 from hsx.spec import RunSpec
 from hsx.store import layout
 from hsx.store.scan import scan_run
@@ -119,12 +121,13 @@ def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print
         cluster = Cluster(opts, log)
         stack.callback(cluster.stop)
         gpu = (opts.device or ("cuda" if cluster.gpus else "cpu")).startswith("cuda")
-        if gpu and cluster.gpus < opts.workers:
-            raise Refused(f"{opts.workers} GPU workers asked for, but the Ray cluster has {cluster.gpus} GPUs")
-        opts = dataclasses.replace(opts, device="cuda" if gpu else "cpu")  # a worker sees only its own GPU
+        opts = dataclasses.replace(opts, device="cuda" if gpu else "cpu")  # a worker sees only its own GPUs
         spec = open_run(opts, log)
         if spec.backend != "transformers":
             raise Refused(f"--workers runs the transformers backend; this run uses {spec.backend}: omit --workers")
+        if gpu and cluster.gpus < opts.workers * spec.parallel.ranks:
+            each = f" of {spec.parallel.ranks} GPUs each ({spec.parallel})" if spec.parallel.ranks > 1 else ""
+            raise Refused(f"{opts.workers} GPU workers{each} asked for, but the Ray cluster has {cluster.gpus} GPUs")
         progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
         session: dict = {}
 
@@ -198,11 +201,12 @@ def _extract(
             batch_size=1,
             batch_format="numpy",
             num_cpus=CPUS_PER_WORKER,
-            num_gpus=1 if gpu else None,
+            num_gpus=spec.parallel.ranks if gpu else None,  # a tensor-parallel worker's group: N GPUs
             compute=ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=1),
             max_task_retries=MAX_SHARD_RETRIES,  # a shard whose worker keeps dying fails the run, not loops
         )
-    log(f"extracting {len(todo)} shards with {size} {'GPU' if gpu else 'CPU'} workers")
+    each = f", each a group of {spec.parallel.ranks} ranks ({spec.parallel})" if spec.parallel.ranks > 1 else ""
+    log(f"extracting {len(todo)} shards with {size} {'GPU' if gpu else 'CPU'} workers{each}")
     watch = _Watch(run, registry.driver_id(lock.me), log)
     watch.start()
     stopped: ShardResult | None = None

@@ -1,9 +1,9 @@
-"""The Ray Data pool actor: loads the target once, then extracts whole shards, one per call.
+"""A scale-out worker's work: load the target once, then extract whole shards, one per call.
 
 A shard is done exactly as a resume does it (``run.resume.verify_shard``), so a retried shard (its
 worker died mid-way) keeps its verified samples and redoes the rest with the single-process
-``Extractor`` (same batches, same bytes), then seals. Ray is not imported at module level: only
-the actor, created by Ray, needs it.
+``Extractor`` (same batches, same bytes), then seals. Ray's side is scaleout.actor; this module
+never imports Ray.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import numpy as np
 
 from hsx import registry, target
 from hsx.assess.volume import Forecast, Measured
-from hsx.errors import DiskFull, ModelChanged
+from hsx.errors import DiskFull, HsxError, ModelChanged
 from hsx.lock import Holder
 from hsx.plan import load_plan
 from hsx.progress import Progress
 from hsx.run.options import Resources
-from hsx.run.pipeline import Extractor, open_backend
+from hsx.run.pipeline import Extractor, Peers, open_backend
 from hsx.run.resume import Summary, verify_shard
 from hsx.spec import load_spec
 
@@ -79,22 +79,30 @@ class ShardResult:
         return s
 
 
-class ShardWorker:
-    """Callable class for ``map_batches(batch_size=1)``: one row = one shard id."""
+@dataclass(frozen=True)
+class Where:
+    """What Ray says of a worker, for its heartbeat record."""
 
-    def __init__(self, task: WorkerTask):
-        import ray
+    node: str
+    gpus: list[str]
+    restarted: bool
 
+
+class ShardRunner:
+    """Extracts whole shards, one per call, in this process: a worker alone, or rank 0 of a
+    worker's tensor-parallel group (``peers``: the other ranks; ``ranks``: the group's processes)."""
+
+    def __init__(self, task: WorkerTask, where: Where, peers: Peers | None = None, ranks: list[registry.Rank] = ()):
         self.run = Path(task.run)
         self.task = task
-        ctx = ray.get_runtime_context()
         self.beat = registry.Heartbeat(
             self.run,
             Holder(**task.driver),
-            node=ctx.get_node_id(),
+            node=where.node,
             device=task.resources.device,
-            gpus=[str(g) for g in ray.get_gpu_ids()],
-            restarted=ctx.was_current_actor_reconstructed,
+            gpus=where.gpus,
+            restarted=where.restarted,
+            ranks=list(ranks),
         )
         if not self.beat.driver_holds_run():  # a restart after the driver died: write nothing
             os._exit(registry.FENCED_EXIT)
@@ -106,22 +114,31 @@ class ShardWorker:
             raise ModelChanged(f"the model on {self.beat.record.host}: {e}") from e
         plan = load_plan(self.run, self.spec)
         self.progress = Progress(self.spec.plan.num_samples, self.spec.plan.num_tokens, self.spec.bytes_per_token)
+        if peers is not None:
+            peers.load()
         backend = open_backend(self.spec, model_dir, task.resources.device)
         forecast = Forecast(self.spec, task.on_disk)  # and this worker's own files, as it writes them
         self.extractor = Extractor(
-            self.run, self.spec, plan, backend, task.resources, self.progress, task.reserve, forecast=forecast
+            self.run,
+            self.spec,
+            plan,
+            backend,
+            task.resources,
+            self.progress,
+            task.reserve,
+            peers=peers,
+            forecast=forecast,
         )
         self.beat.counters = self.progress.session
         self.broken: str | None = None  # after a full disk the writer is spent: refuse further shards
         self.beat.update(phase="idle")
 
-    def __call__(self, batch: dict) -> dict:
-        shard = int(batch["shard"][0])
+    def __call__(self, shard: int) -> ShardResult:
         r = ShardResult(shard, self.beat.record.host, os.getpid(), ",".join(self.beat.record.gpus), time.time())
         stop = self.broken or registry.stop_requested(self.run)
         if stop:
             r.error, r.error_kind, r.ended = stop, "skipped", time.time()
-            return r.to_row()
+            return r
         self.beat.update(shard=shard, shard_since=time.time(), phase="working")
         before = self.progress.session()
         summary = Summary.of(self.run, self.spec)
@@ -136,6 +153,8 @@ class ShardWorker:
             self.extractor.close()  # queued writes finish or remove their temp files
             r.error, r.error_kind = str(e), "disk_full"
         except Exception as e:  # reported to the driver, which stops the run cleanly
+            if self.extractor.peers is not None and not isinstance(e, HsxError):
+                raise  # a collective broke (a rank died): the group fails and Ray retries the shard
             r.error, r.error_kind = f"{type(e).__name__}: {e}", "failed"
             traceback.print_exc()
         after = self.progress.session()
@@ -144,4 +163,4 @@ class ShardWorker:
         r.stray, r.quarantined, r.redone = summary.stray_removed, summary.quarantined, json.dumps(summary.redone)
         done = self.beat.record.shards_done + (0 if r.error else 1)
         self.beat.update(shard=None, shard_since=None, phase="idle", shards_done=done)
-        return r.to_row()
+        return r
