@@ -12,6 +12,7 @@ import json
 import os
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -92,7 +93,7 @@ class ShardRunner:
     """Extracts whole shards, one per call, in this process: a worker alone, or rank 0 of a
     worker's tensor-parallel group (``peers``: the other ranks; ``ranks``: the group's processes)."""
 
-    def __init__(self, task: WorkerTask, where: Where, peers: Peers | None = None, ranks: list[registry.Rank] = ()):
+    def __init__(self, task: WorkerTask, where: Where, peers: Peers | None = None, ranks: Sequence[registry.Rank] = ()):
         self.run = Path(task.run)
         self.task = task
         self.beat = registry.Heartbeat(
