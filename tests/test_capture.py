@@ -76,6 +76,32 @@ def test_last_layer_is_captured_before_the_norm(samples, reference):
     assert (batch.aux[0] - ref[8]).abs().max().item() > 1e-2  # so the raw output must differ from it
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_compiled_layout_is_first_traced_on_the_canonical_batches(samples, packed, monkeypatch):
+    """A dynamic-shape graph's kernels are configured from the sizes of the batch it was first
+    traced on; so, whatever batch comes first (a resume starts elsewhere in the plan), a compiled
+    layout's first forward runs the canonical batches first, and only once."""
+    from hsx.capture.transformers import WARM_UP_LENGTHS
+
+    backend = TransformersBackend.load(TINY, LAYERS, "float32", "cpu", packed=packed)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the order of traces is the point here
+    backend.set_compiled(True)
+    shapes, body = [], backend.parts.body
+    backend.parts.body = lambda **kw: shapes.append(tuple(kw["input_ids"].shape)) or body(**kw)
+    first, second = samples[0].input_ids, samples[1].input_ids
+    backend.capture([0], [first])
+    backend.capture([1], [second])
+    if packed:
+        canonical = [(1, sum(lengths)) for lengths in WARM_UP_LENGTHS]
+    else:
+        canonical = [(len(lengths), max(lengths)) for lengths in WARM_UP_LENGTHS]
+    real = [(1, len(first)), (1, len(second))]
+    assert shapes == canonical + real
+    backend.set_packed(not packed)  # the other layout is traced on its own canonical batches
+    backend.capture([0], [first])
+    assert len(shapes) == len(canonical + real) + len(WARM_UP_LENGTHS) + 1
+
+
 def test_default_layers_follow_eagle3():
     assert default_layers(32) == [1, 15, 28]
     assert default_layers(61) == [1, 29, 57]

@@ -10,9 +10,10 @@ discarded. Two batch layouts:
 
 Optionally each decoder layer's forward is compiled (``torch.compile``, dynamic shapes): on an 8B
 model about a quarter of an eager forward is element-wise kernels (RMSNorm's five passes, rotary,
-SiLU, residual adds) that the compiler fuses. Inductor runs in its deterministic mode (no
-on-device benchmarking picks kernels), so every process that compiles the same layer gets the
-same kernels: a resumed run or another scale-out worker computes bit-identical states.
+SiLU, residual adds) that the compiler fuses. Inductor runs in its deterministic mode, pointwise
+kernels are not timed to pick their configs either, and every graph is first traced on the same
+canonical batches (``_warm_up``), so that every process that compiles the same layer gets the same
+kernels: a resumed run or another scale-out worker computes bit-identical states.
 """
 
 from __future__ import annotations
@@ -98,6 +99,15 @@ def varlen_blocker(config: dict, device: str, dtype: str = "auto") -> str | None
 
 EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 
+# Sample lengths of the canonical batches a compiled layout is first traced on (``_warm_up``): a
+# dynamic-shape graph keeps the sizes of the batch it was traced on as the "hints" its kernels are
+# configured by. Two samples of 2047 and 2046 tokens: a packed row of 4093 tokens (prime, so equal to
+# no model dimension: duck sizing would tie it to one) whose longest sample is not the row, and the
+# 2-row padded batch with a mask; two of 2047 (padded rows of equal length need no mask: a graph of
+# their own); one sample of 2047 (the 1-row padded batch: a size of 1 is specialised, so it is a
+# graph of its own); five one-token samples (sizes of 1 the other way round).
+WARM_UP_LENGTHS = ((2047, 2046), (2047, 2047), (2047,), (1, 1, 1, 1, 1))
+
 
 def parallel_refusal(config: dict, tensor: int, expert: int) -> str | None:
     """Why this model cannot be split ``tensor`` ways (experts ``expert`` ways), or None.
@@ -141,6 +151,7 @@ class TransformersBackend:
             self.parts.layers[k].register_forward_hook(self._keep(k))
         self.parts.norm.register_forward_hook(self._keep("final"))
         self.compiled = False
+        self._cold: set[bool] = set()  # layouts (packed or not) not yet traced since compiling
         self.set_compiled(compiled)
 
     def set_packed(self, packed: bool) -> None:
@@ -156,6 +167,14 @@ class TransformersBackend:
             import torch._inductor.config
 
             torch._inductor.config.deterministic = True
+            # Deterministic mode still times the candidate configs of a pointwise kernel on its
+            # first call and keeps the fastest (it takes block sizes not to change the numbers).
+            # A choice made by timing noise may differ in another process: with the warm-up below
+            # alone, compiling the same layers afresh on the same batches in one process still gave
+            # other bits for the same batch now and then; with this off too, it did not (which
+            # timed choice made the difference was not isolated). Each pointwise kernel then runs
+            # the first config of its heuristic, chosen from the sizes alone.
+            torch._inductor.config.triton.autotune_pointwise = False
             # past the limit dynamo would fall back to eager for new shapes without a word: the
             # same batch would then give other bits in another process. Fail instead.
             torch._dynamo.config.fail_on_recompile_limit_hit = True
@@ -165,6 +184,34 @@ class TransformersBackend:
             if compiled:
                 layer.forward = torch.compile(layer.forward, dynamic=True)
         self.compiled = compiled
+        self._cold = {False, True} if compiled else set()
+
+    def _warm_up(self) -> None:
+        """Trace the compiled layers of the current layout on canonical batches before any real one.
+
+        Why: with dynamic shapes, Inductor configures each generated kernel from the sizes of the
+        example it traced first (its size hints). Which configs a persistent reduction such as
+        RMSNorm's may use (XBLOCK, num_warps) depends on the token count's hint, and they can sum a
+        row in another order, hence round it otherwise: on the GPU, the same batch got other bits
+        depending on the batch the process had traced first, and the norm kernel's candidate
+        configs differed with it. So a resume, whose first batch is another, wrote other bits for
+        a sample, from the first token whose norm rounded the other way on, through the causal
+        attention. Traced here first on batches that depend on nothing but the model's config,
+        every process has the same graphs with the same hints, and the real batches reuse them
+        (one more graph only for a single one-token batch, whose static sizes need no hints). The
+        token ids are fixed too, so that data-dependent paths (routers) trace the same way."""
+        config = self.model.config.get_text_config()
+        vocab = int(config.vocab_size)
+        longest = int(getattr(config, "max_position_embeddings", 0) or 0) or max(map(max, WARM_UP_LENGTHS))
+        seqs = 0
+        for lengths in WARM_UP_LENGTHS:
+            lengths = [min(n, longest) for n in lengths]
+            batch = []
+            for n in lengths:
+                batch.append((np.arange(seqs, seqs + n, dtype=np.int64) * 7919 + 13) % vocab)
+                seqs += n
+            self.forward(self.inputs(batch))
+        self._outputs.clear()
 
     @classmethod
     def load(
@@ -245,7 +292,11 @@ class TransformersBackend:
 
     @torch.inference_mode()
     def forward(self, inputs: dict) -> None:
-        """The bare forward pass (the benchmark's reference): embeddings -> layers -> final norm."""
+        """The bare forward pass (the benchmark's reference): embeddings -> layers -> final norm.
+        The first one of a compiled layout traces it on the canonical batches first (``_warm_up``)."""
+        if self.packed in self._cold:
+            self._cold.discard(self.packed)
+            self._warm_up()
         self.parts.body(**inputs, use_cache=False)
 
     @torch.inference_mode()
