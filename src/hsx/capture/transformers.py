@@ -103,10 +103,9 @@ EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 # dynamic-shape graph keeps the sizes of the batch it was traced on as the "hints" its kernels are
 # configured by. Two samples of 2047 and 2046 tokens: a packed row of 4093 tokens (prime, so equal to
 # no model dimension: duck sizing would tie it to one) whose longest sample is not the row, and the
-# 2-row padded batch with a mask; two of 2047 (padded rows of equal length need no mask: a graph of
-# their own); one sample of 2047 (the 1-row padded batch: a size of 1 is specialised, so it is a
-# graph of its own); five one-token samples (sizes of 1 the other way round).
-WARM_UP_LENGTHS = ((2047, 2046), (2047, 2047), (2047,), (1, 1, 1, 1, 1))
+# 2-row padded batch; one sample of 2047 (the 1-row padded batch: a size of 1 is specialised, so
+# it is a graph of its own); five one-token samples (sizes of 1 the other way round).
+WARM_UP_LENGTHS = ((2047, 2046), (2047,), (1, 1, 1, 1, 1))
 
 
 def parallel_refusal(config: dict, tensor: int, expert: int) -> str | None:
