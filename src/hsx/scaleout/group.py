@@ -26,7 +26,7 @@ from pathlib import Path
 from pydantic import TypeAdapter
 
 from hsx import errors
-from hsx.errors import HsxError, WorkerFailed
+from hsx.errors import HsxError
 from hsx.run.group import Leader, run_group
 from hsx.scaleout.worker import ShardResult, ShardRunner, Where, WorkerTask
 from hsx.spec import RunSpec
@@ -70,9 +70,9 @@ class GroupClient:
     def _launch(task: WorkerTask, spec: RunSpec, payload: str) -> None:
         try:
             run_group(spec, task.resources.device, Path(task.run), task.model, serve_shards, payload)
-        except WorkerFailed as e:
-            print(f"hsx worker pid {os.getpid()}: {e}", file=sys.stderr, flush=True)
-            os._exit(GROUP_FAILED)
+        except Exception as e:  # a rank failed (WorkerFailed), or the group could not start at all
+            print(f"hsx worker pid {os.getpid()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            os._exit(GROUP_FAILED)  # the actor waits on rank 0's socket: only ending it ends the wait
 
     def _receive(self) -> dict:
         try:
