@@ -242,6 +242,10 @@ def test_states_that_do_not_fit_their_metadata_are_corrupt(tmp_path):
     states["aux_hidden_states"]["shape"] = [37, 3 * 64 + 1]
     with pytest.raises(BadFile, match="do not decode"):
         decode_tensors(stored, meta | {"states": json.dumps(states)})
+    states = json.loads(meta["states"])
+    states["hidden_states"]["dtype"] = "F64X"  # a dtype name safetensors does not have
+    with pytest.raises(BadFile, match="do not decode"):
+        decode_tensors(load_file(path), meta | {"states": json.dumps(states)})
     stored["aux_hidden_states.zstd"] = stored["aux_hidden_states.zstd"][:-9]
     with pytest.raises(BadFile, match="do not decode"):
         decode_tensors(stored, meta)

@@ -63,6 +63,12 @@ def _dtypes() -> dict:
     }
 
 
+@functools.cache
+def _torch_dtypes() -> dict:
+    """safetensors' dtype name -> torch dtype (a name not here is a corrupt file's: KeyError)."""
+    return {name: t for t, name in _dtypes().items()}
+
+
 DIGEST = "xxh3_128"  # every digest hsx writes: "<DIGEST>:<hex>"
 
 
@@ -207,7 +213,7 @@ def decode_tensors(
         for name, info in json.loads(metadata["states"]).items():
             if name not in STATES:
                 raise ValueError(f"unknown state {name!r}")
-            dtype = next(t for t, n in _dtypes().items() if n == info["dtype"])
+            dtype = _torch_dtypes()[info["dtype"]]
             out |= decode_state(codec, name, stored, dtype, list(info["shape"]), keep_fp8)
     except (KeyError, ValueError, TypeError) as e:
         raise BadFile("corrupt", f"stored tensors do not decode ({e!r})") from e
