@@ -157,7 +157,6 @@ class Verifier:
     ):
         self.run, self.spec, self.first, self.deep, self.summary, self.done = run, spec, first, deep, summary, done
         self.stats = Verified()
-        self.scans: list[ShardScan] = []
         self._queue: queue.Queue = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._verify, name="hsx-verify", daemon=True)
@@ -171,7 +170,6 @@ class Verifier:
         if self._stopping.is_set():
             raise _Stopped
         settle(self.run, scan, self.summary)
-        self.scans.append(scan)
         self.stats.files += scan.opened
         self.stats.bytes += scan.bytes_read
         self.stats.seconds = time.perf_counter() - self._t0
