@@ -254,6 +254,14 @@ class TransformersBackend:
 
         return hook
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """An input's copy to the device that does not stop the host: from pageable memory a CUDA
+        copy first waits for the device to finish all queued work, so the GPU would run dry while
+        the host prepared the next batch; from pinned memory it is queued like a kernel."""
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
     def pad(self, sequences: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-pad to the longest; returns (input_ids, attention_mask) on the device."""
         longest = max(len(s) for s in sequences)
@@ -262,7 +270,7 @@ class TransformersBackend:
         for row, seq in enumerate(sequences):
             ids[row, : len(seq)] = torch.from_numpy(seq.astype(np.int64))
             mask[row, : len(seq)] = 1
-        return ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
+        return self._to_device(ids), self._to_device(mask)
 
     def pack(self, sequences: list[np.ndarray]) -> dict:
         """One row of all samples, per-sample positions and the cu_seqlens the attention reads."""
@@ -270,12 +278,12 @@ class TransformersBackend:
         ids = torch.from_numpy(np.concatenate(sequences).astype(np.int64))[None]
         pos = torch.cat([torch.arange(n) for n in lengths])[None]
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-        dev = {"non_blocking": True}
+        cu = self._to_device(cu)
         return {
-            "input_ids": ids.to(self.device, **dev),
-            "position_ids": pos.to(self.device, **dev),
-            "cu_seq_lens_q": cu.to(self.device, **dev),
-            "cu_seq_lens_k": cu.to(self.device, **dev),
+            "input_ids": self._to_device(ids),
+            "position_ids": self._to_device(pos),
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
             "max_length_q": max(lengths),
             "max_length_k": max(lengths),
         }

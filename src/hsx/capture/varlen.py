@@ -11,7 +11,9 @@ every attention call) and attends within each sample only, in one attention call
 FlashAttention and SDPA's CPU kernel want one head dim for q, k and v; MLA (DeepSeek-V3: q/k 192,
 v 128) gets it by zero-padding the narrower side and slicing the output, which is exact: zero
 columns add nothing to q·k and give zero output columns.
-Its mask function returns None: no [T, T] mask is ever built. Rotary positions come from the
+No mask function is registered with it: transformers then builds no mask at all (no [T, T] mask)
+and skips its packed-sequence detection on ``position_ids``, whose ``.all()`` was a device-to-host
+sync in every forward, which let the GPU run dry between batches. Rotary positions come from the
 per-sample ``position_ids``. The reference tests compare this path with one-sample forwards.
 When the layers are compiled, this function stays outside the graph: it is one kernel already,
 and tracing it would turn its call counter into a guard that forces a recompile on every call.
@@ -149,16 +151,10 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     return out[None], None
 
 
-def no_mask(*args, **kwargs):
-    return None
-
-
 def register() -> str:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, attention)
-    AttentionMaskInterface.register(NAME, no_mask)
     return NAME
 
 
