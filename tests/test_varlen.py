@@ -156,6 +156,31 @@ def test_mla_packed_capture_equals_one_sample_forwards():
     check_packed_against_singles(packed, singles, layers, 64, 1e-5, MOE_SHARE)
 
 
+def test_a_packed_forward_never_makes_transformers_inspect_the_positions(monkeypatch):
+    """transformers' packed-sequence detection reads ``position_ids`` back to the host (``.all()``),
+    a device-to-host sync in every forward that let the GPU run dry between batches; the packed
+    path needs no mask, so it must never get that far. Checked through the detection itself."""
+    import transformers.masking_utils as masking
+
+    calls = []
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: calls.append(1))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_mla_config(), dtype=torch.float32).eval()
+    backend = TransformersBackend(model, [0, 2])
+    seqs = random_samples([30, 7, 12], 512)
+    ids = torch.from_numpy(np.concatenate(seqs))[None]
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with torch.no_grad():  # the probe is live: sdpa with positions and no mask runs the detection
+        backend.parts.body(input_ids=ids, position_ids=positions, use_cache=False)
+    assert calls, "the probe saw no detection under sdpa"
+    calls.clear()
+    backend.set_packed(True)
+    before = varlen.CALLS["kernel"]
+    backend.capture([0, 1, 2], seqs)
+    assert varlen.CALLS["kernel"] - before == model.config.num_hidden_layers
+    assert not calls, "a packed forward ran transformers' packed-sequence detection"
+
+
 # ---------------------------------------------------------------- the packing decision
 
 
