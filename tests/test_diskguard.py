@@ -175,12 +175,12 @@ def test_the_projection_and_the_guard_use_the_codecs_ratio(tmpfs, finished_run):
     with pytest.raises(NotEnoughSpace, match="short by"):
         volume.plan_space(d, raw, lengths, empty, False, None, logged.append)
     space = volume.plan_space(d, fp8, lengths, empty, False, None, logged.append)
-    assert "fp8 stores 0.266 of raw" in logged[-1] and not space.forecast.undecided
+    assert "fp8 stores 0.266 of raw" in logged[-1] and not space.forecast.start.undecided
     with pytest.raises(NotEnoughSpace):
         volume.plan_space(d, zstd, lengths, empty, False, None, logged.append)
     space = volume.plan_space(d, zstd, lengths, empty, False, None, logged.append, measure_first=True)
     assert "zstd at raw size until its ratio is measured on 8 files" in logged[-2]
-    assert "judged again on its first 8 files" in logged[-1] and space.forecast.undecided
+    assert "judged again on its first 8 files" in logged[-1] and space.forecast.start.undecided
 
     # the guard judges it once 8 files are measured: at 0.9 of raw the rest does not fit, at half it does
     f = space.forecast
@@ -223,3 +223,33 @@ def test_a_zstd_run_too_large_at_raw_size_is_judged_on_its_first_files(tmpfs, fi
     expected = expected_files(finished_run, Codec.ZSTD)  # what an uninterrupted zstd run holds
     written = run_files(run)
     assert len(written) == done and all(expected[name] == data for name, data in written.items())
+
+
+def test_a_scaled_out_zstd_run_too_large_at_raw_size_is_judged_by_its_workers(tmpfs, finished_run, tmp_path):
+    """The same run as above over two Ray workers: the driver starts it as a single process would,
+    and the workers' guards judge it on their first files (each against the whole rest of the run).
+    A resume then measures the ratio on the files on disk and is refused at its start."""
+    from conftest import require
+    from hsx.store.codec import Codec
+    from test_codec import expected_files
+
+    require("ray")
+    d = tmpfs("zstd-workers", size="3m")
+    run = d / "run"
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40))
+    refused = hsx(*extract_args(data, run, "--codec", "zstd", "--workers", "2"), check=False)
+    out = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == EXIT_REFUSED, out
+    assert "the run starts and is judged again on its first 8 files" in out
+    assert "measured on its first" in out and "not enough space on" in out
+    done = assert_clean_stop(run)
+    assert 8 <= done < 40
+    expected = expected_files(finished_run, Codec.ZSTD)
+    written = run_files(run)
+    assert len(written) == done and all(expected[name] == data for name, data in written.items())
+
+    again = hsx("extract", "--out", run, "--workers", "2", "--device", "cpu", check=False)
+    out = " ".join((again.stdout + again.stderr).split())
+    assert again.returncode == EXIT_REFUSED, out
+    assert f"measured on {done} files" in out and "not enough space on" in out
+    assert run_files(run) == written

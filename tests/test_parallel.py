@@ -305,3 +305,31 @@ def test_ray_workers_of_tp_groups_survive_a_killed_rank_and_equal_one_group(dens
         assert len(every) >= 4 and _gone(every), groups  # both workers' groups were seen, and are gone
     finally:
         driver.kill_all()
+
+
+def test_a_tp_worker_whose_driver_lost_the_run_stops_with_all_its_ranks(models, data, tmp_path):
+    """Invariant 4 for a worker of several ranks: once another extractor holds the run lock, rank
+    0's heartbeat fences its worker. Rank 1 is frozen meanwhile (the shard cannot finish, and rank 0
+    waits on it in a collective), so the fence, not the end of the run, is what stops the group:
+    rank 0 exits, rank 1 goes with it, and no sample file appears after that. The driver stops
+    too, saying who holds the run (else Ray would restart its fenced worker without end)."""
+    from hsx.lock import LOCK, _me
+    from hsx.store.durable import write_durable
+    from test_scaleout import Driver, records, until
+
+    require("ray")
+    out = tmp_path / "run"
+    driver = Driver(_args(models["dense"], data, out, "--tensor-parallel", "2", "--workers", "1"), tmp_path / "d.log")
+    try:
+        rec = until(lambda: next((r for r in records(out) if r["phase"] == "working"), None), HANG_GUARD_S, driver)
+        ranks = [r["pid"] for r in rec["ranks"]]
+        os.kill(ranks[1], signal.SIGSTOP)
+        write_durable(out / LOCK, _me("extract").model_dump_json().encode())  # another extractor took it over
+        until(lambda: _gone(ranks), HANG_GUARD_S)
+        fenced = run_files(out)
+        assert len(list((out / "shards").glob("*/SEALED"))) < 6, "the run ended before the fence"
+        log = driver.wait(timeout=HANG_GUARD_S)
+        assert driver.proc.returncode == 2 and "another extractor holds this run: pid" in log, log
+        assert run_files(out) == fenced, "a sample was written after the worker was fenced"
+    finally:
+        driver.kill_all()

@@ -265,27 +265,36 @@ def _nothing_yet() -> tuple[int, int, int]:
     return 0, 0, 0
 
 
+@dataclass(frozen=True)
+class Start:
+    """What the start found, as a guard in another process needs it (plain data: it crosses to the
+    scale-out workers as JSON). ``on_disk``: the files on disk. ``undecided``: the start could not
+    tell whether the run fits (zstd, nothing measured, the raw size too large). ``left_tokens``,
+    ``left_files``: what was still to write."""
+
+    on_disk: Measured = Measured()
+    undecided: bool = False
+    left_tokens: int = 0
+    left_files: int = 0
+
+
 @dataclass
 class Forecast:
     """What a run's writes will take, re-judged while it runs: the ratio its guard scales raw
     bytes by, from the files on disk at the start and those this session has written since.
 
-    ``session``: this process's (files, tokens, bytes) written so far (``Progress.session``).
-    ``undecided``: the start could not tell whether the run fits (zstd, nothing measured, the raw
-    size too large): the guard projects the rest once ``MIN_FILES`` are measured, and refuses then.
-    ``left_tokens``, ``left_files``: what was still to write at the start."""
+    ``session``: this process's (files, tokens, bytes) written so far (``Progress.session``). An
+    undecided start is decided by the guard: it projects the rest once ``MIN_FILES`` are measured,
+    and refuses then."""
 
     spec: RunSpec
-    on_disk: Measured = Measured()
+    start: Start = Start()
     session: Callable[[], tuple[int, int, int]] = _nothing_yet
-    undecided: bool = False
-    left_tokens: int = 0
-    left_files: int = 0
     decided: bool = field(default=False, init=False)
 
     def measured(self, session: tuple[int, int, int] | None = None) -> Measured:
         files, tokens, stored = session or self.session()
-        return self.on_disk + Measured(files, tokens * self.spec.bytes_per_token, stored)
+        return self.start.on_disk + Measured(files, tokens * self.spec.bytes_per_token, stored)
 
     def ratio(self) -> float:
         return stored_ratio(self.spec, self.measured())
@@ -293,13 +302,14 @@ class Forecast:
     def decide(self, out: Path, reserve: int) -> None:
         """Once measured, project the rest of an undecided run: refuse (``NotEnoughSpace``) if it
         does not fit; otherwise it is decided and the guard only checks batches from then on."""
-        if not self.undecided or self.decided:
+        if not self.start.undecided or self.decided:
             return
         files, tokens, _ = session = self.session()
         m = self.measured(session)
         if m.files < MIN_FILES:
             return
-        left_tokens, left_files = max(self.left_tokens - tokens, 0), max(self.left_files - files, 0)
+        left_tokens = max(self.start.left_tokens - tokens, 0)
+        left_files = max(self.start.left_files - files, 0)
         proj = project(
             out,
             self.spec.bytes_per_token,
@@ -407,7 +417,5 @@ def plan_space(
                 f"warning: {proj.shortfall()}; --allow-partial: extracting until the volume is too full "
                 "to go on, then stopping cleanly"
             )
-    forecast = Forecast(
-        spec, on_disk, undecided=undecided, left_tokens=int(lengths[missing].sum()), left_files=len(missing)
-    )
-    return Space(proj.reserve, forecast)
+    start = Start(on_disk, undecided, int(lengths[missing].sum()), len(missing))
+    return Space(proj.reserve, Forecast(spec, start))

@@ -14,6 +14,7 @@ the workers verify them in parallel instead of the driver reading the whole run.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import dataclasses
 import os
@@ -164,7 +165,9 @@ def _extract(
     plan = load_plan(run, spec)
     summary = Summary.of(run, spec)
     scans = scan_all(run, spec, deep=False)  # headers only: what to hand out; workers verify and settle
-    space = volume.plan_space(run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log)
+    space = volume.plan_space(
+        run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log, measure_first=True
+    )  # the workers' guards hold the forecast: an unmeasured zstd run may start and be judged on its first files
     todo = [s.shard for s in scans if not s.sealed]
     settled = [s for s in scans if s.sealed]
     if opts.deep_verify:
@@ -186,7 +189,7 @@ def _extract(
         deep_verify=opts.deep_verify,
         driver=lock.me.model_dump(),
         reserve=space.reserve + (opts.workers - 1) * batch,
-        on_disk=space.forecast.on_disk,
+        start=space.forecast.start,
     )
 
     ctx = ray.data.DataContext.get_current()
@@ -230,6 +233,10 @@ def _extract(
                 f"shard {row.shard} sealed: {row.written} written, {row.kept} kept "
                 f"({row.host} pid {row.pid}{gpus}, {row.seconds:.1f}s) [{n}/{len(todo)}]"
             )
+    except KeyboardInterrupt:
+        if watch.lost is None:
+            raise
+        raise Locked(watch.lost) from None  # its workers fence themselves; this driver stops as well
     except Exception as e:  # Ray gave up: a shard's workers kept dying, or the cluster went away
         if stopped is None:
             raise WorkerFailed(
@@ -262,16 +269,27 @@ def _extract(
 
 
 class _Watch:
-    """Says so when a worker of this session dies (Ray restarts it and retries its shard)."""
+    """Says so when a worker of this session dies (Ray restarts it and retries its shard); stops
+    the driver (``Locked``) when another extractor has taken the run over."""
 
     def __init__(self, run: Path, driver: str, log: Callable[[str], None]):
         self.run, self.driver, self.log = run, driver, log
         self.reported: set[str] = set()
+        self.lost: object | None = None  # who holds the run lock now, once this driver lost it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hsx-worker-watch", daemon=True)
 
     def _loop(self) -> None:
+        misses = 0
         while not self._stop.wait(BEAT_EVERY / 2):
+            # another extractor took the run over (this driver's lock went stale): the workers fence
+            # themselves, and Ray would restart them without end, each fenced at its start; stop the
+            # driver too (two checks in a row, like the workers' fence)
+            misses = 0 if registry.driver_holds(self.run, self.driver) else misses + 1
+            if misses >= 2:
+                self.lost = read_holder(self.run) or _NoHolder()
+                _thread.interrupt_main()
+                return
             for s in registry.inspect(self.run):
                 if (
                     s.record.driver != self.driver
@@ -290,3 +308,10 @@ class _Watch:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class _NoHolder:
+    """The run lock is gone (removed by hand): what ``Locked`` says then."""
+
+    def describe(self) -> str:
+        return "no one (the run lock was removed)"

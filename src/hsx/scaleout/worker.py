@@ -20,7 +20,7 @@ from typing import Literal
 import numpy as np
 
 from hsx import registry, target
-from hsx.assess.volume import Forecast, Measured
+from hsx.assess.volume import Forecast, Start
 from hsx.errors import DiskFull, HsxError, ModelChanged
 from hsx.lock import Holder
 from hsx.plan import load_plan
@@ -43,7 +43,9 @@ class WorkerTask:
     deep_verify: bool
     driver: dict  # the driver's lock Holder, as a dict
     reserve: int  # free bytes this worker keeps, counting the other workers' batches
-    on_disk: Measured = field(default_factory=Measured)  # the files on disk at the start: the codec's measured ratio
+    # what the start found (``assess.volume.plan_space``): the files on disk (the codec's measured ratio),
+    # and whether a zstd run too large at raw size is still to be judged on its first files
+    start: Start = field(default_factory=Start)
 
 
 @dataclass
@@ -118,7 +120,10 @@ class ShardRunner:
         if peers is not None:
             peers.load()
         backend = open_backend(self.spec, model_dir, task.resources.device)
-        forecast = Forecast(self.spec, task.on_disk)  # and this worker's own files, as it writes them
+        # the start's forecast, with this worker's own files as it writes them (``Extractor`` binds them). An
+        # undecided run is judged by each worker on its own first files against the whole rest of the run,
+        # not the rest less the other workers' files: it errs high, never low.
+        forecast = Forecast(self.spec, task.start)
         self.extractor = Extractor(
             self.run,
             self.spec,
