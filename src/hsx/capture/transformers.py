@@ -10,8 +10,8 @@ discarded. Two batch layouts:
 
 Optionally each decoder layer's forward is compiled (``torch.compile``, dynamic shapes): on an 8B
 model about a quarter of an eager forward is element-wise kernels (RMSNorm's five passes, rotary,
-SiLU, residual adds) that the compiler fuses. Inductor runs in its deterministic mode, pointwise
-kernels are not timed to pick their configs either, and every graph is first traced on the same
+SiLU, residual adds) that the compiler fuses. Inductor runs in its deterministic mode, no pointwise
+or reduction kernel is timed to pick its configs, and every graph is first traced on the same
 canonical batches (``_warm_up``), so that every process that compiles the same layer gets the same
 kernels: a resumed run or another scale-out worker computes bit-identical states.
 """
@@ -174,6 +174,12 @@ class TransformersBackend:
             # timed choice made the difference was not isolated). Each pointwise kernel then runs
             # the first config of its heuristic, chosen from the sizes alone.
             torch._inductor.config.triton.autotune_pointwise = False
+            # Reductions (RMSNorm's sum of squares) are the same story, and torch 2.11's
+            # deterministic mode does not yet filter their candidate configs down to one, so it
+            # times them: recompiling the same layers 14 times on the H200 gave 2 or 3 different
+            # bit patterns for 20 of 24 batches. This switch makes the filter run (newer torch
+            # does it in deterministic mode anyway); with it, every recompile gave the same bits.
+            torch._inductor.config.test_configs.force_filter_reduction_configs = True
             # past the limit dynamo would fall back to eager for new shapes without a word: the
             # same batch would then give other bits in another process. Fail instead.
             torch._dynamo.config.fail_on_recompile_limit_hit = True
