@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -331,5 +333,30 @@ def test_a_tp_worker_whose_driver_lost_the_run_stops_with_all_its_ranks(models, 
         log = driver.wait(timeout=HANG_GUARD_S)
         assert driver.proc.returncode == 2 and "another extractor holds this run: pid" in log, log
         assert run_files(out) == fenced, "a sample was written after the worker was fenced"
+    finally:
+        driver.kill_all()
+
+
+def test_a_tp_worker_refused_at_load_stops_the_driver_with_that_refusal(models, data, tmp_path):
+    """A refusal that only a worker can meet (its node loads the model: here a checkpoint format
+    transformers does not implement) is the driver's error, naming the worker's ranks, not "Ray gave
+    up" after retries; no rank of the group is left, and no sample was written."""
+    from test_scaleout import Driver
+
+    require("ray")
+    model = tmp_path / "int3"
+    shutil.copytree(models["dense"], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "int3-magic"}}))
+    out = tmp_path / "run"
+    driver = Driver(_args(model, data, out, "--tensor-parallel", "2", "--workers", "1"), tmp_path / "d.log")
+    try:
+        log = driver.wait(timeout=HANG_GUARD_S)
+        assert driver.proc.returncode == 2, log
+        said = re.search(r"error: worker pid (\d+) \(rank 0 of 2: pids (\d+), (\d+)\) on .* refused at load: (.*)", log)
+        assert said and said[1] == said[2] and "quantization method 'int3-magic'" in said[4], log
+        assert "Ray gave up" not in log
+        assert _gone([int(said[2]), int(said[3])])
+        assert not list(out.rglob("*.safetensors")) and not (out / "workers").exists()
     finally:
         driver.kill_all()

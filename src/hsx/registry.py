@@ -28,6 +28,7 @@ from typing import Literal
 import psutil
 from pydantic import BaseModel, Field
 
+from hsx import errors
 from hsx.lock import BEAT_EVERY, STALE_AFTER, Holder, Liveness, Locked, process_alive, read_holder
 from hsx.store.durable import write_durable
 from hsx.store.layout import GROUP, STOP, WORKERS
@@ -50,6 +51,14 @@ class Rank(BaseModel):
     device: str
 
 
+class Refusal(BaseModel):
+    """A refusal a worker met while loading (the model on its node, its checkpoint format): no
+    retry can help, so the driver raises it as its own instead of letting Ray retry."""
+
+    name: str  # the errors.Refused subclass
+    message: str
+
+
 class WorkerRecord(Holder):
     command: str = "worker"
     driver: str
@@ -67,6 +76,7 @@ class WorkerRecord(Holder):
     bytes: int = 0
     tokens_per_s: float = 0.0
     exited: str | None = None  # why it stopped by itself, if it did
+    refused: Refusal | None = None  # what it refused at load (then exited says so too)
 
     def liveness(self, stale_after: float = STALE_AFTER) -> Liveness:
         """The holder's state, or EXITED (stopped by itself) or ENDED (gone while idle)."""
@@ -155,6 +165,15 @@ def totals(run: Path, driver: str) -> tuple[int, int, int]:
         if seen.record.driver == driver:
             s, t, b = s + seen.record.samples, t + seen.record.tokens, b + seen.record.bytes
     return s, t, b
+
+
+def refusal(run: Path, driver: str) -> errors.Refused | None:
+    """The first refusal at load of one driver session's workers, rebuilt with who met it."""
+    for s in inspect(run):
+        r = s.record
+        if r.driver == driver and r.refused is not None:
+            return errors.refusal(r.refused.name, f"worker {r.where()} refused at load: {r.refused.message}")
+    return None
 
 
 def driver_holds(run: Path, driver: str) -> bool:
@@ -275,6 +294,11 @@ class Heartbeat:
                 self.fence()
             except OSError:
                 pass  # a full or flaky volume must not kill the heartbeat; the writer reports it
+
+    def refused(self, e: errors.Refused) -> None:
+        """Record a refusal at load (this process is about to end) for the driver to raise."""
+        refusal = Refusal(name=type(e).__name__, message=str(e))
+        self.update(phase="stopped", exited=f"refused at load: {e}", refused=refusal)
 
     def start(self) -> None:
         self.update()

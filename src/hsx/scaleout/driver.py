@@ -234,10 +234,15 @@ def _extract(
                 f"({row.host} pid {row.pid}{gpus}, {row.seconds:.1f}s) [{n}/{len(todo)}]"
             )
     except KeyboardInterrupt:
+        if watch.refused is not None:
+            raise watch.refused from None
         if watch.lost is None:
             raise
         raise Locked(watch.lost) from None  # its workers fence themselves; this driver stops as well
     except Exception as e:  # Ray gave up: a shard's workers kept dying, or the cluster went away
+        refused = registry.refusal(run, watch.driver)  # a worker refused at load: say what, not "Ray gave up"
+        if refused is not None:
+            raise refused from None
         if stopped is None:
             raise WorkerFailed(
                 f"Ray gave up on the run: {str(e).strip().splitlines()[-1]}\n"
@@ -270,12 +275,14 @@ def _extract(
 
 class _Watch:
     """Says so when a worker of this session dies (Ray restarts it and retries its shard); stops
-    the driver (``Locked``) when another extractor has taken the run over."""
+    the driver when another extractor has taken the run over (``Locked``), or when a worker refused
+    at load (the model on its node, its checkpoint format), which no restart would mend."""
 
     def __init__(self, run: Path, driver: str, log: Callable[[str], None]):
         self.run, self.driver, self.log = run, driver, log
         self.reported: set[str] = set()
         self.lost: object | None = None  # who holds the run lock now, once this driver lost it
+        self.refused: Refused | None = None  # a worker's refusal at load
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hsx-worker-watch", daemon=True)
 
@@ -288,6 +295,10 @@ class _Watch:
             misses = 0 if registry.driver_holds(self.run, self.driver) else misses + 1
             if misses >= 2:
                 self.lost = read_holder(self.run) or _NoHolder()
+                _thread.interrupt_main()
+                return
+            self.refused = registry.refusal(self.run, self.driver)
+            if self.refused is not None:
                 _thread.interrupt_main()
                 return
             for s in registry.inspect(self.run):

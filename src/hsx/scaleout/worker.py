@@ -21,7 +21,7 @@ import numpy as np
 
 from hsx import registry, target
 from hsx.assess.volume import Forecast, Start
-from hsx.errors import DiskFull, HsxError, ModelChanged
+from hsx.errors import DiskFull, HsxError, ModelChanged, Refused
 from hsx.lock import Holder
 from hsx.plan import load_plan
 from hsx.progress import Progress
@@ -110,6 +110,17 @@ class ShardRunner:
         if not self.beat.driver_holds_run():  # a restart after the driver died: write nothing
             os._exit(registry.FENCED_EXIT)
         self.beat.start()
+        try:
+            self._load(task, peers)
+        except Refused as e:  # the driver raises it: a retry on this node would meet it again
+            self.beat.refused(e)
+            raise
+        self.beat.counters = self.progress.session
+        self.broken: str | None = None  # after a full disk the writer is spent: refuse further shards
+        self.beat.update(phase="idle")
+
+    def _load(self, task: WorkerTask, peers: Peers | None) -> None:
+        """Check this node's model, then load it (with the group's other ranks) and the run's plan."""
         self.spec = load_spec(self.run)
         try:  # the driver checked its own copy of the model; this checks this node's
             model_dir = target.model_dir_for(self.run, self.spec, task.model)
@@ -135,9 +146,6 @@ class ShardRunner:
             peers=peers,
             forecast=forecast,
         )
-        self.beat.counters = self.progress.session
-        self.broken: str | None = None  # after a full disk the writer is spent: refuse further shards
-        self.beat.update(phase="idle")
 
     def __call__(self, shard: int) -> ShardResult:
         r = ShardResult(shard, self.beat.record.host, os.getpid(), ",".join(self.beat.record.gpus), time.time())
