@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -133,6 +134,44 @@ def until(what, timeout: float, driver: Driver | None = None, every: float = 0.0
             raise AssertionError(f"the driver ended first:\n{driver.wait()}")
         time.sleep(every)
     raise AssertionError("timed out")
+
+
+def test_a_record_write_cut_off_by_kill9_leaves_nothing_once_the_session_ends(tmp_path):
+    """Ray ends a worker at any instant, also between its heartbeat record's temp file and the
+    rename: the driver's end (and the next driver's start) removes such a file, so the run folder
+    is left as clean as after an uninterrupted run."""
+    from hsx import registry
+    from hsx.lock import _me
+
+    run = tmp_path / "run"
+    registry.folder(run).mkdir(parents=True)
+    code = (
+        "import os, socket, sys, time\n"
+        "from pathlib import Path\n"
+        "from hsx import registry\n"
+        "from hsx.store.durable import write_parts\n"
+        "def parts():\n"
+        "    yield b'{\"host\": '\n"
+        "    print('half written', flush=True)\n"
+        "    time.sleep(3600)\n"
+        "    yield b'}'\n"
+        "write_parts(registry.record_path(Path(sys.argv[1]), socket.gethostname(), os.getpid()), parts())\n"
+    )
+    me = _me("extract --workers 2")
+    ends = {
+        "a driver's end": lambda: registry.clear_session(run, registry.driver_id(me)),
+        "the next driver's start": lambda: registry.settle(run, me, log=lambda _: None),
+    }
+    for when, end in ends.items():
+        writer = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE, text=True)
+        assert writer.stdout.readline() == "half written\n"
+        temps = [p.name for p in registry.folder(run).iterdir()]
+        assert len(temps) == 1 and temps[0].startswith(f".{socket.gethostname()}-{writer.pid}.json.tmp-"), temps
+        writer.kill()
+        writer.wait()
+        end()
+        assert not registry.folder(run).exists(), f"{when} left {list(registry.folder(run).iterdir())}"
+        registry.folder(run).mkdir()
 
 
 def test_importing_hsx_does_not_import_ray():

@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field
 
 from hsx import errors
 from hsx.lock import BEAT_EVERY, STALE_AFTER, Holder, Liveness, Locked, process_alive, read_holder
-from hsx.store.durable import write_durable
+from hsx.store.durable import TMP_MARK, is_temp, write_durable
 from hsx.store.layout import GROUP, STOP, WORKERS
 
 Phase = Literal["loading", "idle", "working", "stopped"]
@@ -217,6 +217,7 @@ def settle(run: Path, me: Holder, log: Callable[[str], None], timeout: float = S
         time.sleep(0.5)
     for s in others:
         s.path.unlink(missing_ok=True)
+    _remove_cut_writes(run, {s.path.name for s in others})
     with contextlib.suppress(OSError):
         folder(run).rmdir()  # only when empty: a live session's records stay
     if others:
@@ -229,10 +230,30 @@ def clear_session(run: Path, driver: str) -> list[Seen]:
     seen = [s for s in inspect(run) if s.record.driver == driver]
     for s in seen:
         s.path.unlink(missing_ok=True)
+    _remove_cut_writes(run, {s.path.name for s in seen})
     (folder(run) / STOP).unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         folder(run).rmdir()
     return seen
+
+
+def _remove_cut_writes(run: Path, ended: set[str]) -> int:
+    """Remove what heartbeat writes cut off by a kill left (Ray ends a worker at any instant, also
+    between a record's temp file and its rename): the temp files of the records ``ended`` (workers
+    known to be over), and those whose writer on this host is gone. Returns how many."""
+    host, removed = socket.gethostname(), 0
+    try:
+        temps = [p for p in folder(run).iterdir() if is_temp(p.name)]
+    except OSError:
+        return 0
+    for p in temps:
+        record, _, writer = p.name[1:].partition(TMP_MARK)  # .NAME.tmp-PID-TID (store.durable)
+        pid = writer.split("-", 1)[0]
+        gone_here = pid.isdigit() and record == f"{host}-{pid}.json" and not psutil.pid_exists(int(pid))
+        if record in ended or gone_here:
+            p.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 class Heartbeat:
