@@ -167,9 +167,10 @@ def totals(run: Path, driver: str) -> tuple[int, int, int]:
     return s, t, b
 
 
-def refusal(run: Path, driver: str) -> errors.Refused | None:
-    """The first refusal at load of one driver session's workers, rebuilt with who met it."""
-    for s in inspect(run):
+def refusal(seen: list[Seen], driver: str) -> errors.Refused | None:
+    """The first refusal at load among one driver session's workers (of ``inspect``), rebuilt with
+    who met it."""
+    for s in seen:
         r = s.record
         if r.driver == driver and r.refused is not None:
             return errors.refusal(r.refused.name, f"worker {r.where()} refused at load: {r.refused.message}")

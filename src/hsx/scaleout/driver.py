@@ -240,7 +240,7 @@ def _extract(
             raise
         raise Locked(watch.lost) from None  # its workers fence themselves; this driver stops as well
     except Exception as e:  # Ray gave up: a shard's workers kept dying, or the cluster went away
-        refused = registry.refusal(run, watch.driver)  # a worker refused at load: say what, not "Ray gave up"
+        refused = registry.refusal(registry.inspect(run), watch.driver)  # say what, not "Ray gave up"
         if refused is not None:
             raise refused from None
         if stopped is None:
@@ -297,11 +297,12 @@ class _Watch:
                 self.lost = read_holder(self.run) or _NoHolder()
                 _thread.interrupt_main()
                 return
-            self.refused = registry.refusal(self.run, self.driver)
+            seen = registry.inspect(self.run)
+            self.refused = registry.refusal(seen, self.driver)
             if self.refused is not None:
                 _thread.interrupt_main()
                 return
-            for s in registry.inspect(self.run):
+            for s in seen:
                 if (
                     s.record.driver != self.driver
                     or s.state not in (Liveness.DEAD, Liveness.STALE)
