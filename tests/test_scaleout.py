@@ -138,8 +138,9 @@ def until(what, timeout: float, driver: Driver | None = None, every: float = 0.0
 
 def test_a_record_write_cut_off_by_kill9_leaves_nothing_once_the_session_ends(tmp_path):
     """Ray ends a worker at any instant, also between its heartbeat record's temp file and the
-    rename: the driver's end (and the next driver's start) removes such a file, so the run folder
-    is left as clean as after an uninterrupted run."""
+    rename: the driver's end (and the next driver's start) removes such a file, of a writer seen
+    dead on this host or of a record it clears (a worker on another node), so the run folder is
+    left as clean as after an uninterrupted run."""
     from hsx import registry
     from hsx.lock import _me
 
@@ -158,17 +159,22 @@ def test_a_record_write_cut_off_by_kill9_leaves_nothing_once_the_session_ends(tm
         "write_parts(registry.record_path(Path(sys.argv[1]), socket.gethostname(), os.getpid()), parts())\n"
     )
     me = _me("extract --workers 2")
-    ends = {
-        "a driver's end": lambda: registry.clear_session(run, registry.driver_id(me)),
-        "the next driver's start": lambda: registry.settle(run, me, log=lambda _: None),
+    ends = {  # (the end, the driver of the remote worker's record it clears)
+        "a driver's end": (lambda: registry.clear_session(run, registry.driver_id(me)), registry.driver_id(me)),
+        "the next driver's start": (lambda: registry.settle(run, me, log=lambda _: None), "an earlier driver"),
     }
-    for when, end in ends.items():
+    for when, (end, driver) in ends.items():
         writer = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE, text=True)
         assert writer.stdout.readline() == "half written\n"
         temps = [p.name for p in registry.folder(run).iterdir()]
         assert len(temps) == 1 and temps[0].startswith(f".{socket.gethostname()}-{writer.pid}.json.tmp-"), temps
         writer.kill()
         writer.wait()
+        # and a worker on another node (whose process this host cannot see), cut off in its next write
+        remote = registry.record_path(run, "other-node", writer.pid)
+        fields = _me("worker").model_dump() | {"host": "other-node", "pid": writer.pid, "heartbeat": 0.0}
+        remote.write_text(registry.WorkerRecord(**fields, driver=driver).model_dump_json())
+        remote.with_name(f".{remote.name}.tmp-{writer.pid}-1").write_bytes(b'{"host": ')
         end()
         assert not registry.folder(run).exists(), f"{when} left {list(registry.folder(run).iterdir())}"
         registry.folder(run).mkdir()

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from hsx.store import layout
-from hsx.store.durable import is_temp, write_parts
+from hsx.store.durable import is_temp, temp_name, temp_of, write_parts
 from hsx.store.format import BadFile, SampleTensors, check, encode, read_header
 from hsx.store.scan import scan_shard
 from hsx.store.writer import SampleWriter, read_seal, seal
@@ -146,6 +146,15 @@ def test_writer_error_removes_temp_file_and_stops(tmp_path):
     assert not [p for p in layout.shard_dir(tmp_path, 0).iterdir() if is_temp(p.name)]
     with pytest.raises(OSError):
         writer.submit(_sample(2, layers=1))
+
+
+def test_a_temp_file_names_what_it_was_to_become_and_its_writer(tmp_path):
+    """The sweepers of cut-off writes (run folder, worker records) read the temp name back."""
+    path = tmp_path / "host-7.json"
+    assert temp_of(temp_name(path).name) == ("host-7.json", os.getpid())
+    assert temp_of(".plan.json.tmp-123") == ("plan.json", 123)  # a temp without a thread id
+    assert temp_of(".x.json.tmp-abc") == ("x.json", None)  # another naming: no writer to check
+    assert temp_of("host-7.json") is None and temp_of("x.tmp-1") is None
 
 
 def test_a_valid_file_that_is_not_the_sealed_one_is_redone(tmp_path):

@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field
 
 from hsx import errors
 from hsx.lock import BEAT_EVERY, STALE_AFTER, Holder, Liveness, Locked, process_alive, read_holder
-from hsx.store.durable import TMP_MARK, is_temp, write_durable
+from hsx.store.durable import temp_of, write_durable
 from hsx.store.layout import GROUP, STOP, WORKERS
 
 Phase = Literal["loading", "idle", "working", "stopped"]
@@ -238,23 +238,22 @@ def clear_session(run: Path, driver: str) -> list[Seen]:
     return seen
 
 
-def _remove_cut_writes(run: Path, ended: set[str]) -> int:
+def _remove_cut_writes(run: Path, ended: set[str]) -> None:
     """Remove what heartbeat writes cut off by a kill left (Ray ends a worker at any instant, also
     between a record's temp file and its rename): the temp files of the records ``ended`` (workers
-    known to be over), and those whose writer on this host is gone. Returns how many."""
-    host, removed = socket.gethostname(), 0
+    known to be over, on any host), and those whose writer on this host is gone."""
     try:
-        temps = [p for p in folder(run).iterdir() if is_temp(p.name)]
+        names = [p.name for p in folder(run).iterdir()]
     except OSError:
-        return 0
-    for p in temps:
-        record, _, writer = p.name[1:].partition(TMP_MARK)  # .NAME.tmp-PID-TID (store.durable)
-        pid = writer.split("-", 1)[0]
-        gone_here = pid.isdigit() and record == f"{host}-{pid}.json" and not psutil.pid_exists(int(pid))
+        return
+    host = socket.gethostname()
+    for name in names:
+        if (of := temp_of(name)) is None:
+            continue
+        record, pid = of
+        gone_here = pid is not None and record == record_path(run, host, pid).name and not psutil.pid_exists(pid)
         if record in ended or gone_here:
-            p.unlink(missing_ok=True)
-            removed += 1
-    return removed
+            (folder(run) / name).unlink(missing_ok=True)
 
 
 class Heartbeat:

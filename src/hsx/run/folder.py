@@ -19,7 +19,7 @@ from hsx.run.options import DEFAULTS, ExtractOptions, resolve_compile, resolve_p
 from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, differences, load_spec, now, record_location, who
 from hsx.store import layout
 from hsx.store.codec import Codec
-from hsx.store.durable import TMP_MARK, is_temp, write_durable
+from hsx.store.durable import temp_of, write_durable
 from hsx.store.format import FINAL_STATE
 
 
@@ -47,11 +47,12 @@ def asked(opts: ExtractOptions) -> dict:
 def remove_stray_temps(run: Path) -> int:
     """Remove the temp files a killed process left beside the run's own files (spec, plan, rejects,
     lock, metrics); shard folders are tidied by the scan. Returns how many were removed."""
-    removed, mine = 0, f"{TMP_MARK}{os.getpid()}-"  # never this process's own (its heartbeat's)
+    removed = 0
     for folder in (run, run / layout.PLAN_DIR):
         if folder.is_dir():
             for p in folder.iterdir():
-                if is_temp(p.name) and mine not in p.name and p.is_file():
+                of = temp_of(p.name)  # never this process's own (its heartbeat's)
+                if of is not None and of[1] != os.getpid() and p.is_file():
                     p.unlink(missing_ok=True)
                     removed += 1
     return removed

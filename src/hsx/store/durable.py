@@ -27,6 +27,16 @@ def temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
 
 
+def temp_of(name: str) -> tuple[str, int | None] | None:
+    """What a temp file is of: (the NAME it was to become, its writer's pid), or None if ``name``
+    is no temp file; the pid is None for a temp of another naming (an older hsx)."""
+    if not is_temp(name):
+        return None
+    target, _, writer = name[1:].partition(TMP_MARK)
+    pid = writer.split("-", 1)[0]
+    return target, int(pid) if pid.isdigit() else None
+
+
 def _full(e: OSError) -> bool:
     return e.errno in (errno.ENOSPC, errno.EDQUOT)
 
