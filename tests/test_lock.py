@@ -3,6 +3,7 @@ locks are reported and taken over; status shows who holds the run and its live m
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +24,9 @@ from hsx.assess import workers
 from hsx.assess.status import assess
 from hsx.cli import app
 from hsx.lock import LOCK, Holder, Locked, RunLock, read_holder
-from hsx.store.layout import METRICS
+from hsx.store.layout import GUARD, METRICS
+
+HANG_GUARD_S = 600  # a hang, not a pace
 
 
 def write_lock(run: Path, **kw) -> Holder:
@@ -42,6 +46,21 @@ def dead_pid() -> tuple[int, float]:
     return p.pid, started
 
 
+def guard_free(run: Path) -> bool:
+    """Whether no process holds the flock on the run's guard (taken only while a lock is judged)."""
+    try:
+        fd = os.open(run / GUARD, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
 @pytest.fixture
 def run(finished_run, tmp_path) -> Path:
     return Path(shutil.copytree(finished_run, tmp_path / "run"))
@@ -59,7 +78,9 @@ def test_second_extractor_is_refused_while_the_first_runs(tmp_path, convs):
     )
     try:
         deadline = time.monotonic() + 120
-        while (h := read_holder(out)) is None or h.pid != first.pid:
+        # The lock file appears before its taker lets go of the guard's flock: frozen in between, the
+        # first would hold the guard, and the second would wait on it instead of being refused.
+        while (h := read_holder(out)) is None or h.pid != first.pid or not guard_free(out):
             assert first.poll() is None and time.monotonic() < deadline, "the first extractor never took the lock"
             time.sleep(0.01)
         first.send_signal(signal.SIGSTOP)  # alive and holding the lock for as long as the test needs
@@ -81,6 +102,39 @@ def test_second_extractor_is_refused_while_the_first_runs(tmp_path, convs):
         _, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
     assert not (out / LOCK).exists()  # released on exit
+    assert assess(out).exit_code == 0
+
+
+def test_an_extractor_waiting_on_a_held_guard_says_so_then_goes_on(tmp_path, convs):
+    """A process frozen while it judges the lock (it holds the guard's flock) makes the next
+    extractor wait: it says whom it waits for instead of hanging silently, and goes on once freed."""
+    out = tmp_path / "run"
+    out.mkdir()
+    fd = os.open(out / GUARD, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hsx", *map(str, extract_args(convs, out))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
+    hang = threading.Timer(HANG_GUARD_S, proc.kill)  # no word ever: the loop below ends, and fails
+    hang.start()
+    try:
+        seen = []
+        for line in proc.stdout:  # waits for the line, however long the start takes
+            seen.append(line)
+            if "waiting for another process taking this run's lock" in line:
+                break
+        else:
+            pytest.fail(f"no word of the wait before the extractor ended: {''.join(seen)}")
+        assert read_holder(out) is None  # it waits: it has taken nothing
+    finally:
+        hang.cancel()
+        os.close(fd)  # the frozen taker's turn ends
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, "".join(seen) + rest
     assert assess(out).exit_code == 0
 
 

@@ -121,7 +121,11 @@ class RunLock:
         kernel drops an flock when its process dies: no stale guard); one turn decides."""
         fd = os.open(self.run / GUARD, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # say so: a taker frozen mid-turn (e.g. ^Z) would be a silent hang
+                self.warn(f"waiting for another process taking this run's lock (it holds {GUARD})")
+                fcntl.flock(fd, fcntl.LOCK_EX)
             if self._create(self.me.model_dump_json().encode()):
                 return
             holder = read_holder(self.run)
