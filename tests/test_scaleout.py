@@ -281,3 +281,28 @@ def test_driver_sigkilled_then_a_plain_extract_finishes_the_run(reference, tmp_p
     assert run_files(out) == expected
     assert not (out / "workers").exists()
     assert status_json(out)[0] == 0
+
+
+def test_the_driver_watch_wakes_a_main_thread_blocked_without_timeout(tmp_path):
+    """Once the run is taken over, the watch stops the main thread even where it waits with no
+    timeout (a flag-only interrupt is never seen there: a CI hang of the TP fence test)."""
+    import threading
+
+    from hsx.lock import LOCK, _me
+    from hsx.scaleout.driver import _Watch
+    from hsx.store.durable import write_durable
+
+    write_durable(tmp_path / LOCK, _me("extract").model_dump_json().encode())  # held by another session
+    watch = _Watch(tmp_path, "elsewhere:1:0.0", lambda m: None)
+    blocked = threading.Event()
+    hang = threading.Timer(600, blocked.set)  # a hang, not a pace: then the wait ends and the test fails
+    hang.start()
+    watch.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            blocked.wait()
+        watch.heard.set()
+    finally:
+        hang.cancel()
+        watch.stop()
+    assert watch.lost is not None and watch.lost.pid == os.getpid()

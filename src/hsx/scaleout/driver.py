@@ -14,11 +14,11 @@ the workers verify them in parallel instead of the driver reading the whole run.
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -234,6 +234,7 @@ def _extract(
                 f"({row.host} pid {row.pid}{gpus}, {row.seconds:.1f}s) [{n}/{len(todo)}]"
             )
     except KeyboardInterrupt:
+        watch.heard.set()
         if watch.refused is not None:
             raise watch.refused from None
         if watch.lost is None:
@@ -283,25 +284,30 @@ class _Watch:
         self.reported: set[str] = set()
         self.lost: object | None = None  # who holds the run lock now, once this driver lost it
         self.refused: Refused | None = None  # a worker's refusal at load
+        self.heard = threading.Event()  # the main thread caught the interrupt
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hsx-worker-watch", daemon=True)
 
     def _loop(self) -> None:
         misses = 0
         while not self._stop.wait(BEAT_EVERY / 2):
+            if self.lost is not None or self.refused is not None:
+                if not self.heard.is_set():
+                    self._interrupt()  # again, until heard: an interrupt is never lost to a busy moment
+                continue
             # another extractor took the run over (this driver's lock went stale): the workers fence
             # themselves, and Ray would restart them without end, each fenced at its start; stop the
             # driver too (two checks in a row, like the workers' fence)
             misses = 0 if registry.driver_holds(self.run, self.driver) else misses + 1
             if misses >= 2:
                 self.lost = read_holder(self.run) or _NoHolder()
-                _thread.interrupt_main()
-                return
+                self._interrupt()
+                continue
             seen = registry.inspect(self.run)
             self.refused = registry.refusal(seen, self.driver)
             if self.refused is not None:
-                _thread.interrupt_main()
-                return
+                self._interrupt()
+                continue
             for s in seen:
                 if (
                     s.record.driver != self.driver
@@ -313,6 +319,12 @@ class _Watch:
                 r = s.record
                 what = f"holding shard {r.shard}; Ray retries the shard" if r.shard is not None else f"while {r.phase}"
                 self.log(f"worker {r.where()} died {what} on a restarted worker")
+
+    @staticmethod
+    def _interrupt() -> None:
+        """KeyboardInterrupt in the main thread by a real SIGINT: ``_thread.interrupt_main`` only
+        sets a flag, which a main thread blocked in a wait without timeout never looks at."""
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     def start(self) -> None:
         self._thread.start()
