@@ -14,6 +14,7 @@ from conftest import flip_byte
 from hsx.data import (
     HsxDataset,
     LengthBatchSampler,
+    SamplesUnavailableWarning,
     SampleUnavailable,
     collate_packed,
     collate_padded,
@@ -50,7 +51,10 @@ def test_only_sealed_shards_are_read_unless_asked(finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     (run / "shards" / "000001" / "SEALED").unlink()  # shard 1 as if still being written
-    assert HsxDataset(run).ids == [*range(10), *range(20, 40)]
+    with pytest.warns(SamplesUnavailableWarning, match=r"10 unsealed \(ids 10, 11, 12, 13, 14, \.\.\.\)"):
+        ds = HsxDataset(run)
+    assert ds.ids == [*range(10), *range(20, 40)]
+    assert ds.unavailable == dict.fromkeys(range(10, 20), "unsealed: shard 000001 is not finished by the extraction")
     assert HsxDataset(run, sealed_only=False).ids == list(range(40))
 
 
@@ -67,6 +71,51 @@ def test_digest_check_on_read_catches_a_flipped_bit(finished_run, tmp_path):
         HsxDataset(run, ids=[4])[0]
     with pytest.raises(SampleUnavailable, match="outside the plan"):
         HsxDataset(run, ids=[40])
+
+
+def test_a_damaged_file_costs_only_its_own_sample_and_is_named(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    truncated = sample_file(run, 3)
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    sample_file(run, 14).unlink()
+    flip_byte(sample_file(run, 25), -5)  # in the data: only a digest tells
+    originals = {i: sample_file(finished_run, i).read_bytes() for i in range(40)}
+    intact = [
+        i for i in range(40) if sample_file(run, i).is_file() and sample_file(run, i).read_bytes() == originals[i]
+    ]
+    assert len(intact) == 37
+
+    with pytest.warns(SamplesUnavailableWarning, match=r"2 of 40 samples are not served.*1 missing \(id 14\)"):
+        cheap = HsxDataset(run)  # header and size: the bit flip is not seen until its digest is read
+    assert cheap.ids == sorted([*intact, 25])
+    assert sorted(cheap.unavailable) == [3, 14]
+    assert cheap.unavailable[3].startswith("truncated: shards/000000/000000003.safetensors")
+    assert cheap.unavailable[14] == "missing: shards/000001/000000014.safetensors"
+    with (
+        pytest.warns(SamplesUnavailableWarning),
+        pytest.raises(SampleUnavailable, match=r"sample 25: .*digest mismatch"),
+    ):
+        HsxDataset(run, verify=True)[cheap.ids.index(25)]
+
+    with pytest.warns(SamplesUnavailableWarning, match=r"3 of 40 .*1 corrupt \(id 25\).*1 truncated \(id 3\)"):
+        ds = HsxDataset(run, deep=True)
+    assert ds.ids == intact and sorted(ds.unavailable) == [3, 14, 25]
+    assert "digest mismatch" in ds.unavailable[25]
+    served = []
+    loader = DataLoader(ds, batch_sampler=LengthBatchSampler(ds.lengths, 600, shuffle=False), collate_fn=collate_padded)
+    for batch in loader:
+        for b, sid in enumerate(batch["sample_ids"].tolist()):
+            raw = load_file(sample_file(finished_run, sid))
+            n = int(batch["lengths"][b])
+            assert torch.equal(batch["hidden_states"][b, :n], raw["hidden_states"])
+            served.append(sid)
+    assert sorted(served) == intact  # every intact sample once, and nothing else
+
+    for deep in (False, True):
+        with pytest.raises(SampleUnavailable, match=r"not served: .*strict refuses a run with any"):
+            HsxDataset(run, strict=True, deep=deep)
+    assert len(HsxDataset(finished_run, strict=True)) == 40
 
 
 def test_length_batches_respect_the_budget_and_cover_every_index_once():

@@ -2,24 +2,29 @@
 
 The dataset reads raw sample files through ``safe_open`` (memory-mapped, no pickle) and decodes
 encoded ones (``hsx.store.codec``) to the same tensors, so a trainer sees one kind of sample
-whatever the run's codec. By default it reads only from shards whose ``SEALED`` manifest agrees
-with the files, so a trainer never sees a sample that a running or crashed extraction may still
-rewrite. Lengths come from the plan, so batching needs no file reads. Batches are a function of
-(lengths, budget, seed, epoch), and every rank computes the same list and takes its own slice: no
-communication, same result on any machine.
+whatever the run's codec. By default it serves only files that a ``SEALED`` manifest records (a
+shard the extraction finished once), so a trainer never sees a sample that a running or crashed
+extraction may still rewrite. A damaged or missing file costs exactly its own sample: every other
+one is served, and each one left out is named (a warning, and ``HsxDataset.unavailable``), never
+dropped in silence; ``strict`` refuses a run with any. Lengths come from the plan, so batching
+needs no file reads. Batches are a function of (lengths, budget, seed, epoch), and every rank
+computes the same list and takes its own slice: no communication, same result on any machine.
 """
 
 from __future__ import annotations
 
 import random
+import warnings
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from hsx.errors import SampleUnavailable
+from hsx.errors import Damage, SampleUnavailable
 from hsx.plan import Plan, batches_for
 from hsx.spec import RunSpec, load_spec
 from hsx.store import layout
@@ -47,21 +52,71 @@ def read_mapped(path: Path, sample_id: int, keep_fp8: bool = False) -> dict[str,
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a Mapping
 
 
-def available_ids(run: Path, spec: RunSpec, sealed_only: bool = True, threads: int = 8) -> list[int]:
-    """Ids with a good file (cheap check): only those of sealed shards unless ``sealed_only`` is off."""
-    scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False, threads=threads, codec=spec.codec)
-    return sorted(i for s in scans if s.sealed or not sealed_only for i in s.good)
+class SamplesUnavailableWarning(UserWarning):
+    """Some of a run's samples are not served (``HsxDataset.unavailable`` names each)."""
+
+
+@dataclass
+class Availability:
+    """Which of a run's samples a reader can serve: ``ids`` with a good file, and every other id of
+    the plan with why not (``unavailable``: id -> "kind: detail", kind being a ``Damage`` or
+    ``unsealed``)."""
+
+    ids: list[int] = field(default_factory=list)
+    unavailable: dict[int, str] = field(default_factory=dict)
+
+    def summary(self, limit: int = 5) -> str:
+        """One line: how many of each kind, with their first ids."""
+        by_kind: dict[str, list[int]] = defaultdict(list)
+        for sid, reason in sorted(self.unavailable.items()):
+            by_kind[reason.split(":", 1)[0]].append(sid)
+        return "; ".join(
+            f"{len(ids)} {kind} (id{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids[:limit]))}"
+            f"{', ...' if len(ids) > limit else ''})"
+            for kind, ids in sorted(by_kind.items())
+        )
+
+
+def available_ids(
+    run: Path, spec: RunSpec, sealed_only: bool = True, threads: int = 8, deep: bool = False
+) -> Availability:
+    """Every id with a good file (cheap check, or ``deep``: its digest too), and why each other one
+    is left out. ``sealed_only``: only files a SEALED manifest records (the scan already refuses a
+    file that differs from its shard's manifest); a shard without one is still being written."""
+    scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=deep, threads=threads, codec=spec.codec)
+    out = Availability()
+    for s in scans:
+        if sealed_only and s.manifest is None:
+            why = "its SEALED manifest is unreadable" if s.manifest_unreadable else "not finished by the extraction"
+            out.unavailable |= dict.fromkeys(s.expected, f"unsealed: shard {s.shard:06d} is {why}")
+            continue
+        out.ids += s.good
+        found = {p.sample_id: p for p in s.problems if p.sample_id in s.expected}
+        for sid in s.missing:
+            p = found.get(sid)
+            out.unavailable[sid] = (
+                f"{p.kind}: {p.path} ({p.detail})"
+                if p is not None
+                else f"{Damage.MISSING}: {layout.sample_path(run, sid, spec.shard_size).relative_to(run)}"
+            )
+    out.ids.sort()
+    return out
 
 
 class HsxDataset(Dataset):
     """A run's samples as dicts of tensors: ``input_ids`` and ``loss_mask`` int64 [T],
     ``aux_hidden_states`` [T, L*H], ``hidden_states`` [T, H] (post-norm), ``sample_id``.
 
-    ``ids`` restricts (and orders) the samples; by default every sample of a sealed shard.
-    ``verify`` checks each file's digest as it is read (one read, no second pass); encoded files
-    are always checked. ``keep_fp8``: for a run stored as fp8, the states come as stored,
-    float8_e4m3fn, with ``aux_hidden_states_scale`` [T, L] and ``hidden_states_scale`` [T, 1]
-    beside them (``hsx.store.codec.dequantize`` gives the model's dtype back, on any device).
+    ``ids`` restricts (and orders) the samples; by default every sample with a good file (header
+    and size checked; ``deep``: its digest too, one parallel pass over the run before serving)
+    that a SEALED manifest records (``sealed_only``). Each sample left out is in ``unavailable``
+    (id -> reason) and a ``SamplesUnavailableWarning`` names them; ``strict`` refuses the run
+    instead (``SampleUnavailable``). ``verify`` checks each file's digest as it is read (one read,
+    no second pass): a file damaged since raises ``SampleUnavailable`` naming it, never another
+    sample in its place. Encoded files are always checked. ``keep_fp8``: for a run stored as fp8,
+    the states come as stored, float8_e4m3fn, with ``aux_hidden_states_scale`` [T, L] and
+    ``hidden_states_scale`` [T, 1] beside them (``hsx.store.codec.dequantize`` gives the model's
+    dtype back, on any device).
     """
 
     def __init__(
@@ -71,6 +126,8 @@ class HsxDataset(Dataset):
         verify: bool = False,
         sealed_only: bool = True,
         keep_fp8: bool = False,
+        strict: bool = False,
+        deep: bool = False,
     ):
         self.run = Path(run)
         self.spec = load_spec(self.run)
@@ -78,8 +135,18 @@ class HsxDataset(Dataset):
         self.verify = verify
         self.keep_fp8 = keep_fp8
         self.layers = list(self.spec.layers)
+        self.unavailable: dict[int, str] = {}  # id -> why it is not served (ids given: not looked at)
         if ids is None:
-            ids = available_ids(self.run, self.spec, sealed_only)
+            found = available_ids(self.run, self.spec, sealed_only, deep=deep)
+            ids, self.unavailable = found.ids, found.unavailable
+            if found.unavailable:
+                what = (
+                    f"{self.run}: {len(found.unavailable)} of {len(self.plan)} samples are not served: "
+                    f"{found.summary()}. hsx extract --out {self.run} redoes them (and finishes unsealed shards)"
+                )
+                if strict:
+                    raise SampleUnavailable(f"{what}; strict refuses a run with any (drop it to train on the rest)")
+                warnings.warn(f"{what}; HsxDataset.unavailable names each", SamplesUnavailableWarning, stacklevel=2)
         else:
             bad = [i for i in ids if not 0 <= i < len(self.plan)]
             if bad:
