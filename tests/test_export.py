@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -17,11 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY, conversations, flip_byte, require, write_jsonl
+from conftest import TINY, conversations, flip_byte, hsx, require, write_jsonl
 from hsx.data import HsxDataset
 from hsx.errors import NormUnavailable
-from hsx.export.core import LOG, MANIFEST
+from hsx.export.core import JOB, LOG, MANIFEST
 from hsx.export.norm import TOLERANCE, load_final_norm, measure
+from hsx.plan import Plan
 
 warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
 RUN_ARGS = ("--shard-size", "10", "--batch-tokens", "512", "--writers", "2", "--device", "cpu")
@@ -385,6 +387,81 @@ def test_allow_incomplete_exports_the_finished_samples(runs, tmp_path):
     export(run, tmp_path / "d", "--to", "modelopt", "--allow-incomplete")
     m = manifest_ok(tmp_path / "d", 19)
     assert [s["sample_id"] for s in m["samples"]] == [i for i in range(20) if i != 4]
+
+
+def printed(text: str, after: str) -> list[str]:
+    """The command hsx printed after ``after`` (to the end of its line), as arguments of ``hsx``."""
+    line = text.split(after, 1)[1].splitlines()[0]
+    args = shlex.split(line)
+    assert args[0] == "hsx", line
+    return args[1:]
+
+
+def test_an_interrupted_export_says_so_and_its_printed_command_continues(runs, tmp_path):
+    dest = tmp_path / "mo"
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "hsx", "export", str(runs["run"]), "mo", "--to", "modelopt", "--pace", "0.3"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            log = dest / LOG
+            if log.exists() and len(log.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out + err
+    assert "interrupted; every file exported so far is complete and kept; continue with: hsx export" in err
+    assert "Traceback" not in err
+    args = printed(err, "continue with: ")
+    assert args[2] == str(dest)  # "mo" as typed, made absolute: the command works from any directory
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = hsx(*args, cwd=elsewhere).stderr
+    assert "exported   20 samples" in done
+    assert int(done.split(" already done")[0].rsplit(" ", 1)[1]) >= 3
+    manifest_ok(dest, 20)
+
+
+def test_an_incomplete_export_stopped_by_a_bad_file_continues_after_the_repair(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs["run"], run)
+    (run / "shards" / "000000" / "000000004.safetensors").unlink()
+    flip_byte(run / "shards" / "000001" / "000000012.safetensors", -7)  # found when its digest is read
+    dest = tmp_path / "d"
+    out = export(run, dest, "--to", "modelopt", "--allow-incomplete", code=2)
+    assert "sample 12" in out and "11 of 19 samples are exported" in out
+    before = {p: p.stat().st_mtime_ns for p in dest.rglob("*.pt")}
+    assert len(before) == 11
+    # the job as the hsx of the report wrote it, with the samples it then had: a rerun still continues
+    job = json.loads((dest / JOB).read_text())
+    (dest / JOB).write_text(json.dumps(job | {"samples": 19, "ids_digest": "xxh3_128:0"}))
+    hsx(*printed(out, "Redo it with: "))  # redoes 4 and 12
+    again = hsx(*printed(out, "continue this export with: ")).stderr
+    assert "exported   20 samples" in again and "9 written now, 11 already done" in again
+    assert all(p.stat().st_mtime_ns == t for p, t in before.items())  # nothing exported is redone
+    m = manifest_ok(dest, 20)
+    order = [s["sample_id"] for s in m["samples"]]
+    assert order == [0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 4, *range(12, 20)]  # the repaired take the next indices
+    plan = Plan(run)
+    for index, sid in enumerate(order):
+        (pt,) = dest.rglob(f"{index:09d}.pt")
+        got = torch.load(pt, weights_only=True)
+        assert torch.equal(got["input_ids"], torch.tensor(plan.input_ids(sid), dtype=torch.int64))
+    ds = HsxDataset(run, ids=[4, 12], verify=True)
+    for index, s in zip((11, 12), ds, strict=True):
+        (pt,) = dest.rglob(f"{index:09d}.pt")
+        assert torch.equal(torch.load(pt, weights_only=True)["hidden_states"], s["hidden_states"])
+
+
+def test_prenorm_is_refused_where_the_trainer_reads_the_post_norm_state(runs, tmp_path):
+    out = export(runs["run"], tmp_path / "sf", "--to", "specforge", "--prenorm", code=2)
+    assert "--prenorm does not apply to --to specforge" in out and "post-norm" in out
+    assert not (tmp_path / "sf").exists()
 
 
 # ---------------------------------------------------------------- storage codecs: every export decodes

@@ -8,8 +8,10 @@ DEST holds, besides the trainer's files:
 
 Each output file is written to a temp name, fsynced and renamed (``store.durable``), and only then
 logged, so a logged file is complete. A killed export rerun with the same arguments removes stray
-temp files and continues after the last logged sample. Every source file is deep-checked (its
-digest) as it is read; a bad one stops the export with its name and the command that redoes it.
+temp files and continues after the last logged sample; logged samples keep their index, so a rerun
+also continues when the run gained samples since (``--allow-incomplete``: repaired or extracted
+since): they take the next indices. Every source file is deep-checked (its digest) as it is read;
+a bad one stops the export with its name, the command that redoes it and the one that continues.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx.data import read_verified
-from hsx.errors import BadFile, ExportRefused
+from hsx.data import available_ids, read_verified
+from hsx.errors import BadFile, ExportRefused, OptionError
 from hsx.export.modelopt import ModelOpt
 from hsx.export.specforge import SpecForge
 from hsx.export.speculators import Speculators
@@ -34,14 +36,14 @@ from hsx.progress import Progress
 from hsx.spec import RunSpec, load_spec, model_location, now
 from hsx.store import layout
 from hsx.store.durable import is_temp, write_durable
-from hsx.store.format import digest
-from hsx.store.scan import scan_run
 from hsx.target import model_dir_for
 
 EXPORT_FORMAT = "hsx-export/1"
 JOB = ".hsx-export-job.json"
 LOG = ".hsx-export-progress.jsonl"
 MANIFEST = "hsx-export.json"
+# in the job of exports made before the export's samples could grow on a rerun; no longer compared
+FORMER_KEYS = ("samples", "ids_digest")
 FORMATS: dict[str, type[TrainerFormat]] = {f.name: f for f in (SpecForge, Speculators, ModelOpt)}
 
 
@@ -63,7 +65,15 @@ def _clean(dest: Path) -> int:
     return n
 
 
-def open_dest(dest: Path, job: dict) -> dict[int, list[Written]]:
+@dataclass(frozen=True)
+class Done:
+    """A sample the progress log records as exported: its id and the files written for it."""
+
+    sample_id: int
+    files: list[Written]
+
+
+def open_dest(dest: Path, job: dict) -> dict[int, Done]:
     """Create DEST or check it holds this same export; return the samples already done, by index."""
     if dest.exists() and not dest.is_dir():
         raise ExportRefused(f"{dest} exists and is not a folder")
@@ -72,7 +82,7 @@ def open_dest(dest: Path, job: dict) -> dict[int, list[Written]]:
             stored = json.loads((dest / JOB).read_text())
         except ValueError as e:
             raise ExportRefused(f"{dest / JOB} is damaged ({e}); remove {dest} and export again") from e
-        diffs = [k for k in sorted(set(stored) | set(job)) if stored.get(k) != job.get(k)]
+        diffs = [k for k in sorted((set(stored) | set(job)) - set(FORMER_KEYS)) if stored.get(k) != job.get(k)]
         if diffs:
             raise ExportRefused(
                 f"{dest} holds another export (differs in: {', '.join(diffs)}); choose another DEST or remove it"
@@ -83,7 +93,7 @@ def open_dest(dest: Path, job: dict) -> dict[int, list[Written]]:
         dest.mkdir(parents=True, exist_ok=True)
         write_durable(dest / JOB, json.dumps(job, indent=1, sort_keys=True).encode())
     _clean(dest)
-    done: dict[int, list[Written]] = {}
+    done: dict[int, Done] = {}
     try:
         lines = (dest / LOG).read_text().splitlines()
     except FileNotFoundError:
@@ -92,11 +102,36 @@ def open_dest(dest: Path, job: dict) -> dict[int, list[Written]]:
         try:
             entry = json.loads(line)
             files = [Written(f["path"], int(f["size"]), f["digest"]) for f in entry["files"]]
+            index, sid = int(entry["index"]), int(entry["sample_id"])
         except (ValueError, KeyError, TypeError):
             continue  # a torn last line of a killed export
         if all((dest / w.path).is_file() and (dest / w.path).stat().st_size == w.size for w in files):
-            done[int(entry["index"])] = files
+            done[index] = Done(sid, files)
     return done
+
+
+def assign(ids: list[int], done: dict[int, Done], dest: Path) -> list[int]:
+    """The sample id of each export index. Logged samples keep their index, so a rerun continues
+    whatever the run gained since (a sample repaired, or extracted since, with --allow-incomplete);
+    the others fill the free indices in id order. A logged sample whose index falls past the end
+    (the run lost files since) is dropped, its files removed: no trainer may glob a stale one."""
+    while True:
+        kept = {d.sample_id for d in done.values()}
+        rest = [i for i in ids if i not in kept]
+        total = len(done) + len(rest)
+        past = [i for i in done if i >= total]
+        if not past:
+            break
+        for i in past:
+            for w in done.pop(i).files:
+                (dest / w.path).unlink(missing_ok=True)
+    order = [-1] * total
+    for i, d in done.items():
+        order[i] = d.sample_id
+    free = (i for i in range(total) if order[i] < 0)
+    for sid, i in zip(rest, free, strict=True):
+        order[i] = sid
+    return order
 
 
 class ProgressLog:
@@ -142,19 +177,16 @@ class ExportSummary:
 
 def export_ids(run: Path, spec: RunSpec, allow_incomplete: bool) -> list[int]:
     """The samples to export: all of the plan's, or (``allow_incomplete``) those with a good file."""
-    scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False, codec=spec.codec)
-    good = sorted(i for s in scans for i in s.good)
-    missing = spec.plan.num_samples - len(good)
-    if missing and not allow_incomplete:
-        first = [i for s in scans for i in s.missing][:5]
+    found = available_ids(run, spec, sealed_only=False)
+    if found.unavailable and not allow_incomplete:
         raise ExportRefused(
-            f"{run} is incomplete: {missing} of {spec.plan.num_samples} samples have no good file "
-            f"(first ids: {first}). Finish it with: hsx extract --out {run}  "
-            f"(or pass --allow-incomplete to export the {len(good)} that are done)"
+            f"{run} is incomplete: {len(found.unavailable)} of {spec.plan.num_samples} samples have no good file: "
+            f"{found.summary()}. Finish it with: hsx extract --out {run}  "
+            f"(or pass --allow-incomplete to export the {len(found.ids)} that are done)"
         )
-    if not good:
+    if not found.ids:
         raise ExportRefused(f"{run} has no finished sample to export")
-    return good
+    return found.ids
 
 
 def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> ExportSummary:
@@ -166,6 +198,11 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
     ids = export_ids(run, spec, opts.allow_incomplete)
     ctx = Context(opts, spec, plan, ids)
     fmt = FORMATS[opts.to](ctx)
+    if opts.prenorm and not fmt.takes_prenorm:
+        raise OptionError(
+            f"--prenorm does not apply to --to {opts.to}: its trainer reads the final state {fmt.final_state()} "
+            "and nothing else; drop --prenorm"
+        )
     fmt.check()
     if fmt.needs_prenorm:
         ctx.load_norm()
@@ -181,11 +218,10 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
         "source_plan": spec.plan.fingerprint,
         "source_model": spec.model.fingerprint.config,
         "source_layers": spec.layers,
-        "samples": len(ids),
-        "ids_digest": digest(json.dumps(ids).encode()),
     }
     dest = opts.dest
     done = open_dest(dest, job)
+    ids = ctx.ids = assign(ids, done, dest)
     t0 = time.monotonic()
     progress_log = ProgressLog(dest / LOG)
     written = 0
@@ -203,11 +239,12 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
                     what = "missing" if isinstance(e, FileNotFoundError) else str(e)
                     raise ExportRefused(
                         f"source file {path} (sample {sid}) is {what}; {len(done)} of {len(ids)} samples are "
-                        f"exported. Redo it with: hsx extract --out {run}  then rerun this export: it continues."
+                        f"exported. Redo it with: {opts.extract_command()}\nthen continue this export with: "
+                        f"{opts.command()}"
                     ) from None
                 files = fmt.sample(index, sid, t)
                 progress_log.add(index, sid, files)
-                done[index] = files
+                done[index] = Done(sid, files)
                 written += 1
                 bar.advance()
                 if opts.pace:
@@ -222,7 +259,7 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
         d2t, t2d = draft_map(counts, opts.draft_vocab, vocab_size)
         vocab = (d2t, t2d, {int(i): int(c) for i, c in enumerate(counts) if c})
     extra = fmt.finish(vocab)
-    files = [w for i in sorted(done) for w in done[i]] + extra
+    files = [w for i in sorted(done) for w in done[i].files] + extra
     manifest = {
         "format": EXPORT_FORMAT,
         "to": opts.to,

@@ -21,6 +21,7 @@ PER_FOLDER = 1000
 
 class ModelOpt(TrainerFormat):
     name = "modelopt"
+    takes_prenorm = True
     description = (
         "Model-Optimizer 0.47 offline eagle: {k:06d}/{i:09d}.pt = torch.save({input_ids [T] int64, "
         "hidden_states [T,H], aux_hidden_states [T,L*H], loss_mask [T] int64, conversation_id str"

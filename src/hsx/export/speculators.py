@@ -22,6 +22,7 @@ from hsx.store.format import digest
 class Speculators(TrainerFormat):
     name = "speculators"
     needs_prenorm = True
+    takes_prenorm = True  # always pre-norm: --prenorm asks for what it writes anyway
     description = (
         "speculators 0.9 offline: DEST = datasets.save_to_disk (format torch) with input_ids, loss_mask, seq_len; "
         "hidden_states/hs_{i}.safetensors = {hidden_states [T,L+1,H] (aux..., final pre-norm), token_ids [T] int64}"

@@ -7,6 +7,7 @@ Each trainer module subclasses ``TrainerFormat``; ``core`` drives them through a
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from hsx.spec import RunSpec
 from hsx.store.codec import is_lossless
 from hsx.store.durable import durable_rename, fsync_dir, write_durable
 from hsx.store.format import digest
-from hsx.target import model_dir_for
+from hsx.target import location, model_dir_for
 
 TMP_DIR_MARK = ".hsx-tmp-"  # a folder written whole, then moved into DEST; removed when a kill left it
 
@@ -37,6 +38,22 @@ class ExportOptions:
     draft_vocab: int | None = None  # also write the trainer's draft-vocab map of this size
     target_vocab: int | None = None  # target vocabulary size (default: the model's config)
     pace: float = 0.0  # seconds to sleep after each sample (throttling; lets tests kill mid-export)
+
+    def command(self) -> str:
+        """This export as a command line that works from any directory (it continues a stopped one)."""
+        args = ["hsx", "export", self.run.absolute(), self.dest.absolute(), "--to", self.to]
+        args += ["--model", location(self.model)] if self.model is not None else []
+        args += ["--prenorm"] if self.prenorm else []
+        args += ["--draft-vocab", self.draft_vocab] if self.draft_vocab is not None else []
+        args += ["--target-vocab", self.target_vocab] if self.target_vocab is not None else []
+        args += ["--allow-incomplete"] if self.allow_incomplete else []
+        return shlex.join(map(str, args))
+
+    def extract_command(self) -> str:
+        """The resume that redoes the run's damaged samples (with this export's --model, if given)."""
+        args = ["hsx", "extract", "--out", self.run.absolute()]
+        args += ["--model", location(self.model)] if self.model is not None else []
+        return shlex.join(map(str, args))
 
 
 @dataclass(frozen=True)
@@ -138,6 +155,7 @@ class TrainerFormat:
     name = ""
     description = ""
     needs_prenorm = False
+    takes_prenorm = False  # --prenorm changes what it writes (else it is refused as meaningless)
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
