@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import TINY, damage, extract_args, flip_byte, hsx, run_files
+from conftest import SMALL_RUN, TINY, conversations, damage, extract_args, flip_byte, hsx, run_files, write_jsonl
 from hsx.assess.checks import ranges
 from hsx.cli import app
 from hsx.store import layout
@@ -253,6 +253,81 @@ def test_run_killed_midway_lists_partial_shards_and_the_resume_command(finished_
     assert "taking over a lock left by a dead extractor" in resumed.stderr + resumed.stdout
     assert status(out)[0] == 0
     assert run_files(out) == run_files(finished_run)
+
+
+# ---------------------------------------------------------------- a run made with relative paths
+
+
+@pytest.fixture(scope="module")
+def relative_run(tmp_path_factory) -> Path:
+    """A finished run of 12 conversations made from its folder with relative paths:
+    ``hsx extract --model tinyR --data convs.jsonl --out run`` (2 shards)."""
+    home = tmp_path_factory.mktemp("made-here")
+    shutil.copytree(TINY, home / "tinyR")
+    write_jsonl(home / "convs.jsonl", conversations(12))
+    hsx("extract", "--model", "tinyR", "--data", "convs.jsonl", "--out", "run", *SMALL_RUN, cwd=home)
+    return home / "run"
+
+
+def relative_copy(run: Path, name: str) -> Path:
+    """A copy beside it (so the relative paths hold from the same folder), its last shard to redo."""
+    copy = copy_run(run, run.parent / name)
+    shutil.rmtree(copy / "shards" / "000001")
+    return copy
+
+
+def test_a_relative_model_path_is_stored_absolute_and_works_from_any_directory(relative_run, tmp_path, monkeypatch):
+    home = relative_run.parent
+    spec = json.loads((relative_run / layout.SPEC).read_text())
+    assert spec["model"]["path"] == str((home / "tinyR").resolve())
+    assert [d["name"] for d in spec["data"]] == [str((home / "convs.jsonl").resolve())]
+    run = relative_copy(relative_run, "run-a")
+    monkeypatch.chdir(tmp_path)  # another directory, as after a reboot
+    code, text = status(run)
+    assert code == 0 and levels(text)["model"] == "ok", text
+    assert "resume: hsx extract --out" in text
+    hsx("extract", "--out", run, cwd=tmp_path)
+    assert run_files(run) == run_files(relative_run)
+    for args in (
+        ["export", run, "sp", "--to", "speculators"],  # reads the model's final norm
+        ["vocab", run, "--size", "64", "--dest", "vocab"],  # the model's vocabulary size
+    ):
+        done = CliRunner().invoke(app, list(map(str, args)))
+        assert done.exit_code == 0, done.output
+    assert (tmp_path / "sp" / "hsx-export.json").is_file() and any((tmp_path / "vocab").iterdir())
+
+
+def test_an_older_runs_relative_model_path_resumes_from_its_directory_or_with_model(
+    relative_run, tmp_path, monkeypatch
+):
+    home = relative_run.parent
+    run = relative_copy(relative_run, "run-old")
+    spec = json.loads((run / layout.SPEC).read_text())
+    spec["model"]["path"] = "tinyR"  # as an older hsx wrote it: the --model as typed
+    (run / layout.SPEC).write_text(json.dumps(spec, indent=2))
+    told = "the run's model path tinyR is relative (an older hsx stored it as typed): run from the directory"
+
+    monkeypatch.chdir(tmp_path)  # elsewhere: each command says what to do
+    code, text = status(run)
+    assert code == 2 and levels(text)["model"] == "fail", text
+    assert "tinyR: not found from this directory" in text and told in text
+    assert f"resume: hsx extract --out {run} --model NEW_PATH" in text
+    for args in (
+        ["export", run, "sp", "--to", "speculators", "--allow-incomplete"],  # reads the model's final norm
+        ["vocab", run, "--size", "64", "--dest", "v"],  # the model's vocabulary size
+    ):
+        refused = CliRunner().invoke(app, list(map(str, args)))
+        assert refused.exit_code == 2 and told in refused.output, refused.output
+    refused = hsx("extract", "--out", run, cwd=tmp_path, check=False)
+    assert refused.returncode == 2 and told in refused.stderr, refused.stderr
+
+    hsx("extract", "--out", "run-old", cwd=home)  # from where it was made, as before
+    assert run_files(run) == run_files(relative_run)
+    shutil.rmtree(run / "shards" / "000001")
+    hsx("extract", "--out", run, "--model", home / "tinyR", cwd=tmp_path)  # or from anywhere with --model
+    assert run_files(run) == run_files(relative_run)
+    code, text = status(run)  # the resume recorded where the model is: found from here from now on
+    assert code == 0 and levels(text)["model"] == "ok", text
 
 
 # ---------------------------------------------------------------- compact id lists

@@ -39,7 +39,9 @@ class Quantization(BaseModel):
 
 
 class ModelIdentity(BaseModel):
-    path: str  # as given; informative only: identity is the fingerprint, so a moved model still matches
+    # a local folder absolute (runs made before hsx resolved it: as typed), a hub id as given; where a
+    # resume looks first, not the identity: that is the fingerprint, so a moved model still matches
+    path: str
     architecture: str
     num_layers: int
     hidden_size: int
@@ -55,13 +57,13 @@ class TokenizerIdentity(BaseModel):
 
 
 class DataFile(BaseModel):
-    name: str
+    name: str  # absolute (runs made before hsx resolved it: as typed); the identity is size and digest
     size: int
     digest: str
 
     @classmethod
     def of(cls, path: Path) -> DataFile:
-        return cls(name=str(path), size=path.stat().st_size, digest=digest_file(path))
+        return cls(name=str(path.expanduser().resolve()), size=path.stat().st_size, digest=digest_file(path))
 
 
 class PlanIdentity(BaseModel):

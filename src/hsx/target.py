@@ -27,6 +27,24 @@ def resolve(model: str) -> Path:
         raise ModelNotFound(f"{model}: not a local folder and not available from the hub ({e})") from e
 
 
+def location(model: str) -> str:
+    """How a run records where its model is: a local folder as an absolute path (a resume, status or
+    export from any directory finds it), a hub id as given."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.is_dir() else model
+
+
+def relative_note(where: str) -> str:
+    """Why a recorded model path may not be found from here: an older hsx stored a relative path as
+    typed, which only resolves from the directory the run was made in."""
+    if Path(where).expanduser().is_absolute():
+        return ""
+    return (
+        f"the run's model path {where} is relative (an older hsx stored it as typed): run from the directory "
+        "the run was made in, or pass --model PATH"
+    )
+
+
 def load_config(model_dir: Path) -> dict:
     config = json.loads((model_dir / "config.json").read_text())
     return config.get("text_config", config) | {"architectures": config.get("architectures", ["?"])}
@@ -37,7 +55,7 @@ def identity(model: str, model_dir: Path) -> ModelIdentity:
 
     config = load_config(model_dir)
     return ModelIdentity(
-        path=model,
+        path=location(model),
         architecture=config["architectures"][0],
         num_layers=int(config["num_hidden_layers"]),
         hidden_size=int(config["hidden_size"]),
@@ -70,8 +88,9 @@ def model_dir_for(run: Path, spec: RunSpec, given: str | None = None, checked: b
     try:
         path = resolve(where)
     except ModelNotFound as e:
+        note = "" if given else relative_note(where)
         raise ModelNotFound(
-            f"{e}; if the model moved, pass --model NEW_PATH (it must match the run's fingerprint)"
+            f"{e}; {note or 'if the model moved, pass --model NEW_PATH'} (it must match the run's fingerprint)"
         ) from e
     if not checked:
         diffs = spec.model.fingerprint.differences(identity(where, path).fingerprint)

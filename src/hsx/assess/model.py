@@ -16,7 +16,7 @@ from pathlib import Path
 from hsx.assess.checks import Check, size
 from hsx.fingerprint import model_fingerprint
 from hsx.spec import RunSpec
-from hsx.target import load_config
+from hsx.target import load_config, relative_note
 
 BACKENDS = {"transformers": "transformers", "vllm": "vllm"}  # backend name in the spec -> module that must import
 
@@ -42,11 +42,13 @@ def check_model(spec: RunSpec, model_dir: Path | None, where: str, recorded: boo
     False for ``hsx status --model PATH``, whose match is a resume with that --model away from
     being the run's."""
     if model_dir is None:
+        note = relative_note(where) if recorded else ""
         return Check(
             "model",
             "fail",
-            f"{where}: not found on this machine",
-            action="if it moved, resume with --model NEW_PATH (the weights must match the run's fingerprint)",
+            f"{where}: not found from this directory" if note else f"{where}: not found on this machine",
+            action=(note or "if it moved, resume with --model NEW_PATH")
+            + " (the weights must match the run's fingerprint)",
             data={"path": where, "found": False},
         )
     try:

@@ -157,7 +157,6 @@ def record_model(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None]
     (a resume refused by a live extractor writes nothing): record it if the model moved."""
     if opts.model is None:
         return
-    local = Path(opts.model).expanduser()
-    where = str(local.resolve()) if local.is_dir() else opts.model  # a folder absolute, a hub id as given
+    where = target.location(opts.model)
     if record_location(opts.out, spec, where):
         log(f"model: {where} matches the run's fingerprint; recorded in {layout.LOCATION} as its location")
