@@ -288,7 +288,8 @@ def collate_packed(samples: list[dict]) -> dict:
 
 
 def describe(run: str | Path) -> dict:
-    """What a trainer needs to size its model from a run, without opening a sample file."""
+    """What a trainer needs to size its model from a run, without opening a sample file.
+    ``num_samples`` is the plan's; ``len(HsxDataset(run))`` is how many are served now."""
     spec = load_spec(Path(run))
     return {
         "hidden_size": spec.model.hidden_size,
