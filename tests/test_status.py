@@ -305,7 +305,7 @@ def test_an_older_runs_relative_model_path_resumes_from_its_directory_or_with_mo
     spec = json.loads((run / layout.SPEC).read_text())
     spec["model"]["path"] = "tinyR"  # as an older hsx wrote it: the --model as typed
     (run / layout.SPEC).write_text(json.dumps(spec, indent=2))
-    told = "the run's model path tinyR is relative (an older hsx stored it as typed): run from the directory"
+    told = "the run's model path tinyR is relative (an older hsx stored a folder as typed): run from the directory"
 
     monkeypatch.chdir(tmp_path)  # elsewhere: each command says what to do
     code, text = status(run)

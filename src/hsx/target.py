@@ -36,11 +36,14 @@ def location(model: str) -> str:
 
 def relative_note(where: str) -> str:
     """Why a recorded model path may not be found from here: an older hsx stored a relative path as
-    typed, which only resolves from the directory the run was made in."""
+    typed, which only resolves from the directory the run was made in ("" for an absolute one)."""
     if Path(where).expanduser().is_absolute():
         return ""
+    what = (
+        "is relative" if where.startswith(".") or where.count("/") != 1 else "is a hub id not found here, or relative"
+    )
     return (
-        f"the run's model path {where} is relative (an older hsx stored it as typed): run from the directory "
+        f"the run's model path {where} {what} (an older hsx stored a folder as typed): run from the directory "
         "the run was made in, or pass --model PATH"
     )
 

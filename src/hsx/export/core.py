@@ -175,17 +175,17 @@ class ExportSummary:
     max_norm_error: float | None
 
 
-def export_ids(run: Path, spec: RunSpec, allow_incomplete: bool) -> list[int]:
+def export_ids(opts: ExportOptions, spec: RunSpec) -> list[int]:
     """The samples to export: all of the plan's, or (``allow_incomplete``) those with a good file."""
-    found = available_ids(run, spec, sealed_only=False)
-    if found.unavailable and not allow_incomplete:
+    found = available_ids(opts.run, spec, sealed_only=False)
+    if found.unavailable and not opts.allow_incomplete:
         raise ExportRefused(
-            f"{run} is incomplete: {len(found.unavailable)} of {spec.plan.num_samples} samples have no good file: "
-            f"{found.summary()}. Finish it with: hsx extract --out {run}  "
+            f"{opts.run} is incomplete: {len(found.unavailable)} of {spec.plan.num_samples} samples have no good "
+            f"file: {found.summary()}. Finish it with: {opts.extract_command()}  "
             f"(or pass --allow-incomplete to export the {len(found.ids)} that are done)"
         )
     if not found.ids:
-        raise ExportRefused(f"{run} has no finished sample to export")
+        raise ExportRefused(f"{opts.run} has no finished sample to export")
     return found.ids
 
 
@@ -195,7 +195,7 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
     run = opts.run
     spec = load_spec(run)
     plan = load_plan(run, spec)
-    ids = export_ids(run, spec, opts.allow_incomplete)
+    ids = export_ids(opts, spec)
     ctx = Context(opts, spec, plan, ids)
     fmt = FORMATS[opts.to](ctx)
     if opts.prenorm and not fmt.takes_prenorm:
