@@ -117,6 +117,9 @@ def extract(
     allow_partial: Annotated[
         bool, typer.Option(help="Start even if the volume cannot hold the whole run; stop cleanly when it fills.")
     ] = False,
+    allow_incomplete: Annotated[
+        bool, typer.Option(help="--data is an unfinished generate run: extract the conversations it holds.")
+    ] = False,
     backend: Annotated[
         str | None, typer.Option(help="transformers | vllm: what runs the model (new run) [transformers].")
     ] = None,
@@ -164,6 +167,7 @@ def extract(
             writers=writers,
             deep_verify=not fast_verify,
             allow_partial=allow_partial,
+            allow_incomplete=allow_incomplete,
             backend=backend,
             tensor_parallel=tensor_parallel,
             expert_parallel=expert_parallel,
