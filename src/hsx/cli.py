@@ -434,5 +434,23 @@ def generate(
     console.print("\n".join(summary.lines()), highlight=False)
 
 
+@app.command("generate-export")
+def generate_export(
+    run: Annotated[Path, typer.Argument(help="Generate run folder.")],
+    dest: Annotated[Path, typer.Argument(help="JSONL file to write: messages and token ids per conversation.")],
+    allow_incomplete: Annotated[bool, typer.Option(help="Export an unfinished run's conversations.")] = False,
+) -> None:
+    """Write a generate run's conversations as JSONL (messages plus the exact token ids) for other trainers."""
+    from hsx.generate.export import export_jsonl
+
+    with failures():
+        done = export_jsonl(run, dest, allow_incomplete)
+    console.print(
+        f"{done.conversations} conversations to {done.path} ({done.bytes / 1e6:,.1f} MB); "
+        f"{done.rejected} rejected and {done.missing} not generated left out",
+        highlight=False,
+    )
+
+
 def main() -> None:
     app()
