@@ -65,8 +65,9 @@ def gen_run(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _records(out: Path) -> list:
-    n = json.loads((out / "hsx.json").read_text())["plan"]["num_samples"]
-    return [read_record(layout.sample_path(out, i, 3), i) for i in range(n)]
+    spec = json.loads((out / "hsx.json").read_text())
+    n, shard_size = spec["plan"]["num_samples"], spec["shard_size"]
+    return [read_record(layout.sample_path(out, i, shard_size), i) for i in range(n)]
 
 
 @pytest.fixture
@@ -333,3 +334,26 @@ def test_a_prompt_grown_past_the_limit_rejects_its_conversation_and_export_leave
     (line,) = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
     assert line["key"] == one.key and line["messages"] == one.messages
     assert line["turns"][0]["completion_ids"] == one.turns[0].completion_ids.tolist()
+
+
+def test_turns_last_keeps_the_datasets_earlier_answers_and_samples_per_prompt_draw_apart(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    rows = conversations(2, start=2)  # 6 and 4 messages
+    data = write_jsonl(tmp_path / "c.jsonl", rows)
+    out = tmp_path / "gen"
+    opts = _opts(
+        out, model=str(TINY), data=[data], turns="last", samples_per_prompt=2, temperature=1.0, max_new_tokens=6
+    )
+    generate(opts, log=lambda m: None)
+    records = _records(out)
+    assert [r.key for r in records] == ["0:0#0", "0:0#1", "0:1#0", "0:1#1"]
+    for rec in records:
+        row = rows[rec.source.row]
+        msgs = [{"role": ROLES[m["from"]], "content": m["value"]} for m in row["conversations"]]
+        (turn,) = rec.turns
+        assert turn.message == len(msgs) - 1 and rec.messages[:-1] == msgs[:-1]  # earlier answers: the dataset's
+        text = tok.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+        assert turn.prompt_ids.tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    assert records[0].turns[0].completion_ids.tolist() != records[1].turns[0].completion_ids.tolist()

@@ -235,7 +235,9 @@ def verify(
         stdout = Console(highlight=False, soft_wrap=True)
         render_check(result.check, stdout)
         if result.moved:
-            stdout.print(f"next: hsx extract --out {out} redoes {len(result.redo_ids())} samples", highlight=False)
+            stdout.print(
+                f"next: hsx {result.command} --out {out} redoes {len(result.redo_ids())} samples", highlight=False
+            )
     raise typer.Exit(result.exit_code)
 
 

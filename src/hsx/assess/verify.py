@@ -44,6 +44,11 @@ class VerifyResult:
             "redo_sample_ids": self.redo_ids(),
         }
 
+    @property
+    def command(self) -> str:
+        """The command that redoes what repair moved aside: ``generate`` for a generate run."""
+        return "generate" if isinstance(self.spec, GenerateSpec) else "extract"
+
     def redo_ids(self) -> list[int]:
         return sorted({p.sample_id for p in self.result.problems if p.sample_id is not None})
 

@@ -41,7 +41,7 @@ from hsx.input import Source as InputSource
 from hsx.lock import RunLock
 from hsx.plan import Tokenize
 from hsx.progress import Progress
-from hsx.run.folder import remove_stray_temps
+from hsx.run.folder import record_model, remove_stray_temps
 from hsx.run.resume import Summary, Verifier, scan_all
 from hsx.store import layout
 from hsx.store.durable import write_durable, write_parts
@@ -207,6 +207,7 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                 )
                 engine = _open(opts.get("backend"), settings, log)
                 spec = create_spec(opts, plan_id, engine)
+            record_model(opts, spec, log)  # type: ignore[arg-type]  # a --model that matched, somewhere new
             progress.total_samples, progress.total_tokens = spec.plan.num_samples, spec.plan.num_tokens
             plan = load_gen_plan(run, spec)
             summary = GenerateSummary(run, spec.plan.num_samples)
