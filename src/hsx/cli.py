@@ -394,6 +394,9 @@ def generate(
         list[str] | None, typer.Option(help="server backend: an OpenAI-compatible base URL; repeatable.")
     ] = None,
     concurrency: Annotated[int | None, typer.Option(help="server backend: requests in flight per server.")] = None,
+    max_pending: Annotated[
+        int | None, typer.Option(help="Requests kept submitted to the engine [the engine's own choice].")
+    ] = None,
     fast_verify: Annotated[bool, typer.Option(help="On resume, check headers and sizes only, not digests.")] = False,
     allow_partial: Annotated[bool, typer.Option(help="Start even if the volume cannot hold the whole run.")] = False,
     metrics_port: Annotated[int | None, typer.Option(help="Serve the run's metrics on this port.")] = None,
@@ -427,6 +430,7 @@ def generate(
             data_parallel_size=data_parallel_size,
             servers=list(server or []),
             concurrency=concurrency,
+            max_pending=max_pending,
             deep_verify=not fast_verify,
             allow_partial=allow_partial,
             metrics_port=metrics_port,
