@@ -379,3 +379,30 @@ def test_template_kwargs_reach_the_chat_template(tmp_path):
         assert json.loads((out / "hsx.json").read_text())["template_kwargs"] == (kwargs or {})
     assert prompts['{"enable_thinking": false}'].endswith("NO THINK ")
     assert not prompts["null"].endswith("NO THINK ")
+
+
+def test_an_engine_giving_up_on_a_request_rejects_that_conversation_only(tmp_path, monkeypatch):
+    from hsx.generate import transformers as engine_module
+
+    real = engine_module.TransformersEngine.generate
+
+    def failing_on_turn_2(self, request):
+        if request.key.endswith("/1"):  # every conversation's second turn
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(self, request)
+
+    monkeypatch.setattr(engine_module.TransformersEngine, "generate", failing_on_turn_2)
+    data = write_jsonl(tmp_path / "c.jsonl", conversations(2, start=0))  # 4 and 2 messages
+    out = tmp_path / "gen"
+    summary = generate(_opts(out, model=str(TINY), data=[data], max_new_tokens=4), log=lambda m: None)
+    assert summary.complete and summary.rejected_now == 1
+    two, one = _records(out)
+    assert (
+        not two.ok
+        and two.reason == "engine failed on turn 3: transformers generate failed: CUDA out of memory (injected)"
+    )
+    assert len(two.turns) == 1 and one.ok
+    (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert reject["key"] == two.key
+    monkeypatch.undo()  # a resume does not retry a rejected conversation: it is done, with its reason
+    assert generate(_opts(out), log=lambda m: None).written == 0
