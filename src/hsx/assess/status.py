@@ -51,8 +51,14 @@ class Report:
         }
 
 
-def resume_command(run: Path) -> str:
-    return f"hsx extract --out {shlex.quote(str(run))}"
+def resume_command(run: Path, model: str | None = None) -> str:
+    """The command that resumes ``run``; with ``model`` (where it moved: a local folder made
+    absolute), which the resume checks against the fingerprint and records."""
+    args = ["hsx", "extract", "--out", str(run)]
+    if model is not None:
+        local = Path(model).expanduser()
+        args += ["--model", str(local.absolute()) if local.exists() else model]
+    return shlex.join(args)
 
 
 def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | None = None) -> Report:
@@ -109,18 +115,23 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
             checks["model"] = model.check_model(spec, model_dir, where, same_place(where, recorded))
         checks["capture"] = model.check_capture(spec, model_dir, deep)
     report = Report(run, [checks[n] for n in ORDER])
-    _next_steps(report, t)
+    _next_steps(report, t, given_model)
     return report
 
 
-def _next_steps(report: Report, t: tally.Tally | None) -> None:
+def _next_steps(report: Report, t: tally.Tally | None, given_model: str | None = None) -> None:
     act = [c for c in report.checks if c.exit_code == EXIT_ACT]
+    start = report.get("spec").data.get("start_command")
+    if start is not None:  # a start that never became a run: nothing to resume, only to start again
+        report.next = [f"nothing to resume; once the reason above is fixed, start it again: {start}"]
+        return
     if report.get("spec").level == "fail":
         report.next = [f"{c.name}: {c.action or c.figure}" for c in act]
         report.next.append("this folder cannot be resumed until its spec and plan are restored")
         return
-    cmd = resume_command(report.run)
-    if report.get("model").level == "fail" and report.get("model").data.get("found") is False:
+    model = report.get("model")
+    cmd = resume_command(report.run, given_model if model.level == "ok" else None)
+    if model.level == "fail" and model.data.get("found") is False:
         cmd += " --model NEW_PATH"
     report.next = [f"fix first: {c.name}: {c.action or c.figure}" for c in act]
     redo = report.exit_code == EXIT_REDO
