@@ -9,9 +9,9 @@ from typing import Annotated
 
 import typer
 
+from hsx.bounds import Bound, Bounds
 from hsx.errors import CleanStop, DiskFull, Exit, HsxError
 from hsx.progress import console
-from hsx.bounds import Bound, Bounds
 from hsx.run.options import AT_LEAST_ONE, EXTRACT
 from hsx.store.layout import SPEC
 

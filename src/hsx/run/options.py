@@ -96,11 +96,10 @@ class ExtractOptions:
             raise OptionError(f"--out {self.out} is a file, not a run folder: name a new or empty folder, or a run")
         seen: dict[Path, Path] = {}
         for path in map(Path, self.data):
-            if path.resolve() in seen:
-                raise OptionError(
-                    f"--data names {seen[path.resolve()]} twice{'' if path == seen[path.resolve()] else f' (also as {path})'}: give each file once"
-                )
-            seen[path.resolve()] = path
+            first = seen.setdefault(path.resolve(), path)
+            if first is not path:
+                also = "" if path == first else f" (also as {path})"
+                raise OptionError(f"--data names {first} twice{also}: give each file once")
 
     def command(self) -> str:
         """The ``hsx extract`` command that asks for exactly these options (local paths made
