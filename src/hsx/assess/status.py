@@ -130,7 +130,9 @@ def _next_steps(report: Report, t: tally.Tally | None, given_model: str | None =
         report.next.append("this folder cannot be resumed until its spec and plan are restored")
         return
     model = report.get("model")
-    cmd = resume_command(report.run, given_model if model.level == "ok" else None)
+    cmd = resume_command(
+        report.run, given_model if model.level != "fail" else None
+    )  # it matched: the resume records it
     if model.level == "fail" and model.data.get("found") is False:
         cmd += " --model NEW_PATH"
     report.next = [f"fix first: {c.name}: {c.action or c.figure}" for c in act]
