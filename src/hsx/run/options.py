@@ -1,4 +1,4 @@
-"""What the operator asked for, parsed once: ``ExtractOptions``, their defaults, the auto|on|off toggles.
+"""What the operator asked for, parsed once: ``ExtractOptions``, their defaults and bounds (``EXTRACT``).
 
 Options live at the top of the job; stages below it get resolved values (``Resources``, a model
 folder, a device), never the whole ``ExtractOptions``.
@@ -39,13 +39,6 @@ EXTRACT = Bounds(
     packing=Bound(choices=get_args(Toggle)),
     compile=Bound(choices=get_args(Toggle)),
 )
-
-
-def toggle(flag: str, value: str) -> Toggle:
-    """``--flag auto|on|off``, or a refusal naming the flag."""
-    if value not in get_args(Toggle):
-        raise OptionError(f"--{flag} takes auto, on or off, not {value!r}")
-    return value  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -89,8 +82,6 @@ class ExtractOptions:
 
     def __post_init__(self) -> None:
         """Refuse what cannot be meant, before anything is read or written."""
-        self.packing = toggle("packing", self.packing)
-        self.compile = toggle("compile", self.compile)
         EXTRACT.check(self)
         if self.out.is_file():
             raise OptionError(f"--out {self.out} is a file, not a run folder: name a new or empty folder, or a run")
