@@ -32,9 +32,9 @@ def cli(*args) -> tuple[int, str]:
 
 
 def printed(pattern: str, text: str) -> list[str]:
-    """The command after ``pattern`` on its line, split as a shell would."""
+    """The command after ``pattern`` on its line, split as a shell would (a comment is left out)."""
     line = next(ln for ln in text.splitlines() if pattern in ln)
-    args = shlex.split(line.split(pattern, 1)[1])
+    args = shlex.split(line.split(pattern, 1)[1], comments=True)
     assert args[:2] == ["hsx", "extract"], line
     return args[1:]
 
@@ -222,6 +222,17 @@ def test_status_with_a_moved_model_prints_a_resume_that_works_as_printed(moved):
     assert "12/12 done, 1 written now" in done.stdout and "redone     1 missing" in done.stdout, done.stdout
     assert "disk " not in done.stdout  # a run of seconds: no advice on the disk's pace
     assert hsx("status", run).returncode == 0
+
+
+def test_the_command_verify_repair_prints_redoes_what_it_moved(finished_run, tmp_path):
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    bad = layout.sample_path(run, 7, 10)
+    bad.write_bytes(bad.read_bytes()[:100])
+    repaired = hsx("verify", run, "--repair", check=False)
+    assert repaired.returncode == 1 and "# redoes 1 samples" in repaired.stdout, repaired.stdout
+    done = hsx(*printed("next: ", repaired.stdout))
+    assert "40/40 done, 1 written now" in done.stdout and "redone     1 missing" in done.stdout, done.stdout
+    assert hsx("verify", run, "--deep").returncode == 0
 
 
 # ---------------------------------------------------------------- 7: help, version, flags; 8: the summary

@@ -354,7 +354,8 @@ def verify(
         stdout = Console(highlight=False, soft_wrap=True)
         render_check(result.check, stdout)
         if result.moved:
-            stdout.print(f"next: hsx extract --out {out} redoes {len(result.redo_ids())} samples", highlight=False)
+            n = len(result.redo_ids())
+            stdout.print(f"next: {resume_command(out)}  # redoes {n} samples", highlight=False)
     raise typer.Exit(result.exit_code)
 
 
