@@ -13,11 +13,14 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Annotated
 
 import pytest
 from typer.testing import CliRunner
 
 from conftest import SMALL_RUN, TINY, conversations, hsx, write_jsonl
+from hsx.bounds import Bound, Bounds
 from hsx.cli import BENCH, RUN, TO, _print_summary, app
 from hsx.errors import OptionError
 from hsx.run.options import EXTRACT, ExtractOptions
@@ -103,6 +106,38 @@ def test_choices_are_the_ones_the_stages_accept():
     assert set(EXTRACT.bounds["codec"].choices) == set(Codec)
     assert set(TO.bounds["to"].choices) == set(FORMATS)
     assert BENCH.bounds["compile"] is EXTRACT.bounds["compile"] and RUN.bounds["threads"].min == 1
+
+
+SAMPLING = Bounds(top_p=Bound(min=0.0, max=1.0, min_open=True), top_k=Bound(min=1), temperature=Bound(min=0.0))
+
+
+def test_a_new_commands_bounds_are_declared_once_for_its_parser_and_its_api():
+    """How a later command (sampling options, say) reuses the mechanism: one ``Bounds``, read by
+    the parser (help and refusal) and by its options object (the same refusal, an OptionError)."""
+    import typer
+
+    sampling = SAMPLING
+    app = typer.Typer(rich_markup_mode=None)  # as hsx's own
+
+    @app.command()
+    def generate(
+        top_p: Annotated[float, SAMPLING.option("top_p", help="Nucleus mass.")] = 1.0,
+        top_k: Annotated[int | None, SAMPLING.option("top_k", help="Candidates kept.")] = None,
+    ) -> None:
+        print(f"ok {top_p} {top_k}")
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["--top-p", "1", "--top-k", "5"]).output.strip() == "ok 1.0 5"
+    refused = runner.invoke(app, ["--top-p", "0"])
+    assert refused.exit_code == 2 and "--top-p takes a number > 0.0 and <= 1.0, not 0.0" in refused.output
+    assert "(a number > 0.0 and <= 1.0)" in " ".join(runner.invoke(app, ["--help"]).output.split())
+    for values, said in (
+        ({"top_p": 0.0}, "--top-p takes a number > 0.0"),
+        ({"top_k": 2.5}, "--top-k takes an integer"),
+    ):
+        with pytest.raises(OptionError, match=re.escape(said)):
+            sampling.check(SimpleNamespace(**({"top_p": 1.0, "top_k": None, "temperature": None} | values)))
+    sampling.check(SimpleNamespace(top_p=1.0, top_k=40, temperature=0.0))  # within: no refusal
 
 
 def test_the_same_data_file_twice_is_refused(tmp_path, convs, monkeypatch):

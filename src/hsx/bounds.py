@@ -21,7 +21,8 @@ from hsx.errors import OptionError
 @dataclass(frozen=True)
 class Bound:
     """A number within [min, max] (an end left out is open-ended; ``min_open``/``max_open``
-    exclude the end itself), or one of ``choices``."""
+    exclude the end itself), or one of ``choices``. Ends written as ints bound an integer
+    (``Bound(min=1)``), as floats a real number (``Bound(min=0.0, max=1.0, min_open=True)``)."""
 
     min: float | None = None
     max: float | None = None
@@ -33,18 +34,21 @@ class Bound:
         if self.choices:
             *rest, last = self.choices
             return f"{', '.join(rest)} or {last}" if rest else last
-        whole = all(isinstance(x, int) for x in (self.min, self.max) if x is not None)
         ends = []
         if self.min is not None:
             ends.append(f"{'>' if self.min_open else '>='} {self.min}")
         if self.max is not None:
             ends.append(f"{'<' if self.max_open else '<='} {self.max}")
-        return f"{'an integer' if whole else 'a number'} {' and '.join(ends)}".rstrip()
+        return f"{'an integer' if self.integer else 'a number'} {' and '.join(ends)}".rstrip()
+
+    @property
+    def integer(self) -> bool:
+        return all(isinstance(x, int) for x in (self.min, self.max) if x is not None)
 
     def admits(self, value: Any) -> bool:
         if self.choices:
             return value in self.choices
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else int | float):
             return False
         if self.min is not None and (value <= self.min if self.min_open else value < self.min):
             return False
@@ -93,7 +97,6 @@ class Bounds:
         if bound.choices:
             kw.setdefault("metavar", "[" + "|".join(bound.choices) + "]")
         else:
-            whole = all(isinstance(x, int | None) for x in (bound.min, bound.max))
-            kw.setdefault("metavar", "N" if whole else "X")
+            kw.setdefault("metavar", "N" if bound.integer else "X")
             kw["help"] = f"{kw.get('help', '').rstrip('.')} ({bound.allowed()})."
         return typer.Option(*decls, callback=within, **kw)

@@ -12,7 +12,7 @@ import typer
 from hsx.bounds import Bound, Bounds
 from hsx.errors import CleanStop, DiskFull, Exit, HsxError
 from hsx.progress import console
-from hsx.run.options import AT_LEAST_ONE, EXTRACT
+from hsx.run.options import AT_LEAST_ONE, DEFAULTS, EXTRACT
 from hsx.store.layout import SPEC
 
 # the bounds of the other commands' options (extract's: hsx.run.options.EXTRACT, shared with its Python API)
@@ -155,17 +155,24 @@ def extract(
         typer.Option(metavar="IDS", help="hsx layer ids, e.g. 1,15,28.", show_default="EAGLE-3's: 1, N/2-1, N-4"),
     ] = None,
     max_length: Annotated[
-        int | None, EXTRACT.option("max_length", help="Truncate samples to this many tokens.", show_default="4096")
+        int | None,
+        EXTRACT.option(
+            "max_length", help="Truncate samples to this many tokens.", show_default=str(DEFAULTS["max_length"])
+        ),
     ] = None,
     batch_tokens: Annotated[
-        int | None, EXTRACT.option("batch_tokens", help="Padded tokens per forward pass.", show_default="16384")
+        int | None,
+        EXTRACT.option(
+            "batch_tokens", help="Padded tokens per forward pass.", show_default=str(DEFAULTS["batch_tokens"])
+        ),
     ] = None,
-    dtype: Annotated[str | None, EXTRACT.option("dtype", help="Model dtype.", show_default="auto")] = None,
+    dtype: Annotated[str | None, EXTRACT.option("dtype", help="Model dtype.", show_default=DEFAULTS["dtype"])] = None,
     device: Annotated[
         str | None, typer.Option(metavar="DEVICE", help="cpu, cuda or cuda:N.", show_default="cuda if available")
     ] = None,
     shard_size: Annotated[
-        int | None, EXTRACT.option("shard_size", help="Samples per shard folder.", show_default="1000")
+        int | None,
+        EXTRACT.option("shard_size", help="Samples per shard folder.", show_default=str(DEFAULTS["shard_size"])),
     ] = None,
     trust_remote_code: Annotated[
         bool, typer.Option("--trust-remote-code", help="Allow the model's own Python code.")
@@ -178,7 +185,7 @@ def extract(
         str, EXTRACT.option("compile", help="torch.compile the decoder layers (auto: on for CUDA).")
     ] = "auto",
     codec: Annotated[
-        str | None, EXTRACT.option("codec", help="How states are stored (new run).", show_default="raw")
+        str | None, EXTRACT.option("codec", help="How states are stored (new run).", show_default=DEFAULTS["codec"])
     ] = None,
     writers: Annotated[int, EXTRACT.option("writers", help="Writer threads.")] = 8,
     fast_verify: Annotated[
