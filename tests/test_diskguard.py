@@ -112,7 +112,7 @@ def test_volume_too_small_refuses_then_stops_cleanly_then_resumes_identical(tmpf
 
     remount(d, size="16m")
     resumed = hsx("extract", "--out", run)
-    assert f"{40 - done} written now, {done} were already verified" in resumed.stderr
+    assert f"{40 - done} written now, {done} were already verified" in resumed.stdout
     assert run_files(run) == run_files(finished_run)
 
 

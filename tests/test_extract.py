@@ -63,7 +63,7 @@ def test_resume_redoes_exactly_the_damaged_samples(tmp_path, convs):
     before = {p: os.stat(p).st_ino for p in (out / "shards").rglob("*.safetensors")}
     summary = extract(_opts(out), log=lambda m: None)
     assert summary.written == 4 and summary.already_done == 36 and summary.stray_removed == 1
-    assert summary.redone == {"corrupt": 2, "truncated": 1}
+    assert summary.redone == {"corrupt": 2, "truncated": 1, "missing": 1}  # 31 was deleted from its sealed shard
     assert not stray.exists()
     assert run_files(out) == clean  # byte-identical
     redone = {layout.sample_path(out, s, 10) for s in damaged}
@@ -178,7 +178,7 @@ def test_cli_errors_are_clear_not_tracebacks(tmp_path, convs):
 
 def test_quickstart_runs_and_summarises(tmp_path):
     proc = hsx("quickstart", "--out", tmp_path / "qs")
-    assert "500/500 done" in proc.stderr
+    assert "500/500 done" in proc.stdout
     assert len(run_files(tmp_path / "qs")) == 500
 
 

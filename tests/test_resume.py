@@ -72,7 +72,7 @@ def test_extraction_runs_while_verification_reads_and_never_writes_an_unsettled_
     for s in extracted:  # each shard written only after its own scan was settled
         assert events.index(("settled", s)) < events.index(("extract", s)), events
     assert events.index(("extract", 3)) < events.index(("settled", 2)), events  # the overlap itself
-    assert summary.complete and summary.written == 13 and summary.redone == {"corrupt": 1}
+    assert summary.complete and summary.written == 13 and summary.redone == {"corrupt": 1, "missing": 2}  # 12, 17: gone
     assert run_files(run) == expected
 
     v = summary.verified

@@ -72,7 +72,7 @@ def test_repair_quarantines_with_reasons_then_extract_redoes_exactly_those(finis
     again = verify(run, "--deep", "--repair", "--json")
     assert json.loads(again[1])["quarantined"] == []  # idempotent: only the gaps remain
 
-    out = hsx("extract", "--out", run).stderr
+    out = hsx("extract", "--out", run).stdout
     assert re.search(r"40/40 done, 5 written now, 35 were already verified", out), out
     assert verify(run, "--deep")[0] == 0
     assert run_files(run) == run_files(finished_run)

@@ -1,4 +1,4 @@
-from hsx.cli import app
+from hsx.cli import main
 
 if __name__ == "__main__":  # vLLM may start processes that re-import the main module
-    app()
+    main()

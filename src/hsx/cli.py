@@ -2,22 +2,61 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from hsx.bounds import Bound, Bounds
 from hsx.errors import CleanStop, DiskFull, Exit, HsxError
 from hsx.progress import console
+from hsx.run.options import AT_LEAST_ONE, DEFAULTS, EXTRACT
+from hsx.store.layout import SPEC
+
+# the bounds of the other commands' options (extract's: hsx.run.options.EXTRACT, shared with its Python API)
+TO = Bounds(to=Bound(choices=("specforge", "speculators", "modelopt")))
+BENCH = Bounds(
+    samples=AT_LEAST_ONE,
+    mean_len=AT_LEAST_ONE,
+    min_len=AT_LEAST_ONE,
+    max_len=AT_LEAST_ONE,
+    batch_tokens=AT_LEAST_ONE,
+    naive_samples=Bound(min=0),
+    writers=AT_LEAST_ONE,
+    compile=EXTRACT.bounds["compile"],
+)
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     help="Verified, crash-safe extraction of an LLM's hidden states for draft training.",
 )
+
+
+def _version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"hsx {version('hsx')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            from hsx import __version__
+
+            print(f"hsx {__version__} (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print hsx's version and exit.")
+    ] = False,
+) -> None:
+    pass
 
 
 def _fail(message: str, code: int) -> typer.Exit:
@@ -26,9 +65,10 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 
 @contextmanager
-def failures(interrupted: str | None = None) -> Iterator[None]:
+def failures(interrupted: Callable[[], str] | None = None) -> Iterator[None]:
     """The one place errors become exit codes: hsx's own errors print their message and exit with
-    their code (``hsx.errors``); anything else is a bug and surfaces as a traceback (exit 1)."""
+    their code (``hsx.errors``); anything else is a bug and surfaces as a traceback (exit 1).
+    ``interrupted``: what to do after a Ctrl-C, asked when it comes (what exists by then)."""
     try:
         yield
     except CleanStop as e:
@@ -48,7 +88,7 @@ def failures(interrupted: str | None = None) -> Iterator[None]:
     except KeyboardInterrupt:
         if interrupted is None:
             raise
-        raise _fail(f"interrupted; {interrupted}", Exit.INTERRUPTED) from None
+        raise _fail(f"interrupted; {interrupted()}", Exit.INTERRUPTED) from None
 
 
 def _layers(value: str | None) -> list[int] | None:
@@ -60,8 +100,17 @@ def _layers(value: str | None) -> list[int] | None:
         raise typer.BadParameter(f"--layers takes comma-separated integers, got {value!r}") from None
 
 
+# the disk-pace advice only where acting on it changes a run's time materially
+DISK_ADVICE_RUN_S, DISK_ADVICE_SHARE = 60.0, 0.05
+
+
 def _print_summary(s) -> None:
+    """What the run did, on stdout (progress and warnings go to stderr)."""
+    from rich.console import Console
+
     from hsx.store import layout
+
+    stdout = Console(highlight=False, soft_wrap=True)
 
     state = "[green]complete[/]" if s.complete else "[yellow]incomplete[/]"
     lines = [
@@ -71,7 +120,7 @@ def _print_summary(s) -> None:
         + (f" ({s.tokens_written / s.seconds:,.0f} tok/s)" if s.seconds > 0 and s.tokens_written else ""),
         f"rejected   {s.rejected} input rows (see {s.run / layout.REJECTS})",
     ]
-    if s.seconds > 0 and s.waited_for_disk > 0.05 * s.seconds:
+    if s.seconds > DISK_ADVICE_RUN_S and s.waited_for_disk > DISK_ADVICE_SHARE * s.seconds:
         lines.append(
             f"disk       the model waited {s.waited_for_disk:.1f}s ({s.waited_for_disk / s.seconds:.0%}) for writes "
             "to finish: writing, not the forward pass, set the pace (a faster volume or more --writers)"
@@ -86,70 +135,133 @@ def _print_summary(s) -> None:
         lines.append("redone     " + ", ".join(f"{n} {k}" for k, n in sorted(s.redone.items())))
     if s.stray_removed or s.quarantined:
         lines.append(f"cleaned    {s.stray_removed} stray temp files removed, {s.quarantined} files quarantined")
-    console.print("\n".join(lines), highlight=False)
+    stdout.print("\n".join(lines), highlight=False)
 
 
 @app.command()
 def extract(
-    out: Annotated[Path, typer.Option("--out", help="Run folder (created, or resumed if it holds hsx.json).")],
+    out: Annotated[
+        Path, typer.Option("--out", metavar="DIR", help="Run folder (created, or resumed if it holds hsx.json).")
+    ],
     model: Annotated[
-        str | None, typer.Option(help="Model folder or hub id (new run; or its new path on resume).")
+        str | None, typer.Option(metavar="PATH", help="Model folder or hub id (new run; or its new path on resume).")
     ] = None,
     data: Annotated[
-        list[Path] | None, typer.Option(help="Conversations: .jsonl, .json or .parquet; repeatable.")
+        list[Path] | None,
+        typer.Option(metavar="FILE", help="Conversations: .jsonl, .json or .parquet; repeatable, each file once."),
     ] = None,
-    layers: Annotated[str | None, typer.Option(help="hsx layer ids, e.g. 1,15,28 (default EAGLE-3's).")] = None,
-    max_length: Annotated[int | None, typer.Option(help="Truncate samples to this many tokens [4096].")] = None,
-    batch_tokens: Annotated[int | None, typer.Option(help="Padded tokens per forward pass [16384].")] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto | bfloat16 | float16 | float32 [auto].")] = None,
-    device: Annotated[str | None, typer.Option(help="cuda, cuda:1, cpu [cuda if available].")] = None,
-    shard_size: Annotated[int | None, typer.Option(help="Samples per shard folder [1000].")] = None,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model's own Python code.")] = False,
+    layers: Annotated[
+        str | None,
+        typer.Option(metavar="IDS", help="hsx layer ids, e.g. 1,15,28.", show_default="EAGLE-3's: 1, N/2-1, N-4"),
+    ] = None,
+    max_length: Annotated[
+        int | None,
+        EXTRACT.option(
+            "max_length", help="Truncate samples to this many tokens.", show_default=str(DEFAULTS["max_length"])
+        ),
+    ] = None,
+    batch_tokens: Annotated[
+        int | None,
+        EXTRACT.option(
+            "batch_tokens", help="Padded tokens per forward pass.", show_default=str(DEFAULTS["batch_tokens"])
+        ),
+    ] = None,
+    dtype: Annotated[str | None, EXTRACT.option("dtype", help="Model dtype.", show_default=DEFAULTS["dtype"])] = None,
+    device: Annotated[
+        str | None, typer.Option(metavar="DEVICE", help="cpu, cuda or cuda:N.", show_default="cuda if available")
+    ] = None,
+    shard_size: Annotated[
+        int | None,
+        EXTRACT.option("shard_size", help="Samples per shard folder.", show_default=str(DEFAULTS["shard_size"])),
+    ] = None,
+    trust_remote_code: Annotated[
+        bool, typer.Option("--trust-remote-code", help="Allow the model's own Python code.")
+    ] = False,
     packing: Annotated[
-        str, typer.Option(help="auto | on | off: pack each batch into one row with no padding [auto: on for CUDA].")
+        str,
+        EXTRACT.option("packing", help="Pack each batch into one row with no padding (auto: on for CUDA)."),
     ] = "auto",
     compile: Annotated[
-        str, typer.Option(help="auto | on | off: torch.compile the decoder layers [auto: on for CUDA].")
+        str, EXTRACT.option("compile", help="torch.compile the decoder layers (auto: on for CUDA).")
     ] = "auto",
-    codec: Annotated[str | None, typer.Option(help="raw | zstd | fp8: how states are stored (new run) [raw].")] = None,
-    writers: Annotated[int, typer.Option(help="Writer threads.")] = 8,
-    fast_verify: Annotated[bool, typer.Option(help="On resume, check headers and sizes only, not digests.")] = False,
+    codec: Annotated[
+        str | None, EXTRACT.option("codec", help="How states are stored (new run).", show_default=DEFAULTS["codec"])
+    ] = None,
+    writers: Annotated[int, EXTRACT.option("writers", help="Writer threads.")] = 8,
+    fast_verify: Annotated[
+        bool, typer.Option("--fast-verify", help="On resume, check headers and sizes only, not digests.")
+    ] = False,
     allow_partial: Annotated[
-        bool, typer.Option(help="Start even if the volume cannot hold the whole run; stop cleanly when it fills.")
+        bool,
+        typer.Option(
+            "--allow-partial", help="Start even if the volume cannot hold the whole run; stop cleanly when it fills."
+        ),
     ] = False,
     allow_incomplete: Annotated[
         bool, typer.Option(help="--data is an unfinished generate run: extract the conversations it holds.")
     ] = False,
     backend: Annotated[
-        str | None, typer.Option(help="transformers | vllm: what runs the model (new run) [transformers].")
+        str | None,
+        EXTRACT.option("backend", help="What runs the model (new run).", show_default="transformers"),
     ] = None,
     tensor_parallel: Annotated[
-        int | None, typer.Option(help="One model replica over N devices of this node (new run; part of the spec).")
+        int | None,
+        EXTRACT.option(
+            "tensor_parallel", help="One model replica over N devices of this node (new run).", show_default="1"
+        ),
     ] = None,
     expert_parallel: Annotated[
-        int | None, typer.Option(help="Split the routed experts over the tensor-parallel ranks (1 or N) [1].")
+        int | None,
+        EXTRACT.option(
+            "expert_parallel",
+            help="Split the routed experts over the tensor-parallel ranks (1 or N).",
+            show_default="1",
+        ),
     ] = None,
-    tensor_parallel_size: Annotated[int | None, typer.Option(help="vllm backend: GPUs per model replica.")] = None,
-    data_parallel_size: Annotated[int | None, typer.Option(help="vllm backend: model replicas.")] = None,
+    tensor_parallel_size: Annotated[
+        int | None,
+        EXTRACT.option("tensor_parallel_size", help="vllm backend: GPUs per model replica.", show_default="1"),
+    ] = None,
+    data_parallel_size: Annotated[
+        int | None, EXTRACT.option("data_parallel_size", help="vllm backend: model replicas.", show_default="1")
+    ] = None,
     workers: Annotated[
         int,
-        typer.Option(help="Scale out: this many Ray workers, on 1 GPU or --tensor-parallel N each (hsx[ray]) [0]."),
+        EXTRACT.option(
+            "workers",
+            help="Scale out: this many Ray workers, on 1 GPU or --tensor-parallel N each; 0: this process alone "
+            "(needs the hsx[ray] extra).",
+        ),
     ] = 0,
     ray_address: Annotated[
-        str | None, typer.Option(help="With --workers: join this Ray cluster [a local Ray for this run].")
+        str | None,
+        typer.Option(
+            metavar="ADDRESS", help="With --workers: join this Ray cluster.", show_default="a local Ray for this run"
+        ),
     ] = None,
     metrics_port: Annotated[
-        int | None, typer.Option(help="Serve the run's metrics in Prometheus' text format on this port.")
+        int | None,
+        EXTRACT.option("metrics_port", help="Serve the run's metrics in Prometheus' text format on this port."),
     ] = None,
     metrics_textfile: Annotated[
-        Path | None, typer.Option(help="Keep this file in Prometheus' text format (node_exporter's textfile).")
+        Path | None,
+        typer.Option(metavar="FILE", help="Keep this file in Prometheus' text format (node_exporter's textfile)."),
     ] = None,
 ) -> None:
     """Extract hidden states into OUT, or resume the run in OUT."""
     from hsx.extract import ExtractOptions
     from hsx.extract import extract as run_extract
 
-    with failures(interrupted=f"resume with: hsx extract --out {out}"):
+    opts = None
+
+    def interrupted() -> str:  # a command that works as printed: a resume needs the spec, a start its options
+        if (out / SPEC).is_file():
+            return f"resume with: {resume_command(out, model)}"
+        if opts is None:
+            return "nothing was started"
+        return f"no run was made; start it again with: {opts.command()}"
+
+    with failures(interrupted=interrupted):
         opts = ExtractOptions(
             out=out,
             model=model,
@@ -182,12 +294,26 @@ def extract(
     _print_summary(summary)
 
 
+def resume_command(out: Path, model: str | None = None) -> str:
+    """``hsx extract --out OUT``, with ``--model`` where one was given (a moved model: the resume
+    needs it until it has recorded the new place)."""
+    from hsx.assess.status import resume_command
+
+    return resume_command(out, model)
+
+
+RUN = Bounds(threads=AT_LEAST_ONE, size=AT_LEAST_ONE, draft_vocab=AT_LEAST_ONE, target_vocab=AT_LEAST_ONE)
+RUN_FOLDER = typer.Argument(metavar="OUT", help="Run folder.", file_okay=False, show_default=False)
+
+
 @app.command()
 def status(
-    out: Annotated[Path, typer.Argument(help="Run folder.")],
-    deep: Annotated[bool, typer.Option(help="Verify every file's digest (reads all data), not only headers.")] = False,
+    out: Annotated[Path, RUN_FOLDER],
+    deep: Annotated[
+        bool, typer.Option("--deep", help="Verify every file's digest (reads all data), not only headers.")
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Machine-readable report on stdout.")] = False,
-    threads: Annotated[int, typer.Option(help="Parallel readers for the integrity check.")] = 8,
+    threads: Annotated[int, RUN.option("threads", help="Parallel readers for the integrity check.")] = 8,
     model: Annotated[
         str | None, typer.Option(help="Check this model folder against the run's fingerprint (where it moved).")
     ] = None,
@@ -213,11 +339,15 @@ def status(
 
 @app.command()
 def verify(
-    out: Annotated[Path, typer.Argument(help="Run folder.")],
-    deep: Annotated[bool, typer.Option(help="Verify every file's digest, not only headers and sizes.")] = False,
-    repair: Annotated[bool, typer.Option(help="Move bad files to OUT/quarantine/ (with a reason) for a redo.")] = False,
+    out: Annotated[Path, RUN_FOLDER],
+    deep: Annotated[
+        bool, typer.Option("--deep", help="Verify every file's digest, not only headers and sizes.")
+    ] = False,
+    repair: Annotated[
+        bool, typer.Option("--repair", help="Move bad files to OUT/quarantine/ (with a reason) for a redo.")
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Machine-readable report on stdout.")] = False,
-    threads: Annotated[int, typer.Option(help="Parallel readers.")] = 8,
+    threads: Annotated[int, RUN.option("threads", help="Parallel readers.")] = 8,
 ) -> None:
     """Check every sample file of a run. Exit 0: all good; 1: problems (hsx extract redoes them); 2: refused."""
     import json
@@ -235,25 +365,28 @@ def verify(
         stdout = Console(highlight=False, soft_wrap=True)
         render_check(result.check, stdout)
         if result.moved:
-            stdout.print(
-                f"next: hsx {result.command} --out {out} redoes {len(result.redo_ids())} samples", highlight=False
-            )
+            n = len(result.redo_ids())
+            stdout.print(f"next: {resume_command(out, command=result.command)}  # redoes {n} samples", highlight=False)
     raise typer.Exit(result.exit_code)
 
 
 @app.command("export")
 def export_cmd(
-    out: Annotated[Path, typer.Argument(help="Run folder.")],
+    out: Annotated[Path, RUN_FOLDER],
     dest: Annotated[Path, typer.Argument(help="Export folder (created; rerun the same command to resume).")],
-    to: Annotated[str, typer.Option("--to", help="specforge | speculators | modelopt.")],
+    to: Annotated[str, TO.option("to", "--to", help="The trainer's format.")],
     model: Annotated[
         str | None, typer.Option(help="The run's model, if it moved (final norm, vocabulary size).")
     ] = None,
     prenorm: Annotated[bool, typer.Option(help="modelopt: export the pre-norm final state (flagged).")] = False,
-    draft_vocab: Annotated[int | None, typer.Option(help="Also write a draft-vocab map of this size.")] = None,
-    target_vocab: Annotated[int | None, typer.Option(help="Target vocabulary size [model's config].")] = None,
+    draft_vocab: Annotated[
+        int | None, RUN.option("draft_vocab", help="Also write a draft-vocab map of this size.")
+    ] = None,
+    target_vocab: Annotated[
+        int | None, RUN.option("target_vocab", help="Target vocabulary size.", show_default="the model's config")
+    ] = None,
     allow_incomplete: Annotated[bool, typer.Option(help="Export the finished samples of an unfinished run.")] = False,
-    pace: Annotated[float, typer.Option(hidden=True, help="Seconds to sleep after each sample.")] = 0.0,
+    pace: Annotated[float, typer.Option(hidden=True, min=0.0, help="Seconds to sleep after each sample.")] = 0.0,
 ) -> None:
     """Write OUT's samples in a trainer's own format, verifying each source file; resumable."""
     from hsx.export import ExportOptions, run_export
@@ -272,11 +405,13 @@ def export_cmd(
 
 @app.command()
 def vocab(
-    out: Annotated[Path, typer.Argument(help="Run folder.")],
-    size: Annotated[int, typer.Option(help="Draft vocabulary size.")] = 32000,
-    dest: Annotated[Path | None, typer.Option(help="Where to write [OUT/vocab].")] = None,
+    out: Annotated[Path, RUN_FOLDER],
+    size: Annotated[int, RUN.option("size", help="Draft vocabulary size.")] = 32000,
+    dest: Annotated[Path | None, typer.Option(help="Where to write.", show_default="OUT/vocab")] = None,
     model: Annotated[str | None, typer.Option(help="The run's model, if it moved (for its vocabulary size).")] = None,
-    target_vocab: Annotated[int | None, typer.Option(help="Target vocabulary size [model's config].")] = None,
+    target_vocab: Annotated[
+        int | None, RUN.option("target_vocab", help="Target vocabulary size.", show_default="the model's config")
+    ] = None,
 ) -> None:
     """Draft-vocab map (d2t/t2d) from loss-masked token counts of the plan; no hidden states read."""
     from hsx.export.vocab import write_vocab
@@ -293,19 +428,22 @@ def vocab(
 @app.command()
 def bench(
     model: Annotated[
-        str | None, typer.Option(help="Model folder [8B-shape random weights on CUDA, tiny on CPU].")
+        str | None,
+        typer.Option(help="Model folder.", show_default="8B-shape random weights on CUDA, tiny on CPU"),
     ] = None,
-    device: Annotated[str | None, typer.Option(help="cuda or cpu [cuda if available].")] = None,
-    samples: Annotated[int, typer.Option(help="Number of samples.")] = 256,
-    mean_len: Annotated[int, typer.Option(help="Mean sample length (lognormal).")] = 1275,
-    min_len: Annotated[int, typer.Option(help="Shortest sample.")] = 64,
-    max_len: Annotated[int, typer.Option(help="Longest sample.")] = 4096,
-    batch_tokens: Annotated[int, typer.Option(help="Tokens per forward pass.")] = 16384,
-    naive_samples: Annotated[int, typer.Option(help="Samples for the naive baseline (0: skip).")] = 64,
-    writers: Annotated[int, typer.Option(help="Writer threads.")] = 8,
-    workdir: Annotated[Path | None, typer.Option(help="Where to write (on the volume to measure).")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N.", show_default="cuda if available")] = None,
+    samples: Annotated[int, BENCH.option("samples", help="Number of samples.")] = 256,
+    mean_len: Annotated[int, BENCH.option("mean_len", help="Mean sample length (lognormal).")] = 1275,
+    min_len: Annotated[int, BENCH.option("min_len", help="Shortest sample.")] = 64,
+    max_len: Annotated[int, BENCH.option("max_len", help="Longest sample.")] = 4096,
+    batch_tokens: Annotated[int, BENCH.option("batch_tokens", help="Tokens per forward pass.")] = 16384,
+    naive_samples: Annotated[int, BENCH.option("naive_samples", help="Samples for the naive baseline (0: skip).")] = 64,
+    writers: Annotated[int, BENCH.option("writers", help="Writer threads.")] = 8,
+    workdir: Annotated[
+        Path | None, typer.Option(help="Where to write (on the volume to measure).", show_default="a temp folder")
+    ] = None,
     compile: Annotated[
-        str, typer.Option(help="auto | on | off: also measure packed with compiled layers [auto: on CUDA].")
+        str, BENCH.option("compile", help="Also measure packed with compiled layers (auto: on CUDA).")
     ] = "auto",
     codecs: Annotated[
         str, typer.Option(help="Storage codecs measured next to raw on the last layout (raw: none).")
@@ -313,13 +451,11 @@ def bench(
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     from hsx.bench import run_bench, table
-    from hsx.errors import OptionError
-    from hsx.run.options import default_device, toggle
+    from hsx.run.options import check_device, default_device
 
-    try:
-        toggle("compile", compile)
-    except OptionError:
-        raise typer.BadParameter(f"takes auto, on or off, not {compile!r}", param_hint="--compile") from None
+    with failures():
+        if device is not None:
+            check_device(device)
     results = run_bench(
         model,
         device or default_device(),
@@ -407,7 +543,7 @@ def generate(
     from hsx.generate.options import GenerateOptions
     from hsx.generate.options import template_kwargs as parse_kwargs
 
-    with failures(interrupted=f"resume with: hsx generate --out {out}"):
+    with failures(interrupted=lambda: f"resume with: hsx generate --out {out}"):
         opts = GenerateOptions(
             out=out,
             model=model,
@@ -459,4 +595,4 @@ def generate_export(
 
 
 def main() -> None:
-    app()
+    app(prog_name="hsx")

@@ -43,6 +43,18 @@ SCHEMA = pa.schema(
 )
 
 
+class NoUsableSamples(PlanError):
+    """Every row was rejected: ``rejects`` says why, for the caller to write where its message says."""
+
+    def __init__(self, rejects: list[Reject]):
+        super().__init__(
+            f"no usable samples: all {len(rejects)} rows were rejected"
+            if rejects
+            else "no usable samples: the data holds no rows"
+        )
+        self.rejects = rejects
+
+
 class TemplateError(ValueError):
     """The chat template cannot be used to derive loss masks for this conversation."""
 
@@ -225,16 +237,20 @@ def write_plan(run_dir: Path, samples: Iterable[Sample | Reject], max_length: in
     builder = PlanBuilder(tmp)
     rejects: list[Reject] = []
     truncated = 0
-    for item in samples:
-        if isinstance(item, Reject):
-            rejects.append(item)
-        else:
-            builder.add(item)
-            truncated += item.truncated
-    fingerprint = builder.close()
-    if builder.num_samples == 0:
-        tmp.unlink()
-        raise PlanError(f"no usable samples: all {len(rejects)} rows were rejected (see rejects.jsonl)")
+    try:
+        for item in samples:
+            if isinstance(item, Reject):
+                rejects.append(item)
+            else:
+                builder.add(item)
+                truncated += item.truncated
+        fingerprint = builder.close()
+        if builder.num_samples == 0:
+            raise NoUsableSamples(rejects)
+    except BaseException:  # an unreadable file, no usable row, Ctrl-C: no half-written plan stays behind
+        builder.writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
     from hsx.store.durable import durable_rename, write_durable
 
     durable_rename(tmp, plan_dir / PLAN_FILE)

@@ -74,11 +74,9 @@ def _seal_problems(run: Path, scan: ShardScan) -> list[Problem]:
         return [Problem(str((folder / layout.SEALED).relative_to(run)), Damage.CORRUPT, "SEALED manifest unreadable")]
     if scan.manifest is None:
         return []
-    flagged = {p.sample_id for p in scan.problems if p.sample_id is not None}
     return [
         Problem(str((folder / layout.sample_name(sid)).relative_to(run)), Damage.MISSING, MEANING[Damage.MISSING], sid)
-        for sid in sorted(scan.manifest)
-        if sid not in scan.good and sid not in flagged
+        for sid in scan.gone
     ]
 
 

@@ -35,6 +35,10 @@ def inspect(run: Path) -> RunFiles:
     try:
         spec = load_any(run)
     except SpecError as e:
+        if not (run / layout.SPEC).exists() and not (run / layout.SHARDS).exists() and run.is_dir():
+            never = _never_a_run(run)
+            if never is not None:
+                return RunFiles(never, None, None)
         lost = (run / layout.SPEC).exists() or (run / PLAN_DIR).exists()
         action = f"restore {layout.SPEC} from a backup of this run folder" if lost else "check the path"
         return RunFiles(Check("spec", "fail", str(e), action=action, data={}), None, None)
@@ -88,4 +92,26 @@ def inspect(run: Path) -> RunFiles:
         ),
         spec,
         plan,
+    )
+
+
+def _never_a_run(run: Path) -> Check | None:
+    """A folder where ``hsx extract`` started a run that never came to be (no spec, no shard): why,
+    from its record (``run.folder.record_failed_start``), and the command that starts it again."""
+    from hsx.run.folder import failed_start
+
+    record = failed_start(run)
+    if record is None and not (run / PLAN_DIR).exists():
+        return None
+    if record is None:  # killed outright while planning: no record, only the unfinished plan
+        record = {"reason": "it stopped while planning, before the run spec was written", "command": None}
+    command = record["command"] or f"hsx extract --model MODEL --data DATA --out {run}"
+    rejects = run / layout.REJECTS
+    return Check(
+        "spec",
+        "fail",
+        f"not a run: a start that never became one ({record['reason']})",
+        action="fix the cause, then start it again"
+        + (f" (each rejected row and its reason: {rejects})" if rejects.is_file() else ""),
+        data={"never_a_run": True, "reason": record["reason"], "start_command": command},
     )

@@ -53,8 +53,15 @@ class Report:
         }
 
 
-def resume_command(run: Path, command: str = "extract") -> str:
-    return f"hsx {command} --out {shlex.quote(str(run))}"
+def resume_command(run: Path, model: str | None = None, command: str = "extract") -> str:
+    """The command that resumes ``run`` (``command``: extract, or generate for a generate run); with
+    ``model`` (where it moved: a local folder made absolute), which the resume checks against the
+    fingerprint and records."""
+    args = ["hsx", command, "--out", str(run)]
+    if model is not None:
+        local = Path(model).expanduser()
+        args += ["--model", str(local.absolute()) if local.exists() else model]
+    return shlex.join(args)
 
 
 def _projection(run: Path, spec: RunSpec | GenerateSpec, plan, t: tally.Tally, left_tokens: int) -> volume.Projection:
@@ -122,18 +129,24 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         generated = isinstance(spec, GenerateSpec)
         checks["capture"] = model.check_engine(spec) if generated else model.check_capture(spec, model_dir, deep)
     report = Report(run, [checks[n] for n in ORDER], generate=isinstance(spec, GenerateSpec))
-    _next_steps(report, t)
+    _next_steps(report, t, given_model)
     return report
 
 
-def _next_steps(report: Report, t: tally.Tally | None) -> None:
+def _next_steps(report: Report, t: tally.Tally | None, given_model: str | None = None) -> None:
     act = [c for c in report.checks if c.exit_code == EXIT_ACT]
+    start = report.get("spec").data.get("start_command")
+    if start is not None:  # a start that never became a run: nothing to resume, only to start again
+        report.next = [f"nothing to resume; once the reason above is fixed, start it again: {start}"]
+        return
     if report.get("spec").level == "fail":
         report.next = [f"{c.name}: {c.action or c.figure}" for c in act]
         report.next.append("this folder cannot be resumed until its spec and plan are restored")
         return
-    cmd = resume_command(report.run, "generate" if report.generate else "extract")
-    if report.get("model").level == "fail" and report.get("model").data.get("found") is False:
+    model = report.get("model")
+    given = given_model if model.level != "fail" else None  # it matched: the resume records it
+    cmd = resume_command(report.run, given, "generate" if report.generate else "extract")
+    if model.level == "fail" and model.data.get("found") is False:
         cmd += " --model NEW_PATH"
     report.next = [f"fix first: {c.name}: {c.action or c.figure}" for c in act]
     redo = report.exit_code == EXIT_REDO

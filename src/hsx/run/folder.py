@@ -12,10 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hsx import target
-from hsx.errors import InputError, OptionError, Refused
+from hsx.errors import HsxError, InputError, PlanError, Refused
 from hsx.generate.spec import is_generate_run
 from hsx.input import read_conversations
-from hsx.plan import Tokenize, tokenize_all, write_plan
+from hsx.plan import NoUsableSamples, Tokenize, tokenize_all, write_plan
 from hsx.run.options import DEFAULTS, ExtractOptions, resolve_compile, resolve_packing, resolve_parallel
 from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, differences, load_spec, now, record_location, who
 from hsx.store import layout
@@ -75,13 +75,46 @@ def remove_stray_temps(run: Path) -> int:
     return removed
 
 
+def given(opts: ExtractOptions, name: str):
+    """The option as given, or its default where it was not (never where it was: 0 is not "not given")."""
+    value = getattr(opts, name)
+    return DEFAULTS[name] if value is None else value
+
+
+def write_rejects(run: Path, rejects: list) -> None:
+    write_durable(run / layout.REJECTS, "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode())
+
+
+def record_failed_start(opts: ExtractOptions, error: BaseException) -> None:
+    """Why this start did not become a run, and the command that starts it again, for ``hsx status``
+    and the next ``hsx extract --out`` to tell (a start killed outright leaves no record: status
+    tells that case by the missing spec beside an unfinished plan)."""
+    reason = str(error) if isinstance(error, HsxError) else f"{type(error).__name__} {error}".strip()
+    if isinstance(error, KeyboardInterrupt):
+        reason = "interrupted while planning, before the run spec was written"
+    record = {"reason": reason, "command": opts.command(), "at": now(), "by": who()}
+    write_durable(opts.out / layout.FAILED_START, json.dumps(record, indent=1).encode())
+
+
+def failed_start(run: Path) -> dict | None:
+    """The record of a start in ``run`` that never became a run (``record_failed_start``), if any."""
+    try:
+        return json.loads((run / layout.FAILED_START).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     """A new run: read and tokenize the data into the frozen plan, write the rejects, then the spec."""
     from hsx.capture import check_layers, default_layers
     from hsx.capture.transformers import resolve_dtype
 
     if not opts.model or not opts.data:
-        raise Refused(f"{opts.out} is not a run yet: a new run needs --model and --data")
+        started = failed_start(opts.out)
+        raise Refused(
+            f"{opts.out} is not a run yet: a new run needs --model and --data"
+            + (f"; it was started with: {started['command']}" if started else "")
+        )
     if opts.out.exists():
         remove_stray_temps(opts.out)  # an interrupted set-up; the plan is rebuilt from the data
         foreign = sorted(p.name for p in opts.out.iterdir() if p.name not in layout.SETUP_FILES)
@@ -100,7 +133,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     layers = opts.layers if opts.layers is not None else default_layers(model.num_layers)
     check_layers(layers, model.num_layers)
     device = opts.resources().device
-    dtype = resolve_dtype(opts.dtype or DEFAULTS["dtype"], device)
+    dtype = resolve_dtype(given(opts, "dtype"), device)
     packed = resolve_packing(opts.packing, device, target.load_config(model_dir), dtype, log)
     backend, final_state = opts.backend or "transformers", FINAL_STATE
     if backend == "vllm":
@@ -111,24 +144,30 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         raise Refused(f"unknown backend {backend!r}: use transformers or vllm")
     compiled = resolve_compile(opts.compile, device, backend)
     parallel = resolve_parallel(opts.tensor_parallel, opts.expert_parallel, target.load_config(model_dir), backend)
-    max_length = opts.max_length or DEFAULTS["max_length"]
-    codec = opts.codec or DEFAULTS["codec"]
-    if codec not in set(Codec):
-        raise OptionError(f"--codec takes {', '.join(Codec)}, not {codec!r}")
+    max_length, codec = given(opts, "max_length"), Codec(given(opts, "codec"))
     opts.out.mkdir(parents=True, exist_ok=True)
     source_spec = None
-    if generated is not None:  # the target's own token ids, as generated: nothing is rendered again
-        from hsx.generate.samples import plan_samples
+    try:
+        if generated is not None:  # the target's own token ids, as generated: nothing is rendered again
+            from hsx.generate.samples import plan_samples
 
-        digest = target.tokenizer_identity(tokenizer).digest
-        gen, samples = plan_samples(generated, digest, max_length, opts.allow_incomplete, log)
-        source_spec = gen.digest()
-        log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
-    else:
-        log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
-        samples = tokenize_all(read_conversations(opts.data), Tokenize(tokenizer, max_length))
-    info, rejects = write_plan(opts.out, samples, max_length)
-    write_durable(opts.out / layout.REJECTS, "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode())
+            digest = target.tokenizer_identity(tokenizer).digest
+            gen, samples = plan_samples(generated, digest, max_length, opts.allow_incomplete, log)
+            source_spec = gen.digest()
+            log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
+        else:
+            log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
+            samples = tokenize_all(read_conversations(opts.data), Tokenize(tokenizer, max_length))
+        try:
+            info, rejects = write_plan(opts.out, samples, max_length)
+        except NoUsableSamples as e:
+            write_rejects(opts.out, e.rejects)
+            see = f" (see {opts.out / layout.REJECTS})" if e.rejects else ""
+            raise PlanError(f"{e}{see}: nothing to extract, no run was made") from None
+        write_rejects(opts.out, rejects)
+    except BaseException as e:  # what the folder now holds is a start that never became a run: say so in it
+        record_failed_start(opts, e)
+        raise
     spec = RunSpec(
         created=now(),
         created_by=who(),
@@ -139,8 +178,8 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         layers=layers,
         dtype=dtype,
         max_length=max_length,
-        batch_tokens=opts.batch_tokens or DEFAULTS["batch_tokens"],
-        shard_size=opts.shard_size or DEFAULTS["shard_size"],
+        batch_tokens=given(opts, "batch_tokens"),
+        shard_size=given(opts, "shard_size"),
         trust_remote_code=opts.trust_remote_code,
         packed=packed,
         compiled=compiled,
@@ -157,6 +196,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         ),
     )
     spec.save(opts.out)  # last: its presence means the run exists
+    (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
     log(
         f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
         f"{len(rejects)} rejected (see {layout.REJECTS})"

@@ -1,4 +1,4 @@
-"""What the operator asked for, parsed once: ``ExtractOptions``, their defaults, the auto|on|off toggles.
+"""What the operator asked for, parsed once: ``ExtractOptions``, their defaults and bounds (``EXTRACT``).
 
 Options live at the top of the job; stages below it get resolved values (``Resources``, a model
 folder, a device), never the whole ``ExtractOptions``.
@@ -7,11 +7,13 @@ folder, a device), never the whole ``ExtractOptions``.
 from __future__ import annotations
 
 import importlib.util
+import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Literal, get_args
 
+from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
 from hsx.spec import Parallel
 from hsx.telemetry import Telemetry
@@ -19,13 +21,24 @@ from hsx.telemetry import Telemetry
 Toggle = Literal["auto", "on", "off"]
 Backend = Literal["transformers", "vllm"]
 DEFAULTS = {"max_length": 4096, "batch_tokens": 16384, "shard_size": 1000, "dtype": "auto", "codec": "raw"}
-
-
-def toggle(flag: str, value: str) -> Toggle:
-    """``--flag auto|on|off``, or a refusal naming the flag."""
-    if value not in get_args(Toggle):
-        raise OptionError(f"--{flag} takes auto, on or off, not {value!r}")
-    return value  # type: ignore[return-value]
+AT_LEAST_ONE = Bound(min=1)
+EXTRACT = Bounds(
+    max_length=AT_LEAST_ONE,
+    batch_tokens=AT_LEAST_ONE,
+    shard_size=AT_LEAST_ONE,
+    writers=AT_LEAST_ONE,
+    tensor_parallel=AT_LEAST_ONE,
+    expert_parallel=AT_LEAST_ONE,
+    tensor_parallel_size=AT_LEAST_ONE,
+    data_parallel_size=AT_LEAST_ONE,
+    workers=Bound(min=0),
+    metrics_port=Bound(min=1, max=65535),
+    dtype=Bound(choices=("auto", "bfloat16", "float16", "float32")),
+    codec=Bound(choices=("raw", "zstd", "fp8")),
+    backend=Bound(choices=get_args(Backend)),
+    packing=Bound(choices=get_args(Toggle)),
+    compile=Bound(choices=get_args(Toggle)),
+)
 
 
 @dataclass(frozen=True)
@@ -69,14 +82,67 @@ class ExtractOptions:
     metrics_textfile: Path | None = None  # keep this file in Prometheus' text format (node_exporter)
 
     def __post_init__(self) -> None:
-        self.packing = toggle("packing", self.packing)
-        self.compile = toggle("compile", self.compile)
+        """Refuse what cannot be meant, before anything is read or written."""
+        EXTRACT.check(self)
+        if self.out.is_file():
+            raise OptionError(f"--out {self.out} is a file, not a run folder: name a new or empty folder, or a run")
+        seen: dict[Path, Path] = {}
+        for path in map(Path, self.data):
+            first = seen.setdefault(path.resolve(), path)
+            if first is not path:
+                also = "" if path == first else f" (also as {path})"
+                raise OptionError(f"--data names {first} twice{also}: give each file once")
+
+    def command(self) -> str:
+        """The ``hsx extract`` command that asks for exactly these options (local paths made
+        absolute): what a start that did not become a run prints to start it again."""
+        args = ["hsx", "extract"]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in NOT_FLAGS or value == f.default or (f.default_factory is not MISSING and not value):
+                continue
+            flag = Bounds.flag(f.name)
+            if f.name == "deep_verify":
+                args.append("--fast-verify")
+            elif value is True:
+                args.append(flag)
+            elif f.name == "data":
+                for path in value:
+                    args += [flag, str(Path(path).absolute())]
+            elif f.name == "layers":
+                args += [flag, ",".join(map(str, value))]
+            elif f.name == "model" and Path(value).expanduser().exists():
+                args += [flag, str(Path(value).expanduser().absolute())]
+            else:
+                args += [flag, str(value.absolute() if isinstance(value, Path) else value)]
+        return shlex.join(args)
 
     def telemetry(self, metrics: Callable[[], dict]) -> Telemetry:
         return Telemetry(self.out, metrics, self.metrics_port, self.metrics_textfile)
 
     def resources(self, device: str | None = None) -> Resources:
         return Resources(device or self.device or default_device(), self.writers, self.max_inflight_bytes)
+
+
+NOT_FLAGS = frozenset({"max_inflight_bytes", "reserve_bytes"})  # the Python API's alone
+
+
+def check_device(device: str) -> None:
+    """A device this machine has; refused before a run folder is made or a dtype chosen for it."""
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise OptionError(f"--device takes cpu, cuda or cuda:N, not {device!r}") from None
+    if d.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise OptionError(f"--device {device}: {why}; use --device cpu")
+    n = torch.cuda.device_count()
+    if d.index is not None and d.index >= n:
+        raise OptionError(f"--device {device}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
 
 
 def default_device() -> str:
@@ -119,7 +185,7 @@ def resolve_compile(compile: Toggle, device: str, backend: str) -> bool:
 
 def resolve_parallel(tensor: int | None, expert: int | None, config: dict, backend: str) -> Parallel:
     """The layout of one model replica, checked against the model: refused where it cannot split."""
-    parallel = Parallel(tensor=tensor or 1, expert=expert or 1)
+    parallel = Parallel(tensor=1 if tensor is None else tensor, expert=1 if expert is None else expert)
     if parallel.ranks == 1 and parallel.expert == 1:
         return parallel
     if backend != "transformers":

@@ -81,8 +81,11 @@ def tidy(run: Path, problems: list[Problem], summary: Summary) -> None:
 
 
 def settle(run: Path, scan: ShardScan, summary: Summary) -> ShardScan:
-    """After a shard's scan: tidy it, count its good files as done, seal it if every id verified."""
+    """After a shard's scan: tidy it, count its good files as done (and as redone those its seal
+    lists that are gone), seal it if every id verified."""
     tidy(run, scan.problems, summary)
+    if scan.gone:
+        summary.redone[Damage.MISSING] = summary.redone.get(Damage.MISSING, 0) + len(scan.gone)
     summary.already_done += len(scan.good)
     if scan.complete and not scan.sealed:
         seal(run, scan.shard, list(scan.good.values()))

@@ -31,10 +31,11 @@ METRICS = "metrics.json"
 HISTORY = "metrics-history.jsonl"
 WORKERS = "workers"
 GROUP = "group.json"
+FAILED_START = "failed-start.json"  # a start that never became a run: why, and the command that starts it again
 STOP = "STOP"  # in WORKERS: written by a driver that stops handing out work (disk full, a worker failed)
 
 # what a run folder may hold before its spec exists (an interrupted set-up, or a lock taken early)
-SETUP_FILES = frozenset({PLAN_DIR, REJECTS, LOCK, GUARD, METRICS, HISTORY, GROUP})
+SETUP_FILES = frozenset({PLAN_DIR, REJECTS, LOCK, GUARD, METRICS, HISTORY, GROUP, FAILED_START})
 
 
 def shard_of(sample_id: int, shard_size: int) -> int:

@@ -90,6 +90,12 @@ class ShardScan:
         return [i for i in self.expected if i not in self.good]
 
     @property
+    def gone(self) -> list[int]:
+        """Ids the SEALED manifest lists whose file is absent (not bad: gone)."""
+        flagged = {p.sample_id for p in self.problems if p.sample_id is not None}
+        return [sid for sid in sorted(self.manifest or {}) if sid not in self.good and sid not in flagged]
+
+    @property
     def complete(self) -> bool:
         return len(self.good) == len(self.expected)
 

@@ -1,0 +1,318 @@
+"""The command line as a new user meets it: every bad option refused by name, value and range before
+anything is written; no traceback for a user's mistake; a failed start that says what it is; every
+command hsx prints for the operator works when run as printed; help that shows what matters."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Annotated
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import SMALL_RUN, TINY, conversations, hsx, write_jsonl
+from hsx.bounds import Bound, Bounds
+from hsx.cli import BENCH, RUN, TO, _print_summary, app
+from hsx.errors import OptionError
+from hsx.run.options import EXTRACT, ExtractOptions
+from hsx.run.resume import Summary
+from hsx.store import layout
+
+
+def cli(*args) -> tuple[int, str]:
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.output  # never a traceback
+    return r.exit_code, r.output
+
+
+def printed(pattern: str, text: str) -> list[str]:
+    """The command after ``pattern`` on its line, split as a shell would (a comment is left out)."""
+    line = next(ln for ln in text.splitlines() if pattern in ln)
+    args = shlex.split(line.split(pattern, 1)[1], comments=True)
+    assert args[:2] == ["hsx", "extract"], line
+    return args[1:]
+
+
+@pytest.fixture
+def convs(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "convs.jsonl", conversations(12))
+
+
+# ---------------------------------------------------------------- 1: bounds, refused before anything is written
+
+BAD = [
+    (("--shard-size", "-1"), "--shard-size takes an integer >= 1, not -1"),
+    (("--shard-size", "0"), "--shard-size takes an integer >= 1, not 0"),
+    (("--max-length", "-5"), "--max-length takes an integer >= 1, not -5"),
+    (("--max-length", "0"), "--max-length takes an integer >= 1, not 0"),
+    (("--batch-tokens", "0"), "--batch-tokens takes an integer >= 1, not 0"),
+    (("--writers", "0"), "--writers takes an integer >= 1, not 0"),
+    (("--tensor-parallel", "0"), "--tensor-parallel takes an integer >= 1, not 0"),
+    (("--expert-parallel", "-2"), "--expert-parallel takes an integer >= 1, not -2"),
+    (("--workers", "-1"), "--workers takes an integer >= 0, not -1"),
+    (("--metrics-port", "70000"), "--metrics-port takes an integer >= 1 and <= 65535, not 70000"),
+    (("--dtype", "bf16"), "--dtype takes auto, bfloat16, float16 or float32, not 'bf16'"),
+    (("--codec", "gzip"), "--codec takes raw, zstd or fp8, not 'gzip'"),
+    (("--backend", "sglang"), "--backend takes transformers or vllm, not 'sglang'"),
+    (("--packing", "yes"), "--packing takes auto, on or off, not 'yes'"),
+]
+
+
+@pytest.mark.parametrize(("bad", "said"), BAD, ids=[" ".join(b) for b, _ in BAD])
+def test_extract_refuses_an_option_out_of_range_before_anything_is_written(tmp_path, convs, bad, said):
+    code, out = cli("extract", "--model", TINY, "--data", convs, "--out", tmp_path / "run", *bad)
+    assert code == 2 and said in out, out
+    assert not (tmp_path / "run").exists()
+    name = bad[0][2:].replace("-", "_")
+    value = int(bad[1]) if bad[1].lstrip("-").isdigit() else bad[1]
+    with pytest.raises(OptionError, match=re.escape(said)):  # the Python API: the same refusal
+        ExtractOptions(out=tmp_path / "run", **{name: value})
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("status", "RUN", "--threads", "0"), "--threads takes an integer >= 1, not 0"),
+        (("verify", "RUN", "--threads", "-1"), "--threads takes an integer >= 1, not -1"),
+        (("vocab", "RUN", "--size", "0"), "--size takes an integer >= 1, not 0"),
+        (("export", "RUN", "DEST", "--to", "eagle"), "--to takes specforge, speculators or modelopt, not 'eagle'"),
+        (("export", "RUN", "DEST", "--to", "specforge", "--draft-vocab", "0"), "--draft-vocab takes an integer >= 1"),
+        (("bench", "--samples", "0"), "--samples takes an integer >= 1, not 0"),
+        (("bench", "--compile", "yes"), "--compile takes auto, on or off, not 'yes'"),
+    ],
+)
+def test_other_commands_refuse_options_out_of_range(tmp_path, args, said):
+    args = [str(tmp_path / a) if a in ("RUN", "DEST") else a for a in args]
+    code, out = cli(*args)
+    assert code == 2 and said in out, out
+    assert not (tmp_path / "DEST").exists()
+
+
+def test_choices_are_the_ones_the_stages_accept():
+    from hsx.capture.transformers import DTYPES
+    from hsx.export import FORMATS
+    from hsx.store.codec import Codec
+
+    assert set(EXTRACT.bounds["dtype"].choices) == {"auto", *DTYPES}
+    assert set(EXTRACT.bounds["codec"].choices) == set(Codec)
+    assert set(TO.bounds["to"].choices) == set(FORMATS)
+    assert BENCH.bounds["compile"] is EXTRACT.bounds["compile"] and RUN.bounds["threads"].min == 1
+
+
+SAMPLING = Bounds(top_p=Bound(min=0.0, max=1.0, min_open=True), top_k=Bound(min=1), temperature=Bound(min=0.0))
+
+
+def test_a_new_commands_bounds_are_declared_once_for_its_parser_and_its_api():
+    """How a later command (sampling options, say) reuses the mechanism: one ``Bounds``, read by
+    the parser (help and refusal) and by its options object (the same refusal, an OptionError)."""
+    import typer
+
+    sampling = SAMPLING
+    app = typer.Typer(rich_markup_mode=None)  # as hsx's own
+
+    @app.command()
+    def generate(
+        top_p: Annotated[float, SAMPLING.option("top_p", help="Nucleus mass.")] = 1.0,
+        top_k: Annotated[int | None, SAMPLING.option("top_k", help="Candidates kept.")] = None,
+    ) -> None:
+        print(f"ok {top_p} {top_k}")
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["--top-p", "1", "--top-k", "5"]).output.strip() == "ok 1.0 5"
+    refused = runner.invoke(app, ["--top-p", "0"])
+    assert refused.exit_code == 2 and "--top-p takes a number > 0.0 and <= 1.0, not 0.0" in refused.output
+    assert "(a number > 0.0 and <= 1.0)" in " ".join(runner.invoke(app, ["--help"]).output.split())
+    for values, said in (
+        ({"top_p": 0.0}, "--top-p takes a number > 0.0"),
+        ({"top_k": 2.5}, "--top-k takes an integer"),
+    ):
+        with pytest.raises(OptionError, match=re.escape(said)):
+            sampling.check(SimpleNamespace(**({"top_p": 1.0, "top_k": None, "temperature": None} | values)))
+    sampling.check(SimpleNamespace(top_p=1.0, top_k=40, temperature=0.0))  # within: no refusal
+
+
+def test_the_same_data_file_twice_is_refused(tmp_path, convs, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out = cli("extract", "--model", TINY, "--data", convs, "--data", "./convs.jsonl", "--out", tmp_path / "run")
+    assert code == 2 and f"--data names {convs} twice (also as convs.jsonl): give each file once" in out, out
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- 4: a user's mistake is a refusal, never a traceback
+
+
+def test_out_naming_a_file_is_refused_by_every_command(tmp_path, convs):
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    code, out = cli("extract", "--model", TINY, "--data", convs, "--out", f)
+    assert code == 2 and f"--out {f} is a file, not a run folder" in out, out
+    for args in (["status", f], ["verify", f], ["export", f, tmp_path / "dest", "--to", "speculators"], ["vocab", f]):
+        code, out = cli(*args)
+        assert code == 2 and "is a file" in " ".join(out.split()), out
+    assert f.read_text() == "mine" and not (tmp_path / "dest").exists()
+
+
+def test_a_device_this_machine_lacks_is_refused_before_the_run_folder(tmp_path, convs):
+    proc = hsx(
+        "extract", "--model", TINY, "--data", convs, "--out", tmp_path / "run", "--device", "cuda:99", check=False
+    )
+    assert proc.returncode == 2 and "error: --device cuda:99: " in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- 5 and 6: failed starts, printed commands
+
+
+@pytest.mark.parametrize("case", ["not json", "max-length 1", "empty"])
+def test_a_start_with_no_usable_row_writes_its_rejects_and_says_what_it_is(tmp_path, case):
+    data = tmp_path / "data.jsonl"
+    extra: list[str] = []
+    if case == "not json":
+        data.write_text("this is not JSON\n{oops\n")
+    elif case == "max-length 1":
+        write_jsonl(data, conversations(3))
+        extra = ["--max-length", "1"]
+    else:
+        data.write_text("")
+    out = tmp_path / "run"
+    code, said = cli("extract", "--model", TINY, "--data", data, "--out", out, "--device", "cpu", *extra)
+    said = " ".join(said.split())
+    assert code == 2 and "no usable samples" in said and "no run was made" in said, said
+    rejects = [json.loads(line) for line in (out / layout.REJECTS).read_text().splitlines()]
+    if case == "empty":
+        assert rejects == [] and "the data holds no rows" in said
+    else:
+        assert len(rejects) == {"not json": 2, "max-length 1": 3}[case] and f"see {out / layout.REJECTS}" in said
+        assert all(r["reason"] for r in rejects)
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]  # no half-written plan left behind
+    assert not (out / layout.SPEC).exists()
+    if case != "max-length 1":
+        return
+    # what status says of the folder, and the command it prints, run as printed: refused for the reason stated
+    status = hsx("status", out, check=False)
+    assert status.returncode == 2 and "not a run: a start that never became one (no usable samples" in status.stdout
+    assert "restore" not in status.stdout, status.stdout
+    again = printed("start it again: ", status.stdout)
+    assert again[again.index("--max-length") + 1] == "1"
+    rerun = hsx(*again, check=False)
+    assert rerun.returncode == 2 and "no usable samples: all 3 rows were rejected" in rerun.stderr, rerun.stderr
+
+
+def test_ctrl_c_before_the_spec_prints_the_command_that_starts_it_and_that_command_works(tmp_path):
+    slow = {"conversations": [{"from": "human" if i % 2 == 0 else "gpt", "value": f"turn {i}"} for i in range(350)]}
+    data = write_jsonl(tmp_path / "slow.jsonl", [slow, slow, *conversations(3)])  # a few seconds to plan
+    out = tmp_path / "run"
+    args = ["extract", "--model", TINY, "--data", data, "--out", out, *SMALL_RUN, "--max-length", "64"]
+    env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hsx", *map(str, args)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ | env,
+    )
+    for line in proc.stderr:  # planning has begun: the spec is written only after it
+        if line.startswith("planning"):
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, rest
+    assert not (out / layout.SPEC).exists(), "the plan finished before the Ctrl-C: make the data slower to plan"
+    assert "resume with" not in rest and "no run was made; start it again with: " in rest, rest
+    again = printed("start it again with: ", rest)
+    assert again[again.index("--max-length") + 1] == "64" and "--shard-size" in again
+    done = hsx(*again)
+    assert "5/5 done" in done.stdout, done.stdout
+
+
+@pytest.fixture(scope="module")
+def moved(tmp_path_factory) -> tuple[Path, Path]:
+    """A finished 12-sample run whose model folder was then moved: (run, the model's new place)."""
+    root = tmp_path_factory.mktemp("moved")
+    shutil.copytree(TINY, root / "model")
+    data = write_jsonl(root / "convs.jsonl", conversations(12))
+    hsx("extract", "--model", root / "model", "--data", data, "--out", root / "run", *SMALL_RUN)
+    (root / "model").rename(root / "model-new")
+    return root / "run", root / "model-new"
+
+
+def test_status_with_a_moved_model_prints_a_resume_that_works_as_printed(moved):
+    run, new = moved
+    (run / "shards" / "000000" / layout.sample_name(4)).unlink()  # one file gone from a sealed shard
+    status = hsx("status", run, "--model", new, check=False)
+    assert status.returncode == 1, status.stdout
+    resume = printed("resume: ", status.stdout)
+    assert resume[resume.index("--model") + 1] == str(new), resume
+    done = hsx(*resume)
+    # the summary is on stdout, and the redone line counts the file that was gone
+    assert "12/12 done, 1 written now" in done.stdout and "redone     1 missing" in done.stdout, done.stdout
+    assert "disk " not in done.stdout  # a run of seconds: no advice on the disk's pace
+    assert hsx("status", run).returncode == 0
+
+
+def test_the_command_verify_repair_prints_redoes_what_it_moved(finished_run, tmp_path):
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    bad = layout.sample_path(run, 7, 10)
+    bad.write_bytes(bad.read_bytes()[:100])
+    repaired = hsx("verify", run, "--repair", check=False)
+    assert repaired.returncode == 1 and "# redoes 1 samples" in repaired.stdout, repaired.stdout
+    done = hsx(*printed("next: ", repaired.stdout))
+    assert "40/40 done, 1 written now" in done.stdout and "redone     1 missing" in done.stdout, done.stdout
+
+
+# ---------------------------------------------------------------- 7: help, version, flags; 8: the summary
+
+
+@pytest.mark.parametrize("command", ["extract", "status", "verify", "export", "vocab", "bench", "quickstart"])
+def test_help_shows_defaults_and_choices_and_fits_80_columns(command):
+    r = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert r.exit_code == 0, r.output
+    assert all(len(line) <= 80 for line in r.output.splitlines()), r.output
+    assert "<bool>" not in r.output
+    text = " ".join(r.output.split())
+    expected = {
+        "extract": [
+            "--dtype [auto|bfloat16|float16|float32]",
+            "[default: (4096)]",
+            "--device DEVICE cpu, cuda or cuda:N. [default: (cuda if available)]",
+            "(needs the hsx[ray] extra)",
+            "--codec [raw|zstd|fp8]",
+            "--backend [transformers|vllm]",
+            "(an integer >= 1)",
+        ],
+        "status": ["--threads N", "[default: 8]"],
+        "export": ["--to [specforge|speculators|modelopt]", "[default: (the model's config)]"],
+        "vocab": ["[default: (OUT/vocab)]", "[default: 32000]"],
+        "bench": ["--compile [auto|on|off]", "[default: auto]"],
+    }.get(command, [])
+    for piece in expected:
+        assert piece in text, (piece, r.output)
+
+
+def test_version_and_flags_that_take_no_value(tmp_path):
+    from importlib.metadata import version
+
+    code, out = cli("--version")
+    assert code == 0 and out.strip() == f"hsx {version('hsx')}"
+    code, out = cli("status", tmp_path, "--json", "true")
+    assert code == 2 and "unexpected extra argument(s) (true)" in out, out
+
+
+@pytest.mark.parametrize(
+    ("seconds", "waited", "advice"), [(1.1, 0.1, False), (600.0, 20.0, False), (120.0, 30.0, True)]
+)
+def test_disk_advice_only_where_acting_on_it_would_matter(tmp_path, capsys, seconds, waited, advice):
+    s = Summary(tmp_path, 10, 100, 0, written=10, tokens_written=100, seconds=seconds, waited_for_disk=waited)
+    _print_summary(s)
+    out = capsys.readouterr().out
+    assert "10/10 done" in out
+    assert ("a faster volume or more --writers" in out) is advice, out
