@@ -238,7 +238,8 @@ def pack_int4(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tens
     )
     ints = unpack_from_int32(stored["weight_packed"], 4, stored["weight_shape"]).float()
     dequantized = (ints.reshape(out, cols // 32, 32) * stored["weight_scale"].float()[..., None]).reshape(out, cols)
-    stored = {k: stored[k].contiguous() for k in ("weight_packed", "weight_scale", "weight_shape")}
+    stored = {k: stored[k].contiguous() for k in ("weight_packed", "weight_scale")}
+    stored["weight_shape"] = torch.tensor(weight.shape, dtype=torch.int32)  # as released (the compressor's: int64)
     return stored, dequantized
 
 

@@ -82,8 +82,8 @@ class LanguageModel:
         """What the language model's weight names carry in the checkpoint ("" for a plain causal LM):
         the one top-level name under which the weights are a causal LM's own (its base model under
         ``model.``, as transformers names it); read from the safetensors headers."""
-        if self.composite is None:
-            return ""
+        if self.composite is None or not self.weights:
+            return ""  # a plain causal LM; or a shape folder, which has no weights to map
         tops = {name.split(".", 1)[0] for name in self.weights if "." in name}
         found = sorted(t for t in tops if any(n.startswith(f"{t}.model.") for n in self.weights))
         if len(found) != 1:
