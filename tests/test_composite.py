@@ -200,7 +200,7 @@ def test_kimi_k25_extracts_end_to_end_text_rows_only(models, tmp_path, caplog):
         }
     )
     data = write_jsonl(tmp_path / "convs.jsonl", rows)
-    out = tmp_path / "run"
+    out, logged = tmp_path / "run", []
     opts = ExtractOptions(
         out=out,
         model=str(models["kimi-bf16"]),
@@ -211,8 +211,10 @@ def test_kimi_k25_extracts_end_to_end_text_rows_only(models, tmp_path, caplog):
         writers=1,
     )
     with caplog.at_level(logging.WARNING, logger="hsx.checkpoint"):
-        assert extract(opts, log=lambda m: None).complete
+        assert extract(opts, log=logged.append).complete
     assert "language model of kimi_k25 on transformers' DeepseekV3ForCausalLM" in caplog.text
+    # the memory of the layout was worked out (from the language model's headers) before loading
+    assert "memory per GPU for TP1, float32 (safetensors headers):" in logged, logged
     spec = json.loads((out / layout.SPEC).read_text())
     assert spec["model"]["architecture"] == "DeepseekV3ForCausalLM" and spec["model"]["num_layers"] == 3
     assert spec["layers"] == default_layers(3) and spec["model"]["quantization"] is None
@@ -223,6 +225,13 @@ def test_kimi_k25_extracts_end_to_end_text_rows_only(models, tmp_path, caplog):
         "llava": "image content ('image' field); hsx extracts text conversations only "
         "(multimodal extraction is not supported yet)",
     }
+    # hsx status checks the capture against the language model's architecture, which transformers has
+    from hsx.assess.model import check_capture
+    from hsx.spec import load_spec
+
+    check = check_capture(load_spec(out), models["kimi-bf16"])
+    assert (check.level, check.data["num_layers"]) == ("ok", 3), check
+    assert "(DeepseekV3ForCausalLM)" in check.figure
     from safetensors.torch import load_file
 
     files = [load_file(layout.sample_path(out, i, 4)) for i in range(3)]

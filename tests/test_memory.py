@@ -142,3 +142,16 @@ def test_extract_refuses_before_loading_a_layout_that_cannot_fit(tiny, tmp_path,
         extract(opts, log=logged.append)
     assert "routed experts, dequantized (expanded to float32), all of them (EP1)" in str(e.value)
     assert loads == []  # refused before any weight was loaded
+
+
+def test_hsx_memory_prints_the_arithmetic_and_exits_2_where_it_cannot_fit():
+    from conftest import hsx
+
+    args = ["--model", KIMI, "--tensor-parallel", "8", "--expert-parallel", "8", "--gpus", "8", "--gpu-memory", "141"]
+    refused = hsx("memory", *args, "--experts", "dequantized", check=False)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    said = " ".join((refused.stdout + refused.stderr).split())  # as the console wrapped it
+    assert "error: the model does not fit TP8 + EP8, dequantized experts, bfloat16 on 8 x 141.0 GB" in said
+    bf16 = LAYERS * EXPERTS * 3 * MOE * HIDDEN * 2
+    assert f"routed experts, dequantized (expanded to bfloat16), 1/8 of them: {memory.gb(bf16 / 8)}" in said
+    assert "smallest layout that fits: none on one node of 8 GPUs" in said
