@@ -100,12 +100,6 @@ class LanguageModel:
             return []
         return sorted({n.split(".", 1)[0] for n in self.weights} - {self.prefix.rstrip(".")})
 
-    def describe(self) -> str:
-        if self.composite is None:
-            return self.architecture
-        others = ", ".join(self.other_parts) or "nothing else"
-        return f"language model of {self.composite} ({self.architecture}); {others} not loaded"
-
 
 def weight_table(model_dir: Path) -> dict[str, tuple[Path, dict]]:
     """Tensor name -> (weight file, safetensors header entry: dtype, shape, data_offsets) over the
