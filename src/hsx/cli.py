@@ -594,5 +594,33 @@ def generate_export(
     )
 
 
+@app.command()
+def memory(
+    model: Annotated[str, typer.Option(help="Model folder (a shape folder with only config.json will do).")],
+    tensor_parallel: Annotated[int, typer.Option(help="Ranks of one model replica.")] = 1,
+    expert_parallel: Annotated[int, typer.Option(help="Ranks the routed experts are split over (1 or N).")] = 1,
+    experts: Annotated[
+        str,
+        typer.Option(help="auto | packed | dequantized: quantized weights as stored or expanded [auto: as loaded]."),
+    ] = "auto",
+    dtype: Annotated[str, typer.Option(help="The run's dtype.")] = "bfloat16",
+    batch_tokens: Annotated[int, typer.Option(help="Tokens per forward pass.")] = 16384,
+    max_length: Annotated[int, typer.Option(help="Longest sample.")] = 4096,
+    gpus: Annotated[int | None, typer.Option(help="GPUs on the node [this node's].")] = None,
+    gpu_memory: Annotated[float | None, typer.Option(help="GB of memory per GPU [this node's].")] = None,
+) -> None:
+    """Per-GPU memory of a parallel layout, from config.json and the safetensors headers (no weight read)."""
+    from hsx import target
+    from hsx.capture import memory as mem
+
+    with failures():
+        model_dir = target.resolve(model)
+        form = experts if experts != "auto" else mem.expert_form(model_dir, "cuda", dtype)
+        layout = mem.Layout(tensor_parallel, expert_parallel, form, dtype, batch_tokens, max_length)
+        device = None if gpu_memory is None else int(gpu_memory * mem.GB)
+        for line in mem.explain(model_dir, layout, device, gpus):
+            console.print(line, highlight=False)
+
+
 def main() -> None:
     app(prog_name="hsx")

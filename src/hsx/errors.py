@@ -11,6 +11,7 @@
     │   ├── UnsupportedModel       the capture backend cannot hook this architecture
     │   ├── Locked                 another extractor (or scale-out driver) holds the run
     │   ├── NotEnoughSpace         the projected size exceeds free space (--allow-partial starts anyway)
+    │   ├── LayoutTooLarge         the model does not fit the devices' memory in the asked parallel layout
     │   ├── CaptureFailed          the backend did not deliver a sample as the plan has it
     │   ├── WorkerFailed           a scale-out worker failed on a shard; the run stopped
     │   ├── RepairRefused          verify --repair on a run an extractor is writing
@@ -90,6 +91,10 @@ class Locked(Refused):
 
 
 class NotEnoughSpace(Refused):
+    pass
+
+
+class LayoutTooLarge(Refused):
     pass
 
 

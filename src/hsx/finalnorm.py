@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +30,7 @@ import torch
 from safetensors import safe_open
 
 from hsx.errors import BadFile, NormUnavailable
-from hsx.store.format import safetensors_header
-from hsx.target import load_config
+from hsx.target import load_config, weight_table
 
 NAMES = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight", "norm.weight")
 NORM_LIKE = re.compile(r"(^|\.)([^.]*norm[^.]*|ln_f)\.weight$")
@@ -55,7 +53,6 @@ OFFSET_TYPES = frozenset(
         "qwen3_5_moe_text",
     }
 )
-MAX_HEADER = 100_000_000  # the largest header the safetensors library itself accepts
 
 
 @dataclass(frozen=True)
@@ -93,21 +90,10 @@ class FinalNorm:
 
 def _tensors(model_dir: Path) -> dict[str, tuple[Path, dict]]:
     """Tensor name -> (weight file, header entry) over the checkpoint's safetensors files."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({model_dir / name for name in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    out: dict[str, tuple[Path, dict]] = {}
-    for path in files:
-        try:
-            with open(path, "rb") as f:
-                header, _ = safetensors_header(f, os.fstat(f.fileno()).st_size, MAX_HEADER)
-        except (BadFile, OSError) as e:
-            raise NormUnavailable(f"cannot read the final norm from {path}: {e}") from e
-        header.pop("__metadata__", None)
-        out.update((name, (path, entry)) for name, entry in header.items())
-    return out
+    try:
+        return weight_table(model_dir)
+    except (BadFile, OSError) as e:
+        raise NormUnavailable(f"cannot read the final norm from {model_dir}: {e}") from e
 
 
 def locate(model_dir: Path, hidden_size: int | None = None) -> FinalNorm:

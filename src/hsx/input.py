@@ -25,6 +25,11 @@ ROLES = {
     "bard": "assistant",
     "bing": "assistant",
 }
+# Image content a conversation may carry: OpenAI content parts, and the field LLaVA-style ShareGPT
+# rows put the picture in. hsx captures the language model's states of text conversations only.
+IMAGE_PARTS = ("image_url", "image", "input_image")
+IMAGE_FIELDS = ("image", "images")
+TEXT_ONLY = "hsx extracts text conversations only (multimodal extraction is not supported yet)"
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,10 @@ def _text(content: object, where: str) -> str:
     if isinstance(content, list):  # OpenAI content parts: accept text parts only
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind in IMAGE_PARTS:
+                raise ValueError(f"{where}: non-text content part ({kind}): image content; {TEXT_ONLY}")
+            if not isinstance(part, dict) or kind != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"{where}: non-text content part ({kind})")
             parts.append(part["text"])
         return "".join(parts)
@@ -78,6 +85,9 @@ def normalize(row: object, source: Source) -> Conversation | Reject:
     row_id = row.get("id")
     if row_id is not None:
         source = Source(source.file, source.row, str(row_id))
+    image = next((k for k in IMAGE_FIELDS if row.get(k)), None)
+    if image is not None:  # LLaVA-style ShareGPT: the picture beside the turns, "<image>" in their text
+        return Reject(source, f"image content ('{image}' field); {TEXT_ONLY}")
     if isinstance(row.get("conversations"), list):
         raw, role_key, text_key = row["conversations"], "from", "value"
     elif isinstance(row.get("messages"), list):

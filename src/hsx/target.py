@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from hsx.errors import ModelChanged, ModelNotFound
+from hsx.errors import ModelChanged, ModelNotFound, UnsupportedModel
 from hsx.fingerprint import digest_bytes, digest_json, model_fingerprint
-from hsx.spec import ModelIdentity, RunSpec, TokenizerIdentity, model_location
+from hsx.spec import ModelIdentity, Quantization, RunSpec, TokenizerIdentity, model_location
 
 
 def resolve(model: str) -> Path:
@@ -49,13 +52,119 @@ def relative_note(where: str) -> str:
 
 
 def load_config(model_dir: Path) -> dict:
-    config = json.loads((model_dir / "config.json").read_text())
-    return config.get("text_config", config) | {"architectures": config.get("architectures", ["?"])}
+    """The config of the model hsx runs: the language model's (``LanguageModel.config``)."""
+    return LanguageModel.of(model_dir).config
+
+
+@dataclass(frozen=True)
+class LanguageModel:
+    """The part of a checkpoint hsx runs, and where the checkpoint keeps it: the one place that
+    tells a composite checkpoint's language model from the rest (read from files, no torch).
+
+    A composite (Kimi-K2.5: ``model_type: kimi_k25``, a vision tower, a projector) whose
+    ``text_config`` names its own causal-LM architecture (``DeepseekV3ForCausalLM``) is run as that
+    language model alone: its config is ``text_config``, its weights are the checkpoint's names
+    under ``prefix`` (``language_model.``), and nothing else of the checkpoint is loaded. Any other
+    checkpoint is its own language model (a composite whose text config names no architecture
+    loads as transformers files it, ``composite`` None)."""
+
+    model_dir: Path
+    config: dict  # the language model's config.json fields; ``architectures`` what runs
+    quantization: dict | None  # its quantization_config, wherever config.json puts it
+    composite: str | None = None  # the composite's model type, where the language model is one part
+
+    @classmethod
+    def of(cls, model_dir: Path) -> LanguageModel:
+        top = json.loads((Path(model_dir) / "config.json").read_text())
+        text = top.get("text_config")
+        if not isinstance(text, dict):
+            return cls(
+                Path(model_dir),
+                top | {"architectures": top.get("architectures", ["?"])},
+                top.get("quantization_config"),
+            )
+        quant = text.get("quantization_config") or top.get("quantization_config")
+        own = text.get("architectures") or []
+        if own and str(own[0]).endswith("ForCausalLM") and own != top.get("architectures"):
+            return cls(Path(model_dir), dict(text), quant, str(top.get("model_type")))
+        return cls(Path(model_dir), text | {"architectures": top.get("architectures", ["?"])}, quant)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.config["architectures"][0])
+
+    @functools.cached_property
+    def weights(self) -> dict[str, tuple[Path, dict]]:
+        """The checkpoint's ``weight_table`` (read once)."""
+        return weight_table(self.model_dir)
+
+    @functools.cached_property
+    def prefix(self) -> str:
+        """What the language model's weight names carry in the checkpoint ("" for a plain causal LM):
+        the one top-level name under which the weights are a causal LM's own (its base model under
+        ``model.``, as transformers names it); read from the safetensors headers."""
+        if self.composite is None or not self.weights:
+            return ""  # a plain causal LM; or a shape folder, which has no weights to map
+        tops = {name.split(".", 1)[0] for name in self.weights if "." in name}
+        found = sorted(t for t in tops if any(n.startswith(f"{t}.model.") for n in self.weights))
+        if len(found) != 1:
+            raise UnsupportedModel(
+                f"{self.model_dir}: cannot tell the language model's weights of this {self.composite} checkpoint "
+                f"(a causal LM's weights under one top-level name; found {found or 'none'} among {sorted(tops)})"
+            )
+        return found[0] + "."
+
+    @property
+    def other_parts(self) -> list[str]:
+        """The composite's top-level weight names that are not the language model's (not loaded)."""
+        if self.composite is None:
+            return []
+        return sorted({n.split(".", 1)[0] for n in self.weights} - {self.prefix.rstrip(".")})
+
+
+def weight_table(model_dir: Path) -> dict[str, tuple[Path, dict]]:
+    """Tensor name -> (weight file, safetensors header entry: dtype, shape, data_offsets) over the
+    checkpoint's files (those its index names, else every ``*.safetensors``); headers only, no
+    weight is read. Empty for a folder without weights. Raises ``BadFile`` / ``OSError``."""
+    from hsx.errors import BadFile
+    from hsx.store.format import safetensors_header  # the one safetensors header reader
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({model_dir / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    out: dict[str, tuple[Path, dict]] = {}
+    for path in files:
+        with open(path, "rb") as f:
+            try:
+                header, _ = safetensors_header(f, os.fstat(f.fileno()).st_size, max_header=100_000_000)
+            except BadFile as e:
+                raise BadFile(e.kind, f"{path}: {e.detail}") from e
+        header.pop("__metadata__", None)
+        out.update((name, (path, entry)) for name, entry in header.items())
+    return out
+
+
+def quantization_of(model_dir: Path) -> Quantization | None:
+    """The language model's quantization as config.json states it (at the top level or inside a
+    composite's ``text_config``), None for unquantized weights."""
+    qc = LanguageModel.of(model_dir).quantization
+    if not qc:
+        return None
+    return Quantization(method=str(qc.get("quant_method") or bnb_method(qc) or "?"), config=qc)
+
+
+def bnb_method(qc: dict) -> str | None:
+    if qc.get("load_in_4bit"):
+        return "bitsandbytes_4bit"
+    if qc.get("load_in_8bit"):
+        return "bitsandbytes_8bit"
+    return None
 
 
 def identity(model: str, model_dir: Path) -> ModelIdentity:
-    from hsx.capture import checkpoint  # the capture package loads torch: not for hsx status
-
     config = load_config(model_dir)
     return ModelIdentity(
         path=location(model),
@@ -63,7 +172,7 @@ def identity(model: str, model_dir: Path) -> ModelIdentity:
         num_layers=int(config["num_hidden_layers"]),
         hidden_size=int(config["hidden_size"]),
         fingerprint=model_fingerprint(model_dir),
-        quantization=checkpoint.quantization_of(model_dir),
+        quantization=quantization_of(model_dir),
     )
 
 

@@ -25,8 +25,18 @@ Two kinds of released checkpoint need more than ``AutoModelForCausalLM.from_pret
   it), so the model runs on transformers' implementation, with its TP/EP plans and grouped experts,
   whatever ``--trust-remote-code`` says; that option stays the opt-in for a tokenizer's code or for
   an architecture transformers lacks.
+- Composite checkpoints whose language model transformers implements: Kimi-K2.5 says ``model_type:
+  kimi_k25`` (filed by transformers under image-text-to-text, not causal LM), keeps a vision tower
+  and a projector beside the language model, and a ``text_config`` that is Kimi-K2's (above), its
+  quantization config inside it. hsx captures the language model only, so it loads just that:
+  the text config's native causal LM, its weights read from the checkpoint's names under the
+  language model's prefix (``language_model.``, mapped away with transformers' ``key_mapping``).
+  Checkpoint keys that match no parameter are never read (transformers opens the files lazily,
+  key by key), so the vision tower and projector are not materialized anywhere.
+  ``hsx.target.LanguageModel`` is the one place that tells the language model (config, prefix,
+  quantization config) from the rest.
 
-``quantization_of`` is what the run spec records (``ModelIdentity.quantization``); ``plan`` is the
+``hsx.target.quantization_of`` is what the run spec records (``ModelIdentity.quantization``); ``plan`` is the
 decision for one device, ``load_kwargs`` carries it out (notes logged) for ``from_pretrained``.
 """
 
@@ -37,12 +47,13 @@ import json
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hsx.errors import UnsupportedModel
-from hsx.spec import Quantization
+from hsx.target import LanguageModel, bnb_method
 
 log = logging.getLogger("hsx.checkpoint")
 
@@ -50,24 +61,8 @@ FP8_METHODS = ("fp8", "mxfp8")  # transformers' FineGrainedFP8Config reads both
 
 
 def read_config(model_dir: Path) -> dict:
-    """config.json as it is (top level: a composite model's quantization_config sits there)."""
+    """config.json as it is."""
     return json.loads((Path(model_dir) / "config.json").read_text())
-
-
-def quantization_of(model_dir: Path) -> Quantization | None:
-    """The checkpoint's quantization as config.json states it, None for unquantized weights."""
-    qc = read_config(model_dir).get("quantization_config")
-    if not qc:
-        return None
-    return Quantization(method=str(qc.get("quant_method") or _bnb_method(qc) or "?"), config=qc)
-
-
-def _bnb_method(qc: dict) -> str | None:
-    if qc.get("load_in_4bit"):
-        return "bitsandbytes_4bit"
-    if qc.get("load_in_8bit"):
-        return "bitsandbytes_8bit"
-    return None
 
 
 @dataclass(frozen=True)
@@ -75,6 +70,7 @@ class LoadPlan:
     """What ``from_pretrained`` needs beyond the folder for one checkpoint on one device."""
 
     config: Any = None  # a native transformers config read from config.json, replacing transformers' own reading
+    key_mapping: dict | None = None  # checkpoint name pattern -> model name (a composite's language-model prefix)
     quantization_config: Any = None  # the checkpoint's quantization config with hsx's loading attributes
     dequantize: bool = False  # quantized weights expanded to the run's dtype at load (no quantized kernels)
     exact_blocks: bool = False  # some block-scaled weights are not whole blocks: hsx applies their scales
@@ -84,6 +80,8 @@ class LoadPlan:
         out: dict = {}
         if self.config is not None:
             out["config"] = self.config
+        if self.key_mapping is not None:
+            out["key_mapping"] = self.key_mapping
         if self.quantization_config is not None:
             out["quantization_config"] = self.quantization_config
         return out
@@ -92,13 +90,14 @@ class LoadPlan:
 def plan(model_dir: Path, device: str, dtype: str = "float32") -> LoadPlan:
     """How to load the checkpoint in ``model_dir`` onto ``device`` in ``dtype`` (a --dtype name).
     Raises ``UnsupportedModel`` for a quantization transformers cannot load here."""
-    config = read_config(model_dir)
-    native, notes = _native_config(config)
-    qc = config.get("quantization_config")
+    lm = LanguageModel.of(model_dir)
+    native, notes = _native_config(lm.config, lm if lm.composite else None)
+    mapping = {"^" + re.escape(lm.prefix): ""} if lm.composite and native is not None else None
+    qc = lm.quantization
     if not qc:
-        return LoadPlan(config=native, notes=notes)
+        return LoadPlan(config=native, key_mapping=mapping, notes=notes)
     quant, dequantize, exact, more = _quantization(Path(model_dir), qc, device, dtype)
-    return LoadPlan(native, quant, dequantize, exact, notes + more)
+    return LoadPlan(native, mapping, quant, dequantize, exact, notes + more)
 
 
 def load_kwargs(model_dir: Path, device: str, dtype: str = "float32") -> dict:
@@ -115,10 +114,12 @@ def load_kwargs(model_dir: Path, device: str, dtype: str = "float32") -> dict:
 # ---------------------------------------------------------------- remote code -> the native class
 
 
-def _native_config(config: dict) -> tuple[Any, tuple[str, ...]]:
+def _native_config(config: dict, composite: LanguageModel | None = None) -> tuple[Any, tuple[str, ...]]:
     """A native config object where config.json points at code transformers has natively but would
     not pick by itself (a model type it does not know, or an ``auto_map`` that ``trust_remote_code``
-    would follow); (None, ()) where transformers' own reading is right or it lacks the model."""
+    would follow), or where ``config`` is the language model of a ``composite`` (transformers' own
+    reading would load the whole composite); (None, ()) where transformers' own reading is right or
+    it lacks the model."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -127,7 +128,7 @@ def _native_config(config: dict) -> tuple[Any, tuple[str, ...]]:
     auto_map = config.get("auto_map") or {}
     architecture = (config.get("architectures") or [None])[0]
     known = isinstance(model_type, str) and model_type in CONFIG_MAPPING
-    if known and not auto_map:
+    if known and not auto_map and composite is None:
         return None, ()
     if known:  # a type transformers has, with the repository's code beside it
         config_class = CONFIG_MAPPING[model_type]
@@ -140,9 +141,15 @@ def _native_config(config: dict) -> tuple[Any, tuple[str, ...]]:
     fields = {k: v for k, v in config.items() if k not in ("auto_map", "model_type")}
     native = config_class.from_dict(fields)
     runs = MODEL_FOR_CAUSAL_LM_MAPPING[config_class].__name__
-    code = sorted({str(ref).split("--")[-1].split(".")[0] for ref in auto_map.values() if isinstance(ref, str)})
+    refs = list(auto_map.values())
     said = model_type if known else f"model type {model_type}"
     note = f"{said} with architecture {architecture} runs on transformers' own {runs} ({native_type})"
+    if composite is not None:
+        refs += list((read_config(composite.model_dir).get("auto_map") or {}).values())
+        others = ", ".join(composite.other_parts) or "nothing else"
+        note = f"language model of {composite.composite} on transformers' {runs} ({said} as {native_type})"
+        note += f"; {others} not loaded"
+    code = sorted({str(ref).split("--")[-1].split(".")[0] for ref in refs if isinstance(ref, str)})
     if code:
         note += f"; the repository's code ({', '.join(f'{c}.py' for c in code)}) is not run"
     return native, (note,)
@@ -155,7 +162,7 @@ def _quantization(model_dir: Path, qc: dict, device: str, dtype: str) -> tuple[A
     import transformers
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 
-    method = qc.get("quant_method") or _bnb_method(qc)
+    method = qc.get("quant_method") or bnb_method(qc)
     if method not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         raise UnsupportedModel(
             f"{model_dir}/config.json: quantization method {method!r} is not one transformers "

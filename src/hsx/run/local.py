@@ -73,8 +73,10 @@ def extract_local(
                         opts.tensor_parallel_size or 1, opts.data_parallel_size or 1, space.forecast,
                     )  # fmt: skip
                 else:
+                    from hsx.capture.memory import check_run
                     from hsx.run.pipeline import Extractor, open_backend  # torch: only when there is work
 
+                    check_run(spec, model_dir, resources.device, log)  # before any rank loads a weight
                     if peers is not None:
                         peers.load()
                     backend = open_backend(spec, model_dir, resources.device)

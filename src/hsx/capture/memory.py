@@ -1,0 +1,472 @@
+"""Device memory of a parallel layout, worked out before anything is loaded: from config.json, the
+quantization config and the safetensors headers alone (no weight is read), so that a ~1T model that
+cannot fit is refused in seconds, with the arithmetic and the smallest layout that would fit,
+instead of after an hour of loading.
+
+The inventory is the language model's weights (``hsx.target.LanguageModel``: a composite's vision
+tower is not loaded, so not counted), one entry per module: its element count and, for a quantized
+module, the bytes it is stored in (packed values, scales, shapes). A folder with a config and no
+weights (a shape folder) gets the inventory the config implies, for the DeepSeek-V3 architecture.
+
+Per GPU of a layout (``tensor`` ranks, routed experts over ``expert`` ranks):
+- routed experts: each expert rank holds its share (all of them where ``expert`` is 1: transformers'
+  TP plan does not split them), packed (as stored) or dequantized (expanded to the run's dtype);
+- the rest: modules transformers' TP plan splits (``base_model_tp_plan`` and the model's
+  ``_tp_plan``, e.g. attention projections, shared experts, lm_head) take 1/``tensor``; the others
+  are replicated (norms, the router, the embeddings, DeepSeek-V3's q_a / kv_a projections);
+- expansion: with packed experts, one MoE layer's local experts expanded to the run's dtype (what
+  just-in-time expansion holds at once);
+- activations for ``batch_tokens`` tokens: a stated upper bound (``activations``);
+- headroom: 5% of the device for the CUDA context and allocator slack.
+Weights are counted in the run's dtype except the modules transformers keeps in float32
+(``_keep_in_fp32_modules``: DeepSeek-V3's router) and quantized modules kept packed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from hsx.errors import LayoutTooLarge
+from hsx.spec import RunSpec
+from hsx.target import LanguageModel
+
+GB = 10**9
+HEADROOM = 0.05  # of the device: the CUDA context, allocator slack
+DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+DTYPE_BYTES |= {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "float32": 4, "bfloat16": 2, "float16": 2}
+STORED_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_scale_inv")
+EXPERT = re.compile(r"(^|\.)mlp\.experts\.")
+LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+SIZES = (1, 2, 4, 8, 16, 32, 64)  # the layouts the smallest-fit search tries
+
+
+@dataclass(frozen=True)
+class Module:
+    """One module's weights as the inventory counts them."""
+
+    name: str  # the language model's own weight name (no composite prefix), e.g. model.norm.weight
+    numel: int  # elements once expanded (quantized: of the weight it stands for)
+    stored: int = 0  # bytes as stored, for a quantized weight (packed values + scales + shape); 0 otherwise
+    fp32: bool = False  # kept in float32 whatever the run's dtype
+
+    @property
+    def module(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+    @property
+    def quantized(self) -> bool:
+        return self.stored > 0
+
+    @property
+    def expert(self) -> bool:
+        return EXPERT.search(self.name) is not None
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensor: int = 1
+    expert: int = 1
+    experts: str = "packed"  # packed: quantized weights kept as stored; dequantized: expanded at load; unquantized
+    dtype: str = "bfloat16"
+    batch_tokens: int = 16384
+    max_length: int = 4096
+    captured: int = 3  # layers whose states the hooks keep per batch (besides the final state)
+
+    def __str__(self) -> str:
+        ep = f" + EP{self.expert}" if self.expert > 1 else ""
+        form = f"{self.experts} experts, " if self.experts != "unquantized" else ""
+        return f"TP{self.tensor}{ep}, {form}{self.dtype}"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per GPU of one layout, by part."""
+
+    layout: Layout
+    experts: int
+    sharded: int
+    replicated: int
+    expansion: int
+    activations: int
+    quantized: bool  # the routed experts are stored quantized
+    source: str  # where the shapes came from
+
+    @property
+    def total(self) -> int:
+        return self.experts + self.sharded + self.replicated + self.expansion + self.activations
+
+    def fits(self, device_bytes: int) -> bool:
+        return self.total <= device_bytes * (1 - HEADROOM)
+
+    def lines(self, device_bytes: int | None = None) -> list[str]:
+        lo = self.layout
+        form = f"{lo.experts} ({'as stored' if lo.experts == 'packed' else 'expanded to ' + lo.dtype})"
+        share = f"1/{lo.expert} of them" if lo.expert > 1 else "all of them (EP1)"
+        out = [
+            f"memory per GPU for {lo} ({self.source}):",
+            f"  routed experts, {form if self.quantized else lo.dtype}, {share}: {gb(self.experts)}",
+            f"  weights split by the TP plan over {lo.tensor}: {gb(self.sharded)}",
+            f"  replicated weights (norms, router, embeddings, ...): {gb(self.replicated)}",
+            f"  one MoE layer's local experts expanded to {lo.dtype}: {gb(self.expansion)}",
+            f"  activations for {lo.batch_tokens} tokens (upper bound): {gb(self.activations)}",
+            f"  total: {gb(self.total)}",
+        ]
+        if device_bytes is not None:
+            usable = device_bytes * (1 - HEADROOM)
+            verdict = "fits" if self.fits(device_bytes) else "does NOT fit"
+            out.append(f"  device: {gb(device_bytes)}, {gb(usable)} usable ({HEADROOM:.0%} headroom): {verdict}")
+        return out
+
+
+def gb(n: float) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+@dataclass
+class Inventory:
+    """The language model's weights, its config and transformers' TP plan for its architecture."""
+
+    config: dict
+    modules: list[Module]
+    source: str
+    split: list[re.Pattern] = field(default_factory=list)  # module names the TP plan shards
+
+    @classmethod
+    def of(cls, model_dir: Path) -> Inventory | None:
+        """The inventory, or None for a folder without weights whose architecture's shapes hsx
+        cannot derive from its config."""
+        lm = LanguageModel.of(model_dir)
+        keep = _keep_fp32(lm.architecture)
+        if lm.weights:
+            modules, source = _from_headers(lm, keep), "safetensors headers"
+        else:
+            modules, source = _from_config(lm.config, lm.quantization or {}, keep), "config.json shapes"
+            if modules is None:
+                return None
+        return cls(lm.config, modules, source, _tp_split(lm.architecture))
+
+    def sharded(self, m: Module) -> bool:
+        return any(p.fullmatch(m.module) for p in self.split)
+
+    @property
+    def quantized_experts(self) -> bool:
+        return any(m.quantized and m.expert for m in self.modules)
+
+    def estimate(self, layout: Layout) -> Estimate:
+        b = DTYPE_BYTES[layout.dtype]
+        experts = sharded = replicated = 0
+        per_layer: dict[int, int] = {}
+        for m in self.modules:
+            kept = m.quantized and layout.experts == "packed"
+            size = m.stored if kept else m.numel * (4 if m.fp32 else b)
+            if m.expert:
+                experts += size / layout.expert
+                if kept:
+                    layer = LAYER.search(m.name)
+                    key = int(layer.group(2)) if layer else -1
+                    per_layer[key] = per_layer.get(key, 0) + m.numel * b
+            elif layout.tensor > 1 and self.sharded(m):
+                sharded += size / layout.tensor
+            else:
+                replicated += size
+        expansion = max(per_layer.values(), default=0) / layout.expert
+        return Estimate(
+            layout, round(experts), round(sharded), round(replicated), round(expansion),
+            activations(self.config, layout), self.quantized_experts, self.source,
+        )  # fmt: skip
+
+    def smallest(self, layout: Layout, device_bytes: int, most: int = SIZES[-1]) -> Estimate | None:
+        """The layout of fewest GPUs (experts split over all of them where the model has routed
+        experts) that fits, keeping ``layout``'s expert form, dtype and batch; None up to ``most``."""
+        from hsx.capture.transformers import parallel_refusal
+
+        routed = any(m.expert for m in self.modules)
+        for n in (s for s in SIZES if s <= most):
+            candidate = replace(layout, tensor=n, expert=n if routed else 1)
+            if parallel_refusal(self.config, candidate.tensor, candidate.expert) is not None:
+                continue
+            est = self.estimate(candidate)
+            if est.fits(device_bytes):
+                return est
+        return None
+
+
+def activations(config: dict, layout: Layout) -> int:
+    """Upper bound of one batch's activation memory per GPU, T = ``batch_tokens`` in the run's dtype:
+    T x [ 6 H (layer input, normed input, attention output, residual, MLP output, next input)
+        + captured x H (the hooked states kept until the batch is copied out) + H (final state)
+        + heads/TP x (2 qk + 2 v) (queries, keys, values, attention output)
+        + max(3 I/TP for a dense MLP, 3 Is/TP for the shared experts + top_k x 3 Im for the routed
+          ones, every routed copy on this rank: the worst case of routing) ]
+    + heads/TP x max_length^2 x 4 bytes: one sequence's attention scores in float32, for an
+    attention kernel that materializes them."""
+    b = DTYPE_BYTES[layout.dtype]
+    hidden = int(config["hidden_size"])
+    heads = int(config.get("num_attention_heads") or 1) // layout.tensor or 1
+    head = int(config.get("head_dim") or hidden // int(config.get("num_attention_heads") or 1))
+    qk = int(config.get("qk_nope_head_dim", 0) or 0) + int(config.get("qk_rope_head_dim", 0) or 0) or head
+    v = int(config.get("v_head_dim") or qk)
+    dense = 3 * int(config.get("intermediate_size") or 4 * hidden) // layout.tensor
+    moe = 0
+    routed = int(config.get("moe_intermediate_size") or 0)
+    if routed:
+        shared = routed * int(config.get("n_shared_experts") or 0)
+        moe = 3 * shared // layout.tensor + int(config.get("num_experts_per_tok") or 1) * 3 * routed
+    per_token = (6 + layout.captured + 1) * hidden + heads * (2 * qk + 2 * v) + max(dense, moe)
+    return layout.batch_tokens * per_token * b + heads * layout.max_length**2 * 4
+
+
+# ---------------------------------------------------------------- the inventory
+
+
+def _keep_fp32(architecture: str) -> Callable[[str], bool]:
+    import transformers
+
+    cls = getattr(transformers, architecture, None)
+    names = [
+        *(getattr(cls, "_keep_in_fp32_modules", None) or []),
+        *(getattr(cls, "_keep_in_fp32_modules_strict", None) or []),
+    ]
+    return lambda name: any(f".{n}." in f".{name}." for n in names)
+
+
+def _tp_split(architecture: str) -> list[re.Pattern]:
+    """Module-name patterns transformers' TP plan splits over the ranks (styles that only adapt
+    gradients, such as DeepSeek-V3's ``mla_kv_a_proj``, leave the weight whole)."""
+    import transformers
+
+    cls = getattr(transformers, architecture, None)
+    if cls is None:
+        return []
+    base = getattr(cls, "base_model_prefix", "model")
+    plan = {f"{base}.{k}": v for k, v in (getattr(cls.config_class, "base_model_tp_plan", None) or {}).items()}
+    plan |= getattr(cls, "_tp_plan", None) or {}
+    whole = ("mla_kv_a_proj", "replicated_with_grad_allreduce")
+    return [re.compile(re.escape(k).replace(r"\*", r"\d+")) for k, v in plan.items() if v not in whole]
+
+
+def _from_headers(lm: LanguageModel, keep: Callable[[str], bool]) -> list[Module]:
+    """One entry per weight of the language model; a quantized weight's stored parts (packed
+    values, scales, shape; FP8 values and block scales) are one entry under ``<module>.weight``."""
+    bits = _bits(lm.quantization or {})
+    numel: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    for key, (_, entry) in lm.weights.items():
+        if not key.startswith(lm.prefix):
+            continue  # a composite's other parts: not loaded
+        name = key.removeprefix(lm.prefix)
+        module, part = name.rsplit(".", 1) if "." in name else ("", name)
+        shape, dtype = entry.get("shape") or [], str(entry.get("dtype", ""))
+        count = math.prod(shape)
+        if part in STORED_PARTS or (part == "weight" and dtype.startswith("F8")):
+            weight = f"{module}.weight"
+            stored[weight] = stored.get(weight, 0) + count * DTYPE_BYTES[dtype]
+            if part == "weight_packed":
+                numel[weight] = shape[0] * shape[-1] * 32 // bits
+            elif part == "weight":  # FP8 values: one per element
+                numel[weight] = count
+        else:
+            numel[name] = count
+    return [Module(n, c, stored.get(n, 0), keep(n)) for n, c in numel.items()]
+
+
+def _bits(quantization: dict) -> int:
+    for group in (quantization.get("config_groups") or {}).values():
+        return int((group.get("weights") or {}).get("num_bits") or 4)
+    return 4
+
+
+def _from_config(config: dict, quantization: dict, keep: Callable[[str], bool]) -> list[Module] | None:
+    """The weights a DeepSeek-V3 config implies (MLA attention, a dense first part, routed and
+    shared experts), quantized as its quantization config says; None for another architecture."""
+    if "kv_lora_rank" not in config or "n_routed_experts" not in config:
+        return None
+    h, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+    heads, nope, rope = (
+        int(config["num_attention_heads"]),
+        int(config["qk_nope_head_dim"]),
+        int(config["qk_rope_head_dim"]),
+    )
+    v, kv, q = int(config["v_head_dim"]), int(config["kv_lora_rank"]), config.get("q_lora_rank")
+    inter, moe, experts = (
+        int(config["intermediate_size"]),
+        int(config["moe_intermediate_size"]),
+        int(config["n_routed_experts"]),
+    )
+    shared = int(config.get("n_shared_experts") or 0) * moe
+    dense, vocab = int(config.get("first_k_dense_replace") or 0), int(config["vocab_size"])
+    linear: dict[str, tuple[int, int]] = {}  # module -> (out, in)
+    plain: dict[str, int] = {"model.embed_tokens.weight": vocab * h, "model.norm.weight": h}
+    if not config.get("tie_word_embeddings"):
+        linear["lm_head"] = (vocab, h)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        plain |= {p + "input_layernorm.weight": h, p + "post_attention_layernorm.weight": h}
+        plain[p + "self_attn.kv_a_layernorm.weight"] = kv
+        if q:
+            linear |= {p + "self_attn.q_a_proj": (int(q), h), p + "self_attn.q_b_proj": (heads * (nope + rope), int(q))}
+            plain[p + "self_attn.q_a_layernorm.weight"] = int(q)
+        else:
+            linear[p + "self_attn.q_proj"] = (heads * (nope + rope), h)
+        linear |= {
+            p + "self_attn.kv_a_proj_with_mqa": (kv + rope, h),
+            p + "self_attn.kv_b_proj": (heads * (nope + v), kv),
+        }
+        linear[p + "self_attn.o_proj"] = (h, heads * v)
+        if i < dense:
+            linear |= {p + "mlp.gate_proj": (inter, h), p + "mlp.up_proj": (inter, h), p + "mlp.down_proj": (h, inter)}
+            continue
+        plain |= {p + "mlp.gate.weight": experts * h, p + "mlp.gate.e_score_correction_bias": experts}
+        if shared:
+            s = p + "mlp.shared_experts."
+            linear |= {s + "gate_proj": (shared, h), s + "up_proj": (shared, h), s + "down_proj": (h, shared)}
+        for e in range(experts):
+            x = f"{p}mlp.experts.{e}."
+            linear |= {x + "gate_proj": (moe, h), x + "up_proj": (moe, h), x + "down_proj": (h, moe)}
+    stored = _stored_bytes(quantization, config)
+    out = [Module(n, c, 0, keep(n)) for n, c in plain.items()]
+    out += [Module(n + ".weight", o * i, stored(n, o, i), keep(n + ".weight")) for n, (o, i) in linear.items()]
+    return out
+
+
+def _stored_bytes(quantization: dict, config: dict) -> Callable[[str, int, int], int]:
+    """Bytes a linear module [out, in] is stored in under ``quantization`` (0: not quantized).
+    compressed-tensors pack-quantized: int32 words of 32/bits values, a scale per group (the
+    checkpoint's dtype), the int32 [2] shape; fine-grained FP8: a byte per value and a float32
+    scale per block."""
+    method = quantization.get("quant_method")
+    scale_bytes = DTYPE_BYTES.get(str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"), 2)
+    if method == "compressed-tensors" and quantization.get("format") == "pack-quantized":
+        weights = next(iter((quantization.get("config_groups") or {}).values()), {}).get("weights") or {}
+        bits, group = int(weights.get("num_bits") or 4), weights.get("group_size")
+        ignore = quantization.get("ignore") or []
+
+        def packed(name: str, rows: int, cols: int) -> int:
+            if _ignored(name, ignore):
+                return 0
+            groups = math.ceil(cols / int(group)) if group else 1
+            return rows * math.ceil(cols * bits / 32) * 4 + rows * groups * scale_bytes + 2 * 4
+
+        return packed
+    if method == "fp8":
+        block = quantization.get("weight_block_size") or [128, 128]
+        skip = quantization.get("modules_to_not_convert") or ["lm_head"]
+
+        def fp8(name: str, rows: int, cols: int) -> int:
+            if _ignored(name, skip):
+                return 0
+            return rows * cols + math.ceil(rows / block[0]) * math.ceil(cols / block[1]) * 4
+
+        return fp8
+    return lambda name, rows, cols: 0
+
+
+def _ignored(name: str, ignore: list[str]) -> bool:
+    for entry in ignore:
+        if entry.startswith("re:"):
+            if re.match(entry[3:], name):
+                return True
+        elif name == entry or name.endswith("." + entry):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------- the check before loading
+
+
+def check(inventory: Inventory, layout: Layout, device_bytes: int, gpus: int) -> Estimate:
+    """The estimate of ``layout``; raises ``LayoutTooLarge`` with the arithmetic and the smallest
+    layout that would fit where one GPU's share exceeds ``device_bytes`` (of ``gpus`` on this node)."""
+    est = inventory.estimate(layout)
+    if est.fits(device_bytes):
+        return est
+    lines = est.lines(device_bytes)
+    smallest = inventory.smallest(layout, device_bytes)
+    if smallest is None:
+        lines.append(f"smallest layout that fits: none up to {SIZES[-1]} GPUs of {gb(device_bytes)}")
+    elif smallest.layout.tensor > gpus:
+        n = smallest.layout.tensor
+        lines.append(f"smallest layout that fits: none on one node of {gpus} GPUs ({smallest.layout} would, on {n})")
+    else:
+        lines.append(f"smallest layout that fits: {smallest.layout} ({gb(smallest.total)} per GPU)")
+    if layout.experts == "dequantized" and est.quantized:
+        packed = inventory.estimate(replace(layout, experts="packed"))
+        if packed.fits(device_bytes):
+            lines.append(f"with the experts kept packed, {packed.layout} would fit ({gb(packed.total)} per GPU)")
+    raise LayoutTooLarge(f"the model does not fit {layout} on {gpus} x {gb(device_bytes)}:\n  " + "\n  ".join(lines))
+
+
+def expert_form(model_dir: Path, device: str, dtype: str) -> str:
+    """How the loader holds quantized weights: "packed" (as stored) or "dequantized" (expanded to
+    the run's dtype at load); "unquantized" for a checkpoint without them. transformers'
+    compressed-tensors conversion expands DeepSeek-V3's fused routed experts at load whatever its
+    flags (its quantizer replaces ``nn.Linear`` only); FP8 stays FP8 where its kernels run
+    (``checkpoint.plan``). The one place that says which form a load takes."""
+    from hsx.capture import checkpoint
+
+    method = (LanguageModel.of(model_dir).quantization or {}).get("quant_method")
+    if method is None:
+        return "unquantized"
+    return "packed" if method == "fp8" and not checkpoint.plan(model_dir, device, dtype).dequantize else "dequantized"
+
+
+def device_memory(device: str, ranks: int) -> tuple[int, int, str]:
+    """(bytes one rank may use, GPUs on this node, what was measured). CUDA: the free memory of
+    this process's GPU (the group's GPUs are taken to be alike); CPU: the available memory shared
+    by the ranks."""
+    import torch
+
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return free, torch.cuda.device_count(), f"{gb(free)} free of {gb(total)} on {device}"
+    import psutil
+
+    available = psutil.virtual_memory().available
+    return available // ranks, ranks, f"{gb(available)} of host memory available for {ranks} rank(s)"
+
+
+def check_run(spec: RunSpec, model_dir: Path, device: str, log: Callable[[str], None]) -> Estimate | None:
+    """Before the model is loaded: the run's layout worked out, logged, and refused where it cannot fit."""
+    inventory = Inventory.of(model_dir)
+    if inventory is None:
+        log("memory: not worked out (no weights, and no DeepSeek-V3 shapes in config.json)")
+        return None
+    layout = Layout(
+        tensor=spec.parallel.tensor,
+        expert=spec.parallel.expert,
+        experts=expert_form(model_dir, device, spec.dtype),
+        dtype=spec.dtype,
+        batch_tokens=spec.batch_tokens,
+        max_length=spec.max_length,
+        captured=len(spec.layers),
+    )
+    usable, gpus, measured = device_memory(device, spec.parallel.ranks)
+    est = check(inventory, layout, usable, gpus)
+    for line in est.lines(usable):
+        log(line)
+    log(f"  (device memory: {measured})")
+    return est
+
+
+def explain(model_dir: Path, layout: Layout, device_bytes: int | None, gpus: int | None) -> list[str]:
+    """``hsx memory``: the arithmetic of ``layout`` for the model in ``model_dir``, with the verdict
+    for ``gpus`` devices of ``device_bytes`` each (this node's where None; none on a machine without
+    GPUs); raises ``LayoutTooLarge`` where it does not fit."""
+    import torch
+
+    inventory = Inventory.of(model_dir)
+    if inventory is None:
+        raise LayoutTooLarge(
+            f"{model_dir}: no weights, and no DeepSeek-V3 shapes in config.json to work out memory from"
+        )
+    if device_bytes is None and torch.cuda.is_available():
+        device_bytes = torch.cuda.mem_get_info(0)[1]
+    if gpus is None:
+        gpus = torch.cuda.device_count() or layout.tensor
+    if device_bytes is None:
+        return inventory.estimate(layout).lines()
+    return check(inventory, layout, device_bytes, gpus).lines(device_bytes)

@@ -1,0 +1,250 @@
+"""Composite checkpoints as released (Kimi-K2.5: ``kimi_k25``, a DeepSeek-V3 language model under
+``language_model.``, a vision tower and a projector, the repository's code): hsx runs the language
+model alone on transformers' own ``DeepseekV3ForCausalLM``, never the repository's code, and never
+reads the vision tower's or the projector's weights. References: transformers' native
+``DeepseekV3ForCausalLM`` on the language model's weights (``kimi_fixtures``), float32,
+``output_hidden_states``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import conversations, write_jsonl
+from hsx import finalnorm, target
+from hsx.capture import checkpoint, default_layers
+from hsx.capture.transformers import TransformersBackend
+from hsx.extract import ExtractOptions, extract
+from hsx.store import layout
+from kimi_fixtures import PREFIX, VOCAB, kimi_k25, kimi_k25_int4, language_model_reference, routed_expert
+
+LAYERS = [0, 1]  # of 3 decoder layers; hidden_states[3] is after the final norm
+SEQS = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).numpy() for n in (21, 8)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("composite")
+    reference = language_model_reference(root / "reference")
+    kimi_k25(reference, root / "kimi-bf16", torch.bfloat16)
+    kimi_k25(reference, root / "kimi-float32", torch.float32)
+    kimi_k25_int4(reference, root / "kimi-int4", root / "int4-reference")
+    return {p.name: p for p in root.iterdir()}
+
+
+def reference_states(model_dir: Path, seqs) -> list[list[torch.Tensor]]:
+    """transformers' own DeepseekV3ForCausalLM on the language model's weights, float32."""
+    from transformers import DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [
+            [h[0] for h in model(torch.as_tensor(s)[None].long(), output_hidden_states=True).hidden_states]
+            for s in seqs
+        ]
+
+
+def assert_states(batch, refs, atol=1e-5):
+    for i, ref in enumerate(refs):
+        aux, final = batch.sample(i)
+        for j, k in enumerate(LAYERS):
+            assert (aux[:, j * 64 : (j + 1) * 64] - ref[k + 1]).abs().max().item() <= atol, (i, k)
+        assert (final - ref[-1]).abs().max().item() <= atol, i
+
+
+class ReadSpy:
+    """Records which safetensors keys transformers materializes: it opens every file and takes a
+    lazy slice of every key; the bytes are read only when a slice is indexed."""
+
+    def __init__(self, monkeypatch):
+        import transformers.modeling_utils as mu
+
+        self.read: set[str] = set()
+        self.sliced: set[str] = set()
+        original = mu.safe_open
+        spy = self
+
+        class Slice:
+            def __init__(self, key, inner):
+                self.key, self.inner = key, inner
+
+            def __getitem__(self, item):
+                spy.read.add(self.key)
+                return self.inner[item]
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+        class File:
+            def __init__(self, *a, **kw):
+                self.inner = original(*a, **kw)
+
+            def get_slice(self, key):
+                spy.sliced.add(key)
+                return Slice(key, self.inner.get_slice(key))
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+        monkeypatch.setattr(mu, "safe_open", File)
+
+
+@pytest.mark.parametrize("stored", ["kimi-bf16", "kimi-float32"])
+def test_kimi_k25_runs_its_language_model_only_on_transformers_deepseek_v3(models, stored, monkeypatch, caplog):
+    from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
+
+    with pytest.raises(RuntimeError, match="repository modeling code ran"):  # the trap is armed
+        AutoModelForCausalLM.from_pretrained(models[stored], trust_remote_code=True)
+    native = DeepseekV3ForCausalLM.from_pretrained(models["reference"], dtype=torch.float32)
+    refs = reference_states(models["reference"], SEQS)
+    spy = ReadSpy(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="hsx.checkpoint"):
+        backend = TransformersBackend.load(models[stored], LAYERS, "float32", "cpu", trust_remote_code=True)
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "language model of kimi_k25 on transformers' DeepseekV3ForCausalLM" in said, said
+    assert "mm_projector, vision_tower not loaded" in said and "modeling_kimi_k25.py" in said
+    assert type(backend.model) is DeepseekV3ForCausalLM
+    # the model is the language model alone: the native model's parameters, nothing more
+    assert dict(backend.model.state_dict()).keys() == dict(native.state_dict()).keys()
+    assert not any(("vision" in n or "mm_projector" in n) for n, _ in backend.model.named_parameters())
+    # every key of the checkpoint was seen, only the language model's were read
+    index = json.loads((models[stored] / "model.safetensors.index.json").read_text())["weight_map"]
+    assert spy.sliced == set(index)
+    assert spy.read == {k for k in index if k.startswith(PREFIX)}
+    assert_states(backend.capture([0, 1], SEQS), refs)
+
+
+def test_language_model_of_the_composite_its_config_layers_and_final_norm(models):
+    lm = target.LanguageModel.of(models["kimi-int4"])
+    assert (lm.composite, lm.prefix, lm.architecture) == ("kimi_k25", PREFIX, "DeepseekV3ForCausalLM")
+    assert lm.other_parts == ["mm_projector", "vision_tower"]
+    assert lm.quantization["format"] == "pack-quantized"  # found inside text_config
+    assert "quantization_config" not in json.loads((models["kimi-int4"] / "config.json").read_text())
+    identity = target.identity("kimi", models["kimi-int4"])
+    assert (identity.architecture, identity.num_layers, identity.hidden_size) == ("DeepseekV3ForCausalLM", 3, 64)
+    assert identity.quantization.method == "compressed-tensors"
+    assert identity.quantization.config["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    assert default_layers(identity.num_layers) == default_layers(3)
+    norm = finalnorm.locate(models["kimi-bf16"])
+    assert norm.tensor == "language_model.model.norm.weight"
+    reference = finalnorm.locate(models["reference"]).weight
+    assert torch.equal(norm.weight, reference)
+    # a plain checkpoint is its own language model
+    plain = target.LanguageModel.of(models["reference"])
+    assert (plain.composite, plain.prefix, plain.quantization) == (None, "", None)
+
+
+def test_fingerprint_covers_the_packed_experts_and_their_scales(models, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hsx.fingerprint import model_fingerprint
+
+    path = tmp_path / "int4"
+    shutil.copytree(models["kimi-int4"], path)
+    before = model_fingerprint(path)
+    shard = next(w for w in before.weights if w.scales is not None)
+    file = path / shard.name
+    tensors = load_file(file)
+    name = next(k for k in tensors if k.endswith("mlp.experts.1.down_proj.weight_scale"))
+    tensors[name] = tensors[name] * 2  # one expert's weights doubled
+    save_file(tensors, file, metadata={"format": "pt"})
+    assert f"{shard.name}: quantization scales differ" in before.differences(model_fingerprint(path))
+
+
+def test_kimi_k25_int4_loads_its_language_model_through_the_quantizer(models, monkeypatch):
+    """The INT4 composite loads on transformers' DeepseekV3ForCausalLM from the language model's
+    packed weights alone; transformers expands the routed experts at load (bf16: its
+    compressed-tensors conversion works in the scales' dtype), so they are the checkpoint's
+    weights to bf16 rounding, and hsx captures what that model computes."""
+    spy = ReadSpy(monkeypatch)
+    backend = TransformersBackend.load(models["kimi-int4"], LAYERS, "float32", "cpu", trust_remote_code=True)
+    assert spy.read and all(k.startswith(PREFIX) for k in spy.read)
+    from safetensors.torch import load_file
+
+    want = load_file(models["int4-reference"] / "model.safetensors")
+    experts = backend.model.model.layers[1].mlp.experts
+    for e in range(4):
+        got = experts.down_proj[e].float()
+        ref = want[f"model.layers.1.mlp.experts.{e}.down_proj.weight"]
+        assert torch.allclose(got, ref, rtol=2**-8, atol=0), e
+    assert any(routed_expert(k.removeprefix(PREFIX).replace("_packed", "")) for k in spy.read)
+    model = backend.model
+    with torch.no_grad():
+        same = [
+            [h[0] for h in model(torch.as_tensor(s)[None].long(), output_hidden_states=True).hidden_states]
+            for s in SEQS
+        ]
+    assert_states(backend.capture([0, 1], SEQS), same)
+
+
+def test_kimi_k25_extracts_end_to_end_text_rows_only(models, tmp_path, caplog):
+    """hsx extract on the composite as downloaded, with --trust-remote-code (the tokenizer's
+    opt-in): the spec names what ran, rows with image content are rejected with their reason, and
+    the files hold the reference's states."""
+    rows = conversations(3)
+    image_url = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    rows.append(
+        {"id": "pic", "messages": [{"role": "user", "content": [image_url]}, {"role": "assistant", "content": "a cat"}]}
+    )
+    rows.append(
+        {
+            "id": "llava",
+            "image": "cat.jpg",
+            "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "a cat"}],
+        }
+    )
+    data = write_jsonl(tmp_path / "convs.jsonl", rows)
+    out, logged = tmp_path / "run", []
+    opts = ExtractOptions(
+        out=out,
+        model=str(models["kimi-bf16"]),
+        data=[data],
+        device="cpu",
+        shard_size=4,
+        trust_remote_code=True,
+        writers=1,
+    )
+    with caplog.at_level(logging.WARNING, logger="hsx.checkpoint"):
+        assert extract(opts, log=logged.append).complete
+    assert "language model of kimi_k25 on transformers' DeepseekV3ForCausalLM" in caplog.text
+    # the memory of the layout was worked out (from the language model's headers) before loading
+    assert "memory per GPU for TP1, float32 (safetensors headers):" in logged, logged
+    spec = json.loads((out / layout.SPEC).read_text())
+    assert spec["model"]["architecture"] == "DeepseekV3ForCausalLM" and spec["model"]["num_layers"] == 3
+    assert spec["layers"] == default_layers(3) and spec["model"]["quantization"] is None
+    rejects = [json.loads(line) for line in (out / layout.REJECTS).read_text().splitlines()]
+    assert {r["id"]: r["reason"] for r in rejects} == {
+        "pic": "turn 0: non-text content part (image_url): image content; hsx extracts text conversations only "
+        "(multimodal extraction is not supported yet)",
+        "llava": "image content ('image' field); hsx extracts text conversations only "
+        "(multimodal extraction is not supported yet)",
+    }
+    # hsx status checks the capture against the language model's architecture, which transformers has
+    from hsx.assess.model import check_capture
+    from hsx.spec import load_spec
+
+    check = check_capture(load_spec(out), models["kimi-bf16"])
+    assert (check.level, check.data["num_layers"]) == ("ok", 3), check
+    assert "(DeepseekV3ForCausalLM)" in check.figure
+    from safetensors.torch import load_file
+
+    files = [load_file(layout.sample_path(out, i, 4)) for i in range(3)]
+    refs = reference_states(models["reference"], [f["input_ids"] for f in files])
+    layers = spec["layers"]
+    for f, ref in zip(files, refs, strict=True):
+        for j, k in enumerate(layers):
+            assert (f["aux_hidden_states"][:, j * 64 : (j + 1) * 64] - ref[k + 1]).abs().max() <= 1e-5
+        assert (f["hidden_states"] - ref[-1]).abs().max() <= 1e-5
+
+
+def test_load_plan_maps_the_language_model_prefix(models):
+    p = checkpoint.plan(models["kimi-bf16"], "cpu", "float32")
+    assert p.key_mapping == {"^language_model\\.": ""}
+    assert type(p.config).__name__ == "DeepseekV3Config" and not hasattr(p.config, "auto_map")
+    assert checkpoint.plan(models["reference"], "cpu").kwargs() == {}

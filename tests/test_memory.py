@@ -1,0 +1,157 @@
+"""Memory arithmetic before loading (hsx.capture.memory): Kimi-K2.5's shape folder on one 8 x H200
+node (the released config.json, no weights), and tiny checkpoints whose header-based figures are
+compared with what transformers really loads."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import conversations, write_jsonl
+from hsx.capture import checkpoint, memory
+from hsx.capture.memory import GB, Inventory, Layout
+from hsx.errors import LayoutTooLarge
+from hsx.extract import ExtractOptions, extract
+from hsx.target import LanguageModel
+from kimi_fixtures import kimi_k25, kimi_k25_int4, language_model_reference
+
+KIMI = Path(__file__).parent.parent / "bench" / "kimi-k25-shape"
+H200 = 141 * GB
+LAYERS, EXPERTS, HIDDEN, MOE = 60, 384, 7168, 2048  # MoE layers of Kimi-K2.5 and their shapes
+
+
+@pytest.fixture(scope="module")
+def kimi() -> Inventory:
+    return Inventory.of(KIMI)
+
+
+def test_kimi_k25_tp8_ep8_fits_one_h200_node_with_its_experts_packed(kimi):
+    est = memory.check(kimi, Layout(8, 8, "packed"), H200, 8)
+    # the packed experts, from the released weight table: per expert, gate/up int32 [2048, 896] +
+    # bf16 scales [2048, 224] + int32 shape [2]; down int32 [7168, 256] + bf16 [7168, 64] + [2]
+    gate_up = 2048 * 896 * 4 + 2048 * 224 * 2 + 8
+    down = 7168 * 256 * 4 + 7168 * 64 * 2 + 8
+    packed = LAYERS * EXPERTS * (2 * gate_up + down)
+    assert abs(packed / 2**30 - 3 * (157.50 + 19.69)) < 0.1  # the table's GiB per projection kind
+    assert est.experts == round(packed / 8)
+    # one layer's 48 local experts expanded to bf16, and the rest split and replicated
+    assert est.expansion == 48 * 3 * MOE * HIDDEN * 2
+    weights = est.experts + est.sharded + est.replicated
+    assert 70 * GB < weights < 80 * GB, memory.gb(weights)
+    assert est.total <= H200 * (1 - memory.HEADROOM)
+
+
+def test_kimi_k25_non_expert_weights_are_transformers_own_model(kimi):
+    """What is not a routed expert equals transformers' DeepseekV3ForCausalLM built (on the meta
+    device) from the shape folder's text config: bf16, its router in float32; the TP8 split of
+    it adds up to the whole."""
+    from transformers import DeepseekV3ForCausalLM
+
+    lm = LanguageModel.of(KIMI)
+    config, _ = checkpoint._native_config(lm.config, lm)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    state = model.state_dict()
+    rest = sum(t.numel() * t.element_size() for k, t in state.items() if ".mlp.experts." not in k)
+    routed = sum(t.numel() for k, t in state.items() if ".mlp.experts." in k)
+    assert routed == sum(m.numel for m in kimi.modules if m.expert) == LAYERS * EXPERTS * 3 * MOE * HIDDEN
+    one = kimi.estimate(Layout(1, 1, "packed"))
+    assert one.replicated == rest and one.sharded == 0
+    eight = kimi.estimate(Layout(8, 8, "packed"))
+    assert abs(eight.replicated + 8 * eight.sharded - rest) <= 8
+    # the embeddings are replicated and lm_head split, as transformers' TP plan has them
+    assert kimi.sharded(next(m for m in kimi.modules if m.name == "lm_head.weight"))
+    assert not kimi.sharded(next(m for m in kimi.modules if m.name == "model.embed_tokens.weight"))
+
+
+def test_kimi_k25_dequantized_is_refused_with_the_smallest_layout_that_fits(kimi):
+    with pytest.raises(LayoutTooLarge) as refused:
+        memory.check(kimi, Layout(8, 8, "dequantized"), H200, 8)
+    said = str(refused.value)
+    bf16 = LAYERS * EXPERTS * 3 * MOE * HIDDEN * 2  # ~2.03 TB of experts expanded to bf16
+    assert f"1/8 of them: {memory.gb(bf16 / 8)}" in said, said
+    assert "does NOT fit" in said
+    assert "none on one node of 8 GPUs (TP32 + EP32, dequantized experts, bfloat16 would, on 32)" in said
+    assert "with the experts kept packed, TP8 + EP8, packed experts, bfloat16 would fit" in said
+    # EP1 (every expert on every rank) does not fit packed either; TP8 + EP8 is the smallest that does
+    with pytest.raises(LayoutTooLarge, match=r"smallest layout that fits: TP8 \+ EP8, packed"):
+        memory.check(kimi, Layout(8, 1, "packed"), H200, 8)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("memory")
+    reference = language_model_reference(root / "reference")
+    kimi_k25(reference, root / "kimi-bf16")
+    kimi_k25_int4(reference, root / "kimi-int4", root / "int4-reference")
+    for name in ("kimi-bf16", "kimi-int4"):  # the same checkpoints as shape folders: config.json only
+        (root / f"{name}-shape").mkdir()
+        shutil.copy(root / name / "config.json", root / f"{name}-shape" / "config.json")
+    return {p.name: p for p in root.iterdir()}
+
+
+def loaded_bytes(model_dir: Path, dtype: str) -> int:
+    """The bytes transformers really holds for the model: every tensor of its state dict."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), **checkpoint.plan(model_dir, "cpu", dtype).kwargs()
+    )
+    return sum(t.nbytes for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("kimi-bf16", "bfloat16"), ("kimi-bf16", "float32"), ("kimi-int4", "bfloat16")]
+)
+def test_header_figures_are_the_loaded_models_bytes(tiny, name, dtype):
+    """The language model's weights from the safetensors headers (the vision tower's left out), in
+    the run's dtype, the INT4 experts dequantized as transformers does at load: exactly the bytes
+    of the loaded model's tensors."""
+    inventory = Inventory.of(tiny[name])
+    assert inventory.source == "safetensors headers"
+    form = memory.expert_form(tiny[name], "cpu", dtype)
+    assert form == ("dequantized" if name == "kimi-int4" else "unquantized")
+    est = inventory.estimate(Layout(1, 1, form, dtype))
+    assert est.experts + est.replicated + est.sharded == loaded_bytes(tiny[name], dtype)
+
+
+@pytest.mark.parametrize("name", ["kimi-bf16", "kimi-int4"])
+def test_shapes_from_the_config_equal_the_headers(tiny, name):
+    """A shape folder (config.json alone) is worked out from the DeepSeek-V3 shapes its config
+    implies, and the quantization config for the packed bytes: the same figures as the headers of
+    the real checkpoint, layout by layout."""
+    shape, full = Inventory.of(tiny[f"{name}-shape"]), Inventory.of(tiny[name])
+    assert shape.source == "config.json shapes"
+    for layout in (Layout(1, 1, "packed"), Layout(2, 2, "packed"), Layout(2, 1, "dequantized", "float32")):
+        assert shape.estimate(layout).__dict__ | {"source": ""} == full.estimate(layout).__dict__ | {"source": ""}
+
+
+def test_extract_refuses_before_loading_a_layout_that_cannot_fit(tiny, tmp_path, monkeypatch):
+    from hsx.capture.transformers import TransformersBackend
+
+    loads = []
+    monkeypatch.setattr(TransformersBackend, "load", classmethod(lambda cls, *a, **kw: loads.append(a)))
+    monkeypatch.setattr(memory, "device_memory", lambda device, ranks: (200_000, 1, "a 200 kB device"))
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(2))
+    opts = ExtractOptions(out=tmp_path / "run", model=str(tiny["kimi-int4"]), data=[data], device="cpu", writers=1)
+    logged = []
+    with pytest.raises(LayoutTooLarge, match=r"does not fit TP1, dequantized experts, float32 on 1 x 0.0 GB") as e:
+        extract(opts, log=logged.append)
+    assert "routed experts, dequantized (expanded to float32), all of them (EP1)" in str(e.value)
+    assert loads == []  # refused before any weight was loaded
+
+
+def test_hsx_memory_prints_the_arithmetic_and_exits_2_where_it_cannot_fit():
+    from conftest import hsx
+
+    args = ["--model", KIMI, "--tensor-parallel", "8", "--expert-parallel", "8", "--gpus", "8", "--gpu-memory", "141"]
+    refused = hsx("memory", *args, "--experts", "dequantized", check=False)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    said = " ".join((refused.stdout + refused.stderr).split())  # as the console wrapped it
+    assert "error: the model does not fit TP8 + EP8, dequantized experts, bfloat16 on 8 x 141.0 GB" in said
+    bf16 = LAYERS * EXPERTS * 3 * MOE * HIDDEN * 2
+    assert f"routed experts, dequantized (expanded to bfloat16), 1/8 of them: {memory.gb(bf16 / 8)}" in said
+    assert "smallest layout that fits: none on one node of 8 GPUs" in said
