@@ -175,6 +175,130 @@ def test_fp8_zero_rows_decode_to_zeros_and_non_finite_rows_to_nan():
     assert _rel_error(s.aux[[0, 1, 2, 3, 5]], aux[[0, 1, 2, 3, 5]], 3) <= fp8_bound(torch.bfloat16)
 
 
+# NaN bit patterns with the sign set or a payload, per dtype: what an encoder must not pass through
+ODD_NANS = {
+    torch.float32: (0xFFC00000 - (1 << 32), 0x7F800001),
+    torch.bfloat16: (0xFFC0 - (1 << 16), 0x7F81),
+    torch.float16: (0xFE00 - (1 << 16), 0x7C01),
+}
+INT_OF = {4: torch.int32, 2: torch.int16}
+GROUPS, COLS = 3, 3 * 32
+
+
+def hard_states(tokens: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """[tokens, 3*32] states of ``dtype`` holding, besides random rows of scales from 1e-6 to 1e6,
+    the rows an fp8 encoder gets wrong: zeros, -0.0, the dtype's subnormals, a lone smallest
+    subnormal (its scale underflows to 0), an amax whose scale is a float32 subnormal (x / scale then
+    rounds past 448), the dtype's largest values, inf in one layer, -inf with NaN, and NaNs with the
+    sign bit set or a payload (signalling)."""
+    g = torch.Generator().manual_seed(seed)
+    fi = torch.finfo(dtype)
+    x = torch.randn(tokens, COLS, generator=g) * torch.exp(7 * torch.rand(tokens, 1, generator=g) - 3.5) ** 4
+    x.clamp_(-fi.max, fi.max)  # float16's range
+    x[0] = 0
+    x[1] = -0.0
+    x[2] = torch.randn(COLS, generator=g) * fi.smallest_normal / 8
+    x[3] = 0
+    x[3, 40] = fi.smallest_normal * fi.eps  # the dtype's smallest subnormal
+    x[4] = torch.randn(COLS, generator=g) * 2.0**-140  # float32: scale subnormal (bf16/fp16: zeros)
+    x[5] = torch.randn(COLS, generator=g).sign() * fi.max
+    x[6, 33] = float("inf")
+    x[7, 5], x[7, 70] = -float("inf"), float("nan")
+    x = x.to(dtype)
+    bits = x.view(INT_OF[x.element_size()])
+    bits[8, 10], bits[8, 50] = ODD_NANS[dtype]
+    bits[9, 90] = ODD_NANS[dtype][0]
+    return x
+
+
+def captured(aux: torch.Tensor, final: torch.Tensor, lengths: list[int], rows: list[int], offsets: list[int]):
+    """A CapturedBatch laid out as given over [R, S, ...] copies of ``aux`` and ``final`` rows."""
+    from hsx.capture import CapturedBatch
+
+    R, S = max(rows) + 1, max(o + n for o, n in zip(offsets, lengths, strict=True))
+    a = torch.zeros((R, S, aux.shape[1]), dtype=aux.dtype, device=aux.device)
+    f = torch.zeros((R, S, final.shape[1]), dtype=final.dtype, device=final.device)
+    done = 0
+    for r, o, n in zip(rows, offsets, lengths, strict=True):
+        a[r, o : o + n], f[r, o : o + n] = aux[done : done + n], final[done : done + n]
+        done += n
+    return CapturedBatch(list(range(len(lengths))), lengths, a, f, rows, offsets)
+
+
+# two padded rows: samples 0 and 1 adjacent in row 0 (one copy), 2 alone in row 1, 3 after a gap
+BATCH = dict(lengths=[9, 4, 14, 3], rows=[0, 0, 1, 0], offsets=[0, 9, 0, 15])
+
+
+def hard_batch(dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    n = sum(BATCH["lengths"])
+    aux, final = hard_states(n, dtype, seed), hard_states(n, dtype, seed + 1)[:, :32].contiguous()
+    return captured(aux.to(device), final.to(device), **BATCH)
+
+
+def sample_bytes(sid: int, aux, final, codec: Codec) -> bytes:
+    """The file the writer makes of these states (already encoded or not)."""
+    n = aux.shape[0]
+    s = SampleTensors(sid, torch.arange(n), torch.ones(n, dtype=torch.uint8), aux, final)
+    return b"".join(encode(s, LAYERS, codec)[0])
+
+
+def check_staged_equals_host(batch, views, wanted: list[int], codec: Codec) -> None:
+    """Each staged sample's file is byte for byte the file of its states encoded on the host."""
+    assert len(views) == len(wanted)
+    for i, (aux, final) in zip(wanted, views, strict=True):
+        host_aux, host_final = (t.cpu() for t in batch.sample(i))
+        assert sample_bytes(i, aux, final, codec) == sample_bytes(i, host_aux, host_final, codec), (i, codec)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_encoded_where_captured_is_the_host_encoders_file(dtype):
+    """The staging ring's own filling code (``SlotLayout.fill``, the one CUDA runs on its side
+    stream), here on CPU tensors: the fp8 states it encodes before the copy make, through the
+    writer's format code, the very bytes of the host encoder's file for the same states; raw slots
+    carry the states as captured; samples adjacent in a row and samples apart both land right."""
+    from hsx.staging import SlotLayout
+
+    batch = hard_batch(dtype)
+    for codec, wanted in ((Codec.FP8, [0, 1, 2, 3]), (Codec.FP8, [1, 3]), (Codec.RAW, [0, 2, 3])):
+        layout = SlotLayout(codec, dtype, COLS, 32)
+        views = layout.fill(layout.slot(40, pin=False), batch, wanted)
+        assert all(isinstance(v, torch.Tensor) for pair in views for v in pair) is (codec is Codec.RAW)
+        check_staged_equals_host(batch, views, wanted, codec)
+        if codec is Codec.RAW:
+            check_staged_equals_host(batch, views, wanted, Codec.ZSTD)  # zstd: the writer encodes raw slots
+    with pytest.raises(ValueError, match="encoded as fp8"):
+        sample_bytes(0, *views_of_fp8(batch), Codec.ZSTD)
+
+
+def views_of_fp8(batch):
+    from hsx.staging import SlotLayout
+
+    layout = SlotLayout(Codec.FP8, batch.aux.dtype, COLS, 32)
+    return layout.fill(layout.slot(40, pin=False), batch, [0])[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_non_finite_rows_store_one_nan_whatever_the_input_nan(dtype):
+    """inf/inf and NaN inputs give NaNs whose bits depend on the machine (x86 makes a negative one,
+    CUDA 0x7fffffff) or on the input (sign, payload): the file stores the one quiet NaN, so the
+    device and the host write the same bytes. Finite rows are unaffected."""
+    x = hard_states(12, dtype)
+    q, scale = quantize_fp8(x, GROUPS)
+    qb, sb = q.view(torch.uint8), scale.view(torch.int32)
+    quiet = torch.tensor(float("nan")).view(torch.int32)
+    assert quiet.item() == 0x7FC00000
+    assert scale[6, 1] == float("inf") and scale[7, 0] == float("inf")
+    assert qb[6, 33] == 0x7F and qb[7, 5] == 0x7F  # inf / inf, -inf / inf: x86 would give 0xff
+    assert sb[7, 2] == quiet and sb[8, 0] == quiet and sb[8, 1] == quiet and sb[9, 2] == quiet
+    assert qb[7, 70] == 0x7F and qb[8, 10] == 0x7F and qb[8, 50] == 0x7F and qb[9, 90] == 0x7F
+    nan_rows = torch.zeros(12, GROUPS, dtype=torch.bool)
+    nan_rows[6, 1] = nan_rows[7, 0] = nan_rows[7, 2] = nan_rows[8, 0] = nan_rows[8, 1] = nan_rows[9, 2] = True
+    assert torch.equal(~scale.isfinite(), nan_rows)
+    assert not q.float().view(12, GROUPS, -1)[~nan_rows].isnan().any()  # no NaN anywhere else
+    assert (scale[:2] == 0).all() and (qb[0] == 0).all() and (qb[1] == 0x80).all()  # zeros keep their sign
+    assert (scale[3] == 0).all() if dtype == torch.float32 else True  # 2^-149 / 448 underflows to 0
+
+
 # ---------------------------------------------------------------- the file
 
 
