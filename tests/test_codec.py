@@ -3,6 +3,7 @@ one plain, self-verifying safetensors file that every hsx reader decodes to the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -108,6 +109,68 @@ def test_zstd_lets_other_threads_run_while_it_compresses():
 
     zstd_compress(torch.zeros(4, dtype=torch.bfloat16))
     assert blosc2.set_releasegil(True) is True
+
+
+def _blosc2_frame(t: torch.Tensor) -> bytes:
+    """The documented frame, made here straight with Blosc2: shuffle + zstd level 1, 8 MiB chunks, one thread."""
+    import blosc2
+
+    cparams = blosc2.CParams(
+        codec=blosc2.Codec.ZSTD, clevel=1, typesize=t.element_size(), nthreads=1, filters=[blosc2.Filter.SHUFFLE]
+    )
+    return blosc2.SChunk(chunksize=8 << 20, data=t.reshape(-1).view(torch.uint8).numpy(), cparams=cparams).to_cframe()
+
+
+def test_zstd_files_are_the_same_whatever_the_encoder_threads(tmp_path):
+    """The writer's encoder threads (more of them than writers) change no byte: samples written with
+    1 encoder thread and with 4 are the same files, each state's frame is the documented Blosc2
+    frame of the tensor (one of them spans two chunks) and reads back with schunk_from_cframe; each
+    staging slot is released once, as soon as its states are encoded."""
+    import blosc2
+
+    samples = [_sample(sid=i, t=t, h=h, dtype=dt) for i, (t, h, dt) in enumerate(SIZES)]
+    files = {}
+    for encoders, writers in ((1, 1), (4, 2)):
+        run = tmp_path / f"enc{encoders}"
+        writer = SampleWriter(run, 10, LAYERS, threads=writers, codec=Codec.ZSTD, encoders=encoders)
+        released: list[int] = []
+        futures = [writer.submit(s, release=functools.partial(released.append, s.sample_id)) for s in samples]
+        writer.wait(futures)
+        writer.close()
+        assert sorted(released) == list(range(len(samples)))
+        files[encoders] = run_files(run)
+    assert files[1] == files[4] and len(files[1]) == len(samples)
+    for s in samples:
+        stored = load_file(layout.sample_path(tmp_path / "enc4", s.sample_id, 10))
+        for name, t in (("aux_hidden_states", s.aux), ("hidden_states", s.final)):
+            frame = stored[f"{name}.zstd"].numpy().tobytes()
+            assert frame == _blosc2_frame(t), (s.sample_id, name)
+            schunk = blosc2.schunk_from_cframe(frame)
+            assert schunk[:] == t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert blosc2.schunk_from_cframe(_blosc2_frame(samples[-1].aux)).nchunks == 2
+
+
+SIZES = [(37, 64, torch.bfloat16), (300, 256, torch.float16), (1200, 1024, torch.float32)]
+
+
+def test_the_encoders_encode_samples_in_flight_beyond_the_writers(tmp_path):
+    """One writer thread, four encoder threads: both samples' states are encoding at once (each
+    waits at a barrier for the other three), which they could not if encoding ran in the writers."""
+    import threading
+
+    barrier, calls, lock = threading.Barrier(4, timeout=60), [], threading.Lock()
+
+    def ready() -> None:
+        with lock:
+            calls.append(1)
+            first = len(calls) <= 4
+        if first:  # the encoders' calls; the writer calls it again after
+            barrier.wait()
+
+    writer = SampleWriter(tmp_path, 10, LAYERS, threads=1, codec=Codec.ZSTD, encoders=4)
+    records = writer.wait([writer.submit(_sample(sid=i), ready=ready) for i in range(2)])
+    writer.close()
+    assert [r.sample_id for r in records] == [0, 1] and not barrier.broken
 
 
 def test_zstd_shrinks_real_states_of_the_tiny_model(finished_run):

@@ -11,6 +11,7 @@ import typer
 
 from hsx.errors import CleanStop, DiskFull, Exit, HsxError
 from hsx.progress import console
+from hsx.store.codec import DEFAULT_CODEC
 
 app = typer.Typer(
     add_completion=False,
@@ -111,7 +112,9 @@ def extract(
     compile: Annotated[
         str, typer.Option(help="auto | on | off: torch.compile the decoder layers [auto: on for CUDA].")
     ] = "auto",
-    codec: Annotated[str | None, typer.Option(help="raw | zstd | fp8: how states are stored (new run) [raw].")] = None,
+    codec: Annotated[
+        str | None, typer.Option(help=f"raw | zstd | fp8: how states are stored (new run) [{DEFAULT_CODEC}].")
+    ] = None,
     writers: Annotated[int, typer.Option(help="Writer threads.")] = 8,
     fast_verify: Annotated[bool, typer.Option(help="On resume, check headers and sizes only, not digests.")] = False,
     allow_partial: Annotated[
@@ -344,6 +347,7 @@ def _codecs(text: str) -> tuple:
 @app.command()
 def quickstart(
     out: Annotated[Path, typer.Option(help="Run folder.")] = Path("hsx-quickstart"),
+    codec: Annotated[str | None, typer.Option(help=f"raw | zstd | fp8 [{DEFAULT_CODEC}].")] = None,
 ) -> None:
     """Extract the bundled conversations with the bundled tiny model, offline, on CPU."""
     from hsx.tinymodel import bundled_path
@@ -354,6 +358,7 @@ def quickstart(
         data=[bundled_path("data/sharegpt_dummy_conversation.json")],
         device="cpu",
         shard_size=100,
+        codec=codec,
     )
 
 

@@ -14,11 +14,12 @@ from typing import Literal, get_args
 
 from hsx.errors import OptionError
 from hsx.spec import Parallel
+from hsx.store.codec import DEFAULT_CODEC
 from hsx.telemetry import Telemetry
 
 Toggle = Literal["auto", "on", "off"]
 Backend = Literal["transformers", "vllm"]
-DEFAULTS = {"max_length": 4096, "batch_tokens": 16384, "shard_size": 1000, "dtype": "auto", "codec": "raw"}
+DEFAULTS = {"max_length": 4096, "batch_tokens": 16384, "shard_size": 1000, "dtype": "auto", "codec": DEFAULT_CODEC}
 
 
 def toggle(flag: str, value: str) -> Toggle:
@@ -54,7 +55,7 @@ class ExtractOptions:
     deep_verify: bool = True
     packing: Toggle = "auto"  # one packed row per batch (no padding computed) or padded rows
     compile: Toggle = "auto"  # torch.compile the decoder layers (auto: on for CUDA)
-    codec: str | None = None  # raw | zstd | fp8: how states are stored (a new run's default: raw)
+    codec: str | None = None  # raw | zstd | fp8: how states are stored (a new run's: codec.DEFAULT_CODEC)
     allow_partial: bool = False  # start even when the projected size exceeds free space
     reserve_bytes: int | None = None  # kept free while running; None: max(1% of volume, 2x largest batch)
     backend: str | None = None  # transformers | vllm; a new run's default is transformers

@@ -49,6 +49,10 @@ class Codec(StrEnum):
     FP8 = "fp8"
 
 
+# A new run's codec when none is asked for. The rule (docs/benchmarks.md): zstd becomes the default
+# once it costs <= 3% of raw's tok/s on the H200 8B row and <= 5% on the CPU quickstart.
+DEFAULT_CODEC = Codec.RAW
+
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -60,25 +64,29 @@ _DEVICE_BLOCK = 256 << 20
 
 @dataclass(frozen=True)
 class Encoded:
-    """A state encoded before it reached the writer (fp8 on the device, before its copy to the host):
-    the tensors ``encode_state`` stores for it, in its order, and the dtype and shape it had, which
-    the file records. The writer stores them as they are, through the same file format code."""
+    """A state encoded before the writer lays out its file: fp8 on the device, before its copy to
+    the host, or any codec by the writer's encoder threads. Holds the tensors (``bytes`` for a
+    ``uint8`` payload) ``encode_state`` stores for it, in its order, and the dtype and shape it had,
+    which the file records; the file format code stores them as they are."""
 
     codec: Codec
     dtype: torch.dtype
     shape: tuple[int, int]
-    tensors: tuple[torch.Tensor, ...]
+    tensors: tuple[torch.Tensor | bytes, ...]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+        return sum(len(t) if isinstance(t, bytes) else t.nbytes for t in self.tensors)
 
 
 def encode_early(codec: Codec, t: torch.Tensor, groups: int) -> Encoded:
-    """State ``t`` [T, groups*H] encoded where it lies (any device): fp8's payload and scales."""
-    if codec is not Codec.FP8:
-        raise ValueError(f"codec {codec!r} encodes on the host")
-    return Encoded(codec, t.dtype, (t.shape[0], t.shape[1]), quantize_fp8(t, groups))
+    """State ``t`` [T, groups*H] encoded by a codec other than raw, where it lies (fp8: any device;
+    zstd: a CPU tensor)."""
+    if codec is Codec.ZSTD:
+        return Encoded(codec, t.dtype, (t.shape[0], t.shape[1]), (zstd_compress(t),))
+    if codec is Codec.FP8:
+        return Encoded(codec, t.dtype, (t.shape[0], t.shape[1]), quantize_fp8(t, groups))
+    raise ValueError(f"codec {codec!r} stores states as they are")
 
 
 def encode_state(
@@ -86,19 +94,11 @@ def encode_state(
 ) -> list[tuple[str, torch.Tensor | bytes]]:
     """What is stored for state ``name`` [T, groups*H] by a codec other than raw: tensors, or
     ``bytes`` for a ``uint8`` payload. An ``Encoded`` state is already that: it is only named."""
-    if isinstance(t, Encoded):
-        if t.codec is not codec:
-            raise ValueError(f"{name} was encoded as {t.codec}, the file's codec is {codec}")
-        return list(zip(_stored_names(codec, name), t.tensors, strict=True))
-    if codec is Codec.ZSTD:
-        return [(f"{name}.zstd", zstd_compress(t))]
-    if codec is Codec.FP8:
-        return list(zip(_stored_names(codec, name), quantize_fp8(t, groups), strict=True))
-    raise ValueError(f"codec {codec!r} stores {name} as it is")
-
-
-def _stored_names(codec: Codec, name: str) -> tuple[str, ...]:
-    return {Codec.ZSTD: (f"{name}.zstd",), Codec.FP8: (f"{name}.fp8", f"{name}.scale")}[codec]
+    e = t if isinstance(t, Encoded) else encode_early(codec, t, groups)
+    if e.codec is not codec:
+        raise ValueError(f"{name} was encoded as {e.codec}, the file's codec is {codec}")
+    names = {Codec.ZSTD: (f"{name}.zstd",), Codec.FP8: (f"{name}.fp8", f"{name}.scale")}[codec]
+    return list(zip(names, e.tensors, strict=True))
 
 
 def decode_state(
