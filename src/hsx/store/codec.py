@@ -6,7 +6,9 @@
   do; then zstd at level 1, the best size and speed of its levels on such data) and are stored as
   one ``uint8`` tensor ``<name>.zstd`` holding a Blosc2 contiguous frame. Decoding gives the exact
   bytes back. One Blosc2 thread per tensor: the same input gives the same frame on any machine
-  (more threads may place blocks differently), and the writer's threads run in parallel anyway.
+  (Blosc2's own threads place each block where it finishes first: five runs on 2 threads gave five
+  different frames). The parallelism is across tensors instead: the writer's encoder threads, one
+  per core, each compress one state at a time, with the GIL released.
 - ``fp8``: lossy. ``<name>.fp8`` is float8_e4m3fn [T, G*H] and ``<name>.scale`` float32 [T, G] with
   one scale per token and layer (G = number of layers for ``aux_hidden_states``, 1 for
   ``hidden_states``): scale = amax / 448 over the layer's H values of that token; x ≈ fp8 * scale
@@ -140,6 +142,13 @@ def _blosc2():
 
     blosc2.set_releasegil(True)
     return blosc2
+
+
+def prepare(codec: Codec) -> None:
+    """Import what ``codec``'s encoder needs now, in the caller's thread: otherwise every encoder
+    thread's first state waits on the import lock (Blosc2 takes most of a second to import)."""
+    if codec is Codec.ZSTD:
+        _blosc2()
 
 
 def _cparams(typesize: int):

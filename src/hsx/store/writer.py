@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hsx.store import layout
-from hsx.store.codec import Codec, Encoded, encode_early
+from hsx.store.codec import Codec, Encoded, encode_early, prepare
 from hsx.store.durable import fsync_dir, write_durable, write_parts
 from hsx.store.format import SampleTensors, encode
 
@@ -67,6 +67,7 @@ class SampleWriter:
         if self.codec is not Codec.RAW:
             n = encoders or len(os.sched_getaffinity(0))
             self.encoders = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hsx-encode")
+            prepare(self.codec)
         self.max_inflight = max_inflight_bytes
         self.inflight = 0
         self.cond = threading.Condition()
