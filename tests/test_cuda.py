@@ -239,3 +239,16 @@ def test_fp8_run_killed_and_resumed_on_the_gpu_is_the_host_encoders_bytes(tmp_pa
     assert load_spec(out).codec is Codec.FP8
     hsx("extract", "--out", out)
     assert run_files(out) == expected_files(raw, Codec.FP8), f"seed {seed}"
+
+
+def test_bench_on_cuda_measures_fp8_encoded_on_the_device(tmp_path):
+    """`hsx bench` on the GPU (the tiny model, few samples): the fp8 row is the device-encoded path,
+    zstd's the host's, beside raw on the same batches."""
+    args = ("--device", "cuda", "--model", TINY, "--samples", "12", "--mean-len", "40", "--min-len", "8")
+    args += ("--max-len", "96", "--batch-tokens", "256", "--naive-samples", "0", "--compile", "off")
+    proc = hsx("bench", *args, "--workdir", tmp_path)
+    lines = proc.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("codec  stored/raw"))
+    codecs = {line.split()[0]: line.split()[1:] for line in lines[at + 1 : at + 4]}
+    assert list(codecs) == ["raw", "zstd", "fp8"] and [v[-1] for v in codecs.values()] == ["-", "host", "device"]
+    assert 0.25 < float(codecs["fp8"][0]) < 0.75 and float(codecs["zstd"][0]) < 1  # headers weigh on tiny files
