@@ -306,11 +306,16 @@ def sample_bytes(sid: int, aux, final, codec: Codec) -> bytes:
 
 
 def check_staged_equals_host(batch, views, wanted: list[int], codec: Codec) -> None:
-    """Each staged sample's file is byte for byte the file of its states encoded on the host."""
+    """Each staged sample's file is byte for byte the file of its states encoded on the host, and
+    it weighs its raw bytes in the writer's in-flight count (the disk guard scales raw bytes)."""
     assert len(views) == len(wanted)
     for i, (aux, final) in zip(wanted, views, strict=True):
         host_aux, host_final = (t.cpu() for t in batch.sample(i))
         assert sample_bytes(i, aux, final, codec) == sample_bytes(i, host_aux, host_final, codec), (i, codec)
+        ids, mask = torch.arange(len(host_aux)), torch.ones(len(host_aux), dtype=torch.uint8)
+        raw = SampleTensors(i, ids, mask, host_aux, host_final).nbytes
+        assert raw == len(host_aux) * ((COLS + 32) * host_aux.element_size() + 9)  # ids int64, mask uint8
+        assert SampleTensors(i, ids, mask, aux, final).nbytes == raw
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -77,8 +77,10 @@ class Encoded:
     tensors: tuple[torch.Tensor | bytes, ...]
 
     @property
-    def nbytes(self) -> int:
-        return sum(len(t) if isinstance(t, bytes) else t.nbytes for t in self.tensors)
+    def captured_nbytes(self) -> int:
+        """Bytes of the state as captured: what the writer's in-flight bytes and the disk guard
+        count (raw bytes, which the guard scales by the codec's ratio)."""
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
 
 
 def encode_early(codec: Codec, t: torch.Tensor, groups: int) -> Encoded:

@@ -129,7 +129,9 @@ class SampleTensors:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for _, t in self.tensors())
+        """Bytes as captured (raw), encoded states included: the writer's in-flight budget and the
+        disk guard count raw bytes."""
+        return sum(t.captured_nbytes if isinstance(t, Encoded) else t.nbytes for _, t in self.tensors())
 
 
 def encode(sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW) -> tuple[list[memoryview | bytes], str]:
