@@ -53,4 +53,5 @@ def test_bench_measures_every_variant_in_one_run(tmp_path):
     assert list(codecs) == ["raw", "zstd", "fp8"] and codecs["raw"][0] == "1.0000"
     assert 0.5 < float(codecs["zstd"][0]) < 1 and 0.25 < float(codecs["fp8"][0]) < 0.35  # fp8 of float32 states
     assert all(float(v[3].replace(",", "")) > 0 and float(v[4].replace(",", "")) > 0 for v in codecs.values())
+    assert [v[-1] for v in codecs.values()] == ["-", "host", "host"]  # where encoded: on CPU all on the host
     assert list(tmp_path.iterdir()) == []  # it cleans up after itself

@@ -3,6 +3,7 @@ one plain, self-verifying safetensors file that every hsx reader decodes to the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -110,6 +111,68 @@ def test_zstd_lets_other_threads_run_while_it_compresses():
     assert blosc2.set_releasegil(True) is True
 
 
+def _blosc2_frame(t: torch.Tensor) -> bytes:
+    """The documented frame, made here straight with Blosc2: shuffle + zstd level 1, 8 MiB chunks, one thread."""
+    import blosc2
+
+    cparams = blosc2.CParams(
+        codec=blosc2.Codec.ZSTD, clevel=1, typesize=t.element_size(), nthreads=1, filters=[blosc2.Filter.SHUFFLE]
+    )
+    return blosc2.SChunk(chunksize=8 << 20, data=t.reshape(-1).view(torch.uint8).numpy(), cparams=cparams).to_cframe()
+
+
+def test_zstd_files_are_the_same_whatever_the_encoder_threads(tmp_path):
+    """The writer's encoder threads (more of them than writers) change no byte: samples written with
+    1 encoder thread and with 4 are the same files, each state's frame is the documented Blosc2
+    frame of the tensor (one of them spans two chunks) and reads back with schunk_from_cframe; each
+    staging slot is released once, as soon as its states are encoded."""
+    import blosc2
+
+    samples = [_sample(sid=i, t=t, h=h, dtype=dt) for i, (t, h, dt) in enumerate(SIZES)]
+    files = {}
+    for encoders, writers in ((1, 1), (4, 2)):
+        run = tmp_path / f"enc{encoders}"
+        writer = SampleWriter(run, 10, LAYERS, threads=writers, codec=Codec.ZSTD, encoders=encoders)
+        released: list[int] = []
+        futures = [writer.submit(s, release=functools.partial(released.append, s.sample_id)) for s in samples]
+        writer.wait(futures)
+        writer.close()
+        assert sorted(released) == list(range(len(samples)))
+        files[encoders] = run_files(run)
+    assert files[1] == files[4] and len(files[1]) == len(samples)
+    for s in samples:
+        stored = load_file(layout.sample_path(tmp_path / "enc4", s.sample_id, 10))
+        for name, t in (("aux_hidden_states", s.aux), ("hidden_states", s.final)):
+            frame = stored[f"{name}.zstd"].numpy().tobytes()
+            assert frame == _blosc2_frame(t), (s.sample_id, name)
+            schunk = blosc2.schunk_from_cframe(frame)
+            assert schunk[:] == t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert blosc2.schunk_from_cframe(_blosc2_frame(samples[-1].aux)).nchunks == 2
+
+
+SIZES = [(37, 64, torch.bfloat16), (300, 256, torch.float16), (1200, 1024, torch.float32)]
+
+
+def test_the_encoders_encode_samples_in_flight_beyond_the_writers(tmp_path):
+    """One writer thread, four encoder threads: both samples' states are encoding at once (each
+    waits at a barrier for the other three), which they could not if encoding ran in the writers."""
+    import threading
+
+    barrier, calls, lock = threading.Barrier(4, timeout=60), [], threading.Lock()
+
+    def ready() -> None:
+        with lock:
+            calls.append(1)
+            first = len(calls) <= 4
+        if first:  # the encoders' calls; the writer calls it again after
+            barrier.wait()
+
+    writer = SampleWriter(tmp_path, 10, LAYERS, threads=1, codec=Codec.ZSTD, encoders=4)
+    records = writer.wait([writer.submit(_sample(sid=i), ready=ready) for i in range(2)])
+    writer.close()
+    assert [r.sample_id for r in records] == [0, 1] and not barrier.broken
+
+
 def test_zstd_shrinks_real_states_of_the_tiny_model(finished_run):
     path = layout.sample_path(finished_run, 7, 10)
     t = load_file(path)
@@ -173,6 +236,135 @@ def test_fp8_zero_rows_decode_to_zeros_and_non_finite_rows_to_nan():
     assert torch.isfinite(aux[[0, 1, 2, 3, 5]]).all() and torch.isfinite(aux[4, :64]).all()
     assert aux[4, 64:96].isnan().all()  # never plausible numbers for a broken row
     assert _rel_error(s.aux[[0, 1, 2, 3, 5]], aux[[0, 1, 2, 3, 5]], 3) <= fp8_bound(torch.bfloat16)
+
+
+# NaN bit patterns with the sign set or a payload, per dtype: what an encoder must not pass through
+ODD_NANS = {
+    torch.float32: (0xFFC00000 - (1 << 32), 0x7F800001),
+    torch.bfloat16: (0xFFC0 - (1 << 16), 0x7F81),
+    torch.float16: (0xFE00 - (1 << 16), 0x7C01),
+}
+INT_OF = {4: torch.int32, 2: torch.int16}
+GROUPS, COLS = 3, 3 * 32
+
+
+def hard_states(tokens: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """[tokens, 3*32] states of ``dtype`` holding, besides random rows of scales from 1e-6 to 1e6,
+    the rows an fp8 encoder gets wrong: zeros, -0.0, the dtype's subnormals, a lone smallest
+    subnormal (its scale underflows to 0), an amax whose scale is a float32 subnormal (x / scale then
+    rounds past 448), the dtype's largest values, inf in one layer, -inf with NaN, and NaNs with the
+    sign bit set or a payload (signalling)."""
+    g = torch.Generator().manual_seed(seed)
+    fi = torch.finfo(dtype)
+    x = torch.randn(tokens, COLS, generator=g) * torch.exp(7 * torch.rand(tokens, 1, generator=g) - 3.5) ** 4
+    x.clamp_(-fi.max, fi.max)  # float16's range
+    x[0] = 0
+    x[1] = -0.0
+    x[2] = torch.randn(COLS, generator=g) * fi.smallest_normal / 8
+    x[3] = 0
+    x[3, 40] = fi.smallest_normal * fi.eps  # the dtype's smallest subnormal
+    x[4] = torch.randn(COLS, generator=g) * 2.0**-140  # float32: scale subnormal (bf16/fp16: zeros)
+    x[5] = torch.randn(COLS, generator=g).sign() * fi.max
+    x[6, 33] = float("inf")
+    x[7, 5], x[7, 70] = -float("inf"), float("nan")
+    x = x.to(dtype)
+    bits = x.view(INT_OF[x.element_size()])
+    bits[8, 10], bits[8, 50] = ODD_NANS[dtype]
+    bits[9, 90] = ODD_NANS[dtype][0]
+    return x
+
+
+def captured(aux: torch.Tensor, final: torch.Tensor, lengths: list[int], rows: list[int], offsets: list[int]):
+    """A CapturedBatch laid out as given over [R, S, ...] copies of ``aux`` and ``final`` rows."""
+    from hsx.capture import CapturedBatch
+
+    R, S = max(rows) + 1, max(o + n for o, n in zip(offsets, lengths, strict=True))
+    a = torch.zeros((R, S, aux.shape[1]), dtype=aux.dtype, device=aux.device)
+    f = torch.zeros((R, S, final.shape[1]), dtype=final.dtype, device=final.device)
+    done = 0
+    for r, o, n in zip(rows, offsets, lengths, strict=True):
+        a[r, o : o + n], f[r, o : o + n] = aux[done : done + n], final[done : done + n]
+        done += n
+    return CapturedBatch(list(range(len(lengths))), lengths, a, f, rows, offsets)
+
+
+# two padded rows: samples 0 and 1 adjacent in row 0 (one copy), 2 alone in row 1, 3 after a gap
+BATCH = dict(lengths=[9, 4, 14, 3], rows=[0, 0, 1, 0], offsets=[0, 9, 0, 15])
+
+
+def hard_batch(dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    n = sum(BATCH["lengths"])
+    aux, final = hard_states(n, dtype, seed), hard_states(n, dtype, seed + 1)[:, :32].contiguous()
+    return captured(aux.to(device), final.to(device), **BATCH)
+
+
+def sample_bytes(sid: int, aux, final, codec: Codec) -> bytes:
+    """The file the writer makes of these states (already encoded or not)."""
+    n = aux.shape[0]
+    s = SampleTensors(sid, torch.arange(n), torch.ones(n, dtype=torch.uint8), aux, final)
+    return b"".join(encode(s, LAYERS, codec)[0])
+
+
+def check_staged_equals_host(batch, views, wanted: list[int], codec: Codec) -> None:
+    """Each staged sample's file is byte for byte the file of its states encoded on the host, and
+    it weighs its raw bytes in the writer's in-flight count (the disk guard scales raw bytes)."""
+    assert len(views) == len(wanted)
+    for i, (aux, final) in zip(wanted, views, strict=True):
+        host_aux, host_final = (t.cpu() for t in batch.sample(i))
+        assert sample_bytes(i, aux, final, codec) == sample_bytes(i, host_aux, host_final, codec), (i, codec)
+        ids, mask = torch.arange(len(host_aux)), torch.ones(len(host_aux), dtype=torch.uint8)
+        raw = SampleTensors(i, ids, mask, host_aux, host_final).nbytes
+        assert raw == len(host_aux) * ((COLS + 32) * host_aux.element_size() + 9)  # ids int64, mask uint8
+        assert SampleTensors(i, ids, mask, aux, final).nbytes == raw
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_encoded_where_captured_is_the_host_encoders_file(dtype):
+    """The staging ring's own filling code (``SlotLayout.fill``, the one CUDA runs on its side
+    stream), here on CPU tensors: the fp8 states it encodes before the copy make, through the
+    writer's format code, the very bytes of the host encoder's file for the same states; raw slots
+    carry the states as captured; samples adjacent in a row and samples apart both land right."""
+    from hsx.staging import SlotLayout
+
+    batch = hard_batch(dtype)
+    for codec, wanted in ((Codec.FP8, [0, 1, 2, 3]), (Codec.FP8, [1, 3]), (Codec.RAW, [0, 2, 3])):
+        layout = SlotLayout(codec, dtype, COLS, 32)
+        views = layout.fill(layout.slot(40, pin=False), batch, wanted)
+        assert all(isinstance(v, torch.Tensor) for pair in views for v in pair) is (codec is Codec.RAW)
+        check_staged_equals_host(batch, views, wanted, codec)
+        if codec is Codec.RAW:
+            check_staged_equals_host(batch, views, wanted, Codec.ZSTD)  # zstd: the writer encodes raw slots
+    with pytest.raises(ValueError, match="encoded as fp8"):
+        sample_bytes(0, *views_of_fp8(batch), Codec.ZSTD)
+
+
+def views_of_fp8(batch):
+    from hsx.staging import SlotLayout
+
+    layout = SlotLayout(Codec.FP8, batch.aux.dtype, COLS, 32)
+    return layout.fill(layout.slot(40, pin=False), batch, [0])[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_non_finite_rows_store_one_nan_whatever_the_input_nan(dtype):
+    """inf/inf and NaN inputs give NaNs whose bits depend on the machine (x86 makes a negative one,
+    CUDA 0x7fffffff) or on the input (sign, payload): the file stores the one quiet NaN, so the
+    device and the host write the same bytes. Finite rows are unaffected."""
+    x = hard_states(12, dtype)
+    q, scale = quantize_fp8(x, GROUPS)
+    qb, sb = q.view(torch.uint8), scale.view(torch.int32)
+    quiet = torch.tensor(float("nan")).view(torch.int32)
+    assert quiet.item() == 0x7FC00000
+    assert scale[6, 1] == float("inf") and scale[7, 0] == float("inf")
+    assert qb[6, 33] == 0x7F and qb[7, 5] == 0x7F  # inf / inf, -inf / inf: x86 would give 0xff
+    assert sb[7, 2] == quiet and sb[8, 0] == quiet and sb[8, 1] == quiet and sb[9, 2] == quiet
+    assert qb[7, 70] == 0x7F and qb[8, 10] == 0x7F and qb[8, 50] == 0x7F and qb[9, 90] == 0x7F
+    nan_rows = torch.zeros(12, GROUPS, dtype=torch.bool)
+    nan_rows[6, 1] = nan_rows[7, 0] = nan_rows[7, 2] = nan_rows[8, 0] = nan_rows[8, 1] = nan_rows[9, 2] = True
+    assert torch.equal(~scale.isfinite(), nan_rows)
+    assert not q.float().view(12, GROUPS, -1)[~nan_rows].isnan().any()  # no NaN anywhere else
+    assert (scale[:2] == 0).all() and (qb[0] == 0).all() and (qb[1] == 0x80).all()  # zeros keep their sign
+    assert (scale[3] == 0).all() if dtype == torch.float32 else True  # 2^-149 / 448 underflows to 0
 
 
 # ---------------------------------------------------------------- the file

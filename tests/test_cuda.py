@@ -4,14 +4,16 @@ The packed path's correctness on CPU is covered by test_capture and test_varlen;
 FlashAttention kernel itself (eager and with compiled layers, and with MLA's unequal head dims) is
 compared with eager one-sample forwards, in bf16, a real extraction through the pinned ring is
 compared with float32 CPU states, and a compiled run's resume in a fresh process (compiling again,
-no cache) is compared byte for byte.
+no cache) is compared byte for byte. The fp8 codec's encoding on the device (before the copy to the
+host) is compared with the CPU encoder every byte, and an fp8 run killed and resumed on the GPU with
+the host encoder's files.
 """
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY, convs, hsx, run_files  # noqa: F401  (fixture)
+from conftest import TINY, conversations, convs, hsx, run_files, write_jsonl  # noqa: F401  (fixture)
 from hsx.capture import varlen
 from hsx.capture.transformers import TransformersBackend, varlen_blocker
 from hsx.extract import ExtractOptions, extract
@@ -168,3 +170,85 @@ def test_fp8_checkpoint_runs_on_transformers_fp8_kernels(tmp_path, caplog):
     assert isinstance(layer, FP8Linear) and layer.weight.dtype == torch.float8_e4m3fn and layer.weight.is_cuda
     compare(batch, backend.model, 2e-2)  # hsx's capture = the same FP8 model's own output_hidden_states
     compare(batch, ref_model, 1e-1)  # and near the float dequantization (FP8 activations cost ~1-3%)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_encoded_on_the_device_is_the_host_encoders_file(dtype):
+    """Every byte: the fp8 quantization on the GPU equals the CPU's on hard states (zero rows,
+    subnormals, a subnormal scale, the dtype's largest values, inf and NaN of any sign and payload)
+    and on a large random block (several device steps); and the pinned ring with fp8 slots (encoded
+    on its side stream, then copied) hands the writer states whose files are the host encoder's."""
+    from hsx.staging import staging_for
+    from hsx.store.codec import Codec, Encoded, quantize_fp8
+    from test_codec import COLS, GROUPS, check_staged_equals_host, hard_batch, hard_states
+
+    x = hard_states(4096, dtype, seed=3)
+    big = (torch.randn(12_000, 3 * 4096) * torch.exp(2 * torch.randn(12_000, 1))).to(dtype)
+    for states, groups in ((x, GROUPS), (big, 3)):
+        on_device, on_host = quantize_fp8(states.cuda(), groups), quantize_fp8(states, groups)
+        assert all(torch.equal(_bits(d), _bits(h)) for d, h in zip(on_device, on_host, strict=True))
+    del big, on_device, on_host
+
+    batch = hard_batch(dtype, "cuda")
+    staging = staging_for(torch.device("cuda"), dtype, COLS, 32, 64, 1 << 20, Codec.FP8)
+    assert staging.encodes is Codec.FP8
+    for wanted in ([0, 1, 2, 3], [1, 3], [2]):
+        host = staging.stage(batch, wanted)
+        host.ready()
+        for aux, final in host.views:
+            assert isinstance(aux, Encoded) and isinstance(final, Encoded)
+            assert all(t.device.type == "cpu" and t.is_pinned() for t in aux.tensors + final.tensors)
+        check_staged_equals_host(batch, host.views, wanted, Codec.FP8)
+        for _ in wanted:
+            host.done_one()
+    staging.close()
+
+
+def test_fp8_run_killed_and_resumed_on_the_gpu_is_the_host_encoders_bytes(tmp_path):
+    """An fp8 run on CUDA (its states quantized on the device) is killed (kill -9) once k new files
+    exist, then resumed: every file is byte for byte what the host encoder makes of the states of a
+    raw CUDA run of the same data (same batches, same bits)."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from hsx.spec import load_spec
+    from hsx.store.codec import Codec
+    from test_codec import _kill_after_new_files, expected_files
+
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(400))
+    args = ("--model", TINY, "--data", data, "--shard-size", "10", "--batch-tokens", "1024", "--writers", "2")
+    args += ("--device", "cuda", "--compile", "off")
+    raw, out = tmp_path / "raw", tmp_path / "fp8"
+    hsx("extract", *args, "--out", raw)
+    seed = int(os.environ.get("HSX_CRASH_SEED", time.time_ns() % 10_000))
+    print(f"HSX_CRASH_SEED={seed}")
+    k = random.Random(seed).randint(4, 12)
+    cmd = [sys.executable, "-m", "hsx", "extract", *map(str, args), "--out", str(out), "--codec", "fp8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _kill_after_new_files(proc, out, k, seed)
+    assert proc.returncode == -signal.SIGKILL, f"seed {seed}: the kill did not land mid-run"
+    assert k <= len(run_files(out)) < 400, f"seed {seed}: the kill came after the run had finished"
+    assert load_spec(out).codec is Codec.FP8
+    hsx("extract", "--out", out)
+    assert run_files(out) == expected_files(raw, Codec.FP8), f"seed {seed}"
+
+
+def test_bench_on_cuda_measures_fp8_encoded_on_the_device(tmp_path):
+    """`hsx bench` on the GPU (the tiny model, few samples): the fp8 row is the device-encoded path,
+    zstd's the host's, beside raw on the same batches."""
+    args = ("--device", "cuda", "--model", TINY, "--samples", "12", "--mean-len", "40", "--min-len", "8")
+    args += ("--max-len", "96", "--batch-tokens", "256", "--naive-samples", "0", "--compile", "off")
+    proc = hsx("bench", *args, "--workdir", tmp_path)
+    lines = proc.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("codec  stored/raw"))
+    codecs = {line.split()[0]: line.split()[1:] for line in lines[at + 1 : at + 4]}
+    assert list(codecs) == ["raw", "zstd", "fp8"] and [v[-1] for v in codecs.values()] == ["-", "host", "device"]
+    assert 0.25 < float(codecs["fp8"][0]) < 0.75 and float(codecs["zstd"][0]) < 1  # headers weigh on tiny files

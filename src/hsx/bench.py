@@ -9,7 +9,8 @@ On one model, one set of samples and the same batches it times:
   the decoder layers compiled (on CUDA by default, as ``hsx extract`` does);
 - codecs: hsx's extraction again on the last layout with each storage codec (zstd, fp8), the same
   batches, and after the table the stored / raw bytes of each, its tok/s against raw's, and its
-  encode MB/s on one core and on the writer threads at once (a sample of this model's own states);
+  encode MB/s on one core and on the writer threads at once (a sample of this model's own states,
+  on the host), and where the run encoded it (fp8 on CUDA: on the device, before the copy);
 - disk: fsync'd writes of sample-sized files from the writer threads, alone (is the disk the limit?).
 Each line reports tokens/s, GB/s written, the ratio to padded forward-only, peak host RSS and peak
 device memory; after the table, how long each hsx run's forward pass waited for the disk (0 when
@@ -68,6 +69,7 @@ class Result:
     codec: Codec | None = None  # hsx rows: how the states were stored
     stored_ratio: float | None = None  # codec rows: bytes written / what raw wrote for the same samples
     encode: CodecResult | None = None  # codec rows: encoding one sample of this model's states
+    encoded_on: str | None = None  # codec rows: "device" (before the copy: fp8 on CUDA) or "host" (writers)
 
     @property
     def rate(self) -> float:
@@ -274,11 +276,18 @@ def run_bench(
         f"(mean {lengths.mean():.0f}, {min_len}..{max_len}), batches of <= {batch_tokens} tokens; output in {root}"
     )
     results: list[Result] = []
-    from hsx.staging import staging_for
+    from hsx.staging import Staging, staging_for
 
-    # pinned host slots are allocated once, like the model is loaded once: setup, not per-token cost
+    # pinned host slots are allocated once, like the model is loaded once: setup, not per-token cost;
+    # one ring for the states as captured, one more for fp8's encoded on the device (CUDA)
     width, hidden = len(layers) * net.config.hidden_size, net.config.hidden_size
-    staging = staging_for(dev, dtype, width, hidden, max(batch_tokens, max_len), 4 << 30)
+    rings: dict[Codec, Staging] = {}
+
+    def staging_of(codec: Codec) -> Staging:
+        key = codec if codec is Codec.FP8 else Codec.RAW
+        if key not in rings:
+            rings[key] = staging_for(dev, dtype, width, hidden, max(batch_tokens, max_len), 4 << 30, key)
+        return rings[key]
 
     def extract(run: Path, spec: RunSpec, plan, tag: str) -> Result:
         """hsx's real extraction of every sample, timed."""
@@ -287,6 +296,7 @@ def run_bench(
             for s in range(layout.num_shards(samples, spec.shard_size))
         ]
         progress = Progress(samples, spec.plan.num_tokens, spec.bytes_per_token)
+        staging = staging_of(spec.codec)
         earlier = staging.waited  # the ring is shared by the variants
         with measured(f"hsx extract ({tag})", dev, results) as r:
             extractor = Extractor(run, spec, plan, backend, Resources(device, writers), progress, staging=staging)
@@ -297,6 +307,8 @@ def run_bench(
             _, r.tokens, r.bytes = progress.session()
         r.waited_for_disk = progress.waited_for_disk() - earlier if progress.waited_for_disk else None
         r.codec = spec.codec
+        if spec.codec is not Codec.RAW:
+            r.encoded_on = "device" if staging.encodes is spec.codec else "host"
         return r
 
     try:
@@ -386,12 +398,13 @@ def table(results: list[Result]) -> str:
         n = raw.encode.threads
         rows.append(
             f"{'codec':<6} {'stored/raw':>10} {'tok/s':>9} {'x raw':>6} {'enc MB/s 1 core':>15} "
-            f"{f'enc MB/s {n} thr':>15} {'per thr':>8} {'dec MB/s':>9}"
+            f"{f'enc MB/s {n} thr':>15} {'per thr':>8} {'dec MB/s':>9} {'encoded on':>10}"
         )
         for r in coded:
             e = r.encode
             rows.append(
                 f"{r.codec:<6} {r.stored_ratio:>10.4f} {r.rate:>9,.0f} {r.rate / raw.rate:>6.3f} "
-                f"{e.encode_mbs:>15,.0f} {e.encode_mbs_n:>15,.0f} {e.encode_mbs_n / n:>8,.0f} {e.decode_mbs:>9,.0f}"
+                f"{e.encode_mbs:>15,.0f} {e.encode_mbs_n:>15,.0f} {e.encode_mbs_n / n:>8,.0f} {e.decode_mbs:>9,.0f} "
+                f"{r.encoded_on or '-':>10}"
             )
     return "\n".join(rows)

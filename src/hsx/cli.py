@@ -486,6 +486,9 @@ def _codecs(text: str) -> tuple:
 @app.command()
 def quickstart(
     out: Annotated[Path, typer.Option(help="Run folder.")] = Path("hsx-quickstart"),
+    codec: Annotated[
+        str | None, EXTRACT.option("codec", help="How states are stored (new run).", show_default=DEFAULTS["codec"])
+    ] = None,
 ) -> None:
     """Extract the bundled conversations with the bundled tiny model, offline, on CPU."""
     from hsx.tinymodel import bundled_path
@@ -496,6 +499,7 @@ def quickstart(
         data=[bundled_path("data/sharegpt_dummy_conversation.json")],
         device="cpu",
         shard_size=100,
+        codec=codec,
     )
 
 

@@ -6,10 +6,15 @@ the writer at once; a writer thread waits on the event before hashing, and the s
 the ring when its last sample is written. The compute stream never waits for the disk unless
 every slot is still being written (backpressure, bounded host memory).
 On CPU: the captured tensors already live in host memory; samples are views of them.
+
+With the fp8 codec the ring carries encoded states: each batch is quantized on the device, on the
+side stream, before its copy (``codec.encode_early``), so the copy and the pinned slots hold half the
+bytes and the writer stores the payload as it is. zstd is encoded on the host, by the writer.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -18,6 +23,10 @@ from collections.abc import Callable
 import torch
 
 from hsx.capture import CapturedBatch
+from hsx.store.codec import Codec, Encoded, encode_early
+
+State = torch.Tensor | Encoded  # one sample's state as the writer receives it
+Slot = list[list[torch.Tensor]]  # per state (aux, final): its host buffers
 
 
 def _runs(batch: CapturedBatch, wanted: list[int]) -> list[tuple[int, int, int]]:
@@ -35,9 +44,7 @@ def _runs(batch: CapturedBatch, wanted: list[int]) -> list[tuple[int, int, int]]
 class HostBatch:
     """Host views of one batch's samples plus a readiness fence and a release hook."""
 
-    def __init__(
-        self, views: list[tuple[torch.Tensor, torch.Tensor]], ready: Callable[[], None], release: Callable[[], None]
-    ):
+    def __init__(self, views: list[tuple[State, State]], ready: Callable[[], None], release: Callable[[], None]):
         self.views, self.ready = views, ready
         self._left = len(views)
         self._lock = threading.Lock()
@@ -51,8 +58,56 @@ class HostBatch:
             self._release()
 
 
+class SlotLayout:
+    """What a staging slot holds, and how a batch's samples are put in it: each state as captured,
+    or, for fp8, its payload and scales encoded where it was captured. ``codec`` is the run's; only
+    fp8 is encoded before the copy (zstd is the writer's, on the host)."""
+
+    def __init__(self, codec: Codec, dtype: torch.dtype, width: int, hidden: int):
+        self.encodes = Codec.FP8 if Codec(codec) is Codec.FP8 else Codec.RAW
+        self.dtype = dtype
+        self.states = ((width, width // hidden), (hidden, 1))  # (columns, layers) of aux and final
+
+    def _buffers(self, tokens: int) -> list[list[tuple[tuple[int, int], torch.dtype]]]:
+        if self.encodes is Codec.FP8:
+            return [[((tokens, c), torch.float8_e4m3fn), ((tokens, g), torch.float32)] for c, g in self.states]
+        return [[((tokens, c), self.dtype)] for c, _ in self.states]
+
+    def slot(self, tokens: int, pin: bool) -> Slot:
+        """Host buffers for ``tokens`` tokens of every state."""
+        return [[torch.empty(shape, dtype=dt, pin_memory=pin) for shape, dt in s] for s in self._buffers(tokens)]
+
+    def nbytes(self, tokens: int) -> int:
+        return sum(math.prod(shape) * dt.itemsize for s in self._buffers(tokens) for shape, dt in s)
+
+    def fill(self, slot: Slot, batch: CapturedBatch, wanted: list[int]) -> list[tuple[State, State]]:
+        """Copy the wanted samples' states into ``slot`` (non-blocking: the caller fences the copies),
+        encoding them first where they lie; returns each sample's (aux, final) as held in the slot."""
+        off = 0
+        for row, start, n in _runs(batch, wanted):  # packed samples are one contiguous run: one copy
+            for bufs, src, (_, groups) in zip(slot, (batch.aux, batch.final), self.states, strict=True):
+                part = src[row, start : start + n]
+                parts = encode_early(self.encodes, part, groups).tensors if self.encodes is Codec.FP8 else (part,)
+                for buf, p in zip(bufs, parts, strict=True):
+                    buf[off : off + n].copy_(p, non_blocking=True)
+            off += n
+        views, off = [], 0
+        for i in wanted:
+            n = batch.lengths[i]
+            aux, final = (self._view(bufs, off, n, cols) for bufs, (cols, _) in zip(slot, self.states, strict=True))
+            views.append((aux, final))
+            off += n
+        return views
+
+    def _view(self, bufs: list[torch.Tensor], off: int, n: int, cols: int) -> State:
+        if self.encodes is Codec.FP8:
+            return Encoded(Codec.FP8, self.dtype, (n, cols), tuple(b[off : off + n] for b in bufs))
+        return bufs[0][off : off + n]
+
+
 class CpuStaging:
     waited = 0.0  # the captured tensors are the host buffers: nothing to wait for
+    encodes = Codec.RAW  # the writer encodes every codec, on the host
 
     def stage(self, batch: CapturedBatch, wanted: list[int]) -> HostBatch:
         views = [batch.sample(i) for i in wanted]
@@ -63,45 +118,33 @@ class CpuStaging:
 
 
 class CudaStaging:
-    def __init__(
-        self, device: torch.device, dtype: torch.dtype, width: int, hidden: int, slot_tokens: int, slots: int = 3
-    ):
-        """``width`` = L*H (aux), ``hidden`` = H; each slot holds ``slot_tokens`` tokens of both."""
-        self.device, self.width, self.hidden = device, width, hidden
+    def __init__(self, device: torch.device, layout: SlotLayout, slot_tokens: int, slots: int = 3):
+        """Each of ``slots`` slots holds ``slot_tokens`` tokens of every state, as ``layout`` says."""
+        self.device, self.layout = device, layout
+        self.encodes = layout.encodes
         self.stream = torch.cuda.Stream(device)
         self.free: queue.Queue = queue.Queue()
         self.slot_tokens = slot_tokens
         self.waited = 0.0  # seconds the compute side blocked for a free slot (the disk was behind)
         for _ in range(slots):
-            aux = torch.empty((slot_tokens, width), dtype=dtype, pin_memory=True)
-            final = torch.empty((slot_tokens, hidden), dtype=dtype, pin_memory=True)
-            self.free.put((aux, final))
+            self.free.put(layout.slot(slot_tokens, pin=True))
 
     def stage(self, batch: CapturedBatch, wanted: list[int]) -> HostBatch:
         total = sum(batch.lengths[i] for i in wanted)
         if total > self.slot_tokens:
             raise ValueError(f"batch of {total} tokens exceeds the staging slot of {self.slot_tokens}")
         t0 = time.perf_counter()
-        aux_h, final_h = self.free.get()  # blocks when every slot is still being written
+        slot = self.free.get()  # blocks when every slot is still being written
         self.waited += time.perf_counter() - t0
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
-        views, off = [], 0
-        with torch.cuda.stream(self.stream):
-            for row, start, n in _runs(batch, wanted):  # packed samples are one contiguous run: one copy
-                aux_h[off : off + n].copy_(batch.aux[row, start : start + n], non_blocking=True)
-                final_h[off : off + n].copy_(batch.final[row, start : start + n], non_blocking=True)
-                off += n
-            off = 0
-            for i in wanted:
-                n = batch.lengths[i]
-                views.append((aux_h[off : off + n], final_h[off : off + n]))
-                off += n
+        with torch.cuda.stream(self.stream):  # any encoding's scratch is allocated on this stream too
+            views = self.layout.fill(slot, batch, wanted)
             event = torch.cuda.Event()
             event.record(self.stream)
         batch.aux.record_stream(self.stream)  # keep device memory alive until the copy is done
         batch.final.record_stream(self.stream)
-        return HostBatch(views, event.synchronize, lambda: self.free.put((aux_h, final_h)))
+        return HostBatch(views, event.synchronize, lambda: self.free.put(slot))
 
     def close(self) -> None:
         self.stream.synchronize()
@@ -111,11 +154,19 @@ Staging = CpuStaging | CudaStaging
 
 
 def staging_for(
-    device: torch.device, dtype: torch.dtype, width: int, hidden: int, slot_tokens: int, budget_bytes: int
+    device: torch.device,
+    dtype: torch.dtype,
+    width: int,
+    hidden: int,
+    slot_tokens: int,
+    budget_bytes: int,
+    codec: Codec = Codec.RAW,
 ) -> Staging:
     """Pinned slots on CUDA, as many as ``budget_bytes`` holds (2..16): spare slots absorb the disk's
-    bursts so that the forward pass does not wait on a slow fsync."""
+    bursts so that the forward pass does not wait on a slow fsync. ``width`` = L*H (aux), ``hidden`` = H;
+    with ``codec`` fp8 the slots hold the states encoded on the device."""
     if device.type == "cuda":
-        slot_bytes = slot_tokens * (width + hidden) * torch.empty((), dtype=dtype).element_size()
-        return CudaStaging(device, dtype, width, hidden, slot_tokens, max(2, min(16, budget_bytes // slot_bytes)))
+        layout = SlotLayout(codec, dtype, width, hidden)
+        slots = max(2, min(16, budget_bytes // layout.nbytes(slot_tokens)))
+        return CudaStaging(device, layout, slot_tokens, slots)
     return CpuStaging()

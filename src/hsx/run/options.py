@@ -16,11 +16,12 @@ from typing import Literal, get_args
 from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
 from hsx.spec import Parallel
+from hsx.store.codec import DEFAULT_CODEC, Codec
 from hsx.telemetry import Telemetry
 
 Toggle = Literal["auto", "on", "off"]
 Backend = Literal["transformers", "vllm"]
-DEFAULTS = {"max_length": 4096, "batch_tokens": 16384, "shard_size": 1000, "dtype": "auto", "codec": "raw"}
+DEFAULTS = {"max_length": 4096, "batch_tokens": 16384, "shard_size": 1000, "dtype": "auto", "codec": DEFAULT_CODEC}
 AT_LEAST_ONE = Bound(min=1)
 EXTRACT = Bounds(
     max_length=AT_LEAST_ONE,
@@ -34,7 +35,7 @@ EXTRACT = Bounds(
     workers=Bound(min=0),
     metrics_port=Bound(min=1, max=65535),
     dtype=Bound(choices=("auto", "bfloat16", "float16", "float32")),
-    codec=Bound(choices=("raw", "zstd", "fp8")),
+    codec=Bound(choices=tuple(Codec)),
     backend=Bound(choices=get_args(Backend)),
     packing=Bound(choices=get_args(Toggle)),
     compile=Bound(choices=get_args(Toggle)),
@@ -67,7 +68,7 @@ class ExtractOptions:
     deep_verify: bool = True
     packing: Toggle = "auto"  # one packed row per batch (no padding computed) or padded rows
     compile: Toggle = "auto"  # torch.compile the decoder layers (auto: on for CUDA)
-    codec: str | None = None  # raw | zstd | fp8: how states are stored (a new run's default: raw)
+    codec: str | None = None  # raw | zstd | fp8: how states are stored (a new run's: codec.DEFAULT_CODEC)
     allow_partial: bool = False  # start even when the projected size exceeds free space
     allow_incomplete: bool = False  # --data is a generate run not finished yet: extract what it holds
     reserve_bytes: int | None = None  # kept free while running; None: max(1% of volume, 2x largest batch)

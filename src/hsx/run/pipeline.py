@@ -23,6 +23,7 @@ from hsx.progress import Progress
 from hsx.run.options import Resources
 from hsx.spec import RunSpec
 from hsx.staging import Staging, staging_for
+from hsx.store.codec import Codec
 from hsx.store.format import SampleTensors
 from hsx.store.scan import ShardScan
 from hsx.store.writer import FileRecord, SampleWriter, seal
@@ -57,7 +58,8 @@ class Extractor:
     """Captures a shard's missing samples batch by batch and hands them to the writer.
 
     ``reserve``: bytes of free space to keep (None: no guard). ``staging``: a ring to share
-    (the benchmark reuses one across variants); by default one is made for the backend's device.
+    (the benchmark reuses one across variants); by default one is made for the backend's device and
+    the run's codec (fp8: encoded on the device, before the copy).
     ``peers``: the other ranks of a tensor-parallel group, which compute every batch with us.
     ``forecast``: the start's space forecast (``assess.volume.plan_space``) for the disk guard; it is
     bound to ``progress`` here, so its ratio counts this session's files."""
@@ -85,7 +87,10 @@ class Extractor:
             spec.model.hidden_size,
             max(spec.batch_tokens, spec.max_length),
             resources.max_inflight_bytes,
+            spec.codec,
         )
+        if self.staging.encodes not in (Codec.RAW, spec.codec):
+            raise ValueError(f"a staging ring that encodes {self.staging.encodes} cannot serve a {spec.codec} run")
         self.writer = SampleWriter(
             run, spec.shard_size, spec.layers, resources.writers, resources.max_inflight_bytes, codec=spec.codec
         )

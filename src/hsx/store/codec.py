@@ -6,12 +6,21 @@
   do; then zstd at level 1, the best size and speed of its levels on such data) and are stored as
   one ``uint8`` tensor ``<name>.zstd`` holding a Blosc2 contiguous frame. Decoding gives the exact
   bytes back. One Blosc2 thread per tensor: the same input gives the same frame on any machine
-  (more threads may place blocks differently), and the writer's threads run in parallel anyway.
+  (Blosc2's own threads place each block where it finishes first: five runs on 2 threads gave five
+  different frames). The parallelism is across tensors instead: the writer's encoder threads, one
+  per core, each compress one state at a time, with the GIL released.
 - ``fp8``: lossy. ``<name>.fp8`` is float8_e4m3fn [T, G*H] and ``<name>.scale`` float32 [T, G] with
   one scale per token and layer (G = number of layers for ``aux_hidden_states``, 1 for
   ``hidden_states``): scale = amax / 448 over the layer's H values of that token; x ≈ fp8 * scale
   (``dequantize``). A zero row has scale 0 and decodes to zeros; a row holding inf or NaN decodes to
-  NaN throughout (never to plausible numbers).
+  NaN throughout (never to plausible numbers). Every NaN is stored as the one quiet NaN (float32
+  0x7fc00000, fp8 0x7f): x86, ARM and CUDA each make their own NaN bits for inf/inf, and the file
+  must be the same bytes wherever it is encoded.
+
+  On CUDA the run quantizes on the device before the device-to-host copy (``hsx.staging``), so the
+  copy and the pinned host memory carry half the bytes; the writer then stores the payload as it is
+  (``Encoded``). Same torch ops, same float32 formula, IEEE division and the same e4m3 rounding on
+  both: the device's bytes are the host's.
 
   Error bound, per element, relative to the amax of its token-layer (``fp8_bound``): with x/scale in
   [-448, 448], rounding to e4m3 (3 mantissa bits) errs by at most half the spacing of its top
@@ -26,7 +35,9 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -40,23 +51,58 @@ class Codec(StrEnum):
     FP8 = "fp8"
 
 
+# A new run's codec when none is asked for. The rule (docs/benchmarks.md): zstd becomes the default
+# once it costs <= 3% of raw's tok/s on the H200 8B row and <= 5% on the CPU quickstart.
+DEFAULT_CODEC = Codec.RAW
+
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
 ZSTD_LEVEL = 1
 _CHUNK = 8 << 20  # Blosc2 chunk: well under its 2 GiB limit per chunk, large enough for zstd
 _BLOCK = 4 << 20  # float32 bytes of scratch per step of (de)quantizing: bounded memory per thread
+_DEVICE_BLOCK = 256 << 20
 
 
-def encode_state(codec: Codec, name: str, t: torch.Tensor, groups: int) -> list[tuple[str, torch.Tensor | bytes]]:
-    """What is stored for state ``name`` [T, groups*H] by a codec other than raw: tensors, or
-    ``bytes`` for a ``uint8`` payload."""
+@dataclass(frozen=True)
+class Encoded:
+    """A state encoded before the writer lays out its file: fp8 on the device, before its copy to
+    the host, or any codec by the writer's encoder threads. Holds the tensors (``bytes`` for a
+    ``uint8`` payload) ``encode_state`` stores for it, in its order, and the dtype and shape it had,
+    which the file records; the file format code stores them as they are."""
+
+    codec: Codec
+    dtype: torch.dtype
+    shape: tuple[int, int]
+    tensors: tuple[torch.Tensor | bytes, ...]
+
+    @property
+    def captured_nbytes(self) -> int:
+        """Bytes of the state as captured: what the writer's in-flight bytes and the disk guard
+        count (raw bytes, which the guard scales by the codec's ratio)."""
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+
+def encode_early(codec: Codec, t: torch.Tensor, groups: int) -> Encoded:
+    """State ``t`` [T, groups*H] encoded by a codec other than raw, where it lies (fp8: any device;
+    zstd: a CPU tensor)."""
     if codec is Codec.ZSTD:
-        return [(f"{name}.zstd", zstd_compress(t))]
+        return Encoded(codec, t.dtype, (t.shape[0], t.shape[1]), (zstd_compress(t),))
     if codec is Codec.FP8:
-        q, scale = quantize_fp8(t, groups)
-        return [(f"{name}.fp8", q), (f"{name}.scale", scale)]
-    raise ValueError(f"codec {codec!r} stores {name} as it is")
+        return Encoded(codec, t.dtype, (t.shape[0], t.shape[1]), quantize_fp8(t, groups))
+    raise ValueError(f"codec {codec!r} stores states as they are")
+
+
+def encode_state(
+    codec: Codec, name: str, t: torch.Tensor | Encoded, groups: int
+) -> list[tuple[str, torch.Tensor | bytes]]:
+    """What is stored for state ``name`` [T, groups*H] by a codec other than raw: tensors, or
+    ``bytes`` for a ``uint8`` payload. An ``Encoded`` state is already that: it is only named."""
+    e = t if isinstance(t, Encoded) else encode_early(codec, t, groups)
+    if e.codec is not codec:
+        raise ValueError(f"{name} was encoded as {e.codec}, the file's codec is {codec}")
+    names = {Codec.ZSTD: (f"{name}.zstd",), Codec.FP8: (f"{name}.fp8", f"{name}.scale")}[codec]
+    return list(zip(names, e.tensors, strict=True))
 
 
 def decode_state(
@@ -98,6 +144,13 @@ def _blosc2():
 
     blosc2.set_releasegil(True)
     return blosc2
+
+
+def prepare(codec: Codec) -> None:
+    """Import what ``codec``'s encoder needs now, in the caller's thread: otherwise every encoder
+    thread's first state waits on the import lock (Blosc2 takes most of a second to import)."""
+    if codec is Codec.ZSTD:
+        _blosc2()
 
 
 def _cparams(typesize: int):
@@ -144,8 +197,10 @@ def zstd_decompress(frame: torch.Tensor | bytes | memoryview, dtype: torch.dtype
 
 
 def _row_steps(rows: int, row_elems: int, device: torch.device) -> range:
-    """Row blocks of about ``_BLOCK`` float32 bytes on the CPU; one block on an accelerator."""
-    per = _BLOCK // max(1, 4 * row_elems) if device.type == "cpu" else rows
+    """Row blocks of about ``_BLOCK`` float32 bytes on the CPU (cache-sized), ``_DEVICE_BLOCK`` on an
+    accelerator (few launches, bounded scratch beside the model). Rows are independent: the blocks
+    never change the result."""
+    per = (_BLOCK if device.type == "cpu" else _DEVICE_BLOCK) // max(1, 4 * row_elems)
     return range(0, rows, max(1, per))
 
 
@@ -165,8 +220,9 @@ def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tens
         hi = lo + step.step
         blk = g[lo:hi].to(torch.float32, copy=True)  # scratch: never the caller's float32 tensor
         s = blk.abs().amax(-1) / FP8_MAX
-        scale[lo:hi] = s
-        q[lo:hi] = blk.div_(torch.where(s > 0, s, 1).unsqueeze(-1))
+        scale[lo:hi] = s.masked_fill_(s.isnan(), math.nan)  # one NaN's bits on every machine
+        blk.div_(torch.where(s > 0, s, 1).unsqueeze(-1))
+        q[lo:hi] = blk.masked_fill_(blk.isnan(), math.nan)
     return q.view(T, D), scale
 
 

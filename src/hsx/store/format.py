@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from hsx.errors import BadFile
-from hsx.store.codec import Codec, decode_state, encode_state
+from hsx.store.codec import Codec, Encoded, decode_state, encode_state
 
 if TYPE_CHECKING:
     import torch  # imported where a function needs it: checking a file never loads torch
@@ -111,15 +111,16 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 @dataclass
 class SampleTensors:
-    """One sample's host-side tensors, ready to be written."""
+    """One sample's host-side tensors, ready to be written. The states may come already encoded by
+    the file's codec (``Encoded``: fp8 quantized on the device)."""
 
     sample_id: int
     input_ids: torch.Tensor  # int64 [T]
     loss_mask: torch.Tensor  # uint8 [T]
-    aux: torch.Tensor  # [T, L*H]
-    final: torch.Tensor  # [T, H]
+    aux: torch.Tensor | Encoded  # [T, L*H]
+    final: torch.Tensor | Encoded  # [T, H]
 
-    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+    def tensors(self) -> list[tuple[str, torch.Tensor | Encoded]]:
         return [
             ("aux_hidden_states", self.aux),
             ("hidden_states", self.final),
@@ -129,17 +130,22 @@ class SampleTensors:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self.tensors())
+        """Bytes as captured (raw), encoded states included: the writer's in-flight budget and the
+        disk guard count raw bytes."""
+        return sum(t.captured_nbytes if isinstance(t, Encoded) else t.nbytes for _, t in self.tensors())
 
 
 def encode(sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW) -> tuple[list[memoryview | bytes], str]:
     """The file's parts (header, then each tensor's bytes) and the data digest. Raw parts are views
-    of the sample's own buffers; encoded ones are new buffers made here, in the caller's thread."""
+    of the sample's own buffers; encoded ones are new buffers made here, in the caller's thread, or
+    the sample's own where its states came encoded."""
     import torch
 
     codec = Codec(codec)
     metadata = {"format": FORMAT if codec is Codec.RAW else FORMAT_ENCODED}
     if codec is Codec.RAW:
+        if isinstance(sample.aux, Encoded) or isinstance(sample.final, Encoded):
+            raise ValueError("a raw file stores its states as captured, not encoded")
         stored: list[tuple[str, torch.Tensor | bytes]] = sample.tensors()
     else:
         metadata["codec"] = codec.value

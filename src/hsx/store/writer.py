@@ -4,10 +4,18 @@
 stays fixed while the producer runs ahead of the disk. A sample is durable once ``wait`` has
 fsynced the folders its renames touched; only then is it reported done. The first write error
 stops the writer and is raised from the next ``submit`` or ``wait`` (``DiskFull`` for a full volume).
+
+States the codec encodes on the host (zstd; fp8 where the device did not) are encoded by a pool of
+encoder threads, one per core, apart from the writer threads: each state is queued there at
+``submit``, so every sample in flight is being encoded while the writers hash, write and fsync
+others, and encoding uses the machine's cores whatever the number of writers. Each state is one
+task on one thread (Blosc2 releases the GIL), so its bytes never depend on the number of threads;
+the host buffers are released once their states are encoded, before the file is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -16,11 +24,15 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hsx.store import layout
-from hsx.store.codec import Codec
+from hsx.store.codec import Codec, Encoded, encode_early, prepare
 from hsx.store.durable import fsync_dir, write_durable, write_parts
 from hsx.store.format import SampleTensors, encode
+
+if TYPE_CHECKING:
+    import torch
 
 SEAL_FORMAT = "hsx-seal/1"
 
@@ -43,12 +55,19 @@ class SampleWriter:
         threads: int = 8,
         max_inflight_bytes: int = 1 << 30,
         codec: Codec = Codec.RAW,
+        encoders: int | None = None,
     ):
+        """``encoders``: threads that encode states on the host [one per core this process may use]."""
         self.run = run
         self.shard_size = shard_size
         self.layers = list(layers)
-        self.codec = Codec(codec)  # encoding runs in the writer threads
+        self.codec = Codec(codec)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hsx-write")
+        self.encoders = None
+        if self.codec is not Codec.RAW:
+            n = encoders or len(os.sched_getaffinity(0))
+            self.encoders = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hsx-encode")
+            prepare(self.codec)
         self.max_inflight = max_inflight_bytes
         self.inflight = 0
         self.cond = threading.Condition()
@@ -71,15 +90,39 @@ class SampleWriter:
             if self.error is not None:
                 raise self.error
             self.inflight += n
-        return self.pool.submit(self._write, sample, n, release, ready)
+        encoding = None
+        if self.encoders is not None and not isinstance(sample.aux, Encoded):  # else encoded on the device
+            encoding = [
+                self.encoders.submit(self._encode, t, groups, ready)
+                for t, groups in ((sample.aux, len(self.layers)), (sample.final, 1))
+            ]
+        return self.pool.submit(self._write, sample, n, release, ready, encoding)
+
+    def _encode(self, t: torch.Tensor, groups: int, ready: Callable[[], None] | None) -> Encoded:
+        if ready is not None:
+            ready()
+        if self.error is not None:
+            raise self.error
+        return encode_early(self.codec, t, groups)
 
     def _write(
-        self, sample: SampleTensors, n: int, release: Callable[[], None] | None, ready: Callable[[], None] | None
+        self,
+        sample: SampleTensors,
+        n: int,
+        release: Callable[[], None] | None,
+        ready: Callable[[], None] | None,
+        encoding: list[Future] | None,
     ) -> FileRecord:
         path = layout.sample_path(self.run, sample.sample_id, self.shard_size)
         try:
             if ready is not None:
                 ready()
+            if encoding is not None:
+                aux, final = (f.result() for f in encoding)
+                sample = dataclasses.replace(sample, aux=aux, final=final)
+                if release is not None:  # the encoded states are new buffers: the staging slot is free
+                    release, free = None, release
+                    free()
             if self.error is not None:
                 raise self.error
             parts, digest = encode(sample, self.layers, self.codec)
@@ -124,6 +167,8 @@ class SampleWriter:
     def close(self) -> None:
         """Let queued writes finish (or fail and remove their temp files), then stop the threads."""
         self.pool.shutdown(wait=True)
+        if self.encoders is not None:
+            self.encoders.shutdown(wait=True)
 
 
 def seal(run: Path, shard: int, records: list[FileRecord]) -> None:
