@@ -141,6 +141,13 @@ def extract(
     metrics_textfile: Annotated[
         Path | None, typer.Option(help="Keep this file in Prometheus' text format (node_exporter's textfile).")
     ] = None,
+    quantized_compute: Annotated[
+        str | None,
+        typer.Option(
+            help="FP8 checkpoints: fp8 (FP8 GEMMs, inputs quantized) | dequantized (weights expanded to the dtype) "
+            "(new run; part of the spec) [fp8 where the GPU can]."
+        ),
+    ] = None,
 ) -> None:
     """Extract hidden states into OUT, or resume the run in OUT."""
     from hsx.extract import ExtractOptions
@@ -173,6 +180,7 @@ def extract(
             ray_address=ray_address,
             metrics_port=metrics_port,
             metrics_textfile=metrics_textfile,
+            quantized_compute=quantized_compute,
         )
         summary = run_extract(opts, log=lambda m: console.print(m, highlight=False))
     _print_summary(summary)

@@ -107,6 +107,9 @@ class RunSpec(BaseModel):
     compiled: bool = False  # decoder layers run through torch.compile (fused element-wise kernels)
     codec: Codec = Codec.RAW  # how states are stored (store.codec); runs made before codecs are raw
     parallel: Parallel = Parallel()  # runs made before tensor parallel ran in one process
+    # how an FP8 checkpoint computes: fp8 (block FP8 GEMMs, activations quantized) or dequantized
+    # (weights expanded to the dtype); None: unquantized weights, or a run made before hsx recorded it
+    quantized_compute: str | None = None
     data: list[DataFile]
     plan: PlanIdentity
 
@@ -191,7 +194,7 @@ def differences(stored: RunSpec, asked: dict) -> list[str]:
 
     ``asked`` holds only what the operator gave: ``model`` (a ModelIdentity), ``tokenizer``,
     ``layers``, ``dtype``, ``max_length``, ``batch_tokens``, ``shard_size``, ``data`` (DataFiles),
-    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``.
+    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``.
     """
     out = []
     if (m := asked.get("model")) is not None:
@@ -215,6 +218,7 @@ def differences(stored: RunSpec, asked: dict) -> list[str]:
         "compiled",
         "codec",
         "parallel",
+        "quantized_compute",
     ):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")

@@ -230,9 +230,11 @@ class TransformersBackend:
         compiled: bool = False,
         tensor: int = 1,
         expert: int = 1,
+        quantized_compute: str | None = None,
     ) -> TransformersBackend:
         """Load the model onto ``device``; with ``tensor`` > 1 this process is one rank of an
-        initialised torch.distributed group and holds its share (transformers' TP/EP plans)."""
+        initialised torch.distributed group and holds its share (transformers' TP/EP plans).
+        ``quantized_compute``: how an FP8 checkpoint computes (None: the default for the device)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -242,16 +244,21 @@ class TransformersBackend:
             from transformers.distributed import DistributedConfig
 
             placement["distributed_config"] = DistributedConfig(tp_size=tensor, ep_size=expert)
+        loading = checkpoint.prepare(model_dir, device, dtype, quantized_compute)  # quantized / native-class
         model = AutoModelForCausalLM.from_pretrained(
             model_dir,
             dtype=DTYPES[dtype],
             trust_remote_code=trust_remote_code,
             attn_implementation=varlen.register() if packed else "sdpa",
             **placement,
-            **checkpoint.load_kwargs(model_dir, device, dtype),  # quantized / native-class checkpoints
+            **loading.kwargs(),
         )
         if tensor == 1:
             model = model.to(device)
+        if loading.fp8:
+            from hsx.capture.quantized import fp8
+
+            checkpoint.log.warning("checkpoint: %s", fp8.install(model))
         return cls(model, layers, packed, compiled)
 
     def _keep(self, key):

@@ -15,7 +15,14 @@ from hsx import target
 from hsx.errors import InputError, OptionError, Refused
 from hsx.input import read_conversations
 from hsx.plan import Tokenize, tokenize_all, write_plan
-from hsx.run.options import DEFAULTS, ExtractOptions, resolve_compile, resolve_packing, resolve_parallel
+from hsx.run.options import (
+    DEFAULTS,
+    ExtractOptions,
+    resolve_compile,
+    resolve_packing,
+    resolve_parallel,
+    resolve_quantized_compute,
+)
 from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, differences, load_spec, now, record_location, who
 from hsx.store import layout
 from hsx.store.codec import Codec
@@ -32,7 +39,7 @@ def asked(opts: ExtractOptions) -> dict:
         out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
     if opts.data:
         out["data"] = [DataFile.of(p) for p in opts.data]
-    for key in ("layers", "max_length", "batch_tokens", "shard_size", "backend", "codec"):
+    for key in ("layers", "max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute"):
         out[key] = getattr(opts, key)
     if opts.dtype not in (None, "auto"):
         out["dtype"] = opts.dtype
@@ -93,6 +100,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         raise Refused(f"unknown backend {backend!r}: use transformers or vllm")
     compiled = resolve_compile(opts.compile, device, backend)
     parallel = resolve_parallel(opts.tensor_parallel, opts.expert_parallel, target.load_config(model_dir), backend)
+    compute = resolve_quantized_compute(opts.quantized_compute, model_dir, device, dtype, parallel, log)
     max_length = opts.max_length or DEFAULTS["max_length"]
     codec = opts.codec or DEFAULTS["codec"]
     if codec not in set(Codec):
@@ -119,6 +127,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         compiled=compiled,
         codec=codec,
         parallel=parallel,
+        quantized_compute=compute,
         data=[DataFile.of(p) for p in opts.data],
         plan=PlanIdentity(
             fingerprint=info.fingerprint,
