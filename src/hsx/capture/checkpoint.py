@@ -213,7 +213,9 @@ def _quantization(
     return None, False, False, (f"{method} weights load through transformers' {method} quantizer",)
 
 
-def _fp8(model_dir: Path, qc: dict, device: str, dtype: str, compute: str | None) -> tuple[Any, bool, bool, tuple[str, ...]]:
+def _fp8(
+    model_dir: Path, qc: dict, device: str, dtype: str, compute: str | None
+) -> tuple[Any, bool, bool, tuple[str, ...]]:
     from transformers import FineGrainedFP8Config
 
     block = qc.get("weight_block_size")

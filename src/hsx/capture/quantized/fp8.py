@@ -125,7 +125,9 @@ def gemm_operands(values: torch.Tensor, scales: torch.Tensor, weight: torch.Tens
 
 
 @torch.library.custom_op("hsx::fp8_block_mm", mutates_args=())
-def block_mm(values: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+def block_mm(
+    values: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
     """[M, K] e4m3 activations with their [M, K/128] scales times the [N, K] e4m3 weight with its
     [ceil(N/128), K/128] block scales, transposed: [M, N] bfloat16, on torch's block-scaled GEMM.
     An opaque op to the compiler (dynamo cannot trace ``scaled_mm``), so the quantization around
@@ -237,7 +239,8 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
 
     block = tuple(self.block_size)
     names = ("gate_up_proj" if self.has_gate else "up_proj", "down_proj")
-    weights = {n: expand_experts(getattr(self, n), getattr(self, f"{n}_scale_inv"), block, hidden_states.dtype) for n in names}
+    dtype = hidden_states.dtype
+    weights = {n: expand_experts(getattr(self, n), getattr(self, f"{n}_scale_inv"), block, dtype) for n in names}
     return grouped_mm_experts_forward(_Expanded(self, weights), hidden_states, top_k_index, top_k_weights)
 
 
@@ -245,4 +248,3 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters and buffers as they sit in memory (FP8 weights 1 byte each)."""
     tensors = [*model.parameters(), *model.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors)
-
