@@ -28,6 +28,7 @@ operands are padded (zero rows, unit scales) inside the GEMM and the padding is 
 
 from __future__ import annotations
 
+import math
 import types
 from dataclasses import dataclass
 
@@ -121,7 +122,9 @@ def gemm_operands(values: torch.Tensor, scales: torch.Tensor, weight: torch.Tens
     k_blocks = weight_scale.shape[1]
     if k_blocks % 4:
         weight_scale = F.pad(weight_scale, (0, -k_blocks % 4), value=1.0)
-    return values, weight.t(), scales.t().contiguous().t(), weight_scale.contiguous().t()
+    scale_a = torch.empty_strided(scales.shape, (1, scales.shape[0]), dtype=scales.dtype, device=scales.device)
+    scale_a.copy_(scales)  # strides (1, M') even for one column block, where .contiguous() would give (1, 1)
+    return values, weight.t(), scale_a, weight_scale.contiguous().t()
 
 
 @torch.library.custom_op("hsx::fp8_block_mm", mutates_args=())
@@ -198,6 +201,7 @@ def install(model: torch.nn.Module) -> Installed:
             module.forward = types.MethodType(_linear_forward, module)
             linear += 1
         elif isinstance(module, hf.FP8Experts):
+            other += _misaligned(name, module)
             module.forward = types.MethodType(_experts_forward, module)
             experts += 1
         elif type(module).__module__ == hf.__name__ and type(module).__name__ != "FP8Embedding":
@@ -208,6 +212,22 @@ def install(model: torch.nn.Module) -> Installed:
             "use --quantized-compute dequantized"
         )
     return Installed(linear, experts, tuple(padded))
+
+
+def _expert_weights(module) -> tuple[str, str]:
+    return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+
+
+def _misaligned(name: str, module) -> list[str]:
+    """Expert weights whose scales are not one per 128x128 block (a fused gate and up projection
+    of a partial block each), which no block expansion would read right."""
+    out = []
+    for weight in _expert_weights(module):
+        shape = getattr(module, weight).shape
+        grid = (math.ceil(shape[-2] / BLOCK), math.ceil(shape[-1] / BLOCK))
+        if tuple(getattr(module, f"{weight}_scale_inv").shape[-2:]) != grid:
+            out.append(f"{name}.{weight} (scales not one per {BLOCK}x{BLOCK} block)")
+    return out
 
 
 def _pad_columns(module) -> None:
@@ -238,7 +258,7 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     block = tuple(self.block_size)
-    names = ("gate_up_proj" if self.has_gate else "up_proj", "down_proj")
+    names = _expert_weights(self)
     dtype = hidden_states.dtype
     weights = {n: expand_experts(getattr(self, n), getattr(self, f"{n}_scale_inv"), block, dtype) for n in names}
     return grouped_mm_experts_forward(_Expanded(self, weights), hidden_states, top_k_index, top_k_weights)
