@@ -29,7 +29,6 @@ operands are padded (zero rows, unit scales) inside the GEMM and the padding is 
 from __future__ import annotations
 
 import math
-import types
 from dataclasses import dataclass
 
 import torch
@@ -198,11 +197,11 @@ def install(model: torch.nn.Module) -> Installed:
             if module.weight.shape[1] % BLOCK:
                 _pad_columns(module)
                 padded.append(name)
-            module.forward = types.MethodType(_linear_forward, module)
+            _swap(module, _linear_forward)
             linear += 1
         elif isinstance(module, hf.FP8Experts):
             other += _misaligned(name, module)
-            module.forward = types.MethodType(_experts_forward, module)
+            _swap(module, _experts_forward)
             experts += 1
         elif type(module).__module__ == hf.__name__ and type(module).__name__ != "FP8Embedding":
             other.append(f"{name} ({type(module).__name__})")
@@ -212,6 +211,20 @@ def install(model: torch.nn.Module) -> Installed:
             "use --quantized-compute dequantized"
         )
     return Installed(linear, experts, tuple(padded))
+
+
+_SUBCLASSES: dict = {}
+
+
+def _swap(module, forward) -> None:
+    """Give ``module`` a subclass of its class whose forward is ``forward``: the module stays what
+    transformers' TP code and isinstance checks know, and the compiler inlines it as any module."""
+    cls = type(module)
+    sub = _SUBCLASSES.get((cls, forward))
+    if sub is None:
+        sub = type(f"Torch{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+        _SUBCLASSES[(cls, forward)] = sub
+    module.__class__ = sub
 
 
 def _expert_weights(module) -> tuple[str, str]:
