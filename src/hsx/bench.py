@@ -11,6 +11,10 @@ On one model, one set of samples and the same batches it times:
   batches, and after the table the stored / raw bytes of each, its tok/s against raw's, and its
   encode MB/s on one core and on the writer threads at once (a sample of this model's own states);
 - disk: fsync'd writes of sample-sized files from the writer threads, alone (is the disk the limit?).
+- fp8 (``fp8=True``, CUDA): the same model then built as a block-FP8 checkpoint loads (its random
+  weights quantized 128x128, on hsx's FP8 kernels: ``capture.quantized.fp8``), forward-only and hsx's
+  extraction on the last layout again, next to the bf16 rows; the log gives its forward against
+  bf16's, hsx against its own forward, and its weight bytes against bf16's.
 Each line reports tokens/s, GB/s written, the ratio to padded forward-only, peak host RSS and peak
 device memory; after the table, how long each hsx run's forward pass waited for the disk (0 when
 writing kept up: then any gap to forward-only is the end-of-run wait and capture itself).
@@ -247,9 +251,11 @@ def run_bench(
     compile: bool | None = None,
     log: Callable[[str], None] = print,
     codecs: tuple[Codec, ...] = tuple(Codec),
+    fp8: bool = False,
 ) -> list[Result]:
     """``compile``: also measure the packed layout with compiled layers (None: on CUDA only).
-    ``codecs``: the storage codecs measured on the last layout next to raw (raw alone: none)."""
+    ``codecs``: the storage codecs measured on the last layout next to raw (raw alone: none).
+    ``fp8``: then the same model as a block-FP8 checkpoint, on the last layout."""
     from hsx.progress import Progress
     from hsx.run.options import Resources
     from hsx.run.pipeline import Extractor
@@ -259,6 +265,12 @@ def run_bench(
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    if fp8:
+        from hsx.capture.quantized.fp8 import gemm_blocker
+        from hsx.errors import OptionError
+
+        if (blocker := gemm_blocker(device, dtype_name, [128, 128])) is not None:
+            raise OptionError(f"the block-FP8 model cannot run here: {blocker}")
     net, name = build_model(model, dev, dtype)
     net.eval()
     n_layers = net.config.num_hidden_layers
@@ -342,6 +354,16 @@ def run_bench(
                     r.stored_ratio, r.encode = r.bytes / raw.bytes, encoded[codec]
                     shutil.rmtree(crun)
             shutil.rmtree(run)
+        if fp8:
+            run = root / "run-fp8"
+
+            def make() -> tuple[Path, RunSpec, object]:
+                spec, plan = synthetic_run(
+                    run, net, f"{name}, block FP8", layers, dtype_name, lengths, batch_tokens, *variants[-1]
+                )
+                return run, spec, plan
+
+            fp8_variant(backend, make, extract, dev, results, log)
         per_file = int(lengths.mean()) * spec.bytes_per_token
         files = max(8, min(256, (2 << 30) // max(per_file, 1)))
         with measured(f"disk alone ({writers} threads, fsync)", dev, results) as r:
@@ -350,6 +372,84 @@ def run_bench(
         shutil.rmtree(root, ignore_errors=True)
     log(f"packed attention calls: {varlen.CALLS['kernel']} varlen kernel, {varlen.CALLS['per_sample']} per-sample")
     return results
+
+
+def to_block_fp8(model) -> tuple[int, int]:
+    """``model`` (bf16) as a block-FP8 checkpoint of it loads: every linear layer but the head, and
+    the routed experts, as transformers' FP8 modules holding the weights quantized 128x128 (the
+    bf16 weights freed), then put on hsx's FP8 kernels, as ``hsx extract`` runs such a checkpoint.
+    Returns the bytes of the weights quantized, before and after (values and scales)."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear, replace_with_fp8_linear
+
+    from hsx.capture.quantized import fp8
+
+    dense = dict(model.named_modules())
+    before = after = 0
+    config = FineGrainedFP8Config(weight_block_size=(128, 128))
+    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"], quantization_config=config, pre_quantized=True)
+    for name, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+            names = ("weight",)
+        elif isinstance(module, FP8Experts):
+            names = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+        else:
+            continue
+        for weight in names:
+            original = getattr(dense[name], weight).data
+            values, scale = fp8.quantize_weight(original)
+            before += original.numel() * original.element_size()
+            after += values.numel() + scale.numel() * scale.element_size()
+            setattr(module, weight, torch.nn.Parameter(values, requires_grad=False))
+            scale_name = "weight_scale_inv" if weight == "weight" else f"{weight}_scale_inv"
+            setattr(module, scale_name, torch.nn.Parameter(scale, requires_grad=False))
+        dense[name] = None  # the bf16 weights go as soon as their layer is quantized
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    assert not left, f"not quantized: {left[:3]}"
+    fp8.install(model)
+    return before, after
+
+
+def fp8_variant(
+    backend: TransformersBackend,
+    make: Callable[[], tuple[Path, RunSpec, object]],
+    extract: Callable[[Path, RunSpec, object, str], Result],
+    dev: torch.device,
+    results: list[Result],
+    log: Callable[[str], None],
+) -> None:
+    """The bench's model again as a block-FP8 checkpoint, on the layout ``make`` builds a run for:
+    forward-only and hsx's extraction, and what they and its weights are against bf16's."""
+    from hsx.capture.quantized import fp8
+    from hsx.plan import batches_for
+    from hsx.store import layout
+
+    bf16_fwd = next(r for r in reversed(results) if r.name.startswith("forward only"))  # the same layout's
+    bf16_bytes = fp8.weight_bytes(backend.model)
+    before, after = to_block_fp8(backend.model)
+    ratio = fp8.weight_bytes(backend.model) / bf16_bytes
+    run, spec, plan = make()
+    torch._dynamo.reset()  # the layers' modules changed: trace them afresh
+    backend.set_compiled(spec.compiled)
+    tag = ("packed" if spec.packed else "padded") + (", compiled" if spec.compiled else "") + ", block-FP8 model"
+    n = spec.plan.num_samples
+    batches = [
+        b
+        for s in range(layout.num_shards(n, spec.shard_size))
+        for b in batches_for(layout.shard_ids(s, spec.shard_size, n), plan.lengths, spec.batch_tokens, spec.packed)
+    ]
+    t0 = time.perf_counter()
+    forward_only(backend, plan, batches)
+    log(f"{tag}: warm-up pass (with any compiling) {time.perf_counter() - t0:.1f} s")
+    with measured(f"forward only ({tag})", dev, results) as fwd:
+        fwd.tokens = forward_only(backend, plan, batches)
+    hsx = extract(run, spec, plan, tag)
+    log(
+        f"block FP8: forward {fwd.rate / bf16_fwd.rate:.2f}x the bf16 forward ({bf16_fwd.name}); hsx "
+        f"{hsx.rate / fwd.rate:.2f}x its own forward; weights {ratio:.3f}x bf16's bytes "
+        f"({fp8.weight_bytes(backend.model) / 1e9:.2f} GB; the quantized layers {after / before:.3f}x, the "
+        "embeddings and head stay bf16)"
+    )
 
 
 def typical_sample(run: Path, spec: RunSpec, plan) -> SampleTensors:

@@ -312,6 +312,10 @@ def bench(
     codecs: Annotated[
         str, typer.Option(help="Storage codecs measured next to raw on the last layout (raw: none).")
     ] = "raw,zstd,fp8",
+    fp8_model: Annotated[
+        bool,
+        typer.Option(help="Then build the model as a block-FP8 checkpoint (weights quantized 128x128) and measure it."),
+    ] = False,
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     from hsx.bench import run_bench, table
@@ -336,6 +340,7 @@ def bench(
         compile={"auto": None, "on": True, "off": False}[compile],
         log=lambda m: console.print(m, highlight=False),
         codecs=_codecs(codecs),
+        fp8=fp8_model,
     )
     print(table(results))
 

@@ -94,6 +94,17 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tupl
     return (weight.to(torch.float32) * scale).to(dtype)
 
 
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights [..., N, K] as a block-FP8 checkpoint stores them: float8_e4m3fn values and a float32
+    scale per 128x128 block (amax / 448; the last blocks partial), [..., ceil(N/128), ceil(K/128)]."""
+    rows, cols = weight.shape[-2:]
+    padded = F.pad(weight.float(), (0, -cols % BLOCK, 0, -rows % BLOCK))
+    blocks = padded.unflatten(-1, (-1, BLOCK)).unflatten(-3, (-1, BLOCK))  # [..., Nb, 128, Kb, 128]
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / E4M3_MAX
+    values = (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return values.flatten(-4, -3).flatten(-2)[..., :rows, :cols].contiguous(), scale
+
+
 def expand_experts(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype) -> torch.Tensor:
     """Stored experts [E, N, K] (FP8) with their block scales [E, ceil(N/bn), ceil(K/bk)] as
     ``dtype`` weights, the same values as ``dequantize_blocks``, a few experts at a time so that the
