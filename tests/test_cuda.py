@@ -234,9 +234,9 @@ def _fp8_deepseek(tmp_path):
 def test_fp8_checkpoint_runs_on_torchs_fp8_gemm(tmp_path, caplog, packed, compiled):
     """The tiny FP8 DeepSeek-V3 on the GPU with the default quantized compute (fp8): FP8 weights kept
     (experts too), no transformers FP8 kernel, hsx's capture = the same model's own
-    output_hidden_states, and near the float dequantization run in bf16 (e4m3 activations: ~4-5%
-    per token after 1-3 layers on this random model, measured on CPU with the emulated GEMM;
-    router near-ties counted)."""
+    output_hidden_states, and near the float dequantization run in bf16 (e4m3 activations: 3.9-6.4%
+    median per token after 1-3 layers of this random model on an H200, as on CPU with the emulated
+    GEMM; router near-ties counted, at most 20% of a sample's tokens beyond 12%)."""
     import logging
 
     from transformers import AutoModelForCausalLM
@@ -267,19 +267,28 @@ def test_fp8_checkpoint_runs_on_torchs_fp8_gemm(tmp_path, caplog, packed, compil
 
     def states(m, ids):
         with torch.no_grad():
-            return [
-                h[0].float()
-                for h in m(torch.as_tensor(ids)[None].long().cuda(), output_hidden_states=True).hidden_states
-            ]
+            out = m(torch.as_tensor(ids)[None].long().cuda(), output_hidden_states=True)
+        return [h[0].float() for h in out.hidden_states]
 
+    def token_errors(got, want):
+        return (got.float() - want).norm(dim=-1) / want.norm(dim=-1)
+
+    backend.set_packed(False)  # the model's own forward: one padded row, eager
+    backend.set_compiled(False)
     for i, ids in enumerate(SEQS):
         aux, final = batch.sample(i)
         own, ref = states(model, ids), states(ref_model, ids)
         for got, k in [*((aux[:, j * 256 : (j + 1) * 256], k + 1) for j, k in enumerate(LAYERS)), (final, -1)]:
-            assert _rel(got, own[k]) < 2e-2, (i, k)  # the same FP8 model's own forward (packed/compiled: bf16 noise)
-            errors = (got.float() - ref[k]).norm(dim=-1) / ref[k].norm(dim=-1)
-            assert (errors > 0.12).float().mean() <= 0.1, (i, k, errors)
-            assert 0.01 < errors.median() < 0.07, (i, k, errors.median())
+            # the same FP8 model's own forward: the same computation unpacked and eager (0 measured);
+            # packed and compiled, the bf16 noise of packed attention moves activations across e4m3
+            # rounding steps, which makes differences of FP8's own size (3.5-5% medians measured
+            # on an H200) and flips near-tie router choices (counted)
+            errors = token_errors(got, own[k])
+            assert errors.median() < (0.07 if packed else 1e-3), (i, k, errors.median())
+            assert (errors > 0.12).float().mean() <= 0.2, (i, k, errors)
+            errors = token_errors(got, ref[k])  # the float dequantization: e4m3 activations
+            assert (errors > 0.12).float().mean() <= 0.2, (i, k, errors)
+            assert 0.01 < errors.median() < 0.08, (i, k, errors.median())
 
 
 def test_fp8_checkpoint_extraction_resumes_after_kill9_byte_identically(tmp_path):
@@ -299,10 +308,10 @@ def test_fp8_checkpoint_extraction_resumes_after_kill9_byte_identically(tmp_path
     fp8_dir, _ = _fp8_deepseek(tmp_path)
     data = write_jsonl(tmp_path / "convs.jsonl", conversations(60, start=100))
     args = ["extract", "--model", fp8_dir, "--data", data, "--shard-size", "10", "--batch-tokens", "512"]
-    hsx(*args, "--out", tmp_path / "reference")
-    spec = json.loads((tmp_path / "reference" / "hsx.json").read_text())
+    hsx(*args, "--out", tmp_path / "whole")
+    spec = json.loads((tmp_path / "whole" / "hsx.json").read_text())
     assert spec["quantized_compute"] == "fp8" and spec["compiled"] and spec["dtype"] == "bfloat16"
-    reference = run_files(tmp_path / "reference")
+    reference = run_files(tmp_path / "whole")
     assert len(reference) == 60
     out = tmp_path / "crashed"
     for _ in range(2):
