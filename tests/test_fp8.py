@@ -318,3 +318,11 @@ def test_bench_builds_a_model_as_its_block_fp8_checkpoint_would_load():
         got, want = model(ids).logits[0].float(), dense(ids).logits[0].float()
     errors = (got - want).norm(dim=-1) / want.norm(dim=-1)
     assert 0.01 < errors.median() < 0.1 and (errors > 0.2).float().mean() <= 0.1, errors
+
+
+def test_bench_refuses_the_fp8_model_where_the_gemm_cannot_run(tmp_path):
+    from hsx.bench import run_bench
+
+    with pytest.raises(OptionError, match="the block-FP8 model cannot run here: torch has no block-scaled"):
+        run_bench(None, "cpu", 4, 32, 8, 64, 256, 0, 1, tmp_path, fp8=True)
+    assert not any(tmp_path.iterdir())  # refused before anything was built or written

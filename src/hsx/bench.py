@@ -431,7 +431,7 @@ def fp8_variant(
     run, spec, plan = make()
     torch._dynamo.reset()  # the layers' modules changed: trace them afresh
     backend.set_compiled(spec.compiled)
-    tag = ("packed" if spec.packed else "padded") + (", compiled" if spec.compiled else "") + ", block-FP8 model"
+    tag = ("packed" if spec.packed else "padded") + (", compiled" if spec.compiled else "") + ", FP8 model"
     n = spec.plan.num_samples
     batches = [
         b
