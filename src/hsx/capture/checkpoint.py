@@ -78,6 +78,7 @@ class LoadPlan:
     quantization_config: Any = None  # the checkpoint's quantization config with hsx's loading attributes
     dequantize: bool = False  # quantized weights expanded to the run's dtype at load (no quantized kernels)
     exact_blocks: bool = False  # some block-scaled weights are not whole blocks: hsx applies their scales
+    experts: Any = None  # an ExpertFormat: routed experts kept as stored, expanded per layer (capture.quantized)
     notes: tuple[str, ...] = field(default_factory=tuple)  # one line per decision, for the log
 
     def kwargs(self) -> dict:
@@ -97,19 +98,27 @@ def plan(model_dir: Path, device: str, dtype: str = "float32") -> LoadPlan:
     qc = config.get("quantization_config")
     if not qc:
         return LoadPlan(config=native, notes=notes)
+    stored = _stored_experts(Path(model_dir), config, qc, device, dtype)
+    if stored is not None:
+        return LoadPlan(config=stored[0], experts=stored[1], notes=notes + (stored[2],))
     quant, dequantize, exact, more = _quantization(Path(model_dir), qc, device, dtype)
     return LoadPlan(native, quant, dequantize, exact, notes + more)
 
 
 def load_kwargs(model_dir: Path, device: str, dtype: str = "float32") -> dict:
-    """The plan's ``from_pretrained`` keyword arguments, its notes logged; where the plan needs it,
-    transformers' FP8 dequantization is first made exact for partial blocks (idempotent)."""
+    """The plan's ``from_pretrained`` keyword arguments (see ``prepared``)."""
+    return prepared(model_dir, device, dtype).kwargs()
+
+
+def prepared(model_dir: Path, device: str, dtype: str = "float32") -> LoadPlan:
+    """The plan, its notes logged; where the plan needs it, transformers' FP8 dequantization is
+    first made exact for partial blocks (idempotent)."""
     p = plan(model_dir, device, dtype)
     for note in p.notes:
         log.warning("checkpoint: %s", note)
     if p.exact_blocks:
         exact_block_dequantization()
-    return p.kwargs()
+    return p
 
 
 # ---------------------------------------------------------------- remote code -> the native class
@@ -149,6 +158,35 @@ def _native_config(config: dict) -> tuple[Any, tuple[str, ...]]:
 
 
 # ---------------------------------------------------------------- quantized weights
+
+
+def _stored_experts(model_dir: Path, config: dict, qc: dict, device: str, dtype: str) -> tuple[Any, Any, str] | None:
+    """(native config without its quantization, format, note) where the routed experts are the only
+    quantized weights (by the checkpoint's tensor names) and hsx keeps them as stored
+    (``hsx.capture.quantized``); None otherwise."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hsx.capture.quantized import experts, int4
+
+    group = int4.routed_experts_int4(qc)
+    native, _ = _native_config(config)
+    if group is None or (native is None and config.get("model_type") not in CONFIG_MAPPING):
+        return None
+    packed = [k for k in experts.weight_files(model_dir) if k.endswith(".weight_packed")]
+    if not packed or not all(experts.ROUTED.search(k) for k in packed):
+        return None
+    if importlib.util.find_spec("compressed_tensors") is None:
+        raise UnsupportedModel(
+            "this is a compressed-tensors checkpoint: install the compressed-tensors package to load it"
+        )
+    fields = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map", "model_type")}
+    config_class = type(native) if native is not None else CONFIG_MAPPING[config["model_type"]]
+    fmt = int4.Int4Experts(group_size=group)
+    note = (
+        f"compressed-tensors INT4 routed experts (group {group}) stay packed on {device} and are expanded to "
+        f"{dtype} per layer just before it runs; every other weight is loaded in {dtype}"
+    )
+    return config_class.from_dict(fields), fmt, note
 
 
 def _quantization(model_dir: Path, qc: dict, device: str, dtype: str) -> tuple[Any, bool, bool, tuple[str, ...]]:

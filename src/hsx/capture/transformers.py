@@ -18,6 +18,8 @@ kernels: a resumed run or another scale-out worker computes bit-identical states
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,8 @@ from hsx.capture.locate import locate
 from hsx.errors import OptionError
 
 NAME = "transformers"
+
+log = logging.getLogger("hsx.checkpoint")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -145,6 +149,10 @@ class TransformersBackend:
         check_layers(layers, self.num_layers)
         self.layers = list(layers)
         self.parts = locate(self.model, self.num_layers)
+        from hsx.capture.quantized.experts import stored_modules
+
+        for _, experts in stored_modules(self.model):  # on CUDA a layer's expansion is one fused kernel pass
+            experts.compiled = self.device.type == "cuda"
         self._outputs: dict[object, torch.Tensor] = {}
         for k in self.layers:
             self.parts.layers[k].register_forward_hook(self._keep(k))
@@ -237,21 +245,37 @@ class TransformersBackend:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+        how = checkpoint.prepared(model_dir, device, dtype)  # quantized / native-class checkpoints
         placement: dict = {}
         if tensor > 1:
             from transformers.distributed import DistributedConfig
 
-            placement["distributed_config"] = DistributedConfig(tp_size=tensor, ep_size=expert)
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir,
-            dtype=DTYPES[dtype],
-            trust_remote_code=trust_remote_code,
-            attn_implementation=varlen.register() if packed else "sdpa",
-            **placement,
-            **checkpoint.load_kwargs(model_dir, device, dtype),  # quantized / native-class checkpoints
-        )
+            # experts kept as stored are split by hsx itself (capture.quantized.experts)
+            ep_size = 1 if how.experts is not None else expert
+            placement["distributed_config"] = DistributedConfig(tp_size=tensor, ep_size=ep_size)
+        stored = contextlib.nullcontext()
+        if how.experts is not None:
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+            from hsx.capture.quantized import experts
+
+            rank = torch.distributed.get_rank() if expert > 1 else 0
+            model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(how.config)]
+            stored = experts.swapped(model_class, how.experts, DTYPES[dtype], rank, expert)
+        with stored:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir,
+                dtype=DTYPES[dtype],
+                trust_remote_code=trust_remote_code,
+                attn_implementation=varlen.register() if packed else "sdpa",
+                **placement,
+                **how.kwargs(),
+            )
         if tensor == 1:
             model = model.to(device)
+        if how.experts is not None:
+            experts.fill(model, Path(model_dir), next(model.parameters()).device)
+            log.warning("checkpoint: routed experts held as %s", experts.describe(how.experts, DTYPES[dtype], expert))
         return cls(model, layers, packed, compiled)
 
     def _keep(self, key):
