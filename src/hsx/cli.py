@@ -304,6 +304,9 @@ def bench(
     codecs: Annotated[
         str, typer.Option(help="Storage codecs measured next to raw on the last layout (raw: none).")
     ] = "raw,zstd,fp8",
+    int4_experts: Annotated[
+        bool, typer.Option(help="MoE models: the last layout again with the routed experts INT4-packed.")
+    ] = False,
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     from hsx.bench import run_bench, table
@@ -328,6 +331,7 @@ def bench(
         compile={"auto": None, "on": True, "off": False}[compile],
         log=lambda m: console.print(m, highlight=False),
         codecs=_codecs(codecs),
+        int4_experts=int4_experts,
     )
     print(table(results))
 

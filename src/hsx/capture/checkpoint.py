@@ -100,7 +100,7 @@ def plan(model_dir: Path, device: str, dtype: str = "float32") -> LoadPlan:
         return LoadPlan(config=native, notes=notes)
     stored = _stored_experts(Path(model_dir), config, qc, device, dtype)
     if stored is not None:
-        return LoadPlan(config=stored[0], experts=stored[1], notes=notes + (stored[2],))
+        return LoadPlan(config=stored[0], experts=stored[1], notes=(*notes, stored[2]))
     quant, dequantize, exact, more = _quantization(Path(model_dir), qc, device, dtype)
     return LoadPlan(native, quant, dequantize, exact, notes + more)
 
