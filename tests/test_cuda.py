@@ -195,8 +195,10 @@ def test_int4_expansion_of_a_moonlight_layer_compiled_equals_eager_bit_for_bit()
 
 def test_int4_checkpoint_extracts_on_cuda_as_its_dequantized_model(tmp_path):
     """The Kimi-K2-Thinking-form fixture on CUDA (bf16, packed rows, compiled layers, experts
-    expanded per layer by the compiled expansion): the same bits as hsx on the same checkpoint with
-    its experts dequantized, and within bf16 tolerance of transformers' float32 states of it."""
+    expanded per layer by the compiled expansion) against hsx on the same checkpoint with its
+    experts dequantized, and against transformers' float32 states of that: within bf16 tolerance,
+    a few tokens past it (router near-ties). Not bit for bit: the dequantized model's experts run
+    inside the compiled layer, the packed model's outside it (other kernels, other rounding)."""
     from conftest import conversations, save_random, write_jsonl
     from hsx.capture.quantized.experts import stored_modules
     from test_quantized import HIDDEN, kimi_thinking, reference_states, tiny_config
@@ -217,18 +219,17 @@ def test_int4_checkpoint_extracts_on_cuda_as_its_dequantized_model(tmp_path):
         assert extract(opts, log=lambda m: None).complete
     assert '"compiled": true' in (runs["packed"] / "hsx.json").read_text()
     files = [load_file(layout.sample_path(runs["packed"], i, 8)) for i in range(8)]
-    for i, f in enumerate(files):
-        g = load_file(layout.sample_path(runs["reference"], i, 8))
-        assert torch.equal(f["hidden_states"], g["hidden_states"]), i
-        assert torch.equal(f["aux_hidden_states"], g["aux_hidden_states"]), i
+    dequantized = [load_file(layout.sample_path(runs["reference"], i, 8)) for i in range(8)]
     refs = reference_states(tmp_path / "reference", [f["input_ids"].numpy() for f in files])
-    far = total = 0
-    for f, ref in zip(files, refs, strict=True):
-        assert f["hidden_states"].dtype == torch.bfloat16
-        pairs = [(f["aux_hidden_states"][:, j * HIDDEN : (j + 1) * HIDDEN], ref[k + 1]) for j, k in enumerate([0, 1])]
-        for got, want in [*pairs, (f["hidden_states"], ref[-1])]:
-            err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1)
-            far += int((err > 3e-2).sum())
-            total += err.numel()
-            assert err.median() < 1e-2
-    assert far <= 0.05 * total, (far, total)  # bf16 router near-ties flip experts for a few tokens
+    float32 = [{"aux_hidden_states": torch.cat(r[1:3], dim=-1), "hidden_states": r[-1]} for r in refs]
+    for against in (dequantized, float32):
+        far = total = 0
+        for f, want in zip(files, against, strict=True):
+            assert f["hidden_states"].dtype == torch.bfloat16
+            for key in ("aux_hidden_states", "hidden_states"):
+                got, ref = f[key].float().view(len(f[key]), -1, HIDDEN), want[key].float().view(len(f[key]), -1, HIDDEN)
+                err = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+                far += int((err > 3e-2).sum())
+                total += err.numel()
+                assert err.median() < 1e-2, (key, err.median())
+        assert far <= 0.05 * total, (far, total)  # bf16 router near-ties flip experts for a few tokens

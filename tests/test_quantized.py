@@ -12,13 +12,15 @@ import json
 import logging
 import re
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY, save_random
+from conftest import TINY, conversations, hsx, save_random, write_jsonl
+from hsx.capture.quantized import experts as jit
 from hsx.capture.quantized import int4
 from hsx.capture.transformers import TransformersBackend
 
@@ -151,3 +153,95 @@ def test_packed_float32_run_equals_the_dequantized_model(models, caplog):
     plain = TransformersBackend.load(models["reference"], LAYERS, "float32", "cpu")
     for (a, f), (ra, rf) in zip(states(backend, SEQS), states(plain, SEQS), strict=True):
         assert torch.equal(a, ra) and torch.equal(f, rf)
+
+
+# ---------------------------------------------------------------- memory: packed at rest, one layer expanded
+
+
+def test_experts_are_held_packed_and_one_layer_is_expanded_at_a_time(models, monkeypatch):
+    backend = TransformersBackend.load(models["packed"], LAYERS, "float32", "cpu")
+    held = dict(jit.stored_modules(backend.model))
+    assert sorted(held) == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    for m in held.values():
+        assert not list(m.parameters(recurse=False)), "no dense expert parameters"
+        assert m.gate_up_proj__weight_packed.dtype == torch.int32
+        assert m.gate_up_proj__weight_packed.shape == (8, 2 * 64, HIDDEN // 8)
+        assert m.gate_up_proj__weight_scale.shape == (8, 2 * 64, HIDDEN // 32)
+        assert m.gate_up_proj__weight_scale.dtype == torch.bfloat16  # as stored
+        assert m.down_proj__weight_packed.shape == (8, HIDDEN, 64 // 8)
+        assert "gate_up_proj" not in vars(m) and "down_proj" not in vars(m)
+    dense = 2 * 8 * 3 * 64 * HIDDEN * 4  # two MoE layers, float32
+    assert jit.stored_bytes(backend.model) == 2 * 8 * 3 * 64 * (HIDDEN // 8 * 4 + HIDDEN // 32 * 2)
+    assert jit.stored_bytes(backend.model) < 0.2 * dense
+    alive: list[weakref.ref] = []
+    calls = []
+    expand = jit.StoredExperts.expand
+
+    def watched(self):
+        assert all(r() is None for r in alive), "an earlier layer's expansion is still alive"
+        out = expand(self)
+        assert all(t.dtype == torch.float32 for t in out)
+        alive.extend(weakref.ref(t) for t in out)
+        calls.append(self)
+        return out
+
+    monkeypatch.setattr(jit.StoredExperts, "expand", watched)
+    states(backend, SEQS)
+    assert [id(m) for m in calls] == [id(m) for m in held.values()]  # each MoE layer once, in order
+    assert all(r() is None for r in alive)
+
+
+def test_an_ep_rank_reads_only_its_own_experts(models):
+    """Rank 1 of 2 holds experts 4-7, exactly the checkpoint's packed values and scales."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from hsx.capture import checkpoint
+
+    how = checkpoint.plan(models["packed"], "cpu", "float32")
+    with jit.swapped(DeepseekV3ForCausalLM, how.experts, torch.float32, ep_rank=1, ep_size=2):
+        model = DeepseekV3ForCausalLM.from_pretrained(models["packed"], dtype=torch.float32, **how.kwargs())
+    jit.fill(model, models["packed"], torch.device("cpu"))
+    stored = load_file(models["packed"] / "model.safetensors")
+    experts = model.model.layers[2].mlp.experts
+    assert experts.num_experts == 4 and experts.first_expert == 4
+    assert experts.down_proj__weight_packed.shape[0] == 4
+    for local, e in enumerate(range(4, 8)):
+        name = f"model.layers.2.mlp.experts.{e}"
+        gate_up = torch.cat([stored[f"{name}.gate_proj.weight_packed"], stored[f"{name}.up_proj.weight_packed"]])
+        assert torch.equal(experts.gate_up_proj__weight_packed[local], gate_up)
+        assert torch.equal(experts.down_proj__weight_scale[local], stored[f"{name}.down_proj.weight_scale"])
+
+
+def test_spec_records_the_experts_held_packed(models):
+    from hsx import target
+
+    identity = target.identity(str(models["packed"]), models["packed"])
+    assert identity.quantization.method == "compressed-tensors"
+    assert identity.quantization.experts == "int4-packed group 32"
+    assert "routed experts int4-packed group 32, expanded per layer" in str(identity.quantization)
+    assert target.identity(str(models["reference"]), models["reference"]).quantization is None
+
+
+# ---------------------------------------------------------------- TP / EP
+
+
+@pytest.mark.parametrize("expert", [1, 2])
+def test_tp2_and_tp2_ep2_of_the_packed_model_equal_one_process_but_for_near_ties(models, tmp_path, expert):
+    from test_parallel import NEAR_TIE_SHARE, TOL, off_tokens
+
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(24, start=200))
+    out = tmp_path / "run"
+    proc = hsx(
+        "extract", "--model", models["packed"], "--data", data, "--out", out, "--layers", "0,1", "--dtype", "float32",
+        "--shard-size", "12", "--batch-tokens", "512", "--device", "cpu", "--tensor-parallel", "2",
+        "--expert-parallel", str(expert),
+    )  # fmt: skip
+    assert "ranks 0-1 captured the same states on the first batch" in proc.stdout + proc.stderr
+    spec = json.loads((out / "hsx.json").read_text())
+    assert spec["parallel"] == {"tensor": 2, "expert": expert}
+    assert spec["model"]["quantization"]["experts"] == "int4-packed group 32"
+    off, total, worst = off_tokens(out, models["reference"])
+    print(f"TP2 EP{expert}: {off} of {total} tokens beyond {TOL} (router near-ties); the others within {worst:.2e}")
+    assert total > 1000
+    assert off <= NEAR_TIE_SHARE * total
+    assert worst <= TOL

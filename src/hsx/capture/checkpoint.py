@@ -59,7 +59,8 @@ def quantization_of(model_dir: Path) -> Quantization | None:
     qc = read_config(model_dir).get("quantization_config")
     if not qc:
         return None
-    return Quantization(method=str(qc.get("quant_method") or _bnb_method(qc) or "?"), config=qc)
+    method = str(qc.get("quant_method") or _bnb_method(qc) or "?")
+    return Quantization(method=method, config=qc, experts=_held_experts(Path(model_dir), read_config(model_dir), qc))
 
 
 def _bnb_method(qc: dict) -> str | None:
@@ -160,30 +161,44 @@ def _native_config(config: dict) -> tuple[Any, tuple[str, ...]]:
 # ---------------------------------------------------------------- quantized weights
 
 
-def _stored_experts(model_dir: Path, config: dict, qc: dict, device: str, dtype: str) -> tuple[Any, Any, str] | None:
-    """(native config without its quantization, format, note) where the routed experts are the only
-    quantized weights (by the checkpoint's tensor names) and hsx keeps them as stored
-    (``hsx.capture.quantized``); None otherwise."""
+def _expert_format(model_dir: Path, config: dict, qc: dict):
+    """The ``ExpertFormat`` hsx keeps this checkpoint's routed experts in, where they are its only
+    quantized weights (by the tensor names) and transformers has the architecture; else None."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from hsx.capture.quantized import experts, int4
 
     group = int4.routed_experts_int4(qc)
-    native, _ = _native_config(config)
-    if group is None or (native is None and config.get("model_type") not in CONFIG_MAPPING):
+    if group is None or (_native_config(config)[0] is None and config.get("model_type") not in CONFIG_MAPPING):
         return None
     packed = [k for k in experts.weight_files(model_dir) if k.endswith(".weight_packed")]
     if not packed or not all(experts.ROUTED.search(k) for k in packed):
         return None
+    return int4.Int4Experts(group_size=group)
+
+
+def _held_experts(model_dir: Path, config: dict, qc: dict) -> str | None:
+    fmt = _expert_format(model_dir, config, qc)
+    return None if fmt is None else f"{fmt.name} group {fmt.group_size}"
+
+
+def _stored_experts(model_dir: Path, config: dict, qc: dict, device: str, dtype: str) -> tuple[Any, Any, str] | None:
+    """(native config without its quantization, format, note) where hsx keeps the routed experts as
+    stored (``hsx.capture.quantized``); None otherwise."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    fmt = _expert_format(model_dir, config, qc)
+    if fmt is None:
+        return None
+    native, _ = _native_config(config)
     if importlib.util.find_spec("compressed_tensors") is None:
         raise UnsupportedModel(
             "this is a compressed-tensors checkpoint: install the compressed-tensors package to load it"
         )
     fields = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map", "model_type")}
     config_class = type(native) if native is not None else CONFIG_MAPPING[config["model_type"]]
-    fmt = int4.Int4Experts(group_size=group)
     note = (
-        f"compressed-tensors INT4 routed experts (group {group}) stay packed on {device} and are expanded to "
+        f"compressed-tensors INT4 routed experts (group {fmt.group_size}) stay packed on {device} and are expanded to "
         f"{dtype} per layer just before it runs; every other weight is loaded in {dtype}"
     )
     return config_class.from_dict(fields), fmt, note
