@@ -72,6 +72,7 @@ class Result:
     codec: Codec | None = None  # hsx rows: how the states were stored
     stored_ratio: float | None = None  # codec rows: bytes written / what raw wrote for the same samples
     encode: CodecResult | None = None  # codec rows: encoding one sample of this model's states
+    expert_bytes: int | None = None  # MoE rows: bytes of the routed experts as held (bf16, or INT4 packed)
 
     @property
     def rate(self) -> float:
@@ -251,11 +252,15 @@ def run_bench(
     compile: bool | None = None,
     log: Callable[[str], None] = print,
     codecs: tuple[Codec, ...] = tuple(Codec),
+    int4_experts: bool = False,
     fp8: bool = False,
 ) -> list[Result]:
     """``compile``: also measure the packed layout with compiled layers (None: on CUDA only).
     ``codecs``: the storage codecs measured on the last layout next to raw (raw alone: none).
-    ``fp8``: then the same model as a block-FP8 checkpoint, on the last layout."""
+    ``int4_experts``: a MoE model's last layout again with its routed experts INT4-packed
+    (compressed-tensors pack-quantized, group 32, from its own weights), expanded per layer.
+    ``fp8``: then the same model as a block-FP8 checkpoint, on the last layout (not with
+    ``int4_experts``: each rebuilds the model)."""
     from hsx.progress import Progress
     from hsx.run.options import Resources
     from hsx.run.pipeline import Extractor
@@ -269,6 +274,8 @@ def run_bench(
         from hsx.capture.quantized.fp8 import gemm_blocker
         from hsx.errors import OptionError
 
+        if int4_experts:
+            raise OptionError("--fp8-model and --int4-experts each rebuild the model: one of them per run")
         if (blocker := gemm_blocker(device, dtype_name, [128, 128])) is not None:
             raise OptionError(f"the block-FP8 model cannot run here: {blocker}")
     net, name = build_model(model, dev, dtype)
@@ -310,6 +317,9 @@ def run_bench(
         r.waited_for_disk = progress.waited_for_disk() - earlier if progress.waited_for_disk else None
         r.codec = spec.codec
         return r
+
+    def synthetic(run: Path, packed: bool, compiled: bool):
+        return synthetic_run(run, net, name, layers, dtype_name, lengths, batch_tokens, packed, compiled)
 
     try:
         compile = dev.type == "cuda" if compile is None else compile
@@ -364,6 +374,8 @@ def run_bench(
                 return run, spec, plan
 
             fp8_variant(backend, make, extract, dev, results, log)
+        if int4_experts:
+            packed_experts_run(backend, net, dev, results, *variants[-1], extract, log, root, synthetic)
         per_file = int(lengths.mean()) * spec.bytes_per_token
         files = max(8, min(256, (2 << 30) // max(per_file, 1)))
         with measured(f"disk alone ({writers} threads, fsync)", dev, results) as r:
@@ -452,6 +464,51 @@ def fp8_variant(
     )
 
 
+def packed_experts_run(backend, net, dev, results, packed, compiled, extract, log, root, synthetic) -> None:
+    """The last layout again with the routed experts INT4-packed: forward-only and hsx rows, each
+    row of the pair carrying the bytes its routed experts take (bf16 rows: the dense parameters)."""
+    from hsx.capture.quantized import experts, int4
+    from hsx.store import layout
+
+    tag = ("packed" if packed else "padded") + (", compiled" if compiled else "")
+    dense = experts.stored_bytes(net)
+    if not dense:
+        log("--int4-experts: this model has no routed experts; skipped")
+        return
+    for r in results:
+        if r.name in (f"forward only ({tag})", f"hsx extract ({tag})"):
+            r.expert_bytes = dense
+    t0 = time.perf_counter()
+    experts.from_dense(net, int4.Int4Experts(32), int4.quantize, compiled=dev.type == "cuda")
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    stored = experts.stored_bytes(net)
+    log(
+        f"routed experts INT4-packed in {time.perf_counter() - t0:.1f} s: {dense / 1e9:.2f} GB -> {stored / 1e9:.2f} GB"
+    )
+    torch._dynamo.reset()  # the layers hold other modules now: compile afresh
+    backend.set_compiled(compiled)
+    backend.set_packed(packed)
+    tag4 = f"{tag}, int4 experts"
+    run = root / "run-int4"
+    spec, plan = synthetic(run, packed, compiled)
+    batches = [
+        b
+        for s in range(layout.num_shards(len(plan.lengths), spec.shard_size))
+        for b in batches_for(
+            layout.shard_ids(s, spec.shard_size, len(plan.lengths)), plan.lengths, spec.batch_tokens, packed
+        )
+    ]
+    t0 = time.perf_counter()
+    forward_only(backend, plan, batches)
+    log(f"{tag4}: warm-up pass (with any compiling) {time.perf_counter() - t0:.1f} s")
+    with measured(f"forward only ({tag4})", dev, results) as r:
+        r.tokens = forward_only(backend, plan, batches)
+    r.expert_bytes = stored
+    extract(run, spec, plan, tag4).expert_bytes = stored
+    shutil.rmtree(run)
+
+
 def typical_sample(run: Path, spec: RunSpec, plan) -> SampleTensors:
     """The written sample nearest the mean length, as the writer had it: this model's real states."""
     from safetensors.torch import load_file
@@ -480,6 +537,13 @@ def table(results: list[Result]) -> str:
     for r in results:
         if r.waited_for_disk is not None:
             rows.append(f"{r.name}: the forward pass waited {r.waited_for_disk:.2f} s for the disk")
+    moe = [r for r in results if r.expert_bytes is not None]
+    for dense, packed in zip(moe[: len(moe) // 2], moe[len(moe) // 2 :], strict=False):
+        rows.append(
+            f"{packed.name} / dense experts: tok/s {packed.rate / dense.rate:.3f}x, routed-expert memory "
+            f"{packed.expert_bytes / 1e9:.3f} / {dense.expert_bytes / 1e9:.3f} GB "
+            f"= {packed.expert_bytes / dense.expert_bytes:.3f}x"
+        )
     coded = [r for r in results if r.stored_ratio is not None and r.encode is not None]
     if coded:
         raw = next(r for r in coded if r.codec is Codec.RAW)

@@ -316,6 +316,9 @@ def bench(
         bool,
         typer.Option(help="Then build the model as a block-FP8 checkpoint (weights quantized 128x128) and measure it."),
     ] = False,
+    int4_experts: Annotated[
+        bool, typer.Option(help="MoE models: the last layout again with the routed experts INT4-packed.")
+    ] = False,
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     from hsx.bench import run_bench, table
@@ -341,6 +344,7 @@ def bench(
         log=lambda m: console.print(m, highlight=False),
         codecs=_codecs(codecs),
         fp8=fp8_model,
+        int4_experts=int4_experts,
     )
     print(table(results))
 

@@ -32,10 +32,14 @@ class Quantization(BaseModel):
 
     method: str  # its quant_method: fp8 (block-scaled, as DeepSeek-V3 and Kimi-K2 are released), compressed-tensors...
     config: dict[str, Any]  # the quantization_config as config.json has it
+    # routed experts hsx keeps in their stored form and expands per MoE layer to the run's dtype
+    # (hsx.capture.quantized), e.g. "int4-packed group 32"; None: loaded as transformers loads them
+    experts: str | None = None
 
     def __str__(self) -> str:
         rest = ", ".join(f"{k} {v}" for k, v in sorted(self.config.items()) if k != "quant_method")
-        return f"{self.method} ({rest})" if rest else self.method
+        held = f"; routed experts {self.experts}, expanded per layer to the run's dtype" if self.experts else ""
+        return (f"{self.method} ({rest})" if rest else self.method) + held
 
 
 class ModelIdentity(BaseModel):

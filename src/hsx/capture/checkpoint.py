@@ -60,7 +60,8 @@ def quantization_of(model_dir: Path) -> Quantization | None:
     qc = read_config(model_dir).get("quantization_config")
     if not qc:
         return None
-    return Quantization(method=str(qc.get("quant_method") or _bnb_method(qc) or "?"), config=qc)
+    method = str(qc.get("quant_method") or _bnb_method(qc) or "?")
+    return Quantization(method=method, config=qc, experts=_held_experts(Path(model_dir), read_config(model_dir), qc))
 
 
 def _bnb_method(qc: dict) -> str | None:
@@ -80,6 +81,7 @@ class LoadPlan:
     dequantize: bool = False  # quantized weights expanded to the run's dtype at load (no quantized kernels)
     exact_blocks: bool = False  # some block-scaled weights are not whole blocks: hsx applies their scales
     fp8: bool = False  # FP8 weights kept as stored: ``fp8.install`` puts them on torch's kernels after the load
+    experts: Any = None  # an ExpertFormat: routed experts kept as stored, expanded per layer (capture.quantized)
     notes: tuple[str, ...] = field(default_factory=tuple)  # one line per decision, for the log
 
     def kwargs(self) -> dict:
@@ -100,14 +102,17 @@ def plan(model_dir: Path, device: str, dtype: str = "float32", compute: str | No
     qc = config.get("quantization_config")
     if not qc:
         return LoadPlan(config=native, notes=notes)
+    stored = _stored_experts(Path(model_dir), config, qc, device, dtype)
+    if stored is not None:
+        return LoadPlan(config=stored[0], experts=stored[1], notes=(*notes, stored[2]))
     quant, dequantize, exact, more = _quantization(Path(model_dir), qc, device, dtype, compute)
     fp8 = quant is not None and getattr(quant, "dequantize", None) is False
-    return LoadPlan(native, quant, dequantize, exact, fp8, notes + more)
+    return LoadPlan(native, quant, dequantize, exact, fp8=fp8, notes=notes + more)
 
 
-def prepare(model_dir: Path, device: str, dtype: str = "float32", compute: str | None = None) -> LoadPlan:
-    """The plan, its notes logged; where it needs it, transformers' FP8 dequantization is first
-    made exact for partial blocks (idempotent)."""
+def prepared(model_dir: Path, device: str, dtype: str = "float32", compute: str | None = None) -> LoadPlan:
+    """The plan, its notes logged; where the plan needs it, transformers' FP8 dequantization is
+    first made exact for partial blocks (idempotent)."""
     p = plan(model_dir, device, dtype, compute)
     for note in p.notes:
         log.warning("checkpoint: %s", note)
@@ -180,6 +185,49 @@ def _native_config(config: dict) -> tuple[Any, tuple[str, ...]]:
 
 
 # ---------------------------------------------------------------- quantized weights
+
+
+def _expert_format(model_dir: Path, config: dict, qc: dict):
+    """The ``ExpertFormat`` hsx keeps this checkpoint's routed experts in, where they are its only
+    quantized weights (by the tensor names) and transformers has the architecture; else None."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hsx.capture.quantized import experts, int4
+
+    group = int4.routed_experts_int4(qc)
+    if group is None or (_native_config(config)[0] is None and config.get("model_type") not in CONFIG_MAPPING):
+        return None
+    packed = [k for k in experts.weight_files(model_dir) if k.endswith(".weight_packed")]
+    if not packed or not all(experts.ROUTED.search(k) for k in packed):
+        return None
+    return int4.Int4Experts(group_size=group)
+
+
+def _held_experts(model_dir: Path, config: dict, qc: dict) -> str | None:
+    fmt = _expert_format(model_dir, config, qc)
+    return None if fmt is None else f"{fmt.name} group {fmt.group_size}"
+
+
+def _stored_experts(model_dir: Path, config: dict, qc: dict, device: str, dtype: str) -> tuple[Any, Any, str] | None:
+    """(native config without its quantization, format, note) where hsx keeps the routed experts as
+    stored (``hsx.capture.quantized``); None otherwise."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    fmt = _expert_format(model_dir, config, qc)
+    if fmt is None:
+        return None
+    native, _ = _native_config(config)
+    if importlib.util.find_spec("compressed_tensors") is None:
+        raise UnsupportedModel(
+            "this is a compressed-tensors checkpoint: install the compressed-tensors package to load it"
+        )
+    fields = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map", "model_type")}
+    config_class = type(native) if native is not None else CONFIG_MAPPING[config["model_type"]]
+    note = (
+        f"compressed-tensors INT4 routed experts (group {fmt.group_size}) stay packed on {device} and are expanded to "
+        f"{dtype} per layer just before it runs; every other weight is loaded in {dtype}"
+    )
+    return config_class.from_dict(fields), fmt, note
 
 
 def _quantization(
