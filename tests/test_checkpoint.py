@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from conftest import TINY, conversations, save_random, write_jsonl
 from hsx import target
 from hsx.capture import checkpoint
+from hsx.capture.quantized import fp8
 from hsx.capture.transformers import TransformersBackend
 from hsx.errors import UnsupportedModel
 from hsx.extract import ExtractOptions, extract
@@ -219,14 +220,14 @@ def test_fp8_plan_dequantizes_off_cuda_only_as_asked(models):
     assert p.quantization_config.weight_block_size == [128, 128]  # the checkpoint's settings kept
     assert set(p.kwargs()) == {"quantization_config"}
     assert checkpoint.plan(models["plain"], "cpu").kwargs() == {}  # an ordinary checkpoint: nothing added
-    assert "no FP8 kernels for cpu" in checkpoint.fp8_kernel_blocker("cpu")
+    assert "no block-scaled FP8 GEMM on cpu" in fp8.gemm_blocker("cpu", "bfloat16", [128, 128])
 
 
 def test_block_dequantization_matches_the_per_block_reference():
     torch.manual_seed(1)
     w = torch.randn(3, 200, 300)  # leading expert dim, partial blocks both ways
     q, s = zip(*(quantize_blocks(e) for e in w), strict=True)
-    got = checkpoint.dequantize_blocks(torch.stack(q), torch.stack(s), (BLOCK, BLOCK), torch.float32)
+    got = fp8.dequantize_blocks(torch.stack(q), torch.stack(s), (BLOCK, BLOCK), torch.float32)
     for e in range(3):
         assert torch.equal(got[e], dequantize_reference(q[e], s[e]))
 

@@ -12,6 +12,10 @@ On one model, one set of samples and the same batches it times:
   encode MB/s on one core and on the writer threads at once (a sample of this model's own states,
   on the host), and where the run encoded it (fp8 on CUDA: on the device, before the copy);
 - disk: fsync'd writes of sample-sized files from the writer threads, alone (is the disk the limit?).
+- fp8 (``fp8=True``, CUDA): the same model then built as a block-FP8 checkpoint loads (its random
+  weights quantized 128x128, on hsx's FP8 kernels: ``capture.quantized.fp8``), forward-only and hsx's
+  extraction on the last layout again, next to the bf16 rows; the log gives its forward against
+  bf16's, hsx against its own forward, and its weight bytes against bf16's.
 Each line reports tokens/s, GB/s written, the ratio to padded forward-only, peak host RSS and peak
 device memory; after the table, how long each hsx run's forward pass waited for the disk (0 when
 writing kept up: then any gap to forward-only is the end-of-run wait and capture itself).
@@ -70,6 +74,7 @@ class Result:
     stored_ratio: float | None = None  # codec rows: bytes written / what raw wrote for the same samples
     encode: CodecResult | None = None  # codec rows: encoding one sample of this model's states
     encoded_on: str | None = None  # codec rows: "device" (before the copy: fp8 on CUDA) or "host" (writers)
+    expert_bytes: int | None = None  # MoE rows: bytes of the routed experts as held (bf16, or INT4 packed)
 
     @property
     def rate(self) -> float:
@@ -249,9 +254,15 @@ def run_bench(
     compile: bool | None = None,
     log: Callable[[str], None] = print,
     codecs: tuple[Codec, ...] = tuple(Codec),
+    int4_experts: bool = False,
+    fp8: bool = False,
 ) -> list[Result]:
     """``compile``: also measure the packed layout with compiled layers (None: on CUDA only).
-    ``codecs``: the storage codecs measured on the last layout next to raw (raw alone: none)."""
+    ``codecs``: the storage codecs measured on the last layout next to raw (raw alone: none).
+    ``int4_experts``: a MoE model's last layout again with its routed experts INT4-packed
+    (compressed-tensors pack-quantized, group 32, from its own weights), expanded per layer.
+    ``fp8``: then the same model as a block-FP8 checkpoint, on the last layout (not with
+    ``int4_experts``: each rebuilds the model)."""
     from hsx.progress import Progress
     from hsx.run.options import Resources
     from hsx.run.pipeline import Extractor
@@ -261,6 +272,14 @@ def run_bench(
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    if fp8:
+        from hsx.capture.quantized.fp8 import gemm_blocker
+        from hsx.errors import OptionError
+
+        if int4_experts:
+            raise OptionError("--fp8-model and --int4-experts each rebuild the model: one of them per run")
+        if (blocker := gemm_blocker(device, dtype_name, [128, 128])) is not None:
+            raise OptionError(f"the block-FP8 model cannot run here: {blocker}")
     net, name = build_model(model, dev, dtype)
     net.eval()
     n_layers = net.config.num_hidden_layers
@@ -311,6 +330,9 @@ def run_bench(
             r.encoded_on = "device" if staging.encodes is spec.codec else "host"
         return r
 
+    def synthetic(run: Path, packed: bool, compiled: bool):
+        return synthetic_run(run, net, name, layers, dtype_name, lengths, batch_tokens, packed, compiled)
+
     try:
         compile = dev.type == "cuda" if compile is None else compile
         variants = [(False, False)] + ([(True, False)] + ([(True, True)] if compile else []) if can_pack else [])
@@ -354,6 +376,18 @@ def run_bench(
                     r.stored_ratio, r.encode = r.bytes / raw.bytes, encoded[codec]
                     shutil.rmtree(crun)
             shutil.rmtree(run)
+        if fp8:
+            run = root / "run-fp8"
+
+            def make() -> tuple[Path, RunSpec, object]:
+                spec, plan = synthetic_run(
+                    run, net, f"{name}, block FP8", layers, dtype_name, lengths, batch_tokens, *variants[-1]
+                )
+                return run, spec, plan
+
+            fp8_variant(backend, make, extract, dev, results, log)
+        if int4_experts:
+            packed_experts_run(backend, net, dev, results, *variants[-1], extract, log, root, synthetic)
         per_file = int(lengths.mean()) * spec.bytes_per_token
         files = max(8, min(256, (2 << 30) // max(per_file, 1)))
         with measured(f"disk alone ({writers} threads, fsync)", dev, results) as r:
@@ -362,6 +396,129 @@ def run_bench(
         shutil.rmtree(root, ignore_errors=True)
     log(f"packed attention calls: {varlen.CALLS['kernel']} varlen kernel, {varlen.CALLS['per_sample']} per-sample")
     return results
+
+
+def to_block_fp8(model) -> tuple[int, int]:
+    """``model`` (bf16) as a block-FP8 checkpoint of it loads: every linear layer but the head, and
+    the routed experts, as transformers' FP8 modules holding the weights quantized 128x128 (the
+    bf16 weights freed), then put on hsx's FP8 kernels, as ``hsx extract`` runs such a checkpoint.
+    Returns the bytes of the weights quantized, before and after (values and scales)."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear, replace_with_fp8_linear
+
+    from hsx.capture.quantized import fp8
+
+    dense = dict(model.named_modules())
+    before = after = 0
+    config = FineGrainedFP8Config(weight_block_size=(128, 128))
+    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"], quantization_config=config, pre_quantized=True)
+    for name, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+            names = ("weight",)
+        elif isinstance(module, FP8Experts):
+            names = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+        else:
+            continue
+        for weight in names:
+            original = getattr(dense[name], weight).data
+            values, scale = fp8.quantize_weight(original)
+            before += original.numel() * original.element_size()
+            after += values.numel() + scale.numel() * scale.element_size()
+            setattr(module, weight, torch.nn.Parameter(values, requires_grad=False))
+            scale_name = "weight_scale_inv" if weight == "weight" else f"{weight}_scale_inv"
+            setattr(module, scale_name, torch.nn.Parameter(scale, requires_grad=False))
+        dense[name] = None  # the bf16 weights go as soon as their layer is quantized
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    assert not left, f"not quantized: {left[:3]}"
+    fp8.install(model)
+    return before, after
+
+
+def fp8_variant(
+    backend: TransformersBackend,
+    make: Callable[[], tuple[Path, RunSpec, object]],
+    extract: Callable[[Path, RunSpec, object, str], Result],
+    dev: torch.device,
+    results: list[Result],
+    log: Callable[[str], None],
+) -> None:
+    """The bench's model again as a block-FP8 checkpoint, on the layout ``make`` builds a run for:
+    forward-only and hsx's extraction, and what they and its weights are against bf16's."""
+    from hsx.capture.quantized import fp8
+    from hsx.plan import batches_for
+    from hsx.store import layout
+
+    bf16_fwd = next(r for r in reversed(results) if r.name.startswith("forward only"))  # the same layout's
+    bf16_bytes = fp8.weight_bytes(backend.model)
+    before, after = to_block_fp8(backend.model)
+    ratio = fp8.weight_bytes(backend.model) / bf16_bytes
+    run, spec, plan = make()
+    torch._dynamo.reset()  # the layers' modules changed: trace them afresh
+    backend.set_compiled(spec.compiled)
+    tag = ("packed" if spec.packed else "padded") + (", compiled" if spec.compiled else "") + ", FP8 model"
+    n = spec.plan.num_samples
+    batches = [
+        b
+        for s in range(layout.num_shards(n, spec.shard_size))
+        for b in batches_for(layout.shard_ids(s, spec.shard_size, n), plan.lengths, spec.batch_tokens, spec.packed)
+    ]
+    t0 = time.perf_counter()
+    forward_only(backend, plan, batches)
+    log(f"{tag}: warm-up pass (with any compiling) {time.perf_counter() - t0:.1f} s")
+    with measured(f"forward only ({tag})", dev, results) as fwd:
+        fwd.tokens = forward_only(backend, plan, batches)
+    hsx = extract(run, spec, plan, tag)
+    log(
+        f"block FP8: forward {fwd.rate / bf16_fwd.rate:.2f}x the bf16 forward ({bf16_fwd.name}); hsx "
+        f"{hsx.rate / fwd.rate:.2f}x its own forward; weights {ratio:.3f}x bf16's bytes "
+        f"({fp8.weight_bytes(backend.model) / 1e9:.2f} GB; the quantized layers {after / before:.3f}x, the "
+        "embeddings and head stay bf16)"
+    )
+
+
+def packed_experts_run(backend, net, dev, results, packed, compiled, extract, log, root, synthetic) -> None:
+    """The last layout again with the routed experts INT4-packed: forward-only and hsx rows, each
+    row of the pair carrying the bytes its routed experts take (bf16 rows: the dense parameters)."""
+    from hsx.capture.quantized import experts, int4
+    from hsx.store import layout
+
+    tag = ("packed" if packed else "padded") + (", compiled" if compiled else "")
+    dense = experts.stored_bytes(net)
+    if not dense:
+        log("--int4-experts: this model has no routed experts; skipped")
+        return
+    for r in results:
+        if r.name in (f"forward only ({tag})", f"hsx extract ({tag})"):
+            r.expert_bytes = dense
+    t0 = time.perf_counter()
+    experts.from_dense(net, int4.Int4Experts(32), int4.quantize, compiled=dev.type == "cuda")
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    stored = experts.stored_bytes(net)
+    log(
+        f"routed experts INT4-packed in {time.perf_counter() - t0:.1f} s: {dense / 1e9:.2f} GB -> {stored / 1e9:.2f} GB"
+    )
+    torch._dynamo.reset()  # the layers hold other modules now: compile afresh
+    backend.set_compiled(compiled)
+    backend.set_packed(packed)
+    tag4 = f"{tag}, int4 experts"
+    run = root / "run-int4"
+    spec, plan = synthetic(run, packed, compiled)
+    batches = [
+        b
+        for s in range(layout.num_shards(len(plan.lengths), spec.shard_size))
+        for b in batches_for(
+            layout.shard_ids(s, spec.shard_size, len(plan.lengths)), plan.lengths, spec.batch_tokens, packed
+        )
+    ]
+    t0 = time.perf_counter()
+    forward_only(backend, plan, batches)
+    log(f"{tag4}: warm-up pass (with any compiling) {time.perf_counter() - t0:.1f} s")
+    with measured(f"forward only ({tag4})", dev, results) as r:
+        r.tokens = forward_only(backend, plan, batches)
+    r.expert_bytes = stored
+    extract(run, spec, plan, tag4).expert_bytes = stored
+    shutil.rmtree(run)
 
 
 def typical_sample(run: Path, spec: RunSpec, plan) -> SampleTensors:
@@ -392,6 +549,13 @@ def table(results: list[Result]) -> str:
     for r in results:
         if r.waited_for_disk is not None:
             rows.append(f"{r.name}: the forward pass waited {r.waited_for_disk:.2f} s for the disk")
+    moe = [r for r in results if r.expert_bytes is not None]
+    for dense, packed in zip(moe[: len(moe) // 2], moe[len(moe) // 2 :], strict=False):
+        rows.append(
+            f"{packed.name} / dense experts: tok/s {packed.rate / dense.rate:.3f}x, routed-expert memory "
+            f"{packed.expert_bytes / 1e9:.3f} / {dense.expert_bytes / 1e9:.3f} GB "
+            f"= {packed.expert_bytes / dense.expert_bytes:.3f}x"
+        )
     coded = [r for r in results if r.stored_ratio is not None and r.encode is not None]
     if coded:
         raw = next(r for r in coded if r.codec is Codec.RAW)

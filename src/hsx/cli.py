@@ -247,6 +247,13 @@ def extract(
         Path | None,
         typer.Option(metavar="FILE", help="Keep this file in Prometheus' text format (node_exporter's textfile)."),
     ] = None,
+    quantized_compute: Annotated[
+        str | None,
+        typer.Option(
+            help="FP8 checkpoints: fp8 (FP8 GEMMs, inputs quantized) | dequantized (weights expanded to the dtype) "
+            "(new run; part of the spec) [fp8 where the GPU can]."
+        ),
+    ] = None,
 ) -> None:
     """Extract hidden states into OUT, or resume the run in OUT."""
     from hsx.extract import ExtractOptions
@@ -289,6 +296,7 @@ def extract(
             ray_address=ray_address,
             metrics_port=metrics_port,
             metrics_textfile=metrics_textfile,
+            quantized_compute=quantized_compute,
         )
         summary = run_extract(opts, log=lambda m: console.print(m, highlight=False))
     _print_summary(summary)
@@ -448,6 +456,13 @@ def bench(
     codecs: Annotated[
         str, typer.Option(help="Storage codecs measured next to raw on the last layout (raw: none).")
     ] = "raw,zstd,fp8",
+    fp8_model: Annotated[
+        bool,
+        typer.Option(help="Then build the model as a block-FP8 checkpoint (weights quantized 128x128) and measure it."),
+    ] = False,
+    int4_experts: Annotated[
+        bool, typer.Option(help="MoE models: the last layout again with the routed experts INT4-packed.")
+    ] = False,
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     from hsx.bench import run_bench, table
@@ -470,6 +485,8 @@ def bench(
         compile={"auto": None, "on": True, "off": False}[compile],
         log=lambda m: console.print(m, highlight=False),
         codecs=_codecs(codecs),
+        fp8=fp8_model,
+        int4_experts=int4_experts,
     )
     print(table(results))
 

@@ -32,10 +32,14 @@ class Quantization(BaseModel):
 
     method: str  # its quant_method: fp8 (block-scaled, as DeepSeek-V3 and Kimi-K2 are released), compressed-tensors...
     config: dict[str, Any]  # the quantization_config as config.json has it
+    # routed experts hsx keeps in their stored form and expands per MoE layer to the run's dtype
+    # (hsx.capture.quantized), e.g. "int4-packed group 32"; None: loaded as transformers loads them
+    experts: str | None = None
 
     def __str__(self) -> str:
         rest = ", ".join(f"{k} {v}" for k, v in sorted(self.config.items()) if k != "quant_method")
-        return f"{self.method} ({rest})" if rest else self.method
+        held = f"; routed experts {self.experts}, expanded per layer to the run's dtype" if self.experts else ""
+        return (f"{self.method} ({rest})" if rest else self.method) + held
 
 
 class ModelIdentity(BaseModel):
@@ -109,6 +113,9 @@ class RunSpec(BaseModel):
     compiled: bool = False  # decoder layers run through torch.compile (fused element-wise kernels)
     codec: Codec = Codec.RAW  # how states are stored (store.codec); runs made before codecs are raw
     parallel: Parallel = Parallel()  # runs made before tensor parallel ran in one process
+    # how an FP8 checkpoint computes: fp8 (block FP8 GEMMs, activations quantized) or dequantized
+    # (weights expanded to the dtype); None: unquantized weights, or a run made before hsx recorded it
+    quantized_compute: str | None = None
     data: list[DataFile]
     generate_spec: str | None = None  # the data is a generate run: the digest of its spec
     plan: PlanIdentity
@@ -198,7 +205,7 @@ def differences(stored: RunSpec, asked: dict) -> list[str]:
 
     ``asked`` holds only what the operator gave: ``model`` (a ModelIdentity), ``tokenizer``,
     ``layers``, ``dtype``, ``max_length``, ``batch_tokens``, ``shard_size``, ``data`` (DataFiles),
-    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``.
+    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``.
     """
     out = []
     if (m := asked.get("model")) is not None:
@@ -222,6 +229,7 @@ def differences(stored: RunSpec, asked: dict) -> list[str]:
         "compiled",
         "codec",
         "parallel",
+        "quantized_compute",
     ):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")

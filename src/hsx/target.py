@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,7 +154,44 @@ def quantization_of(model_dir: Path) -> Quantization | None:
     qc = LanguageModel.of(model_dir).quantization
     if not qc:
         return None
-    return Quantization(method=str(qc.get("quant_method") or bnb_method(qc) or "?"), config=qc)
+    method = str(qc.get("quant_method") or bnb_method(qc) or "?")
+    return Quantization(method=method, config=qc, experts=held_experts(LanguageModel.of(model_dir)))
+
+
+INT4_BITS = 4
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj\.")  # a routed expert's projection, by name
+
+
+def int4_group(qc: dict | None) -> int | None:
+    """The group size where a ``quantization_config`` is compressed-tensors pack-quantized INT4,
+    symmetric, group-wise, with one config group (the form Kimi-K2-Thinking / Kimi-K2.5 ship), else None."""
+    if not qc or qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "pack-quantized":
+        return None
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        return None
+    w = groups[0].get("weights") or {}
+    if groups[0].get("input_activations") or w.get("num_bits") != INT4_BITS or w.get("type", "int") != "int":
+        return None
+    if not w.get("symmetric", True) or w.get("strategy") != "group" or not w.get("group_size"):
+        return None
+    if int(w["group_size"]) % (32 // INT4_BITS):
+        return None  # a group that is not whole words
+    return int(w["group_size"])
+
+
+def held_experts(lm: LanguageModel) -> str | None:
+    """How hsx holds the routed experts in device memory where they are the checkpoint's only
+    quantized weights (``hsx.capture.quantized``): ``int4-packed group N``; None where the
+    quantized weights load through transformers (or there are none). From the config and the
+    safetensors headers alone, so that status and the spec need neither torch nor the weights."""
+    group = int4_group(lm.quantization)
+    if group is None:
+        return None
+    packed = [name for name in lm.weights if name.endswith(".weight_packed")]
+    if not packed or not all(ROUTED_EXPERT.search(name) for name in packed):
+        return None
+    return f"int4-packed group {group}"
 
 
 def bnb_method(qc: dict) -> str | None:

@@ -6,11 +6,11 @@ Two kinds of released checkpoint need more than ``AutoModelForCausalLM.from_pret
 - Quantized weights (config.json carries a ``quantization_config``): they load through transformers'
   own quantizer, and its TP/EP plans, as the checkpoint asks. Fine-grained FP8 with block scales
   (``quant_method: fp8``, ``weight_block_size: [128, 128]``: float8_e4m3fn weights and a float32
-  ``weight_scale_inv`` per block, as DeepSeek-V3 and Kimi-K2 are released) runs transformers' FP8
-  kernels on a CUDA device that has them (compute capability 8.9 or more, the kernel loadable).
-  Elsewhere (CPU, older GPUs, no kernel) hsx asks for ``dequantize=True`` itself, rather than leave
-  it to transformers (which does so on a machine without a GPU, but on a GPU machine would load FP8
-  layers that ``--device cpu`` cannot run): each weight is multiplied out to the run's dtype at load.
+  ``weight_scale_inv`` per block, as DeepSeek-V3 and Kimi-K2 are released) computes as the run's
+  ``quantized_compute`` says (``hsx.capture.quantized.fp8``): ``fp8`` keeps the weights FP8 (transformers
+  loads them with ``dequantize`` off) and runs them on torch's block-scaled FP8 GEMM, no kernel of
+  transformers' Hub path; ``dequantized`` (CPU, GPUs without the GEMM, or asked for) passes
+  ``dequantize=True``: each weight is multiplied out to the run's dtype at load.
   transformers derives the block from the number of scales, which is wrong for a weight whose shape
   is not a whole number of blocks (DeepSeek-V3's ``kv_a_proj_with_mqa`` has 576 rows: 4.5 blocks);
   where a checkpoint has such weights, hsx applies their scales by the configured block instead
@@ -36,8 +36,10 @@ Two kinds of released checkpoint need more than ``AutoModelForCausalLM.from_pret
   ``hsx.target.LanguageModel`` is the one place that tells the language model (config, prefix,
   quantization config) from the rest.
 
-``hsx.target.quantization_of`` is what the run spec records (``ModelIdentity.quantization``); ``plan`` is the
-decision for one device, ``load_kwargs`` carries it out (notes logged) for ``from_pretrained``.
+``hsx.target.quantization_of`` is what the run spec records (``ModelIdentity.quantization``);
+``compute_choice`` the run's ``quantized_compute``; ``plan`` is the decision for one device,
+``prepared`` carries it out (notes logged) for ``from_pretrained``, and ``fp8.install`` after it
+where the plan says ``fp8``.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.errors import UnsupportedModel
-from hsx.target import LanguageModel, bnb_method
+from hsx.target import LanguageModel, bnb_method, held_experts, int4_group
 
 log = logging.getLogger("hsx.checkpoint")
 
@@ -74,6 +76,8 @@ class LoadPlan:
     quantization_config: Any = None  # the checkpoint's quantization config with hsx's loading attributes
     dequantize: bool = False  # quantized weights expanded to the run's dtype at load (no quantized kernels)
     exact_blocks: bool = False  # some block-scaled weights are not whole blocks: hsx applies their scales
+    fp8: bool = False  # FP8 weights kept as stored: ``fp8.install`` puts them on torch's kernels after the load
+    experts: Any = None  # an ExpertFormat: routed experts kept as stored, expanded per layer (capture.quantized)
     notes: tuple[str, ...] = field(default_factory=tuple)  # one line per decision, for the log
 
     def kwargs(self) -> dict:
@@ -87,28 +91,60 @@ class LoadPlan:
         return out
 
 
-def plan(model_dir: Path, device: str, dtype: str = "float32") -> LoadPlan:
-    """How to load the checkpoint in ``model_dir`` onto ``device`` in ``dtype`` (a --dtype name).
-    Raises ``UnsupportedModel`` for a quantization transformers cannot load here."""
+def plan(model_dir: Path, device: str, dtype: str = "float32", compute: str | None = None) -> LoadPlan:
+    """How to load the checkpoint in ``model_dir`` onto ``device`` in ``dtype`` (a --dtype name),
+    FP8 weights computed as ``compute`` says (None: ``compute_choice``'s default). Raises
+    ``UnsupportedModel`` for a quantization transformers cannot load here."""
     lm = LanguageModel.of(model_dir)
     native, notes = _native_config(lm.config, lm if lm.composite else None)
     mapping = {"^" + re.escape(lm.prefix): ""} if lm.composite and native is not None else None
     qc = lm.quantization
     if not qc:
         return LoadPlan(config=native, key_mapping=mapping, notes=notes)
-    quant, dequantize, exact, more = _quantization(Path(model_dir), qc, device, dtype)
-    return LoadPlan(native, mapping, quant, dequantize, exact, notes + more)
+    stored = _stored_experts(lm, native, qc, device, dtype)
+    if stored is not None:
+        return LoadPlan(config=stored[0], key_mapping=mapping, experts=stored[1], notes=(*notes, stored[2]))
+    quant, dequantize, exact, more = _quantization(Path(model_dir), qc, device, dtype, compute)
+    fp8 = quant is not None and getattr(quant, "dequantize", None) is False
+    return LoadPlan(native, mapping, quant, dequantize, exact, fp8=fp8, notes=notes + more)
 
 
-def load_kwargs(model_dir: Path, device: str, dtype: str = "float32") -> dict:
-    """The plan's ``from_pretrained`` keyword arguments, its notes logged; where the plan needs it,
-    transformers' FP8 dequantization is first made exact for partial blocks (idempotent)."""
-    p = plan(model_dir, device, dtype)
+def prepared(model_dir: Path, device: str, dtype: str = "float32", compute: str | None = None) -> LoadPlan:
+    """The plan, its notes logged; where the plan needs it, transformers' FP8 dequantization is
+    first made exact for partial blocks (idempotent)."""
+    p = plan(model_dir, device, dtype, compute)
     for note in p.notes:
         log.warning("checkpoint: %s", note)
     if p.exact_blocks:
         exact_block_dequantization()
-    return p.kwargs()
+    return p
+
+
+def compute_choice(model_dir: Path, device: str, dtype: str, asked: str | None) -> tuple[str | None, str | None]:
+    """The ``quantized_compute`` of a run on ``device`` in ``dtype``, and why it is not ``fp8``
+    where it could have been: None for a checkpoint that is not block FP8 (``asked`` refused);
+    ``fp8`` by default where torch's block-scaled FP8 GEMM runs, else ``dequantized``.
+    Raises ``OptionError`` for a choice the checkpoint or the device cannot take."""
+    from hsx.capture.quantized import fp8
+    from hsx.errors import OptionError
+
+    if asked is not None and asked not in fp8.COMPUTES:
+        raise OptionError(f"--quantized-compute takes {' or '.join(fp8.COMPUTES)}, not {asked!r}")
+    qc = read_config(model_dir).get("quantization_config") or {}
+    if qc.get("quant_method") not in FP8_METHODS:
+        if asked is not None:
+            raise OptionError(f"--quantized-compute applies to FP8 checkpoints; {model_dir} is not one")
+        return None, None
+    if qc.get("dequantize"):
+        if asked == "fp8":
+            raise OptionError(f"{model_dir}/config.json asks for dequantize: --quantized-compute fp8 cannot apply")
+        return "dequantized", "config.json asks for dequantize"
+    blocker = fp8.gemm_blocker(device, dtype, qc.get("weight_block_size"), qc.get("activation_scheme", "dynamic"))
+    if asked == "fp8" and blocker is not None:
+        raise OptionError(f"--quantized-compute fp8 cannot run here: {blocker}; use --quantized-compute dequantized")
+    if asked is not None:
+        return asked, None
+    return ("fp8", None) if blocker is None else ("dequantized", blocker)
 
 
 # ---------------------------------------------------------------- remote code -> the native class
@@ -158,7 +194,39 @@ def _native_config(config: dict, composite: LanguageModel | None = None) -> tupl
 # ---------------------------------------------------------------- quantized weights
 
 
-def _quantization(model_dir: Path, qc: dict, device: str, dtype: str) -> tuple[Any, bool, bool, tuple[str, ...]]:
+def _stored_experts(lm: LanguageModel, native: Any, qc: dict, device: str, dtype: str) -> tuple[Any, Any, str] | None:
+    """(native config without its quantization, format, note) where hsx keeps the routed experts as
+    stored (``hsx.capture.quantized``: they are the checkpoint's only quantized weights, by the
+    tensor names, ``held_experts``); None otherwise."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hsx.capture.quantized import int4
+
+    if held_experts(lm) is None:
+        return None
+    model_type = lm.config.get("model_type")
+    if native is None and model_type not in CONFIG_MAPPING:
+        raise UnsupportedModel(
+            f"{lm.model_dir}: INT4-packed routed experts are kept packed on transformers' own classes only, "
+            f"and transformers has no {lm.architecture}"
+        )
+    if importlib.util.find_spec("compressed_tensors") is None:
+        raise UnsupportedModel(
+            "this is a compressed-tensors checkpoint: install the compressed-tensors package to load it"
+        )
+    fmt = int4.Int4Experts(group_size=int4_group(qc))
+    fields = {k: v for k, v in lm.config.items() if k not in ("quantization_config", "auto_map", "model_type")}
+    config_class = type(native) if native is not None else CONFIG_MAPPING[model_type]
+    note = (
+        f"compressed-tensors INT4 routed experts (group {fmt.group_size}) stay packed on {device} and are expanded to "
+        f"{dtype} per layer just before it runs; every other weight is loaded in {dtype}"
+    )
+    return config_class.from_dict(fields), fmt, note
+
+
+def _quantization(
+    model_dir: Path, qc: dict, device: str, dtype: str, compute: str | None
+) -> tuple[Any, bool, bool, tuple[str, ...]]:
     import transformers
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 
@@ -170,7 +238,7 @@ def _quantization(model_dir: Path, qc: dict, device: str, dtype: str) -> tuple[A
             "use a checkpoint in a format it implements, or a backend that reads this one"
         )
     if method in FP8_METHODS:
-        return _fp8(model_dir, qc, device, dtype)
+        return _fp8(model_dir, qc, device, dtype, compute)
     if method == "compressed-tensors":
         if importlib.util.find_spec("compressed_tensors") is None:
             raise UnsupportedModel(
@@ -187,24 +255,29 @@ def _quantization(model_dir: Path, qc: dict, device: str, dtype: str) -> tuple[A
     return None, False, False, (f"{method} weights load through transformers' {method} quantizer",)
 
 
-def _fp8(model_dir: Path, qc: dict, device: str, dtype: str) -> tuple[Any, bool, bool, tuple[str, ...]]:
+def _fp8(
+    model_dir: Path, qc: dict, device: str, dtype: str, compute: str | None
+) -> tuple[Any, bool, bool, tuple[str, ...]]:
     from transformers import FineGrainedFP8Config
 
     block = qc.get("weight_block_size")
     what = f"fp8 weights ({'block ' + 'x'.join(map(str, block)) if block else 'per tensor'} scales)"
-    if qc.get("dequantize"):
-        config, why = None, "config.json asks for dequantize"
-    else:
-        reason = fp8_kernel_blocker(device)
-        if reason is None:
-            return None, False, False, (f"{what} run on transformers' FP8 kernels on {device}",)
-        config = FineGrainedFP8Config.from_dict(dict(qc))  # loading attributes override the checkpoint's
-        config.dequantize = True
-        why = f"{reason}, so hsx passes dequantize=True"
+    compute, why = compute_choice(model_dir, device, dtype, compute)
+    config = FineGrainedFP8Config.from_dict(dict(qc))  # loading attributes override the checkpoint's
+    if compute == "fp8":
+        config.dequantize = False
+        note = (
+            f"quantized compute fp8: {what} stay FP8 on {device}; linear layers run on torch's block-scaled "
+            "FP8 GEMM, their inputs quantized per token and 128 columns; routed experts are expanded to "
+            f"{dtype} just before their layer runs"
+        )
+        return config, False, False, (note,)
+    config.dequantize = True
+    why = why or "asked for"
     note = (
-        f"{what} are dequantized ({why}): each weight is its stored values times its block's scale, "
-        f"in {dtype}; the numbers differ from FP8 kernels' (no activation quantization) and the "
-        "weights take their dtype's memory"
+        f"quantized compute dequantized ({why}, so hsx passes dequantize=True): {what} are each weight's "
+        f"stored values times its block's scale, in {dtype}; no activation quantization, and the weights "
+        "take their dtype's memory"
     )
     partial = _partial_blocks(model_dir, block) if block else []
     notes = (note,)
@@ -216,25 +289,6 @@ def _fp8(model_dir: Path, qc: dict, device: str, dtype: str) -> tuple[Any, bool,
             "by the configured block",
         )
     return config, True, bool(partial), notes
-
-
-def fp8_kernel_blocker(device: str) -> str | None:
-    """Why transformers' FP8 kernels cannot run on ``device`` (one line), or None where they can."""
-    if not device.startswith("cuda"):
-        return f"transformers has no FP8 kernels for {device}"
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(torch.device(device))
-    if (major, minor) < (8, 9):
-        return f"compute capability {major}.{minor} < 8.9 has no FP8 kernels"
-    try:
-        from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
-
-        load_finegrained_fp8_kernel()
-    except Exception as e:  # ImportError without the kernels package; a hub error offline
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        return f"transformers' FP8 kernel cannot be loaded here ({first[:200]})"
-    return None
 
 
 def _partial_blocks(model_dir: Path, block: list[int]) -> list[tuple[str, list[int]]]:
@@ -260,23 +314,14 @@ def _partial_blocks(model_dir: Path, block: list[int]) -> list[tuple[str, list[i
     return sorted(out)
 
 
-def dequantize_blocks(weight, scale_inv, block: tuple[int, int], dtype):
-    """Block-scaled FP8 weights [..., N, K] times their scales [..., ceil(N/bn), ceil(K/bk)] (each
-    scale covers a bn x bk block, the last row and column of blocks partial), in ``dtype``."""
-    import torch
-
-    rows, cols = weight.shape[-2:]
-    scale = scale_inv.to(torch.float32)
-    scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
-    return (weight.to(torch.float32) * scale).to(dtype)
-
-
 def exact_block_dequantization() -> None:
     """Make transformers' FP8 dequantization apply each scale to its configured block. Its own
     (``Fp8Dequantize._dequantize_one``) takes the block as shape / scale grid, which is the block
     only where the shape is a whole number of blocks; the replacement hands every other call (whole
     blocks, FP4, ue8m0 scales, per-tensor scales) to the original, so nothing else changes."""
     from transformers.integrations import finegrained_fp8
+
+    from hsx.capture.quantized.fp8 import dequantize_blocks
 
     op = getattr(finegrained_fp8, "Fp8Dequantize", None)
     original = getattr(op, "_dequantize_one", None)

@@ -18,16 +18,22 @@ kernels: a resumed run or another scale-out worker computes bit-identical states
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from hsx import target
 from hsx.capture import CapturedBatch, check_layers, checkpoint, varlen
 from hsx.capture.locate import locate
 from hsx.errors import OptionError
 
 NAME = "transformers"
+
+log = logging.getLogger("hsx.checkpoint")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -130,12 +136,43 @@ def parallel_refusal(config: dict, tensor: int, expert: int) -> str | None:
     return None
 
 
+def _causal_lm_class(config, trust_remote_code: bool):
+    """transformers' own causal-LM class for a config object or a model folder, None where it has none."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if isinstance(config, (str, Path)):
+        config = AutoConfig.from_pretrained(config, trust_remote_code=trust_remote_code)
+    return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+
+
+def _without_grad(method):
+    """Run a backend method in the backend's grad-free mode (``TransformersBackend.grad_free``)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.grad_free():
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _fsdp_wrapped(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 class TransformersBackend:
     name = NAME
 
     def __init__(self, model, layers: list[int], packed: bool = False, compiled: bool = False):
         """Wrap a loaded model; ``load`` is the usual way in."""
         self.model = model.eval()
+        # inference mode, but for a model with FSDP2 modules: transformers 5.19 wraps expert-parallel
+        # experts in fully_shard, whose pre-forward bumps version counters that inference tensors
+        # lack ("Inference tensors do not track version counter"); no_grad computes the same
+        self.grad_free = torch.no_grad if _fsdp_wrapped(model) else torch.inference_mode
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.packed = packed
@@ -145,6 +182,10 @@ class TransformersBackend:
         check_layers(layers, self.num_layers)
         self.layers = list(layers)
         self.parts = locate(self.model, self.num_layers)
+        from hsx.capture.quantized.experts import stored_modules
+
+        for _, experts in stored_modules(self.model):  # on CUDA a layer's expansion is one fused kernel pass
+            experts.compiled = self.device.type == "cuda" and experts.fmt.compile
         self._outputs: dict[object, torch.Tensor] = {}
         for k in self.layers:
             self.parts.layers[k].register_forward_hook(self._keep(k))
@@ -230,28 +271,53 @@ class TransformersBackend:
         compiled: bool = False,
         tensor: int = 1,
         expert: int = 1,
+        quantized_compute: str | None = None,
     ) -> TransformersBackend:
         """Load the model onto ``device``; with ``tensor`` > 1 this process is one rank of an
-        initialised torch.distributed group and holds its share (transformers' TP/EP plans)."""
+        initialised torch.distributed group and holds its share (transformers' TP/EP plans).
+        ``quantized_compute``: how an FP8 checkpoint computes (None: the default for the device)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+        from hsx.capture.quantized import experts
+
+        how = checkpoint.prepared(model_dir, device, dtype, quantized_compute)  # quantized / native-class checkpoints
+        fmt, model_class = how.experts, None
+        if fmt is not None or expert > 1:
+            model_class = _causal_lm_class(how.config or model_dir, trust_remote_code)
+        unquantized = how.quantization_config is None and not target.quantization_of(model_dir)
+        if fmt is None and expert > 1 and unquantized and model_class and experts.experts_classes(model_class):
+            fmt = experts.DENSE  # dense experts split by hsx too: the same on every transformers version
         placement: dict = {}
         if tensor > 1:
             from transformers.distributed import DistributedConfig
 
-            placement["distributed_config"] = DistributedConfig(tp_size=tensor, ep_size=expert)
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir,
-            dtype=DTYPES[dtype],
-            trust_remote_code=trust_remote_code,
-            attn_implementation=varlen.register() if packed else "sdpa",
-            **placement,
-            **checkpoint.load_kwargs(model_dir, device, dtype),  # quantized / native-class checkpoints
-        )
+            # experts hsx holds itself are split by hsx (capture.quantized.experts), not transformers
+            placement["distributed_config"] = DistributedConfig(tp_size=tensor, ep_size=1 if fmt else expert)
+        stored = contextlib.nullcontext()
+        if fmt is not None:
+            rank = torch.distributed.get_rank() if expert > 1 else 0
+            stored = experts.swapped(model_class, fmt, DTYPES[dtype], rank, expert)
+        with stored:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir,
+                dtype=DTYPES[dtype],
+                trust_remote_code=trust_remote_code,
+                attn_implementation=varlen.register() if packed else "sdpa",
+                **placement,
+                **how.kwargs(),
+            )
         if tensor == 1:
             model = model.to(device)
+        if fmt is not None:
+            prefix = target.LanguageModel.of(model_dir).prefix  # a composite's language model: its weights' names
+            experts.fill(model, Path(model_dir), next(model.parameters()).device, prefix)
+            log.warning("checkpoint: routed experts held as %s", experts.describe(fmt, DTYPES[dtype], expert))
+        if how.fp8:
+            from hsx.capture.quantized import fp8
+
+            log.warning("checkpoint: %s", fp8.install(model))
         return cls(model, layers, packed, compiled)
 
     def _keep(self, key):
@@ -294,7 +360,7 @@ class TransformersBackend:
             "max_length_k": max(lengths),
         }
 
-    @torch.inference_mode()
+    @_without_grad
     def inputs(self, sequences: list[np.ndarray]) -> dict:
         """Made in inference mode, like ``capture`` makes them: a compiled layer's guards tell
         inference tensors from plain ones, so a mix would compile everything twice."""
@@ -303,7 +369,7 @@ class TransformersBackend:
         ids, mask = self.pad(sequences)
         return {"input_ids": ids, "attention_mask": mask}
 
-    @torch.inference_mode()
+    @_without_grad
     def forward(self, inputs: dict) -> None:
         """The bare forward pass (the benchmark's reference): embeddings -> layers -> final norm.
         The first one of a compiled layout traces it on the canonical batches first (``_warm_up``)."""
@@ -312,7 +378,7 @@ class TransformersBackend:
             self._warm_up()
         self.parts.body(**inputs, use_cache=False)
 
-    @torch.inference_mode()
+    @_without_grad
     def capture(self, sample_ids: list[int], sequences: list[np.ndarray]) -> CapturedBatch:
         lengths = [len(s) for s in sequences]
         self._outputs.clear()

@@ -16,7 +16,14 @@ from hsx.errors import HsxError, InputError, PlanError, Refused
 from hsx.generate.spec import is_generate_run
 from hsx.input import read_conversations
 from hsx.plan import NoUsableSamples, Tokenize, tokenize_all, write_plan
-from hsx.run.options import DEFAULTS, ExtractOptions, resolve_compile, resolve_packing, resolve_parallel
+from hsx.run.options import (
+    DEFAULTS,
+    ExtractOptions,
+    resolve_compile,
+    resolve_packing,
+    resolve_parallel,
+    resolve_quantized_compute,
+)
 from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, differences, load_spec, now, record_location, who
 from hsx.store import layout
 from hsx.store.codec import Codec
@@ -33,7 +40,7 @@ def asked(opts: ExtractOptions) -> dict:
         out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
     if opts.data:
         out["data"] = data_files(opts.data)
-    for key in ("layers", "max_length", "batch_tokens", "shard_size", "backend", "codec"):
+    for key in ("layers", "max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute"):
         out[key] = getattr(opts, key)
     if opts.dtype not in (None, "auto"):
         out["dtype"] = opts.dtype
@@ -144,6 +151,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         raise Refused(f"unknown backend {backend!r}: use transformers or vllm")
     compiled = resolve_compile(opts.compile, device, backend)
     parallel = resolve_parallel(opts.tensor_parallel, opts.expert_parallel, target.load_config(model_dir), backend)
+    compute = resolve_quantized_compute(opts.quantized_compute, model_dir, device, dtype, parallel, log)
     max_length, codec = given(opts, "max_length"), Codec(given(opts, "codec"))
     opts.out.mkdir(parents=True, exist_ok=True)
     source_spec = None
@@ -185,6 +193,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         compiled=compiled,
         codec=codec,
         parallel=parallel,
+        quantized_compute=compute,
         data=data_files(opts.data),
         generate_spec=source_spec,
         plan=PlanIdentity(

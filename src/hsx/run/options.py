@@ -81,6 +81,7 @@ class ExtractOptions:
     ray_address: str | None = None  # join this Ray cluster; None: start a local one for the run
     metrics_port: int | None = None  # serve Prometheus' text format on this port while running
     metrics_textfile: Path | None = None  # keep this file in Prometheus' text format (node_exporter)
+    quantized_compute: str | None = None  # FP8 checkpoints: fp8 | dequantized (a new run's default: fp8 where it can)
 
     def __post_init__(self) -> None:
         """Refuse what cannot be meant, before anything is read or written."""
@@ -197,3 +198,24 @@ def resolve_parallel(tensor: int | None, expert: int | None, config: dict, backe
     if refusal is not None:
         raise OptionError(f"cannot lay the model over {parallel}: {refusal}")
     return parallel
+
+
+def resolve_quantized_compute(
+    asked: str | None, model_dir: Path, device: str, dtype: str, parallel: Parallel, log: Callable[[str], None]
+) -> str | None:
+    """How an FP8 checkpoint computes in a new run (None for other checkpoints): ``fp8`` by default
+    where torch's block-scaled FP8 GEMM runs and the layout keeps whole blocks per rank, else
+    ``dequantized`` (the log says why); a choice that cannot run here is refused with the reason."""
+    from hsx.capture import checkpoint
+    from hsx.capture.quantized import fp8
+
+    compute, why = checkpoint.compute_choice(model_dir, device, dtype, asked)
+    if compute == "fp8":
+        refusal = fp8.parallel_refusal(checkpoint.read_config(model_dir), parallel.tensor)
+        if refusal is not None:
+            if asked == "fp8":
+                raise OptionError(f"--quantized-compute fp8 cannot lay the model over {parallel}: {refusal}")
+            compute, why = "dequantized", refusal
+    if why is not None:  # what runs is said at the load; here only why it is not fp8
+        log(f"quantized compute: {compute}, since {why}")
+    return compute

@@ -43,6 +43,7 @@ def open_backend(spec: RunSpec, model_dir: Path, device: str) -> TransformersBac
         spec.compiled,
         p.tensor,
         p.expert,
+        spec.quantized_compute or "dequantized",
     )
 
 

@@ -1,0 +1,263 @@
+"""Routed experts kept in their stored form in device memory, expanded just in time.
+
+transformers fuses a MoE layer's routed experts into two 3D parameters (``gate_up_proj`` [E, 2I, H],
+``down_proj`` [E, H, I]); its quantizers reach ``nn.Linear`` modules only, so a quantized checkpoint's
+experts are expanded to the model's dtype at load (for Kimi-K2 that is ~2 TB in bf16, more than one
+8-GPU node). Here each MoE layer holds its local experts as the checkpoint stores them (for INT4:
+packed int32 values and bf16 scales) as buffers, and ``StoredExperts.forward`` expands them to the
+run's dtype, hands them to transformers' own experts function (eager / grouped_mm, as configured)
+and drops them: peak memory is the stored model plus one layer's expanded experts, and the numbers
+are those of the same model with its experts expanded at load (the expansion is exact: see int4.py).
+
+A format plugs in as an ``ExpertFormat``: ``name``, the ``stored`` tensor names of one projection
+(``weight_packed``, ``weight_scale``...) and ``expand(stored, dtype)`` from those tensors, stacked
+over experts ([E, out, ...]), to [E, out, in]. gate and up are stored apart and fused here by
+concatenating their stored tensors along the output rows (dim -2), which is the fused weight's
+stored form for any format whose scales are per row (group-wise INT4) or per row block (FP8
+blocks, when the intermediate size is a whole number of blocks).
+
+Loading (``load``): the model is built with the architecture's experts class swapped for a
+``StoredExperts`` of it (no expert parameters, so transformers neither reads, expands nor allocates
+them), then each layer's buffers are filled from the safetensors files, only this rank's experts
+when they are split. Expert parallelism is hsx's own here, as transformers' ``AllReduceEP`` does it
+(every rank of the group holds the same batch): each rank runs its experts on the whole batch, the
+routes to other ranks' experts masked, and a sum over the group adds the partial outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+class ExpertFormat(Protocol):
+    name: str  # how the spec and log name it, e.g. "int4-packed"
+    stored: tuple[str, ...]  # the tensors one projection is stored as, by their suffix in the checkpoint
+    compile: bool  # on CUDA, compile ``expand`` (one fused pass per layer)
+    cast: bool  # stored tensors are cast to the run's dtype when loaded (dense weights)
+
+    def expand(self, stored: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class DenseExperts:
+    """Unquantized experts, loaded in the run's dtype: the format through which hsx splits dense
+    experts over EP ranks itself (each rank reads only its own), on every transformers version
+    (5.19 wraps its own EP experts in FSDP2, which hsx's forward of the base model cannot drive)."""
+
+    name: str = "dense"
+    stored: tuple[str, ...] = ("weight",)
+    compile: bool = False
+    cast: bool = True
+
+    def expand(self, stored: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return stored["weight"]
+
+
+DENSE = DenseExperts()
+
+
+class StoredExperts(nn.Module):
+    """A MoE layer's routed experts in stored form; stands in for the architecture's experts module
+    (``experts_class``: the module it replaces, whose forward it runs on the expanded weights)."""
+
+    experts_class: type[nn.Module]  # set on the per-architecture subclass (``stored_class``)
+    fmt: ExpertFormat
+    dtype: torch.dtype
+    ep_rank: int = 0
+    ep_size: int = 1
+    compiled: bool = False  # CUDA: each layer's expansion is one compiled (fused) pass
+
+    def __init__(self, config):
+        super().__init__()
+        with torch.device("meta"):
+            template = self.experts_class(config)
+        for key, value in vars(template).items():  # the attributes transformers' experts functions read
+            if key in ("_parameters", "_buffers", "_modules") or key.startswith("_forward") or key.startswith("_back"):
+                continue
+            self.__dict__[key] = value
+        for key, module in template.named_children():
+            self.add_module(key, module)
+        self._is_hf_initialized = True  # transformers has nothing to initialise: ``fill`` reads the weights
+        self.num_global_experts = int(template.num_experts)
+        if self.ep_size > 1:
+            self.num_experts = self.num_global_experts // self.ep_size  # local ids; num_experts is the sentinel
+            self._is_expert_parallel = True
+
+    @property
+    def first_expert(self) -> int:
+        return self.ep_rank * self.num_experts
+
+    def set_stored(self, name: str, stored: dict[str, torch.Tensor]) -> None:
+        """The stored tensors of projection ``name`` (gate_up_proj / down_proj), stacked over local experts."""
+        for key, t in stored.items():
+            self.register_buffer(f"{name}__{key}", t, persistent=False)
+
+    def stored(self, name: str) -> dict[str, torch.Tensor]:
+        return {key: getattr(self, f"{name}__{key}") for key in self.fmt.stored}
+
+    def expand(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, down_proj) of the local experts in the run's dtype: new tensors each call."""
+        fn = _compiled_expand if self.compiled else _expand
+        return fn(self.fmt, self.stored("gate_up_proj"), self.stored("down_proj"), self.dtype)
+
+    @torch.compiler.disable  # a compiled decoder layer calls out to it: the expansion is compiled on its own
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.ep_size > 1:
+            off = (top_k_index // self.num_experts) != self.ep_rank
+            top_k_index = torch.where(off, self.num_experts, top_k_index % self.num_experts)
+            top_k_weights = top_k_weights.masked_fill(off, 0.0)
+        gate_up, down = self.expand()
+        self.__dict__.update(gate_up_proj=gate_up, down_proj=down)  # read as attributes by the experts function
+        try:
+            out = self.experts_class.forward(self, hidden_states, top_k_index, top_k_weights)
+        finally:
+            del self.__dict__["gate_up_proj"], self.__dict__["down_proj"], gate_up, down
+        if self.ep_size > 1:
+            torch.distributed.all_reduce(out)
+        return out
+
+
+def _expand(fmt: ExpertFormat, gate_up: dict, down: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return fmt.expand(gate_up, dtype), fmt.expand(down, dtype)
+
+
+_compiled_expand = torch.compile(_expand, dynamic=False)
+
+
+def stored_class(
+    experts_class: type[nn.Module], fmt: ExpertFormat, dtype: torch.dtype, ep_rank: int = 0, ep_size: int = 1
+) -> type[StoredExperts]:
+    """The ``StoredExperts`` standing in for ``experts_class`` (its gate and forward functions kept)."""
+    attrs = dict(experts_class=experts_class, fmt=fmt, dtype=dtype, ep_rank=ep_rank, ep_size=ep_size)
+    if hasattr(experts_class, "_apply_gate"):
+        attrs["_apply_gate"] = experts_class._apply_gate
+    return type(f"Stored{experts_class.__name__}", (StoredExperts,), attrs)
+
+
+def experts_classes(model_class: type[nn.Module]) -> dict[str, type[nn.Module]]:
+    """The fused routed-experts classes of an architecture's modeling module, by their name there
+    (those built for transformers' experts functions: 3D ``gate_up_proj`` / ``down_proj``)."""
+    module = sys.modules[model_class.__module__]
+    return {
+        name: obj
+        for name, obj in vars(module).items()
+        if isinstance(obj, type)
+        and issubclass(obj, nn.Module)
+        and name.endswith("Experts")
+        and hasattr(obj, "_apply_gate")
+    }
+
+
+@contextlib.contextmanager
+def swapped(model_class: type[nn.Module], fmt: ExpertFormat, dtype: torch.dtype, ep_rank: int = 0, ep_size: int = 1):
+    """While open, the architecture builds ``StoredExperts`` in place of its experts modules."""
+    module = sys.modules[model_class.__module__]
+    originals = experts_classes(model_class)
+    if not originals:
+        raise ValueError(f"{model_class.__name__} has no fused routed-experts module to keep in stored form")
+    try:
+        for name, cls in originals.items():
+            setattr(module, name, stored_class(cls, fmt, dtype, ep_rank, ep_size))
+        yield
+    finally:
+        for name, cls in originals.items():
+            setattr(module, name, cls)
+
+
+def stored_modules(model: nn.Module) -> Iterator[tuple[str, StoredExperts]]:
+    for name, module in model.named_modules():
+        if isinstance(module, StoredExperts):
+            yield name, module
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (the index where there is one)."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return {k: model_dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    out = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            out.update(dict.fromkeys(f.keys(), path))
+    return out
+
+
+def fill(model: nn.Module, model_dir: Path, device: torch.device, prefix: str = "") -> None:
+    """Each ``StoredExperts`` buffers its local experts' stored tensors, read from the checkpoint
+    (``prefix``: what the checkpoint's names have before the model's module names)."""
+    from safetensors import safe_open
+
+    files = weight_files(model_dir)
+    handles: dict[Path, object] = {}
+    with contextlib.ExitStack() as stack:
+
+        def read(key: str) -> torch.Tensor:
+            if key not in files:
+                raise KeyError(f"{model_dir}: the checkpoint has no {key}")
+            path = files[key]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(path, "pt"))
+            return handles[path].get_tensor(key)
+
+        for name, experts in stored_modules(model):
+            local = range(experts.first_expert, experts.first_expert + experts.num_experts)
+            for fused, parts in PROJECTIONS.items():
+                stored = {}
+                for key in experts.fmt.stored:
+                    per_expert = [
+                        torch.cat([read(f"{prefix}{name}.{e}.{part}.{key}") for part in parts], dim=-2) for e in local
+                    ]
+                    stored[key] = torch.stack(per_expert).to(device, experts.dtype if experts.fmt.cast else None)
+                experts.set_stored(fused, stored)
+
+
+def stored_bytes(model: nn.Module) -> int:
+    """Bytes of the routed experts as held: stored buffers, or dense expert parameters."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, StoredExperts):
+            total += sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
+        elif type(module).__name__.endswith("Experts") and hasattr(type(module), "_apply_gate"):
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
+
+
+def from_dense(model: nn.Module, fmt: ExpertFormat, quantize, compiled: bool = False) -> None:
+    """Replace each fused experts module of a loaded model by a ``StoredExperts`` of its weights as
+    ``quantize`` stores them (e.g. ``int4.quantize``): a quantized model built in memory (benchmarks)."""
+    for name, module in list(model.named_modules()):
+        if not (type(module).__name__.endswith("Experts") and hasattr(type(module), "_apply_gate")):
+            continue
+        if isinstance(module, StoredExperts):
+            continue
+        dtype = module.gate_up_proj.dtype
+        cls = stored_class(type(module), fmt, dtype)
+        with torch.device(module.gate_up_proj.device):
+            stored = cls(module.config)
+        stored.compiled = compiled
+        for fused in PROJECTIONS:
+            stored.set_stored(fused, quantize(getattr(module, fused).detach()))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, stored)
+        del module
+
+
+def describe(fmt: ExpertFormat, dtype: torch.dtype, ep_size: int) -> str:
+    """One line for the spec and log: how the routed experts are held and run."""
+    where = f", each of {ep_size} ranks holding its own experts" if ep_size > 1 else ""
+    if not fmt.compile and fmt.cast:
+        return f"{fmt.name} in {str(dtype).removeprefix('torch.')}{where}"
+    return f"{fmt.name}, expanded per layer to {str(dtype).removeprefix('torch.')}{where}"

@@ -1,0 +1,293 @@
+"""Routed experts kept INT4-packed (hsx.capture.quantized): the Kimi-K2-Thinking form (model type
+kimi_k2, architecture DeepseekV3ForCausalLM, ``auto_map`` to the repository's code, compressed-tensors
+pack-quantized INT4 group 32 on the routed experts only), a tiny DeepSeek-V3 the tests build and
+pack with compressed-tensors' own compressor. The reference is transformers' native
+DeepseekV3ForCausalLM on the same weights with the experts dequantized by compressed-tensors' own
+unpack + dequantize, in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import TINY, conversations, hsx, run_files, save_random, verified_files, write_jsonl
+from hsx.capture.quantized import experts as jit
+from hsx.capture.quantized import int4
+from hsx.capture.transformers import TransformersBackend
+
+pytest.importorskip("compressed_tensors")
+
+VOCAB = 2048  # the bundled tokenizer's
+HIDDEN = 64
+LAYERS = [0, 1]  # hidden_states[3] of 3 layers is after the final norm: the final state
+EXPERT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+def tiny_config(**over):
+    from transformers import DeepseekV3Config
+
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
+    )  # fmt: skip
+    return DeepseekV3Config(**(kw | over))
+
+
+def dequantized(stored: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
+    """compressed-tensors' own unpacking and dequantization of one stored projection, in ``dtype``."""
+    from compressed_tensors.compressors.pack_quantized import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
+    values = unpack_from_int32(stored["weight_packed"], 4, stored["weight_shape"])
+    return dequantize(values, stored["weight_scale"].to(dtype), args=args, dtype=dtype)
+
+
+def kimi_thinking(dense: Path, packed: Path, reference: Path) -> None:
+    """From a float32 checkpoint: ``packed`` in the Kimi-K2-Thinking form (bf16 weights, routed experts
+    INT4-packed by compressed-tensors), ``reference`` the same weights with the experts dequantized
+    (float32, plain DeepSeek-V3)."""
+    for path in (packed, reference):
+        path.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(TINY / name, path / name)
+    stored, ref = {}, {}
+    for name, t in load_file(dense / "model.safetensors").items():
+        t = t.to(torch.bfloat16) if "e_score_correction_bias" not in name else t
+        if EXPERT.search(name):
+            q = int4.quantize(t, 32)
+            for key, value in q.items():
+                stored[f"{name.removesuffix('.weight')}.{key}"] = value
+            ref[name] = dequantized(q)
+        else:
+            stored[name], ref[name] = t, t.to(torch.float32)
+    save_file(stored, packed / "model.safetensors", metadata={"format": "pt"})
+    save_file(ref, reference / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dense / "config.json").read_text())
+    (reference / "config.json").write_text(json.dumps(config))
+    config |= {
+        "model_type": "kimi_k2",
+        "auto_map": {
+            "AutoConfig": "configuration_kimi_k2.KimiK2Config",
+            "AutoModel": "modeling_kimi_k2.KimiK2Model",
+            "AutoModelForCausalLM": "modeling_kimi_k2.KimiK2ForCausalLM",
+        },
+        "quantization_config": int4.quantization_config(32),
+    }
+    (packed / "config.json").write_text(json.dumps(config))
+    (packed / "modeling_kimi_k2.py").write_text("raise RuntimeError('the repository modeling code ran')\n")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("int4")
+    save_random(tiny_config(), root / "dense")
+    kimi_thinking(root / "dense", root / "packed", root / "reference")
+    return {p.name: p for p in root.iterdir()}
+
+
+SEQS = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).numpy() for n in (23, 9, 40)]
+
+
+def reference_states(model_dir: Path, seqs) -> list[list[torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float32
+    with torch.no_grad():
+        return [
+            [h[0] for h in model(torch.as_tensor(s)[None].long(), output_hidden_states=True).hidden_states]
+            for s in seqs
+        ]
+
+
+def states(backend, seqs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    batch = backend.capture(list(range(len(seqs))), seqs)
+    return [tuple(t.clone() for t in batch.sample(i)) for i in range(len(seqs))]
+
+
+# ---------------------------------------------------------------- the expansion
+
+
+def test_expansion_is_compressed_tensors_dequantization_exactly():
+    w = torch.randn(3, 96, 128, dtype=torch.bfloat16)
+    q = int4.quantize(w, 32)
+    assert q["weight_packed"].dtype == torch.int32 and q["weight_packed"].shape == (3, 96, 16)
+    assert q["weight_scale"].shape == (3, 96, 4)
+    fmt = int4.Int4Experts(32)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = fmt.expand(q, dtype)
+        ref = torch.stack([dequantized({k: v[e] for k, v in q.items()}, torch.float32) for e in range(3)]).to(dtype)
+        assert got.dtype == dtype and torch.equal(got, ref)
+    assert (fmt.expand(q, torch.float32) - w.float()).abs().max() <= q[
+        "weight_scale"
+    ].float().max()  # a real round trip
+
+
+# ---------------------------------------------------------------- one process, float32
+
+
+def test_packed_float32_run_equals_the_dequantized_model(models, caplog):
+    with caplog.at_level(logging.WARNING, logger="hsx.checkpoint"):
+        backend = TransformersBackend.load(models["packed"], LAYERS, "float32", "cpu")
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "stay packed" in said and "int4-packed, expanded per layer to float32" in said, said
+    refs = reference_states(models["reference"], SEQS)
+    for (aux, final), ref in zip(states(backend, SEQS), refs, strict=True):
+        for j, k in enumerate(LAYERS):
+            assert (aux[:, j * HIDDEN : (j + 1) * HIDDEN] - ref[k + 1]).abs().max() <= 1e-5
+        assert (final - ref[-1]).abs().max() <= 1e-5
+    # hsx on the dequantized checkpoint: the same bits
+    plain = TransformersBackend.load(models["reference"], LAYERS, "float32", "cpu")
+    for (a, f), (ra, rf) in zip(states(backend, SEQS), states(plain, SEQS), strict=True):
+        assert torch.equal(a, ra) and torch.equal(f, rf)
+
+
+# ---------------------------------------------------------------- memory: packed at rest, one layer expanded
+
+
+def test_experts_are_held_packed_and_one_layer_is_expanded_at_a_time(models, monkeypatch):
+    backend = TransformersBackend.load(models["packed"], LAYERS, "float32", "cpu")
+    held = dict(jit.stored_modules(backend.model))
+    assert sorted(held) == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    for m in held.values():
+        assert not list(m.parameters(recurse=False)), "no dense expert parameters"
+        assert m.gate_up_proj__weight_packed.dtype == torch.int32
+        assert m.gate_up_proj__weight_packed.shape == (8, 2 * 64, HIDDEN // 8)
+        assert m.gate_up_proj__weight_scale.shape == (8, 2 * 64, HIDDEN // 32)
+        assert m.gate_up_proj__weight_scale.dtype == torch.bfloat16  # as stored
+        assert m.down_proj__weight_packed.shape == (8, HIDDEN, 64 // 8)
+        assert "gate_up_proj" not in vars(m) and "down_proj" not in vars(m)
+    dense = 2 * 8 * 3 * 64 * HIDDEN * 4  # two MoE layers, float32
+    assert jit.stored_bytes(backend.model) == 2 * 8 * 3 * 64 * (HIDDEN // 8 * 4 + HIDDEN // 32 * 2)
+    assert jit.stored_bytes(backend.model) < 0.2 * dense
+    alive: list[weakref.ref] = []
+    calls = []
+    expand = jit.StoredExperts.expand
+
+    def watched(self):
+        assert all(r() is None for r in alive), "an earlier layer's expansion is still alive"
+        out = expand(self)
+        assert all(t.dtype == torch.float32 for t in out)
+        alive.extend(weakref.ref(t) for t in out)
+        calls.append(self)
+        return out
+
+    monkeypatch.setattr(jit.StoredExperts, "expand", watched)
+    states(backend, SEQS)
+    assert [id(m) for m in calls] == [id(m) for m in held.values()]  # each MoE layer once, in order
+    assert all(r() is None for r in alive)
+
+
+def test_an_ep_rank_reads_only_its_own_experts(models):
+    """Rank 1 of 2 holds experts 4-7, exactly the checkpoint's packed values and scales."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from hsx.capture import checkpoint
+
+    how = checkpoint.plan(models["packed"], "cpu", "float32")
+    with jit.swapped(DeepseekV3ForCausalLM, how.experts, torch.float32, ep_rank=1, ep_size=2):
+        model = DeepseekV3ForCausalLM.from_pretrained(models["packed"], dtype=torch.float32, **how.kwargs())
+    jit.fill(model, models["packed"], torch.device("cpu"))
+    stored = load_file(models["packed"] / "model.safetensors")
+    experts = model.model.layers[2].mlp.experts
+    assert experts.num_experts == 4 and experts.first_expert == 4
+    assert experts.down_proj__weight_packed.shape[0] == 4
+    for local, e in enumerate(range(4, 8)):
+        name = f"model.layers.2.mlp.experts.{e}"
+        gate_up = torch.cat([stored[f"{name}.gate_proj.weight_packed"], stored[f"{name}.up_proj.weight_packed"]])
+        assert torch.equal(experts.gate_up_proj__weight_packed[local], gate_up)
+        assert torch.equal(experts.down_proj__weight_scale[local], stored[f"{name}.down_proj.weight_scale"])
+
+
+def test_spec_records_the_experts_held_packed(models):
+    from hsx import target
+
+    identity = target.identity(str(models["packed"]), models["packed"])
+    assert identity.quantization.method == "compressed-tensors"
+    assert identity.quantization.experts == "int4-packed group 32"
+    assert "routed experts int4-packed group 32, expanded per layer" in str(identity.quantization)
+    assert target.identity(str(models["reference"]), models["reference"]).quantization is None
+
+
+# ---------------------------------------------------------------- TP / EP
+
+
+@pytest.mark.parametrize("expert", [1, 2])
+def test_tp2_and_tp2_ep2_of_the_packed_model_equal_one_process_but_for_near_ties(models, tmp_path, expert):
+    from test_parallel import NEAR_TIE_SHARE, TOL, off_tokens
+
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(24, start=200))
+    out = tmp_path / "run"
+    proc = hsx(
+        "extract", "--model", models["packed"], "--data", data, "--out", out, "--layers", "0,1", "--dtype", "float32",
+        "--shard-size", "12", "--batch-tokens", "512", "--device", "cpu", "--tensor-parallel", "2",
+        "--expert-parallel", str(expert),
+    )  # fmt: skip
+    assert "ranks 0-1 captured the same states on the first batch" in proc.stdout + proc.stderr
+    spec = json.loads((out / "hsx.json").read_text())
+    assert spec["parallel"] == {"tensor": 2, "expert": expert}
+    assert spec["model"]["quantization"]["experts"] == "int4-packed group 32"
+    off, total, worst = off_tokens(out, models["reference"])
+    print(f"TP2 EP{expert}: {off} of {total} tokens beyond {TOL} (router near-ties); the others within {worst:.2e}")
+    assert total > 1000
+    assert off <= NEAR_TIE_SHARE * total
+    assert worst <= TOL
+
+
+# ---------------------------------------------------------------- kill -9 of a packed run
+
+
+def test_kill9_of_a_packed_run_at_progress_points_then_resume_is_byte_identical(models, tmp_path):
+    """Three kills, each after k new sample files (k seeded, the seed printed), then a resume:
+    the files equal an uninterrupted run's byte for byte, and none is rewritten once verified."""
+    from test_crash import _kill_after
+
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(36, start=300))
+
+    def args(out: Path) -> list:
+        return [
+            "extract", "--model", models["packed"], "--data", data, "--out", out, "--layers", "0,1",
+            "--shard-size", "6", "--batch-tokens", "256", "--writers", "2", "--device", "cpu",
+        ]  # fmt: skip
+
+    hsx(*args(tmp_path / "reference"))
+    reference = run_files(tmp_path / "reference")
+    assert len(reference) == 36
+    seed = int(os.environ.get("HSX_CRASH_SEED", time.time_ns() % 10_000))
+    print(f"HSX_CRASH_SEED={seed}")
+    rng = random.Random(seed)
+    out = tmp_path / "crashed"
+    verified: dict = {}
+    for i in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hsx", *map(str, args(out))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        _kill_after(proc, out, rng.randint(1, 6), seed)
+        assert proc.returncode == -signal.SIGKILL, f"seed {seed}: kill {i} did not land mid-run"
+        assert len(run_files(out)) < 36, f"seed {seed}: kill {i} came after the run had finished"
+        now = verified_files(out)
+        assert all(now.get(p) == ident for p, ident in verified.items()), f"seed {seed}: a verified file changed"
+        verified = now
+    hsx(*args(out))
+    assert run_files(out) == reference, f"seed {seed}"
+    final = verified_files(out)
+    assert all(final[p] == ident for p, ident in verified.items()), f"seed {seed}: rewritten by the resume"
