@@ -79,8 +79,8 @@ class LoadPlan:
     quantization_config: Any = None  # the checkpoint's quantization config with hsx's loading attributes
     dequantize: bool = False  # quantized weights expanded to the run's dtype at load (no quantized kernels)
     exact_blocks: bool = False  # some block-scaled weights are not whole blocks: hsx applies their scales
-    experts: Any = None  # an ExpertFormat: routed experts kept as stored, expanded per layer (capture.quantized)
     notes: tuple[str, ...] = field(default_factory=tuple)  # one line per decision, for the log
+    experts: Any = None  # an ExpertFormat: routed experts kept as stored, expanded per layer (capture.quantized)
 
     def kwargs(self) -> dict:
         out: dict = {}
