@@ -235,11 +235,11 @@ def test_spec_records_the_experts_held_packed(models):
 def test_tp2_and_tp2_ep2_of_the_packed_model_equal_one_process_but_for_near_ties(models, tmp_path, expert):
     from test_parallel import NEAR_TIE_SHARE, TOL, off_tokens
 
-    data = write_jsonl(tmp_path / "convs.jsonl", conversations(24, start=200))
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(12, start=200))
     out = tmp_path / "run"
     proc = hsx(
         "extract", "--model", models["packed"], "--data", data, "--out", out, "--layers", "0,1", "--dtype", "float32",
-        "--shard-size", "12", "--batch-tokens", "512", "--device", "cpu", "--tensor-parallel", "2",
+        "--shard-size", "6", "--batch-tokens", "512", "--device", "cpu", "--tensor-parallel", "2",
         "--expert-parallel", str(expert),
     )  # fmt: skip
     assert "ranks 0-1 captured the same states on the first batch" in proc.stdout + proc.stderr
@@ -248,7 +248,7 @@ def test_tp2_and_tp2_ep2_of_the_packed_model_equal_one_process_but_for_near_ties
     assert spec["model"]["quantization"]["experts"] == "int4-packed group 32"
     off, total, worst = off_tokens(out, models["reference"])
     print(f"TP2 EP{expert}: {off} of {total} tokens beyond {TOL} (router near-ties); the others within {worst:.2e}")
-    assert total > 1000
+    assert total > 500
     assert off <= NEAR_TIE_SHARE * total
     assert worst <= TOL
 
@@ -257,11 +257,11 @@ def test_tp2_and_tp2_ep2_of_the_packed_model_equal_one_process_but_for_near_ties
 
 
 def test_kill9_of_a_packed_run_at_progress_points_then_resume_is_byte_identical(models, tmp_path):
-    """Three kills, each after k new sample files (k seeded, the seed printed), then a resume:
+    """Two kills, each after k new sample files (k seeded, the seed printed), then a resume:
     the files equal an uninterrupted run's byte for byte, and none is rewritten once verified."""
     from test_crash import _kill_after
 
-    data = write_jsonl(tmp_path / "convs.jsonl", conversations(36, start=300))
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(24, start=300))
 
     def args(out: Path) -> list:
         return [
@@ -271,19 +271,19 @@ def test_kill9_of_a_packed_run_at_progress_points_then_resume_is_byte_identical(
 
     hsx(*args(tmp_path / "reference"))
     reference = run_files(tmp_path / "reference")
-    assert len(reference) == 36
+    assert len(reference) == 24
     seed = int(os.environ.get("HSX_CRASH_SEED", time.time_ns() % 10_000))
     print(f"HSX_CRASH_SEED={seed}")
     rng = random.Random(seed)
     out = tmp_path / "crashed"
     verified: dict = {}
-    for i in range(3):
+    for i in range(2):
         proc = subprocess.Popen(
             [sys.executable, "-m", "hsx", *map(str, args(out))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         _kill_after(proc, out, rng.randint(1, 6), seed)
         assert proc.returncode == -signal.SIGKILL, f"seed {seed}: kill {i} did not land mid-run"
-        assert len(run_files(out)) < 36, f"seed {seed}: kill {i} came after the run had finished"
+        assert len(run_files(out)) < 24, f"seed {seed}: kill {i} came after the run had finished"
         now = verified_files(out)
         assert all(now.get(p) == ident for p, ident in verified.items()), f"seed {seed}: a verified file changed"
         verified = now
@@ -291,3 +291,28 @@ def test_kill9_of_a_packed_run_at_progress_points_then_resume_is_byte_identical(
     assert run_files(out) == reference, f"seed {seed}"
     final = verified_files(out)
     assert all(final[p] == ident for p, ident in verified.items()), f"seed {seed}: rewritten by the resume"
+
+
+def test_a_loaded_model_packed_in_memory_computes_as_its_dequantized_experts():
+    """``from_dense`` (what ``hsx bench --int4-experts`` does): the model with its experts packed
+    computes what the same model computes with those experts dequantized into its parameters."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config()).eval()
+    fmt = int4.Int4Experts(32)
+    ids = torch.as_tensor(SEQS[0])[None].long()
+    dense = jit.stored_bytes(model)
+    jit.from_dense(model, fmt, lambda w: int4.quantize(w, 32))
+    assert jit.stored_bytes(model) < 0.2 * dense and len(dict(jit.stored_modules(model))) == 2
+    with torch.no_grad():
+        packed = model(ids, output_hidden_states=True).hidden_states
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(tiny_config()).eval()
+    for name, module in jit.stored_modules(model):
+        target = reference.get_submodule(name)
+        for fused in jit.PROJECTIONS:
+            getattr(target, fused).data = fmt.expand(module.stored(fused), torch.float32)
+    with torch.no_grad():
+        want = reference(ids, output_hidden_states=True).hidden_states
+    assert all(torch.equal(a, b) for a, b in zip(packed, want, strict=True))

@@ -19,7 +19,6 @@ kernels: a resumed run or another scale-out worker computes bit-identical states
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from pathlib import Path
 
@@ -146,33 +145,12 @@ def _causal_lm_class(config, trust_remote_code: bool):
     return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
 
 
-def _without_grad(method):
-    """Run a backend method in the backend's grad-free mode (``TransformersBackend.grad_free``)."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self.grad_free():
-            return method(self, *args, **kwargs)
-
-    return wrapper
-
-
-def _fsdp_wrapped(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
 class TransformersBackend:
     name = NAME
 
     def __init__(self, model, layers: list[int], packed: bool = False, compiled: bool = False):
         """Wrap a loaded model; ``load`` is the usual way in."""
         self.model = model.eval()
-        # inference mode, but for a model with FSDP2 modules: transformers 5.19 wraps expert-parallel
-        # experts in fully_shard, whose pre-forward bumps version counters that inference tensors
-        # lack ("Inference tensors do not track version counter"); no_grad computes the same
-        self.grad_free = torch.no_grad if _fsdp_wrapped(model) else torch.inference_mode
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.packed = packed
@@ -360,7 +338,7 @@ class TransformersBackend:
             "max_length_k": max(lengths),
         }
 
-    @_without_grad
+    @torch.inference_mode()
     def inputs(self, sequences: list[np.ndarray]) -> dict:
         """Made in inference mode, like ``capture`` makes them: a compiled layer's guards tell
         inference tensors from plain ones, so a mix would compile everything twice."""
@@ -369,7 +347,7 @@ class TransformersBackend:
         ids, mask = self.pad(sequences)
         return {"input_ids": ids, "attention_mask": mask}
 
-    @_without_grad
+    @torch.inference_mode()
     def forward(self, inputs: dict) -> None:
         """The bare forward pass (the benchmark's reference): embeddings -> layers -> final norm.
         The first one of a compiled layout traces it on the canonical batches first (``_warm_up``)."""
@@ -378,7 +356,7 @@ class TransformersBackend:
             self._warm_up()
         self.parts.body(**inputs, use_cache=False)
 
-    @_without_grad
+    @torch.inference_mode()
     def capture(self, sample_ids: list[int], sequences: list[np.ndarray]) -> CapturedBatch:
         lengths = [len(s) for s in sequences]
         self._outputs.clear()
