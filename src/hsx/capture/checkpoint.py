@@ -79,7 +79,6 @@ class LoadPlan:
     fp8: bool = False  # FP8 weights kept as stored: ``fp8.install`` puts them on torch's kernels after the load
     experts: Any = None  # an ExpertFormat: routed experts kept as stored, expanded per layer (capture.quantized)
     notes: tuple[str, ...] = field(default_factory=tuple)  # one line per decision, for the log
-    experts: Any = None  # an ExpertFormat: routed experts kept as stored, expanded per layer (capture.quantized)
 
     def kwargs(self) -> dict:
         out: dict = {}
