@@ -117,6 +117,9 @@ def extract(
     allow_partial: Annotated[
         bool, typer.Option(help="Start even if the volume cannot hold the whole run; stop cleanly when it fills.")
     ] = False,
+    allow_incomplete: Annotated[
+        bool, typer.Option(help="--data is an unfinished generate run: extract the conversations it holds.")
+    ] = False,
     backend: Annotated[
         str | None, typer.Option(help="transformers | vllm: what runs the model (new run) [transformers].")
     ] = None,
@@ -164,6 +167,7 @@ def extract(
             writers=writers,
             deep_verify=not fast_verify,
             allow_partial=allow_partial,
+            allow_incomplete=allow_incomplete,
             backend=backend,
             tensor_parallel=tensor_parallel,
             expert_parallel=expert_parallel,
@@ -231,7 +235,9 @@ def verify(
         stdout = Console(highlight=False, soft_wrap=True)
         render_check(result.check, stdout)
         if result.moved:
-            stdout.print(f"next: hsx extract --out {out} redoes {len(result.redo_ids())} samples", highlight=False)
+            stdout.print(
+                f"next: hsx {result.command} --out {out} redoes {len(result.redo_ids())} samples", highlight=False
+            )
     raise typer.Exit(result.exit_code)
 
 
@@ -354,6 +360,97 @@ def quickstart(
         data=[bundled_path("data/sharegpt_dummy_conversation.json")],
         device="cpu",
         shard_size=100,
+    )
+
+
+@app.command()
+def generate(
+    out: Annotated[Path, typer.Option("--out", help="Generate run folder (created, or resumed if it holds hsx.json).")],
+    model: Annotated[str | None, typer.Option(help="Model folder or hub id (new run; or its new path).")] = None,
+    data: Annotated[
+        list[Path] | None, typer.Option(help="Conversations: .jsonl, .json or .parquet; repeatable (new run).")
+    ] = None,
+    backend: Annotated[str | None, typer.Option(help="transformers | vllm | server [transformers].")] = None,
+    turns: Annotated[
+        str | None, typer.Option(help="all: every assistant turn, on the target's own answers; last: the last [all].")
+    ] = None,
+    temperature: Annotated[float | None, typer.Option(help="0: greedy [0].")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling [1.0: off].")] = None,
+    top_k: Annotated[int | None, typer.Option(help="Top-k sampling [0: off].")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="New tokens per turn at most [2048].")] = None,
+    samples_per_prompt: Annotated[int | None, typer.Option(help="Conversations generated per input row [1].")] = None,
+    seed: Annotated[int | None, typer.Option(help="The run's seed; each request's derives from it [0].")] = None,
+    template_kwargs: Annotated[
+        str | None, typer.Option(help="JSON for the chat template, e.g. '{\"enable_thinking\": false}'.")
+    ] = None,
+    max_length: Annotated[int | None, typer.Option(help="Prompt + completion of a turn at most [4096].")] = None,
+    shard_size: Annotated[int | None, typer.Option(help="Conversations per shard folder [1000].")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto | bfloat16 | float16 | float32 [auto].")] = None,
+    device: Annotated[str | None, typer.Option(help="transformers backend: cuda, cuda:1, cpu.")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model's own Python code.")] = False,
+    tensor_parallel_size: Annotated[int | None, typer.Option(help="vllm backend: GPUs per model replica.")] = None,
+    data_parallel_size: Annotated[int | None, typer.Option(help="vllm backend: model replicas.")] = None,
+    server: Annotated[
+        list[str] | None, typer.Option(help="server backend: an OpenAI-compatible base URL; repeatable.")
+    ] = None,
+    concurrency: Annotated[int | None, typer.Option(help="server backend: requests in flight per server.")] = None,
+    fast_verify: Annotated[bool, typer.Option(help="On resume, check headers and sizes only, not digests.")] = False,
+    allow_partial: Annotated[bool, typer.Option(help="Start even if the volume cannot hold the whole run.")] = False,
+    metrics_port: Annotated[int | None, typer.Option(help="Serve the run's metrics on this port.")] = None,
+    metrics_textfile: Annotated[Path | None, typer.Option(help="Keep this file in Prometheus' text format.")] = None,
+) -> None:
+    """Regenerate the assistant turns of conversations with the target into OUT, or resume the run in OUT."""
+    from hsx.generate.job import generate as run_generate
+    from hsx.generate.options import GenerateOptions
+    from hsx.generate.options import template_kwargs as parse_kwargs
+
+    with failures(interrupted=f"resume with: hsx generate --out {out}"):
+        opts = GenerateOptions(
+            out=out,
+            model=model,
+            data=list(data or []),
+            backend=backend,
+            turns=turns,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            samples_per_prompt=samples_per_prompt,
+            seed=seed,
+            template_kwargs=parse_kwargs(template_kwargs),
+            max_length=max_length,
+            shard_size=shard_size,
+            dtype=dtype,
+            device=device,
+            trust_remote_code=trust_remote_code,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
+            servers=list(server or []),
+            concurrency=concurrency,
+            deep_verify=not fast_verify,
+            allow_partial=allow_partial,
+            metrics_port=metrics_port,
+            metrics_textfile=metrics_textfile,
+        )
+        summary = run_generate(opts, log=lambda m: console.print(m, highlight=False))
+    console.print("\n".join(summary.lines()), highlight=False)
+
+
+@app.command("generate-export")
+def generate_export(
+    run: Annotated[Path, typer.Argument(help="Generate run folder.")],
+    dest: Annotated[Path, typer.Argument(help="JSONL file to write: messages and token ids per conversation.")],
+    allow_incomplete: Annotated[bool, typer.Option(help="Export an unfinished run's conversations.")] = False,
+) -> None:
+    """Write a generate run's conversations as JSONL (messages plus the exact token ids) for other trainers."""
+    from hsx.generate.export import export_jsonl
+
+    with failures():
+        done = export_jsonl(run, dest, allow_incomplete)
+    console.print(
+        f"{done.conversations} conversations to {done.path} ({done.bytes / 1e6:,.1f} MB); "
+        f"{done.rejected} rejected and {done.missing} not generated left out",
+        highlight=False,
     )
 
 

@@ -60,26 +60,33 @@ class Sample:
 class Tokenize:
     """Render with the tokenizer's chat template and derive the assistant-token mask."""
 
-    def __init__(self, tokenizer, max_length: int):
+    def __init__(self, tokenizer, max_length: int, template_kwargs: dict | None = None):
         if not getattr(tokenizer, "is_fast", False):
             raise TemplateError("hsx needs a fast (Rust) tokenizer: it maps tokens to characters by offsets")
         if not tokenizer.chat_template:
             raise TemplateError("the tokenizer has no chat template")
         self.tokenizer = tokenizer
         self.max_length = max_length
+        self.template_kwargs = dict(template_kwargs or {})  # e.g. enable_thinking, passed to the template
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
+        )
+
+    def ids(self, text: str) -> list[int]:
+        """A rendered text's token ids, as the plan tokenizes it (the template writes its own specials)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The full rendering and the character spans of each assistant turn (content + end marker)."""
-        full = self._render(messages, False)
+        full = self.render(messages, False)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self._render(messages[:i], True)
-            after = self._render(messages[: i + 1], False)
+            before = self.render(messages[:i], True)
+            after = self.render(messages[: i + 1], False)
             if not (full.startswith(after) and after.startswith(before)):
                 raise TemplateError(f"chat template is not prefix-stable at turn {i}")
             end = len(after.rstrip())

@@ -50,14 +50,18 @@ class Progress:
         def done(f: Future) -> None:
             if f.cancelled() or f.exception() is not None:
                 return
-            with self.lock:
-                self.samples += 1
-                self.tokens += tokens
-                self.bytes += f.result().size
-            if self._bar is not None:
-                self._bar.update(self._task, advance=1, rate=self.rates())
+            self.add_written(tokens, f.result().size)
 
         return done
+
+    def add_written(self, tokens: int, nbytes: int) -> None:
+        """One file this session wrote, durable now."""
+        with self.lock:
+            self.samples += 1
+            self.tokens += tokens
+            self.bytes += nbytes
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, rate=self.rates())
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -92,9 +96,9 @@ class Progress:
         )
 
     @contextmanager
-    def live(self) -> Iterator[None]:
+    def live(self, what: str = "extracting") -> Iterator[None]:
         bar = RichProgress(
-            TextColumn("extracting"),
+            TextColumn(what),
             BarColumn(),
             MofNCompleteColumn(),
             TaskProgressColumn(),

@@ -108,6 +108,7 @@ class RunSpec(BaseModel):
     codec: Codec = Codec.RAW  # how states are stored (store.codec); runs made before codecs are raw
     parallel: Parallel = Parallel()  # runs made before tensor parallel ran in one process
     data: list[DataFile]
+    generate_spec: str | None = None  # the data is a generate run: the digest of its spec
     plan: PlanIdentity
 
     @property

@@ -143,3 +143,35 @@ def _defines(package: Path, arch: str, config: dict) -> bool:
     folder = str(config.get("model_type", "")).replace("-", "_")
     first = sorted((package / "models" / folder).glob("modeling_*.py")) if folder else []
     return any(want in p.read_bytes() for p in itertools.chain(first, package.rglob("*.py")))
+
+
+def check_engine(spec) -> Check:
+    """A generate run's ``capture`` line: is the engine the run generated with installed, at its version?
+    (Looked up, not imported; a server backend's engine runs elsewhere, and a resume checks it then.)"""
+    engine = spec.engine
+    data = {"backend": engine.name, "version": engine.version}
+    module = BACKENDS.get(engine.name)
+    if module is None:
+        return Check(
+            "capture", "ok", f"engine {engine.name} {engine.version}: checked when a resume connects", data=data
+        )
+    try:
+        installed = importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
+        return Check(
+            "capture",
+            "fail",
+            f"engine {engine.name}: {module} is not installed",
+            action=f"install {module} {engine.version}",
+            data=data,
+        )
+    data["installed"] = installed
+    if not engine.version.startswith(installed):
+        return Check(
+            "capture",
+            "fail",
+            f"engine {engine.name}: {module} {installed} installed, the run generated with {engine.version}",
+            action=f"install {module} {engine.version}: a resume with another version is refused",
+            data=data,
+        )
+    return Check("capture", "ok", f"engine {engine.name} {engine.version}, as the run generated with", data=data)

@@ -2,7 +2,8 @@
 
 Resume reads only these two (plus the model): if both are intact, the source data, the script and
 the machine it ran on are not needed. The plan's fingerprint is recomputed from its tokens, so a
-damaged or swapped plan is caught even when the Parquet file still parses.
+damaged or swapped plan is caught even when the Parquet file still parses. A generate run's spec
+(``kind: generate``) and input plan are read and checked the same way.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsx.assess.checks import Check, size
+from hsx.generate.plan import GenPlan
+from hsx.generate.spec import KIND, GenerateSpec, kind_of, load_generate_spec
 from hsx.plan import PLAN_DIR, PLAN_FILE, Plan
 from hsx.spec import RunSpec, SpecError, load_spec
 from hsx.store import layout
@@ -19,13 +22,18 @@ from hsx.store import layout
 @dataclass
 class RunFiles:
     check: Check
-    spec: RunSpec | None
-    plan: Plan | None
+    spec: RunSpec | GenerateSpec | None
+    plan: Plan | GenPlan | None
+
+
+def load_any(run: Path) -> RunSpec | GenerateSpec:
+    """The spec of an extraction or of a generate run (by its ``kind``), assessed alike."""
+    return load_generate_spec(run) if kind_of(run) == KIND else load_spec(run)
 
 
 def inspect(run: Path) -> RunFiles:
     try:
-        spec = load_spec(run)
+        spec = load_any(run)
     except SpecError as e:
         lost = (run / layout.SPEC).exists() or (run / PLAN_DIR).exists()
         action = f"restore {layout.SPEC} from a backup of this run folder" if lost else "check the path"
@@ -40,7 +48,7 @@ def inspect(run: Path) -> RunFiles:
         "plan_ok": False,
     }
     try:
-        plan = Plan(run)
+        plan = GenPlan(run) if isinstance(spec, GenerateSpec) else Plan(run)
     except (OSError, ValueError, KeyError, TypeError) as e:
         return RunFiles(
             Check(

@@ -17,7 +17,8 @@ from rich.markup import escape
 from hsx.assess import gpus, integrity, model, pace, runspec, tally, volume, workers
 from hsx.assess.checks import EXIT_ACT, EXIT_REDO, Check, exit_code, skipped
 from hsx.errors import SpecError
-from hsx.spec import model_location, same_place
+from hsx.generate.spec import GenerateSpec
+from hsx.spec import RunSpec, model_location, same_place
 from hsx.store import layout
 from hsx.telemetry import read_history
 
@@ -32,6 +33,7 @@ class Report:
     checks: list[Check]
     next: list[str] = field(default_factory=list)  # what to do, in order
     resume: str | None = None  # the command that resumes, once the steps above are done
+    generate: bool = False  # a generate run's (``hsx generate`` resumes it)
 
     @property
     def exit_code(self) -> int:
@@ -51,8 +53,37 @@ class Report:
         }
 
 
-def resume_command(run: Path) -> str:
-    return f"hsx extract --out {shlex.quote(str(run))}"
+def resume_command(run: Path, command: str = "extract") -> str:
+    return f"hsx {command} --out {shlex.quote(str(run))}"
+
+
+def _projection(run: Path, spec: RunSpec | GenerateSpec, plan, t: tally.Tally, left_tokens: int) -> volume.Projection:
+    """What the rest of the run needs on the volume: an extraction's states at its codec's ratio
+    as the files on disk measure it; a generate run's token ids and texts by its plan's estimate."""
+    if isinstance(spec, GenerateSpec):
+        ratio, basis = 1.0, ""
+        largest = int(plan.lengths.max()) * spec.bytes_per_token if plan else spec.max_length * spec.bytes_per_token
+    else:
+        # the codec's ratio as the files on disk measure it (without a readable plan: unmeasured)
+        measured = volume.Measured()
+        if t.tokens_done is not None:
+            measured = volume.Measured(t.samples_done, t.tokens_done * spec.bytes_per_token, t.bytes_done)
+        ratio, basis = volume.stored_ratio(spec, measured), volume.ratio_basis(spec, measured)
+        longest = int(plan.lengths.max()) if plan else spec.max_length
+        largest = volume.largest_batch_bytes(spec.batch_tokens, longest, spec.bytes_per_token)
+    return volume.project(
+        run,
+        spec.bytes_per_token,
+        spec.plan.num_tokens,
+        spec.plan.num_samples,
+        left_tokens,
+        t.samples_left,
+        t.bytes_done,
+        largest,
+        new_dirs=len(t.shards["untouched"]),
+        ratio=ratio,
+        basis=basis,
+    )
 
 
 def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | None = None) -> Report:
@@ -78,26 +109,7 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         left_tokens = t.tokens_left
         if t.tokens_done is None:  # plan unreadable: assume average-length samples are left
             left_tokens = spec.plan.num_tokens * t.samples_left // max(t.samples_total, 1)
-        # the codec's ratio as the files on disk measure it (without a readable plan: unmeasured)
-        measured = volume.Measured()
-        if t.tokens_done is not None:
-            measured = volume.Measured(t.samples_done, t.tokens_done * spec.bytes_per_token, t.bytes_done)
-        proj = volume.project(
-            run,
-            spec.bytes_per_token,
-            spec.plan.num_tokens,
-            spec.plan.num_samples,
-            left_tokens,
-            t.samples_left,
-            t.bytes_done,
-            volume.largest_batch_bytes(
-                spec.batch_tokens, int(plan.lengths.max()) if plan else spec.max_length, spec.bytes_per_token
-            ),
-            new_dirs=len(t.shards["untouched"]),
-            ratio=volume.stored_ratio(spec, measured),
-            basis=volume.ratio_basis(spec, measured),
-        )
-        checks["volume"] = volume.check(proj, run)
+        checks["volume"] = volume.check(_projection(run, spec, plan, t, left_tokens), run)
         try:
             recorded = model_location(run, spec)
         except SpecError as e:
@@ -107,8 +119,9 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         model_dir = model.locate(where)
         if "model" not in checks:
             checks["model"] = model.check_model(spec, model_dir, where, same_place(where, recorded))
-        checks["capture"] = model.check_capture(spec, model_dir, deep)
-    report = Report(run, [checks[n] for n in ORDER])
+        generated = isinstance(spec, GenerateSpec)
+        checks["capture"] = model.check_engine(spec) if generated else model.check_capture(spec, model_dir, deep)
+    report = Report(run, [checks[n] for n in ORDER], generate=isinstance(spec, GenerateSpec))
     _next_steps(report, t)
     return report
 
@@ -119,7 +132,7 @@ def _next_steps(report: Report, t: tally.Tally | None) -> None:
         report.next = [f"{c.name}: {c.action or c.figure}" for c in act]
         report.next.append("this folder cannot be resumed until its spec and plan are restored")
         return
-    cmd = resume_command(report.run)
+    cmd = resume_command(report.run, "generate" if report.generate else "extract")
     if report.get("model").level == "fail" and report.get("model").data.get("found") is False:
         cmd += " --model NEW_PATH"
     report.next = [f"fix first: {c.name}: {c.action or c.figure}" for c in act]
@@ -130,7 +143,10 @@ def _next_steps(report: Report, t: tally.Tally | None) -> None:
         return
     report.resume = cmd
     if not act and redo:
-        report.next.append("hsx extract redoes the damaged samples by itself (or first: hsx verify --repair)")
+        report.next.append(
+            f"hsx {'generate' if report.generate else 'extract'} redoes the damaged samples by itself "
+            "(or first: hsx verify --repair)"
+        )
 
 
 def render(report: Report, console: Console) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hsx.assess import integrity, workers
+from hsx.assess import integrity, runspec, workers
 from hsx.assess.checks import EXIT_ACT, EXIT_OK, EXIT_REDO, Check
 from hsx.errors import RepairRefused
-from hsx.spec import RunSpec, load_spec
+from hsx.generate.spec import GenerateSpec
+from hsx.spec import RunSpec
 from hsx.store import layout
 from hsx.store.quarantine import Moved, quarantine
 
@@ -22,7 +23,7 @@ from hsx.store.quarantine import Moved, quarantine
 @dataclass
 class VerifyResult:
     run: Path
-    spec: RunSpec
+    spec: RunSpec | GenerateSpec
     result: integrity.Integrity
     check: Check
     moved: list[Moved] = field(default_factory=list)
@@ -43,13 +44,18 @@ class VerifyResult:
             "redo_sample_ids": self.redo_ids(),
         }
 
+    @property
+    def command(self) -> str:
+        """The command that redoes what repair moved aside: ``generate`` for a generate run."""
+        return "generate" if isinstance(self.spec, GenerateSpec) else "extract"
+
     def redo_ids(self) -> list[int]:
         return sorted({p.sample_id for p in self.result.problems if p.sample_id is not None})
 
 
 def verify(run: Path, deep: bool = False, repair: bool = False, threads: int | None = None) -> VerifyResult:
     """``threads``: parallel readers (None: the store's default for this machine)."""
-    spec = load_spec(run)
+    spec = runspec.load_any(run)
     worker = workers.inspect(run)
     if repair and worker.alive:
         h = worker.holder

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hsx import target
 from hsx.errors import InputError, OptionError, Refused
+from hsx.generate.spec import is_generate_run
 from hsx.input import read_conversations
 from hsx.plan import Tokenize, tokenize_all, write_plan
 from hsx.run.options import DEFAULTS, ExtractOptions, resolve_compile, resolve_packing, resolve_parallel
@@ -31,7 +32,7 @@ def asked(opts: ExtractOptions) -> dict:
         out["model"] = target.identity(opts.model, model_dir)
         out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
     if opts.data:
-        out["data"] = [DataFile.of(p) for p in opts.data]
+        out["data"] = data_files(opts.data)
     for key in ("layers", "max_length", "batch_tokens", "shard_size", "backend", "codec"):
         out[key] = getattr(opts, key)
     if opts.dtype not in (None, "auto"):
@@ -42,6 +43,22 @@ def asked(opts: ExtractOptions) -> dict:
         if value != "auto":  # said out loud on a resume: it must match the run, never silently ignored
             out[key] = value == "on"
     return out
+
+
+def data_files(paths: list[Path]) -> list[DataFile]:
+    """What the spec records of each data path: a file's size and digest, or a generate run's
+    (``generate.samples.data_file``)."""
+    from hsx.generate.samples import data_file
+
+    return [data_file(p) if is_generate_run(p) else DataFile.of(p) for p in paths]
+
+
+def _generated_input(opts: ExtractOptions) -> Path | None:
+    """The generate run that is this extraction's data, if it is one (then it must be the only data)."""
+    runs = [p for p in opts.data if is_generate_run(p)]
+    if runs and len(opts.data) > 1:
+        raise InputError("a generate run is extracted alone: give it as the only --data")
+    return runs[0] if runs else None
 
 
 def remove_stray_temps(run: Path) -> int:
@@ -73,8 +90,9 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
                 f"{opts.out} is not empty and holds no run spec ({', '.join(foreign[:5])}"
                 f"{', ...' if len(foreign) > 5 else ''}): choose an empty or new folder"
             )
+    generated = _generated_input(opts)
     for path in opts.data:
-        if not path.is_file():
+        if not path.is_file() and generated is None:
             raise InputError(f"{path}: no such data file")
     model_dir = target.resolve(opts.model)
     tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
@@ -98,9 +116,18 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     if codec not in set(Codec):
         raise OptionError(f"--codec takes {', '.join(Codec)}, not {codec!r}")
     opts.out.mkdir(parents=True, exist_ok=True)
-    log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
-    rows = read_conversations(opts.data)
-    info, rejects = write_plan(opts.out, tokenize_all(rows, Tokenize(tokenizer, max_length)), max_length)
+    source_spec = None
+    if generated is not None:  # the target's own token ids, as generated: nothing is rendered again
+        from hsx.generate.samples import plan_samples
+
+        digest = target.tokenizer_identity(tokenizer).digest
+        gen, samples = plan_samples(generated, digest, max_length, opts.allow_incomplete, log)
+        source_spec = gen.digest()
+        log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
+    else:
+        log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
+        samples = tokenize_all(read_conversations(opts.data), Tokenize(tokenizer, max_length))
+    info, rejects = write_plan(opts.out, samples, max_length)
     write_durable(opts.out / layout.REJECTS, "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode())
     spec = RunSpec(
         created=now(),
@@ -119,7 +146,8 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         compiled=compiled,
         codec=codec,
         parallel=parallel,
-        data=[DataFile.of(p) for p in opts.data],
+        data=data_files(opts.data),
+        generate_spec=source_spec,
         plan=PlanIdentity(
             fingerprint=info.fingerprint,
             num_samples=info.num_samples,

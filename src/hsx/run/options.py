@@ -56,6 +56,7 @@ class ExtractOptions:
     compile: Toggle = "auto"  # torch.compile the decoder layers (auto: on for CUDA)
     codec: str | None = None  # raw | zstd | fp8: how states are stored (a new run's default: raw)
     allow_partial: bool = False  # start even when the projected size exceeds free space
+    allow_incomplete: bool = False  # --data is a generate run not finished yet: extract what it holds
     reserve_bytes: int | None = None  # kept free while running; None: max(1% of volume, 2x largest batch)
     backend: str | None = None  # transformers | vllm; a new run's default is transformers
     tensor_parallel: int | None = None  # transformers backend: one replica over this many devices (spec)

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 FORMAT = "hsx-sample/1"  # raw states
 FORMAT_ENCODED = "hsx-sample/2"  # states stored through a codec other than raw
 FORMATS = (FORMAT, FORMAT_ENCODED)
+CONVERSATION = "hsx-conversation/1"  # a generate run's file (``hsx.generate.record``): token ids, no states
 STATES = ("aux_hidden_states", "hidden_states")
 LAYER_CONVENTION = "hsx/1: layer k = output of decoder layer k (0-based) = HF hidden_states[k+1]"
 FINAL_STATE = "last decoder layer output after the final norm"
@@ -148,11 +149,12 @@ def encode(sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW) -
         for name, t in states.items():
             stored += encode_state(codec, name, t, groups[name])
         stored.sort(key=lambda e: -_align(e[1]))  # stable: 8-byte, then 4-byte, then 1-byte types
-    views = [(name, t, tensor_bytes(t) if isinstance(t, torch.Tensor) else memoryview(t)) for name, t in stored]
-    h = xxhash.xxh3_128()
-    for _, _, view in views:
-        h.update(view)
-    digest = digest_text(h)
+    views = [
+        (name, _dtypes()[t.dtype], list(t.shape), tensor_bytes(t))
+        if isinstance(t, torch.Tensor)
+        else (name, "U8", [memoryview(t).nbytes], memoryview(t))
+        for name, t in stored
+    ]
     metadata |= {
         "sample_id": str(sample.sample_id),
         "num_tokens": str(sample.input_ids.shape[0]),
@@ -165,19 +167,25 @@ def encode(sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW) -
             {name: {"dtype": _dtypes()[t.dtype], "shape": list(t.shape)} for name, t in states.items()},
             separators=(",", ":"),
         )
-    metadata["digest"] = digest
-    header: dict = {"__metadata__": metadata}
+    return pack(views, metadata)
+
+
+def pack(views: list[tuple[str, str, list[int], memoryview]], metadata: dict[str, str]) -> tuple[list, str]:
+    """A self-verifying safetensors file of these tensors (name, safetensors dtype, shape, bytes, in
+    data order): its parts (header, then each tensor's bytes, uncopied) and the data digest, which
+    is added to ``metadata`` last. Every file hsx writes into shards is made here."""
+    h = xxhash.xxh3_128()
+    for *_, view in views:
+        h.update(view)
+    digest = digest_text(h)
+    header: dict = {"__metadata__": metadata | {"digest": digest}}
     offset = 0
-    for name, t, view in views:
-        header[name] = {
-            "dtype": _dtypes()[t.dtype] if isinstance(t, torch.Tensor) else "U8",
-            "shape": list(t.shape) if isinstance(t, torch.Tensor) else [view.nbytes],
-            "data_offsets": [offset, offset + view.nbytes],
-        }
+    for name, dtype, shape, view in views:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + view.nbytes]}
         offset += view.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return [struct.pack("<Q", len(raw)) + raw] + [v for _, _, v in views], digest
+    return [struct.pack("<Q", len(raw)) + raw] + [v for *_, v in views], digest
 
 
 def _align(t: torch.Tensor | bytes) -> int:
@@ -254,8 +262,9 @@ class Header:
         return int(self.metadata["num_tokens"])
 
     @property
-    def codec(self) -> Codec:
-        return codec_of(self.metadata)
+    def codec(self) -> Codec | None:
+        """None for a conversation file, which stores no states."""
+        return None if self.metadata.get("format") == CONVERSATION else codec_of(self.metadata)
 
 
 def read_header(path: Path) -> Header:
@@ -265,7 +274,8 @@ def read_header(path: Path) -> Header:
         header, start = safetensors_header(f, size)
     try:
         metadata = header.pop("__metadata__")
-        codec_of(metadata)
+        if metadata.get("format") != CONVERSATION:
+            codec_of(metadata)
         ends = sorted((v["data_offsets"][0], v["data_offsets"][1]) for v in header.values())
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise BadFile("corrupt", f"header does not parse ({e})") from e

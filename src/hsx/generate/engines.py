@@ -1,0 +1,53 @@
+"""Which engine a generate run uses, opened by name: ``open_engine(name, settings)``.
+
+Each backend lives in its own module beside this one and exposes ``open(settings) -> Engine``;
+the table below names the module, so an optional engine (vLLM, an HTTP client) is imported only
+when a run uses it, and a build without it refuses by name instead of failing at import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hsx.errors import OptionError, Refused
+from hsx.generate.engine import Engine
+
+# backend name -> module whose ``open(settings)`` returns the engine
+ENGINES = {
+    "transformers": "hsx.generate.transformers",
+    "vllm": "hsx.generate.vllm",
+    "server": "hsx.generate.server",
+}
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What opening an engine needs. The common fields come from the run spec; the rest are how
+    this session reaches its engine and are not part of the spec (they do not change the tokens:
+    a resume may use other servers, or another parallel layout of vLLM, as the operator chooses)."""
+
+    model_dir: Path
+    trust_remote_code: bool = False
+    dtype: str = "auto"  # torch dtype name or auto (the checkpoint's)
+    device: str | None = None  # transformers: cpu, cuda, cuda:1 (None: cuda if present)
+    seed: int = 0  # the run's seed (each request carries its own, derived from it)
+    tensor_parallel_size: int = 1  # vllm
+    data_parallel_size: int = 1  # vllm
+    servers: tuple[str, ...] = ()  # server: OpenAI-compatible base URLs
+    concurrency: int = 64  # server: requests in flight per server
+    max_pending: int | None = None  # requests kept submitted (None: the engine's own choice)
+    extra: dict[str, str] = field(default_factory=dict)  # backend-specific knobs, by name, as given
+
+
+def open_engine(name: str, settings: EngineSettings) -> Engine:
+    """The engine ``name`` opened with ``settings``; refused by name when unknown or not installed."""
+    module_name = ENGINES.get(name)
+    if module_name is None:
+        raise OptionError(f"--backend takes {', '.join(ENGINES)}, not {name!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise Refused(f"the {name} generate backend is not available here ({e})") from e
+    return module.open(settings)

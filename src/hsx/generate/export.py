@@ -1,0 +1,74 @@
+"""``hsx generate-export GEN DEST.jsonl``: the regenerated conversations for other trainers' pipelines.
+
+One JSON line per conversation, in conversation id order, read from verified files only: its key,
+source, sample, the messages (the target's answers in place) and, per generated turn, the prompt
+and completion token ids exactly as the engine ran and produced them, the finish reason and the
+text. A trainer that tokenizes the messages itself may get other ids than the target produced; one
+that reads ``prompt_ids`` + ``completion_ids`` gets exactly the target's. Rejected conversations
+are left out (``GEN/rejects.jsonl`` lists them). The file appears whole or not at all (temp, fsync,
+rename). An unfinished run is refused unless asked, as extraction refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsx.errors import ExportRefused
+from hsx.generate.record import ConversationRecord, read_record
+from hsx.generate.samples import generated
+from hsx.store import layout
+from hsx.store.durable import write_parts
+
+
+@dataclass(frozen=True)
+class Exported:
+    path: Path
+    conversations: int
+    rejected: int
+    missing: int
+    bytes: int
+
+
+def line(rec: ConversationRecord) -> bytes:
+    body = {
+        "key": rec.key,
+        "source": rec.source.__dict__,
+        "sample": rec.sample,
+        "messages": rec.messages,
+        "turns": [
+            {
+                "message": t.message,
+                "prompt_ids": t.prompt_ids.tolist(),
+                "completion_ids": t.completion_ids.tolist(),
+                "finish_reason": t.finish_reason,
+                "text": t.text,
+            }
+            for t in rec.turns
+        ],
+    }
+    return json.dumps(body, ensure_ascii=False).encode() + b"\n"
+
+
+def export_jsonl(run: Path, dest: Path, allow_incomplete: bool = False) -> Exported:
+    spec, files = generated(run)
+    missing = spec.plan.num_samples - len(files)
+    if missing and not allow_incomplete:
+        raise ExportRefused(
+            f"{run} is an unfinished generate run ({len(files)} of {spec.plan.num_samples} conversations): "
+            f"finish it (hsx generate --out {run}) or export what is there with --allow-incomplete"
+        )
+    counts = {"ok": 0, "rejected": 0}
+
+    def lines() -> Iterator[bytes]:
+        for cid in files:
+            rec = read_record(layout.sample_path(run, cid, spec.shard_size), cid)
+            counts["ok" if rec.ok else "rejected"] += 1
+            if rec.ok:
+                yield line(rec)
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    size = write_parts(dest, lines())
+    return Exported(dest, counts["ok"], counts["rejected"], missing, size)

@@ -1,0 +1,137 @@
+"""Create a generate run folder (plan, rejects, then the spec, last) or open one, refusing any drift.
+
+The same commit points as an extraction's folder (``run.folder``): the plan and the rejects are
+written durably first, the spec last, so a folder without a spec is an interrupted set-up that the
+next ``hsx generate`` plans again. The spec records the engine's name and version, which are known
+once it is open: a new run opens its engine before writing the spec (under the run's lock).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from hsx import target
+from hsx.errors import InputError, Refused
+from hsx.generate.engine import Engine
+from hsx.generate.options import GenerateOptions
+from hsx.generate.plan import plan_rows, write_gen_plan
+from hsx.generate.spec import EngineIdentity, GenerateSpec, SamplingSpec, generate_differences, load_generate_spec
+from hsx.input import Conversation, Reject, read_conversations
+from hsx.plan import Tokenize
+from hsx.run.folder import remove_stray_temps
+from hsx.spec import DataFile, PlanIdentity, now, who
+from hsx.store import layout
+from hsx.store.durable import write_durable
+
+PLAN_REJECTS = "rejects.jsonl"  # in plan/: the rows planning rejected (the run's rejects.jsonl adds later ones)
+
+
+def asked(opts: GenerateOptions) -> dict:
+    """What the operator gave, in the spec's terms (for the drift check)."""
+    out: dict = {"sampling": opts.sampling_given()}
+    if opts.model is not None:
+        model_dir = target.resolve(opts.model)
+        out["model"] = target.identity(opts.model, model_dir)
+        out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
+    if opts.data:
+        out["data"] = [DataFile.of(p) for p in opts.data]
+    for key in ("max_length", "shard_size", "backend", "seed", "turns", "samples_per_prompt", "template_kwargs"):
+        out[key] = getattr(opts, key)
+    return out
+
+
+def open_gen_run(opts: GenerateOptions, log: Callable[[str], None]) -> GenerateSpec | None:
+    """An existing run's spec, checked against the options; None when ``opts.out`` is no run yet."""
+    if not (opts.out / layout.SPEC).exists():
+        if not opts.model or not opts.data:
+            raise Refused(f"{opts.out} is not a generate run yet: a new run needs --model and --data")
+        return None
+    spec = load_generate_spec(opts.out)
+    diffs = generate_differences(spec, asked(opts))
+    if diffs:
+        raise Refused(
+            f"{opts.out} belongs to a generate run with other settings; refusing to resume:\n  - "
+            + "\n  - ".join(diffs)
+            + f"\nResume with the run's own settings: hsx generate --out {opts.out}"
+        )
+    return spec
+
+
+def check_engine(spec: GenerateSpec, engine: Engine) -> None:
+    """A resume must generate with the engine (and version) the run started with."""
+    have = EngineIdentity(name=engine.name, version=engine.version)
+    if have != spec.engine:
+        raise Refused(
+            f"{spec.engine.name} {spec.engine.version} generated this run; this is {have.name} {have.version}: "
+            "a resume with another engine or version would change the tokens (install the run's version)"
+        )
+
+
+def _numbered(paths: list[Path]) -> Iterator[tuple[int, Conversation | Reject]]:
+    for file_no, path in enumerate(paths):
+        for item in read_conversations([path]):
+            yield file_no, item
+
+
+def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
+    """A new run's plan and rejects, written durably; the spec is written by ``create_spec``."""
+    remove_stray_temps(opts.out)  # an interrupted set-up; the plan is rebuilt from the data
+    foreign = sorted(p.name for p in opts.out.iterdir() if p.name not in layout.SETUP_FILES)
+    if foreign:
+        raise Refused(
+            f"{opts.out} is not empty and holds no run spec ({', '.join(foreign[:5])}): choose an empty or new folder"
+        )
+    for path in opts.data:
+        if not path.is_file():
+            raise InputError(f"{path}: no such data file")
+    model_dir = target.resolve(opts.model)
+    tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
+    tokenize = Tokenize(tokenizer, opts.get("max_length"), opts.template_kwargs)
+    log(f"planning {len(opts.data)} data file(s) with the model's chat template")
+    rows = plan_rows(
+        _numbered(opts.data),
+        tokenize,
+        opts.get("turns"),
+        opts.get("samples_per_prompt"),
+        opts.sampling().max_new_tokens,
+    )
+    info, rejects = write_gen_plan(opts.out, rows, opts.get("max_length"))
+    body = "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode()
+    write_durable(opts.out / layout.PLAN_DIR / PLAN_REJECTS, body)
+    write_durable(opts.out / layout.REJECTS, body)
+    log(f"plan: {info.num_samples} conversations, {len(rejects)} rows rejected (see {layout.REJECTS})")
+    plan = PlanIdentity(
+        fingerprint=info.fingerprint,
+        num_samples=info.num_samples,
+        num_tokens=info.num_tokens,
+        num_truncated=0,
+        num_rejected=len(rejects),
+    )
+    return plan
+
+
+def create_spec(opts: GenerateOptions, plan: PlanIdentity, engine: Engine) -> GenerateSpec:
+    """The spec of a new run, saved last: from now on the folder is a run."""
+    model_dir = target.resolve(opts.model)
+    spec = GenerateSpec(
+        created=now(),
+        created_by=who(),
+        model=target.identity(opts.model, model_dir),
+        tokenizer=target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code)),
+        template_kwargs=opts.template_kwargs or {},
+        engine=EngineIdentity(name=engine.name, version=engine.version),
+        sampling=SamplingSpec.of(opts.sampling()),
+        seed=opts.get("seed"),
+        turns=opts.get("turns"),
+        samples_per_prompt=opts.get("samples_per_prompt"),
+        max_length=opts.get("max_length"),
+        shard_size=opts.get("shard_size"),
+        dtype=opts.get("dtype"),
+        trust_remote_code=opts.trust_remote_code,
+        data=[DataFile.of(p) for p in opts.data],
+        plan=plan,
+    )
+    spec.save(opts.out)
+    return spec

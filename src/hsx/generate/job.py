@@ -1,0 +1,308 @@
+"""``hsx generate``: the job that keeps the engine full and writes each conversation once it is whole.
+
+    hsx generate --model M --data IN --out GEN     new run: plan, engine, spec, then generation
+    hsx generate --out GEN                          resume: everything comes from GEN/hsx.json
+
+Under the run's lock (``lock.RunLock``, heartbeat and metrics through ``telemetry``), the job
+verifies what is on disk with the extraction's resume prologue (``run.resume``: headers, then
+digests; stray temp files removed, damaged files redone, complete shards sealed), projects the
+space the rest needs (``assess.volume``), and then feeds the engine: up to ``engine.max_pending``
+requests are in flight, one per conversation, whose next turn is submitted when its previous one
+came back (its prompt holds that answer). A conversation's file is written (temp, fsync, rename,
+fsync folder: ``store.durable``) when its last turn is done, and a shard is sealed when its last
+file is; so "done" is a verified file per conversation id, exactly once, whatever order the engine
+answers in, and a kill loses only the conversations in flight, which a resume redoes from their
+first turn with the same seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from hsx import target
+from hsx.assess import volume
+from hsx.errors import BadFile, CaptureFailed, NotEnoughSpace
+from hsx.generate.engine import Completion, Engine, Request, Sampling
+from hsx.generate.engines import EngineSettings, open_engine
+from hsx.generate.folder import PLAN_REJECTS, check_engine, create_spec, open_gen_run, plan_run
+from hsx.generate.options import GenerateOptions
+from hsx.generate.plan import GenPlan, load_gen_plan, too_long
+from hsx.generate.prompts import Dialogue, Prompter, stop_ids
+from hsx.generate.record import ConversationRecord, Source, encode_record, read_record
+from hsx.generate.spec import BYTES_PER_TOKEN, GenerateSpec
+from hsx.input import Reject
+from hsx.input import Source as InputSource
+from hsx.lock import RunLock
+from hsx.plan import Tokenize
+from hsx.progress import Progress
+from hsx.run.folder import record_model, remove_stray_temps
+from hsx.run.resume import Summary, Verifier, scan_all
+from hsx.store import layout
+from hsx.store.durable import write_durable, write_parts
+from hsx.store.format import read_header
+from hsx.store.scan import ShardScan
+from hsx.store.writer import FileRecord, seal
+
+LARGE = 2e9  # parameters above which the transformers engine is said not to be the production route
+
+
+@dataclass
+class GenerateSummary:
+    """What a generate session did, and where the run stands."""
+
+    run: object
+    total: int
+    already_done: int = 0
+    written: int = 0
+    rejected_now: int = 0  # conversations this session rejected (prompt over the limit, engine failure)
+    turns: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    redone: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def done(self) -> int:
+        return self.already_done + self.written
+
+    @property
+    def complete(self) -> bool:
+        return self.done == self.total
+
+    def lines(self) -> list[str]:
+        rate = f" ({self.new_tokens / self.seconds:,.0f} new tokens/s)" if self.seconds > 0 and self.new_tokens else ""
+        out = [
+            f"run        {self.run}  ({'complete' if self.complete else 'incomplete'})",
+            f"convs      {self.done}/{self.total} done, {self.written} written now "
+            f"({self.rejected_now} of them rejected), {self.already_done} were already verified",
+            f"generated  {self.turns} turns, {self.new_tokens:,} new tokens in {self.seconds:.1f}s{rate}",
+        ]
+        if self.redone:
+            out.append("redone     " + ", ".join(f"{n} {k}" for k, n in sorted(self.redone.items())))
+        return out
+
+
+def request_seed(seed: int, key: str, turn: int) -> int:
+    """A request's seed: a function of the run's seed, the conversation key and the turn only."""
+    return xxhash.xxh3_64_intdigest(f"{seed}/{key}/{turn}".encode()) & (2**63 - 1)
+
+
+class Feeder:
+    """Keeps ``engine`` full with the turns of the missing conversations; writes each one whole."""
+
+    def __init__(
+        self,
+        spec: GenerateSpec,
+        run,
+        plan: GenPlan,
+        engine: Engine,
+        prompter: Prompter,
+        progress: Progress,
+        guard: volume.DiskGuard | None,
+        summary: GenerateSummary,
+    ):
+        self.spec, self.run, self.plan, self.engine, self.prompter = spec, run, plan, engine, prompter
+        self.progress, self.guard, self.summary = progress, guard, summary
+        self.sampling = spec.sampling.sampling()
+        self.active: dict[str, tuple[Dialogue, np.ndarray]] = {}  # request key -> (dialogue, its prompt)
+        self.shards: dict[int, dict[int, FileRecord]] = {}
+        self.left: dict[int, int] = {}
+
+    def run_shards(self, todo: list[ShardScan]) -> None:
+        queue: list[int] = []
+        for scan in todo:
+            self.shards[scan.shard] = dict(scan.good)
+            self.left[scan.shard] = len(scan.missing)
+            queue += scan.missing
+        queue.reverse()
+        with self.progress.live("generating"):
+            while queue or self.active:
+                while queue and len(self.active) < max(self.engine.max_pending, 1):
+                    self.start(queue.pop())
+                for outcome in self.engine.poll(None if self.active else 0):
+                    self.outcome(outcome)
+
+    def start(self, cid: int) -> None:
+        row = self.plan.row(cid)
+        self.advance(Dialogue(cid, row.messages, row.targets))
+
+    def advance(self, d: Dialogue) -> None:
+        """Submit ``d``'s next turn, or write it when it has none left (or cannot go on)."""
+        if d.finished:
+            return self.write(d)
+        prompt = self.prompter.prompt(d)
+        room = self.spec.max_length - len(prompt)
+        if room <= 0:
+            return self.write(d, too_long(d.next_message, len(prompt), self.spec.max_length))
+        s = self.sampling
+        key = f"{d.id}/{len(d.done)}"
+        sampling = Sampling(s.temperature, s.top_p, s.top_k, min(s.max_new_tokens, room))
+        seed = request_seed(self.spec.seed, self.plan.row(d.id).key, len(d.done))
+        self.active[key] = (d, prompt)
+        self.engine.submit(Request(key, tuple(int(i) for i in prompt), sampling, seed))
+
+    def outcome(self, outcome) -> None:
+        d, prompt = self.active.pop(outcome.key)
+        if not isinstance(outcome, Completion):
+            return self.write(d, f"engine failed on turn {d.next_message}: {outcome.reason}")
+        if tuple(outcome.prompt_ids) != tuple(int(i) for i in prompt):
+            raise CaptureFailed(
+                f"the {self.engine.name} engine ran other prompt ids than asked for request {outcome.key} "
+                f"({len(outcome.prompt_ids)} ids, asked {len(prompt)}): refusing to keep a sample it did not see"
+            )
+        completion = np.asarray(outcome.completion_ids, dtype=np.int32)
+        self.prompter.answer(d, prompt, completion, outcome.finish_reason)
+        self.summary.turns += 1
+        self.summary.new_tokens += len(completion)
+        self.advance(d)
+
+    def write(self, d: Dialogue, reason: str | None = None) -> None:
+        row = self.plan.row(d.id)
+        rec = ConversationRecord(
+            d.id,
+            row.key,
+            Source(row.source_file, row.source_row, row.source_id),
+            row.sample,
+            d.messages,
+            d.done,
+            reason,
+        )
+        parts, digest = encode_record(rec)
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        if self.guard is not None:
+            self.guard(nbytes)
+        path = layout.sample_path(self.run, d.id, self.spec.shard_size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_parts(path, parts)  # durable: temp, fsync, rename, fsync folder
+        shard = layout.shard_of(d.id, self.spec.shard_size)
+        self.shards[shard][d.id] = FileRecord(d.id, nbytes, digest)
+        self.left[shard] -= 1
+        if not self.left[shard]:
+            seal(self.run, shard, list(self.shards[shard].values()))
+        self.summary.written += 1
+        self.summary.rejected_now += reason is not None
+        self.progress.add_written(int(self.plan.lengths[d.id]), nbytes)
+
+
+def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> GenerateSummary:
+    """Generate into ``opts.out`` (a new run, or the resume of one) to the end or a clean stop."""
+    spec = open_gen_run(opts, log)
+    run = opts.out
+    run.mkdir(parents=True, exist_ok=True)
+    engine: Engine | None = None
+    progress = Progress(0, 0, BYTES_PER_TOKEN)  # totals set once the plan is known
+    telemetry = opts.telemetry(progress.metrics)
+    with telemetry, RunLock(run, command="generate", on_beat=telemetry.beat, warn=log):
+        remove_stray_temps(run)
+        try:
+            if spec is None:  # a new run: plan, engine, then the spec, last
+                plan_id = plan_run(opts, log)
+                settings = opts.engine_settings(
+                    target.resolve(opts.model), opts.get("dtype"), opts.trust_remote_code, opts.get("seed")
+                )
+                engine = _open(opts.get("backend"), settings, log)
+                spec = create_spec(opts, plan_id, engine)
+            record_model(opts, spec, log)  # type: ignore[arg-type]  # a --model that matched, somewhere new
+            progress.total_samples, progress.total_tokens = spec.plan.num_samples, spec.plan.num_tokens
+            plan = load_gen_plan(run, spec)
+            summary = GenerateSummary(run, spec.plan.num_samples)
+            resume = Summary.of(run, spec)  # type: ignore[arg-type]
+            headers = scan_all(run, spec, deep=False)  # type: ignore[arg-type]
+            reserve = _space(opts, spec, plan, headers, log)
+            progress.start(0, 0)
+
+            def done(scan: ShardScan) -> None:
+                progress.add_done(len(scan.good), int(plan.lengths[list(scan.good)].sum()) if scan.good else 0)
+
+            verifier = Verifier(run, spec, headers, opts.deep_verify, resume, done).start()  # type: ignore[arg-type]
+            try:
+                todo = verifier.rest()
+            finally:
+                verifier.stop()
+            summary.already_done, summary.redone = resume.already_done, resume.redone
+            if todo:
+                model_dir = target.model_dir_for(run, spec, opts.model, checked=False)  # type: ignore[arg-type]
+                if engine is None:
+                    settings = opts.engine_settings(model_dir, spec.dtype, spec.trust_remote_code, spec.seed)
+                    engine = _open(spec.engine.name, settings, log)
+                check_engine(spec, engine)
+                tokenizer = target.load_tokenizer(model_dir, spec.trust_remote_code)
+                prompter = Prompter(
+                    Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stop_ids(model_dir, tokenizer)
+                )
+                guard = volume.DiskGuard(run, reserve)
+                t0 = time.monotonic()
+                try:
+                    Feeder(spec, run, plan, engine, prompter, progress, guard, summary).run_shards(todo)
+                finally:
+                    summary.seconds = time.monotonic() - t0
+            write_rejects(run, spec)
+            return summary
+        finally:
+            if engine is not None:
+                engine.close()
+
+
+def _open(backend: str, settings: EngineSettings, log: Callable[[str], None]) -> Engine:
+    """The engine, and a word when transformers is asked to generate with a large model."""
+    engine = open_engine(backend, settings)
+    if engine.name == "transformers":
+        params = sum(f.stat().st_size for f in settings.model_dir.glob("*.safetensors")) / 2  # bf16 checkpoints
+        if params > LARGE:
+            log(
+                f"note: a model of about {params / 1e9:.0f}B parameters generated with transformers runs at a few "
+                "hundred tokens/s; vLLM (--backend vllm) or a running server (--backend server) is the production route"
+            )
+    log(f"engine: {engine.name} {engine.version}")
+    return engine
+
+
+def _space(opts: GenerateOptions, spec: GenerateSpec, plan: GenPlan, scans: list[ShardScan], log) -> int:
+    """At start: the projection of what the rest needs, refused when it does not fit (the reserve kept)."""
+    missing = np.asarray([i for s in scans for i in s.missing], dtype=np.int64)
+    written = sum(r.size for s in scans for r in s.good.values())
+    proj = volume.project(
+        opts.out,
+        spec.bytes_per_token,
+        spec.plan.num_tokens,
+        spec.plan.num_samples,
+        int(plan.lengths[missing].sum()),
+        len(missing),
+        written,
+        int(plan.lengths.max()) * spec.bytes_per_token,
+        opts.reserve_bytes,
+        new_dirs=sum(1 for s in scans if not s.good and not s.problems),
+    )
+    log(f"space: {proj.describe()}")
+    if proj.needed_bytes and not proj.fits:
+        if not opts.allow_partial:
+            raise NotEnoughSpace(proj.refusal(opts.out).replace("hsx extract", "hsx generate"))
+        log(f"warning: {proj.shortfall()}; --allow-partial: generating until the volume is too full to go on")
+    return proj.reserve
+
+
+def write_rejects(run, spec: GenerateSpec) -> int:
+    """``rejects.jsonl``: the rows planning rejected, then the conversations rejected while generating
+    (read from their verified files), replaced whole. Returns how many conversations were rejected."""
+    lines = (run / layout.PLAN_DIR / PLAN_REJECTS).read_text()
+    later = 0
+    for shard in range(layout.num_shards(spec.plan.num_samples, spec.shard_size)):
+        folder = layout.shard_dir(run, shard)
+        for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+            cid = layout.parse_sample_name(path.name)
+            try:  # the header says which are rejected: only those are read whole
+                if cid is None or read_header(path).metadata.get("status") != "rejected":
+                    continue
+                rec = read_record(path, cid)
+            except (OSError, BadFile):
+                continue
+            src = InputSource(rec.source.file, rec.source.row, rec.source.id)
+            lines += json.dumps(Reject(src, rec.reason or "").to_json() | {"key": rec.key}) + "\n"
+            later += 1
+    write_durable(run / layout.REJECTS, lines.encode())
+    return later

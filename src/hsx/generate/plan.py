@@ -1,0 +1,188 @@
+"""A generate run's frozen input plan: which conversations to regenerate, each under a key of its own.
+
+One row per (input conversation, sample): its key (``<data file>:<row>#<sample>``, unique in the
+run), its source, the messages as the dataset has them (up to its last assistant turn: nothing
+after it is generated), the assistant turns to regenerate and an estimate of the tokens its file
+will hold. The row index is the conversation id, which names its file (``store.layout``). The plan
+is built once (reading and rendering the data), written like an extraction's plan (temp, fsync,
+rename) into ``GEN/plan/``, fingerprinted over its content; a resume reads only this.
+
+Planning rejects what cannot be regenerated: what the input stage rejects (tool calls, images,
+unknown roles...), conversations the chat template cannot render, and those whose first prompt
+already reaches ``max_length``. A later turn's prompt grows with the target's own answers, so its
+length is checked when it is generated (``generate.job``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import xxhash
+
+from hsx.errors import PlanError
+from hsx.input import Conversation, Reject
+from hsx.plan import PLAN_META, Tokenize
+from hsx.store.durable import durable_rename, write_durable
+from hsx.store.layout import PLAN_DIR, PLAN_FILE
+
+SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("source_file", pa.string()),
+        ("source_row", pa.int64()),
+        ("source_id", pa.string()),
+        ("sample", pa.int32()),
+        ("messages", pa.string()),  # JSON list of {role, content}
+        ("targets", pa.list_(pa.int32())),  # indices of the assistant messages to regenerate
+        ("estimate", pa.int64()),  # tokens its file is expected to hold (space and pace)
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Planned:
+    key: str
+    source_file: str
+    source_row: int
+    source_id: str
+    sample: int
+    messages: list[dict]
+    targets: list[int]
+    estimate: int
+
+
+def too_long(message: int, tokens: int, limit: int) -> str:
+    """The reason a conversation cannot go on: the prompt of one of its turns leaves no room to generate."""
+    return f"prompt of turn {message} is {tokens} tokens, not under --max-length {limit}"
+
+
+def targets_of(messages: list[dict], turns: str) -> list[int]:
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return assistant if turns == "all" else assistant[-1:]
+
+
+def plan_rows(
+    items: Iterable[tuple[int, Conversation | Reject]],
+    tokenize: Tokenize,
+    turns: str,
+    samples: int,
+    max_new_tokens: int,
+) -> Iterator[Planned | Reject]:
+    """(index of its data file, conversation or reject) -> planned rows, ``samples`` per conversation."""
+    for file_no, item in items:
+        if isinstance(item, Reject):
+            yield item
+            continue
+        src = item.source
+        messages = [{"role": t.role, "content": t.content} for t in item.turns]
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        messages = messages[: last + 1]
+        targets = targets_of(messages, turns)
+        try:
+            first = len(tokenize.ids(tokenize.render(messages[: targets[0]], True)))
+            # each regenerated turn: its prompt (the dataset's prefix stands in for the answers to
+            # come) and its completion, at most the length limit
+            estimate = sum(
+                min(len(tokenize.ids(tokenize.render(messages[:i], True))) + max_new_tokens, tokenize.max_length)
+                for i in targets
+            )
+        except Exception as e:  # a template error on one row must not stop the run
+            yield Reject(src, f"chat template cannot render it: {e}")
+            continue
+        if first >= tokenize.max_length:
+            yield Reject(
+                src, f"prompt of turn {targets[0]} is {first} tokens, not under --max-length {tokenize.max_length}"
+            )
+            continue
+        for s in range(samples):
+            yield Planned(f"{file_no}:{src.row}#{s}", src.file, src.row, src.id, s, messages, targets, estimate)
+
+
+def _row_digest(cid: int, row: Planned) -> bytes:
+    body = json.dumps([row.key, row.sample, row.messages, row.targets], separators=(",", ":")).encode()
+    return cid.to_bytes(8, "little") + len(body).to_bytes(8, "little") + body
+
+
+@dataclass(frozen=True)
+class GenPlanInfo:
+    fingerprint: str
+    num_samples: int  # conversations
+    num_tokens: int  # the estimate, summed
+    num_truncated: int
+    max_length: int
+
+
+def write_gen_plan(run: Path, rows: Iterable[Planned | Reject], max_length: int) -> tuple[GenPlanInfo, list[Reject]]:
+    """Write the plan once (temp, fsync, rename, then its info); rejects are returned to be recorded."""
+    plan_dir = run / PLAN_DIR
+    plan_dir.mkdir(parents=True, exist_ok=True)
+    tmp = plan_dir / f".{PLAN_FILE}.tmp-{os.getpid()}"
+    rejects: list[Reject] = []
+    planned: list[Planned] = []
+    h = xxhash.xxh3_128()
+    for item in rows:
+        if isinstance(item, Reject):
+            rejects.append(item)
+        else:
+            h.update(_row_digest(len(planned), item))
+            planned.append(item)
+    if not planned:
+        raise PlanError(f"no conversation to generate: all {len(rejects)} rows were rejected (see rejects.jsonl)")
+    cols = {name: [getattr(r, name) for r in planned] for name in SCHEMA.names if name != "messages"}
+    cols["messages"] = [json.dumps(r.messages, ensure_ascii=False) for r in planned]
+    pq.write_table(pa.table(cols, schema=SCHEMA), tmp, compression="zstd")
+    durable_rename(tmp, plan_dir / PLAN_FILE)
+    info = GenPlanInfo(h.hexdigest(), len(planned), sum(r.estimate for r in planned), 0, max_length)
+    write_durable(plan_dir / PLAN_META, json.dumps(info.__dict__, indent=1).encode())
+    return info, rejects
+
+
+class GenPlan:
+    """The frozen input plan of a generate run, in memory (messages are text: small next to a model)."""
+
+    def __init__(self, run: Path):
+        table = pq.read_table(run / PLAN_DIR / PLAN_FILE)
+        if table.schema.names != SCHEMA.names:
+            raise ValueError(f"not a generate plan (columns {table.schema.names})")
+        self._rows = table.to_pylist()
+        self.lengths = np.asarray([r["estimate"] for r in self._rows], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def row(self, cid: int) -> Planned:
+        r = self._rows[cid]
+        return Planned(
+            r["key"],
+            r["source_file"],
+            r["source_row"],
+            r["source_id"],
+            r["sample"],
+            json.loads(r["messages"]),
+            list(r["targets"]),
+            r["estimate"],
+        )
+
+    def fingerprint(self) -> str:
+        h = xxhash.xxh3_128()
+        for cid in range(len(self)):
+            h.update(_row_digest(cid, self.row(cid)))
+        return h.hexdigest()
+
+
+def load_gen_plan(run: Path, spec) -> GenPlan:
+    """The run's plan, refused unless it matches the spec's fingerprint."""
+    try:
+        plan = GenPlan(run)
+    except (OSError, ValueError, KeyError) as e:
+        raise PlanError(f"the plan in {run / PLAN_DIR} is unreadable ({e})") from e
+    if len(plan) != spec.plan.num_samples or plan.fingerprint() != spec.plan.fingerprint:
+        raise PlanError(f"the plan in {run / PLAN_DIR} does not match the run spec's fingerprint")
+    return plan

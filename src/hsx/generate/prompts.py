@@ -1,0 +1,93 @@
+"""How each turn's prompt is made: the chat template renders the conversation so far, as extraction
+renders it (``hsx.plan.Tokenize``, with the run's template keyword arguments), and the target's
+earlier answers are kept token for token wherever the template keeps their text.
+
+A conversation being generated (``Dialogue``) holds its messages, the assistant turns to regenerate
+and what each produced. The prompt of turn k is ``render(messages[:i_k], add_generation_prompt)``
+with the earlier turns' new texts in place. Where that text begins with the previous turn's prompt
+text followed by the previous completion's text (a prefix-stable template that renders the answer
+verbatim), the prompt is the previous prompt's ids, the previous completion's ids and the ids of the
+rest: the target is conditioned on exactly the tokens it produced, not on a re-tokenization of them,
+which need not give them back. Where the template changes the history (drops reasoning, strips
+whitespace), the whole text is tokenized as extraction would.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hsx.generate.record import GeneratedTurn
+from hsx.plan import Tokenize
+
+
+@dataclass
+class Dialogue:
+    id: int
+    messages: list[dict]
+    targets: list[int]  # assistant message indices to regenerate, in order
+    done: list[GeneratedTurn] = field(default_factory=list)
+    _text: str = ""  # the rendered text of the last prompt made
+
+    @property
+    def finished(self) -> bool:
+        return len(self.done) == len(self.targets)
+
+    @property
+    def next_message(self) -> int:
+        return self.targets[len(self.done)]
+
+
+def stop_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """The tokens that end a turn: the checkpoint's generation config's eos ids and the tokenizer's
+    eos (what vLLM and servers stop on too)."""
+    ids: list[int] = []
+    try:
+        config = json.loads((model_dir / "generation_config.json").read_text())
+        eos = config.get("eos_token_id")
+        ids += [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    except (OSError, ValueError):
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(int(i) for i in ids)
+
+
+class Prompter:
+    """``stop_ids``: the tokens that end a turn (the engine stops on them); a completion's trailing
+    stop token is not part of its message text."""
+
+    def __init__(self, tokenize: Tokenize, stop_ids: frozenset[int]):
+        self.tokenize, self.stop_ids = tokenize, stop_ids
+
+    def prompt(self, d: Dialogue) -> np.ndarray:
+        """The prompt ids of ``d``'s next turn."""
+        text = self.tokenize.render(d.messages[: d.next_message], True)
+        ids: list[int] | None = None
+        if d.done:
+            prev = d.done[-1]
+            base = d._text + prev.text
+            if text.startswith(base):
+                body = self.body(prev.completion_ids)
+                ids = [*prev.prompt_ids.tolist(), *body.tolist(), *self.tokenize.ids(text[len(base) :])]
+        if ids is None:
+            ids = self.tokenize.ids(text)
+        d._text = text
+        return np.asarray(ids, dtype=np.int32)
+
+    def body(self, completion: np.ndarray) -> np.ndarray:
+        """A completion without its final stop token."""
+        return completion[:-1] if len(completion) and int(completion[-1]) in self.stop_ids else completion
+
+    def text(self, completion: np.ndarray) -> str:
+        return self.tokenize.tokenizer.decode(self.body(completion).tolist(), skip_special_tokens=False)
+
+    def answer(self, d: Dialogue, prompt: np.ndarray, completion: np.ndarray, finish_reason: str) -> None:
+        """Record the next turn's completion and put its text in place of the dataset's answer."""
+        i = d.next_message
+        text = self.text(completion)
+        d.done.append(GeneratedTurn(i, prompt, completion, finish_reason, text))
+        d.messages[i] = {"role": "assistant", "content": text}

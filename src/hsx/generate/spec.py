@@ -1,0 +1,136 @@
+"""A generate run's spec, ``GEN/hsx.json`` (``kind: generate``): written once, the only source of truth
+for its resume, as an extraction's spec is for its own.
+
+It pins what the generated tokens are a function of: the model, tokenizer and chat template (with
+the keyword arguments passed to it), the engine and its version, the sampling, the seed, the turns
+mode, samples per prompt, the length limit, the source data and the frozen input plan. A resume
+asking for anything else is refused with the differences named (``hsx.spec.differences`` for what
+both kinds of run share, the generate settings beside it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError
+
+from hsx import __version__
+from hsx.errors import SpecError
+from hsx.fingerprint import digest_bytes
+from hsx.generate.engine import Sampling
+from hsx.spec import DataFile, ModelIdentity, PlanIdentity, TokenizerIdentity, differences
+from hsx.store import layout
+from hsx.store.durable import write_durable
+
+KIND = "generate"
+FORMAT = "hsx-generate/1"
+Turns = Literal["all", "last"]
+BYTES_PER_TOKEN = 8  # a stored token: its id (int32) and, on average, about as many bytes of decoded text
+
+
+class EngineIdentity(BaseModel):
+    name: str  # transformers | vllm | server
+    version: str  # what the engine reports: its package version (a server: what it says it runs)
+
+
+class SamplingSpec(BaseModel):
+    """``engine.Sampling`` as the spec stores it."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+
+    @classmethod
+    def of(cls, s: Sampling) -> SamplingSpec:
+        return cls(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens)
+
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k, self.max_new_tokens)
+
+
+class GenerateSpec(BaseModel):
+    kind: Literal["generate"] = KIND
+    format: Literal["hsx-generate/1"] = FORMAT
+    hsx_version: str = __version__
+    created: str
+    created_by: str
+    model: ModelIdentity
+    tokenizer: TokenizerIdentity
+    template_kwargs: dict[str, Any]
+    engine: EngineIdentity
+    sampling: SamplingSpec
+    seed: int
+    turns: Turns
+    samples_per_prompt: int
+    max_length: int  # no prompt + completion of the run is longer (a turn's new tokens are capped to fit)
+    shard_size: int
+    dtype: str
+    trust_remote_code: bool = False
+    data: list[DataFile]
+    plan: PlanIdentity  # num_samples: conversations; num_tokens: the plan's estimate of tokens to store
+
+    @property
+    def backend(self) -> str:
+        return self.engine.name
+
+    @property
+    def codec(self) -> None:
+        """Conversation files store token ids, no states: no storage codec (the store's scan takes any)."""
+        return None
+
+    @property
+    def bytes_per_token(self) -> int:
+        return BYTES_PER_TOKEN
+
+    def digest(self) -> str:
+        """What an extraction of this run records: this spec's content."""
+        return digest_bytes(self.model_dump_json().encode())
+
+    def save(self, run: Path) -> None:
+        write_durable(run / layout.SPEC, self.model_dump_json(indent=2).encode())
+
+
+def kind_of(run: Path) -> str | None:
+    """``generate`` or ``extract`` by the run's spec (one without a ``kind`` is an extraction); None
+    when the folder has no readable spec."""
+    try:
+        raw = json.loads((run / layout.SPEC).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return raw.get("kind", "extract") if isinstance(raw, dict) else None
+
+
+def is_generate_run(path: Path) -> bool:
+    return path.is_dir() and kind_of(path) == KIND
+
+
+def load_generate_spec(run: Path) -> GenerateSpec:
+    path = run / layout.SPEC
+    try:
+        return GenerateSpec.model_validate_json(path.read_bytes())
+    except FileNotFoundError as e:
+        raise SpecError(f"{run} has no run spec ({layout.SPEC}): not an hsx run folder") from e
+    except (ValidationError, ValueError) as e:
+        raise SpecError(f"{path} is unreadable or damaged: {str(e).splitlines()[0]}") from e
+
+
+def generate_differences(stored: GenerateSpec, asked: dict) -> list[str]:
+    """One line per setting a resume asks for that the run does not have: the model, tokenizer,
+    template, data, length, shard size and backend as ``hsx.spec.differences`` says them, then the
+    generate settings (``sampling``: the sampling options given, by name; ``seed``, ``turns``, ``samples_per_prompt``,
+    ``template_kwargs``, ``engine_version``)."""
+    shared = ("model", "tokenizer", "data", "max_length", "shard_size", "backend")
+    out = differences(stored, {k: asked[k] for k in shared if k in asked})  # type: ignore[arg-type]
+    for name, want in asked.get("sampling", {}).items():
+        have = getattr(stored.sampling, name)
+        if want is not None and want != have:
+            out.append(f"sampling: {name.replace('_', ' ')}: run has {have}, asked for {want}")
+    for key in ("seed", "turns", "samples_per_prompt", "template_kwargs"):
+        if (v := asked.get(key)) is not None and v != getattr(stored, key):
+            out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
+    if (v := asked.get("engine_version")) is not None and v != stored.engine.version:
+        out.append(f"engine: run was generated with {stored.engine.name} {stored.engine.version}, this is {v}")
+    return out

@@ -1,0 +1,359 @@
+"""hsx generate: the target's own answers, token-exact and crash-safe, then extraction of them as they are.
+
+References are independent of hsx's code: transformers' ``model.generate`` on the stored prompt
+ids, and the tokenizer's ``apply_chat_template`` on the dataset's and the generated messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY, conversations, flip_byte, hsx, run_files, save_tiny, verified_files, write_jsonl
+from hsx.errors import OptionError, Refused
+from hsx.generate.engine import Request, Sampling
+from hsx.generate.engines import EngineSettings
+from hsx.generate.job import generate
+from hsx.generate.options import GenerateOptions
+from hsx.generate.record import read_record
+from hsx.input import ROLES
+from hsx.store import layout
+
+CONVS = 8
+NEW = 8
+ENV = {"OMP_NUM_THREADS": "1"}  # every process of these tests computes with one thread: same float sums
+HANG_GUARD_S = 600
+
+
+def _args(data: Path, out: Path, *extra: str) -> list:
+    return ["generate", "--model", TINY, "--data", data, "--out", out, "--max-new-tokens", NEW, "--shard-size", 3,
+            "--device", "cpu", *extra]  # fmt: skip
+
+
+def _rows() -> list:
+    bad = [
+        {"id": "tool", "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}]},
+        {
+            "id": "image",
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                {"role": "assistant", "content": "a cat"},
+            ],
+        },
+    ]
+    return conversations(CONVS - 2) + bad[:1] + conversations(2, start=6) + bad[1:]
+
+
+@pytest.fixture(scope="module")
+def gen_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A finished generate run of 8 conversations (and 2 rows it rejects), made by the real command."""
+    root = tmp_path_factory.mktemp("gen")
+    data = write_jsonl(root / "convs.jsonl", _rows())
+    hsx(*_args(data, root / "gen"), env=ENV)
+    return data, root / "gen"
+
+
+def _records(out: Path) -> list:
+    spec = json.loads((out / "hsx.json").read_text())
+    n, shard_size = spec["plan"]["num_samples"], spec["shard_size"]
+    return [read_record(layout.sample_path(out, i, shard_size), i) for i in range(n)]
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _opts(out: Path, **kw) -> GenerateOptions:
+    return GenerateOptions(out=out, device="cpu", **kw)
+
+
+def test_greedy_equals_model_generate_on_the_template_prompt(gen_run, one_thread):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data, out = gen_run
+    tok = AutoTokenizer.from_pretrained(TINY)
+    model = AutoModelForCausalLM.from_pretrained(TINY).eval()
+    dataset = [json.loads(line) for line in data.read_text().splitlines()]
+    good = [row for row in dataset if row.get("id") not in ("tool", "image")]
+    records = _records(out)
+    assert len(records) == CONVS and all(r.ok for r in records)
+    turns = 0
+    for rec, row in zip(records, good, strict=True):
+        msgs = [{"role": ROLES[m["from"]], "content": m["value"]} for m in row["conversations"]]
+        assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        assert [t.message for t in rec.turns] == assistant  # --turns all: every assistant turn
+        assert [m for m in rec.messages if m["role"] != "assistant"] == [m for m in msgs if m["role"] != "assistant"]
+        first = tok.apply_chat_template(msgs[: assistant[0]], tokenize=False, add_generation_prompt=True)
+        assert rec.turns[0].prompt_ids.tolist() == tok(first, add_special_tokens=False)["input_ids"]
+        for t in rec.turns:
+            prompt = torch.tensor([t.prompt_ids.tolist()])
+            ref = model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False,
+                eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+            )[0, prompt.shape[1]:].tolist()  # fmt: skip
+            assert t.completion_ids.tolist() == ref
+            assert t.finish_reason == ("stop" if ref[-1] == tok.eos_token_id else "length")
+            turns += 1
+    assert turns > CONVS  # multi-turn conversations were generated turn by turn
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert {r["id"] for r in rejects} == {"tool", "image"} and all(r["reason"] for r in rejects)
+
+
+def test_each_turn_is_conditioned_on_the_targets_own_earlier_answers(gen_run):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    multi = [r for r in _records(gen_run[1]) if len(r.turns) > 1]
+    assert multi
+    for rec in multi:
+        for prev, t in zip(rec.turns, rec.turns[1:], strict=False):
+            n, m = len(prev.prompt_ids), len(prev.completion_ids)
+            # the previous prompt, then exactly the ids the target produced, then the template's next turn
+            assert t.prompt_ids[:n].tolist() == prev.prompt_ids.tolist()
+            assert t.prompt_ids[n : n + m].tolist() == prev.completion_ids.tolist()
+            assert rec.messages[prev.message]["content"] == prev.text
+            text = tok.apply_chat_template(rec.messages[: t.message], tokenize=False, add_generation_prompt=True)
+            assert tok.decode(t.prompt_ids.tolist()) == text
+
+
+def _kill_after(proc: subprocess.Popen, out: Path, k: int) -> None:
+    """SIGKILL ``proc`` once k conversation files appeared that were not there when it started."""
+    files = lambda: set((out / "shards").rglob("*.safetensors")) if (out / "shards").exists() else set()  # noqa: E731
+    before = files()
+    deadline = time.monotonic() + HANG_GUARD_S
+    while len(files() - before) < k:
+        assert proc.poll() is None, f"generate ended (rc {proc.returncode}) before {k} new files"
+        assert time.monotonic() < deadline, f"no progress for {HANG_GUARD_S} s"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_kill9_at_progress_points_then_resume_is_byte_identical(gen_run, tmp_path):
+    data, reference = gen_run
+    out = tmp_path / "gen"
+    seed = int(os.environ.get("HSX_CRASH_SEED", time.time_ns() % 10_000))
+    rng = random.Random(seed)
+    verified: dict = {}
+    for _ in range(2):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hsx", *map(str, _args(data, out))],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ | ENV,
+        )  # fmt: skip
+        _kill_after(proc, out, rng.randint(1, 3))
+        assert proc.returncode == -signal.SIGKILL, f"seed {seed}"
+        now = verified_files(out)
+        assert len(now) < CONVS, f"seed {seed}: the kill came after the run had finished"
+        for p, ident in verified.items():  # once verified, never rewritten
+            assert now.get(p) == ident, f"seed {seed}: {p.name} changed after it had verified"
+        verified = now
+    hsx("generate", "--out", out, env=ENV)
+    assert run_files(out) == run_files(reference), f"seed {seed}"  # no conversation lost, duplicated or changed
+    keys = [r.key for r in _records(out)]
+    assert len(set(keys)) == CONVS
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+    assert (out / "rejects.jsonl").read_bytes() == (reference / "rejects.jsonl").read_bytes()
+
+
+def test_a_resume_with_other_settings_is_refused_by_name(gen_run, tmp_path):
+    _, out = gen_run
+    cases = [
+        ({"temperature": 0.7}, "temperature: run has 0.0, asked for 0.7"),
+        ({"turns": "last"}, "turns: run has all, asked for last"),
+        ({"template_kwargs": {"enable_thinking": False}}, "template kwargs"),
+        ({"max_new_tokens": 9}, "max new tokens: run has 8, asked for 9"),
+        ({"model": str(save_tiny(_tiny_config(), tmp_path / "other", seed=1))}, "model: "),
+    ]
+    for kw, said in cases:
+        with pytest.raises(Refused, match="refusing to resume") as e:
+            generate(_opts(out, **kw), log=lambda m: None)
+        assert said in str(e.value), kw
+
+    class Newer:
+        name, version = "transformers", "0.0-other"
+
+    from hsx.generate.folder import check_engine
+    from hsx.generate.spec import load_generate_spec
+
+    with pytest.raises(Refused, match=r"0\.0-other"):
+        check_engine(load_generate_spec(out), Newer())
+
+
+def _tiny_config():
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(TINY)
+
+
+def test_options_are_range_checked_by_name(tmp_path):
+    for kw, name in [({"top_p": 0.0}, "--top-p"), ({"max_new_tokens": 0}, "--max-new-tokens"),
+                     ({"turns": "some"}, "--turns"), ({"backend": "tgi"}, "--backend")]:  # fmt: skip
+        with pytest.raises(OptionError, match=name):
+            _opts(tmp_path, **kw)
+    with pytest.raises(OptionError, match="--samples-per-prompt"):
+        _opts(tmp_path, samples_per_prompt=2).sampling()
+
+
+def test_a_redone_request_draws_what_the_first_try_drew():
+    from hsx.generate.transformers import open as open_transformers
+
+    engine = open_transformers(EngineSettings(model_dir=TINY, device="cpu"))
+    sampling = Sampling(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12)
+    out = {}
+    for key, seed in (("a", 7), ("b", 8), ("c", 7)):
+        engine.submit(Request(key, (1, 91, 1849, 205), sampling, seed))
+        (done,) = engine.poll()
+        out[key] = done.completion_ids
+    engine.close()
+    assert out["a"] == out["c"] != out["b"]
+
+
+def test_extract_takes_the_generated_ids_as_they_are(gen_run, tmp_path):
+    from hsx.extract import ExtractOptions, extract
+    from hsx.generate.spec import load_generate_spec
+    from hsx.plan import Plan
+    from hsx.spec import load_spec
+
+    _, gen = gen_run
+    out = tmp_path / "x"
+    opts = ExtractOptions(out=out, model=str(TINY), data=[gen], device="cpu", shard_size=4, writers=1)
+    assert extract(opts, log=lambda m: None).complete
+    plan = Plan(out)
+    records = _records(gen)
+    assert len(plan) == len(records)  # the tiny template keeps every answer: one sample per conversation
+    for i, rec in enumerate(records):
+        last = rec.turns[-1]
+        want = np.concatenate([last.prompt_ids, last.completion_ids])
+        assert plan.input_ids(i).tobytes() == want.astype("<i4").tobytes()
+        mask = np.zeros(len(want), dtype=np.int8)
+        for t in rec.turns:  # each completion sits where its own prompt ends
+            n = len(t.prompt_ids)
+            assert want[: n + len(t.completion_ids)].tolist() == [*t.prompt_ids.tolist(), *t.completion_ids.tolist()]
+            mask[n : n + len(t.completion_ids)] = 1
+        assert plan.loss_mask(i).tolist() == mask.tolist()
+    spec = load_spec(out)
+    assert spec.generate_spec == load_generate_spec(gen).digest()
+    changed = tmp_path / "changed"  # the generate run as input changed since: a resume is refused by name
+    shutil.copytree(gen, changed)
+    layout.sample_path(changed, 0, 3).unlink()
+    with pytest.raises(Refused, match=r"data: .* differ"):
+        extract(ExtractOptions(out=out, data=[changed], allow_incomplete=True), log=lambda m: None)
+
+
+def test_an_unfinished_generate_run_is_extracted_only_when_asked(gen_run, tmp_path):
+    from hsx.extract import ExtractOptions, extract
+    from hsx.plan import Plan
+
+    gen = tmp_path / "gen"
+    shutil.copytree(gen_run[1], gen)
+    layout.sample_path(gen, 4, 3).unlink()
+    (layout.shard_dir(gen, 1) / layout.SEALED).unlink()
+    with pytest.raises(Refused, match=r"unfinished generate run \(7 of 8"):
+        extract(ExtractOptions(out=tmp_path / "x", model=str(TINY), data=[gen], device="cpu"), log=lambda m: None)
+    opts = ExtractOptions(out=tmp_path / "y", model=str(TINY), data=[gen], device="cpu", allow_incomplete=True)
+    extract(opts, log=lambda m: None)
+    assert len(Plan(tmp_path / "y")) == CONVS - 1
+    (reject,) = [json.loads(line) for line in (tmp_path / "y" / "rejects.jsonl").read_text().splitlines()]
+    assert reject["row"] == 4 and "not generated" in reject["reason"]
+
+
+def test_a_template_that_rewrites_history_gives_one_sample_per_turn(tmp_path):
+    """A template that replaces earlier answers (as reasoning templates drop the thinking): the later
+    prompts do not hold the earlier completions, so each turn is its own sample."""
+    from hsx.generate.samples import samples_of, whole
+
+    model = tmp_path / "model"
+    shutil.copytree(TINY, model)
+    template = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text(
+        "{% for message in messages %}{% if message['role'] == 'assistant' and not loop.last %}"
+        "{{ '<|im_start|>assistant\\n(earlier answer)<|im_end|>\\n' }}{% else %}"
+        + template.split("{% for message in messages %}", 1)[1].replace("{% endfor %}", "{% endif %}{% endfor %}", 1)
+    )
+    data = write_jsonl(tmp_path / "c.jsonl", conversations(3, start=2))  # 6, 4 and 2 messages
+    out = tmp_path / "gen"
+    generate(_opts(out, model=str(model), data=[data], max_new_tokens=4, shard_size=3), log=lambda m: None)
+    (rec,) = [r for r in _records(out) if len(r.turns) == 3]
+    assert not whole(rec)
+    samples = list(samples_of(rec, out, 4096))
+    assert len(samples) == 3
+    for s, t in zip(samples, rec.turns, strict=True):
+        assert s.input_ids.tolist() == [*t.prompt_ids.tolist(), *t.completion_ids.tolist()]
+        assert s.loss_mask.tolist() == [0] * len(t.prompt_ids) + [1] * len(t.completion_ids)
+
+
+def test_status_and_verify_assess_a_generate_run_and_a_resume_redoes_the_damage(gen_run, tmp_path):
+    from hsx.assess.status import assess
+    from hsx.assess.verify import verify
+
+    gen = tmp_path / "gen"
+    shutil.copytree(gen_run[1], gen)
+    report = assess(gen)
+    assert report.exit_code == 0 and report.get("progress").data["complete"]
+    assert "generated with" in report.get("capture").figure
+    bad = layout.sample_path(gen, 5, 3)
+    flip_byte(bad, -2)  # in the data section: only the digest tells
+    result = verify(gen, deep=True)
+    assert result.exit_code == 1 and result.redo_ids() == [5]
+    report = assess(gen, deep=True)
+    assert report.exit_code == 1 and report.resume == f"hsx generate --out {gen}"
+    summary = generate(_opts(gen), log=lambda m: None)
+    assert summary.written == 1 and summary.redone == {"corrupt": 1}
+    assert run_files(gen) == run_files(gen_run[1])
+    assert verify(gen, deep=True).exit_code == 0
+
+
+def test_a_prompt_grown_past_the_limit_rejects_its_conversation_and_export_leaves_it_out(tmp_path):
+    from hsx.generate.export import export_jsonl
+
+    data = write_jsonl(tmp_path / "c.jsonl", conversations(2, start=0))  # 4 and 2 messages
+    out = tmp_path / "gen"
+    generate(_opts(out, model=str(TINY), data=[data], max_new_tokens=NEW, max_length=30), log=lambda m: None)
+    two, one = _records(out)
+    assert not two.ok and "prompt of turn 3" in two.reason and "--max-length 30" in two.reason
+    assert one.ok and len(one.turns[0].prompt_ids) + len(one.turns[0].completion_ids) <= 30
+    (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert reject["key"] == two.key and reject["reason"] == two.reason
+    done = export_jsonl(out, tmp_path / "e.jsonl")
+    assert (done.conversations, done.rejected) == (1, 1)
+    (line,) = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
+    assert line["key"] == one.key and line["messages"] == one.messages
+    assert line["turns"][0]["completion_ids"] == one.turns[0].completion_ids.tolist()
+
+
+def test_turns_last_keeps_the_datasets_earlier_answers_and_samples_per_prompt_draw_apart(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    rows = conversations(2, start=2)  # 6 and 4 messages
+    data = write_jsonl(tmp_path / "c.jsonl", rows)
+    out = tmp_path / "gen"
+    opts = _opts(
+        out, model=str(TINY), data=[data], turns="last", samples_per_prompt=2, temperature=1.0, max_new_tokens=6
+    )
+    generate(opts, log=lambda m: None)
+    records = _records(out)
+    assert [r.key for r in records] == ["0:0#0", "0:0#1", "0:1#0", "0:1#1"]
+    for rec in records:
+        row = rows[rec.source.row]
+        msgs = [{"role": ROLES[m["from"]], "content": m["value"]} for m in row["conversations"]]
+        (turn,) = rec.turns
+        assert turn.message == len(msgs) - 1 and rec.messages[:-1] == msgs[:-1]  # earlier answers: the dataset's
+        text = tok.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+        assert turn.prompt_ids.tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    assert records[0].turns[0].completion_ids.tolist() != records[1].turns[0].completion_ids.tolist()
