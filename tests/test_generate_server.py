@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from conftest import TINY
 from hsx.errors import EngineUnavailable, OptionError
 from hsx.generate.engine import Completion, Failure, Request, Sampling
 from hsx.generate.server import ServerEngine, ServerOptions
@@ -26,9 +27,10 @@ class Fake:
     """A fake server; ``script`` is a list of (status, headers) answers given before it answers normally;
     ``prompt_edit`` changes the prompt ids it reports; ``echo`` whether it returns the prompt ids (SGLang)."""
 
-    def __init__(self, script=(), prompt_edit=None, echo=True):
+    def __init__(self, script=(), prompt_edit=None, echo=True, kind="vllm"):
         self.script, self.prompt_edit, self.echo = list(script), prompt_edit, echo
         self.posts: list[tuple[float, dict]] = []
+        self.headers: list[dict] = []
         self.lock = threading.Lock()
         fake = self
 
@@ -47,12 +49,19 @@ class Fake:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self.reply(200, {"data": [{"id": "tiny-served"}]})
+                routes = {"/v1/models": {"data": [{"id": "tiny-served"}]}, "/version": {"version": f"{kind}-1.0"}}
+                if kind == "sglang":
+                    routes["/get_model_info"] = {"model_path": "tiny"}
+                if self.path in routes:
+                    self.reply(200, routes[self.path])
+                else:
+                    self.reply(404, {"error": "no such route"})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with fake.lock:
                     fake.posts.append((time.monotonic(), body | {"path": self.path}))
+                    fake.headers.append(dict(self.headers))
                     scripted = fake.script.pop(0) if fake.script else None
                 if scripted:
                     self.reply(scripted[0], {"error": "scripted"}, scripted[1])
@@ -174,10 +183,11 @@ def test_other_prompt_ids_are_a_failure_never_a_sample(fakes, api, edit):
 
 
 def test_sglang_api_without_the_prompt_echoed_checks_its_length(fakes):
-    good, bad = fakes(echo=False), fakes(echo=False, prompt_edit=lambda p: p[1:])
+    good, bad = fakes(echo=False, kind="sglang"), fakes(echo=False, kind="sglang", prompt_edit=lambda p: p[1:])
     reqs = [request(i) for i in range(2)]
     for fake, want in ((good, Completion), (bad, Failure)):
-        eng = engine(fake.url, api="sglang")
+        eng = engine(fake.url)  # found to be SGLang: it answers GET /get_model_info
+        assert eng.version == "sglang sglang-1.0" and eng.model is None
         try:
             got = run_all(eng, reqs)
         finally:
@@ -213,9 +223,8 @@ def test_consecutive_failures_stop_cleanly_after_handing_out_what_finished(fakes
 
 def test_refused_connections_count_as_failures(fakes):
     fake = fakes()
-    url = fake.url
+    eng = engine(fake.url, model="m", retries=2, max_failures=2)
     fake.close()  # nothing listens there now
-    eng = engine(url, model="m", retries=2, max_failures=2)
     eng.submit(request(0))
     try:
         with pytest.raises(EngineUnavailable, match="Connection refused"):
@@ -247,6 +256,32 @@ def test_several_servers_share_the_requests(fakes):
     for r in reqs:
         assert_completion(got[r.key], r)
     assert len(a.posts) + len(b.posts) == 40 and a.posts and b.posts
+    assert eng.version == "openai vllm-1.0"  # what the run spec records
+
+
+def test_the_factory_opens_it_from_the_generate_settings(fakes, monkeypatch):
+    from hsx.generate.engines import EngineSettings, open_engine
+
+    fake = fakes()
+    monkeypatch.setenv("HSX_SERVER_API_KEY", "secret")
+    settings = EngineSettings(
+        model_dir=TINY, servers=(fake.url,), concurrency=2, extra={"server_model": "m", "server_retries": "2"}
+    )
+    eng = open_engine("server", settings)
+    try:
+        assert (eng.options.concurrency, eng.options.retries, eng.model) == (2, 2, "m")
+        assert isinstance(run_all(eng, [request(0)])["conv0/0/0"], Completion)
+    finally:
+        eng.close()
+    assert fake.headers[-1]["Authorization"] == "Bearer secret"
+
+
+def test_an_unreachable_server_at_start_is_a_clean_stop(fakes):
+    fake = fakes()
+    url = fake.url
+    fake.close()
+    with pytest.raises(EngineUnavailable, match="cannot reach"):
+        ServerEngine(ServerOptions(urls=(url,)))
 
 
 def test_options_are_checked():

@@ -95,13 +95,13 @@ def assert_greedy_reference(got: dict[str, Completion], greedy, sampling: Sampli
 
 
 def test_vllm_engine_fed_continuously_equals_transformers(vllm, reference, monkeypatch):
-    from hsx.generate.vllm import VllmEngine, open_llm
+    from hsx.generate.engines import EngineSettings, open_engine
 
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a faster start; the server test runs vLLM's processes
     greedy, tokenizer = reference
-    engine = VllmEngine(open_llm(TINY, dtype="float32", max_model_len=512))
+    engine = open_engine("vllm", EngineSettings(TINY, dtype="float32", extra={"max_model_len": "512"}))
     try:
         assert engine.name == "vllm" and engine.version == vllm.__version__ and engine.max_pending >= 64
         got = converse(engine, tokenizer, first_turns(tokenizer, 10), GREEDY)
@@ -175,6 +175,7 @@ def test_server_engine_through_a_real_vllm_server_killed_and_restarted(vllm, ref
         options = ServerOptions(urls=(server.url,), concurrency=3, backoff=0.5, max_backoff=4.0, max_failures=1000)
         engine = ServerEngine(options)
         assert engine.model == str(TINY)  # the served model, from /v1/models
+        assert engine.version == f"openai {vllm.__version__}"  # an OpenAI API (no /get_model_info), its /version
         at_kill: list[int] = []
 
         def kill_after_some(got):  # the kill lands mid-run: after some completions, more still to come
@@ -190,10 +191,8 @@ def test_server_engine_through_a_real_vllm_server_killed_and_restarted(vllm, ref
         assert at_kill and at_kill[0] < len(got) - 4, (at_kill, len(got))
         assert_greedy_reference(got, greedy, GREEDY)
 
+        down = ServerEngine(ServerOptions(urls=(server.url,), concurrency=1, retries=2, backoff=0.1, max_failures=3))
         server.kill()  # for good: failures in a row, then a clean stop
-        down = ServerEngine(
-            ServerOptions(urls=(server.url,), model=engine.model, concurrency=1, retries=2, backoff=0.1, max_failures=3)
-        )
         try:
             for i in range(4):
                 down.submit(Request(f"late{i}", (1, 2, 3), GREEDY, seed=i))

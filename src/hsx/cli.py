@@ -290,6 +290,16 @@ def vocab(
     )
 
 
+def _bench_generate(model: str | None, prompts: int, max_new_tokens: int, tp: int, workdir: Path | None) -> None:
+    from hsx.bench_generate import generate_table, run_generate_bench
+
+    with failures():
+        results, same = run_generate_bench(
+            model, prompts, max_new_tokens, tensor_parallel_size=tp, workdir=workdir, log=lambda m: None
+        )
+    print(generate_table(results, same))
+
+
 @app.command()
 def bench(
     model: Annotated[
@@ -310,11 +320,19 @@ def bench(
     codecs: Annotated[
         str, typer.Option(help="Storage codecs measured next to raw on the last layout (raw: none).")
     ] = "raw,zstd,fp8",
+    generate: Annotated[
+        bool, typer.Option(help="Instead: hsx generate (vLLM) against vLLM's bare LLM.generate, --samples prompts.")
+    ] = False,
+    max_new_tokens: Annotated[int, typer.Option(help="--generate: new tokens per prompt at most.")] = 256,
+    tensor_parallel_size: Annotated[int, typer.Option(help="--generate: vLLM's GPUs per model replica.")] = 1,
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     from hsx.bench import run_bench, table
     from hsx.errors import OptionError
     from hsx.run.options import default_device, toggle
+
+    if generate:
+        return _bench_generate(model, samples, max_new_tokens, tensor_parallel_size, workdir)
 
     try:
         toggle("compile", compile)
@@ -394,6 +412,10 @@ def generate(
         list[str] | None, typer.Option(help="server backend: an OpenAI-compatible base URL; repeatable.")
     ] = None,
     concurrency: Annotated[int | None, typer.Option(help="server backend: requests in flight per server.")] = None,
+    server_api: Annotated[
+        str | None, typer.Option(help="server backend: openai (/v1/completions) | sglang (/generate) [found out].")
+    ] = None,
+    server_model: Annotated[str | None, typer.Option(help="server backend: served model name [its only one].")] = None,
     fast_verify: Annotated[bool, typer.Option(help="On resume, check headers and sizes only, not digests.")] = False,
     allow_partial: Annotated[bool, typer.Option(help="Start even if the volume cannot hold the whole run.")] = False,
     metrics_port: Annotated[int | None, typer.Option(help="Serve the run's metrics on this port.")] = None,
@@ -427,6 +449,8 @@ def generate(
             data_parallel_size=data_parallel_size,
             servers=list(server or []),
             concurrency=concurrency,
+            server_api=server_api,
+            server_model=server_model,
             deep_verify=not fast_verify,
             allow_partial=allow_partial,
             metrics_port=metrics_port,

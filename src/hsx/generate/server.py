@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import queue
 import threading
 import time
@@ -37,6 +38,7 @@ from typing import Literal
 
 from hsx.errors import EngineUnavailable, OptionError
 from hsx.generate.engine import Completion, Engine, Failure, Outcome, Request
+from hsx.generate.engines import EngineSettings
 
 Api = Literal["openai", "sglang"]
 RETRIED = frozenset({408, 409, 425, 429})  # and every 5xx
@@ -47,7 +49,7 @@ TRANSIENT_ERRORS = (ConnectionError, TimeoutError, http.client.HTTPException, ur
 @dataclass(frozen=True)
 class ServerOptions:
     urls: tuple[str, ...]
-    api: Api = "openai"
+    api: Api | None = None  # None: found out per server (SGLang answers GET /get_model_info, vLLM does not)
     model: str | None = None  # the served model name (openai); None: the one the server lists
     concurrency: int = 32  # requests in flight per server
     timeout: float = 3600.0  # seconds one HTTP request may take (a long completion on a busy server)
@@ -90,12 +92,14 @@ class ServerEngine(Engine):
             raise OptionError("the server backend needs at least one --server URL")
         if options.concurrency < 1 or options.retries < 1 or options.max_failures < 1:
             raise OptionError("--server-concurrency, --server-retries and --server-max-failures must be at least 1")
-        if options.api not in ("openai", "sglang"):
+        if options.api not in (None, "openai", "sglang"):
             raise OptionError(f"--server-api must be openai or sglang, not {options.api!r}")
         self.options = options
         self.urls = [base_url(u) for u in options.urls]
-        self.model = options.model if options.api == "sglang" else options.model or self._served_model()
-        self.version = f"{options.api} {self.model or ''}".strip()
+        self.apis = {url: options.api or self._detect(url) for url in self.urls}
+        openai = [u for u in self.urls if self.apis[u] == "openai"]
+        self.model = options.model or (self._served_model(openai[0]) if openai else None)
+        self.version = ", ".join(sorted({f"{self.apis[u]} {self._server_version(u)}" for u in self.urls}))
         self.max_pending = options.concurrency * len(self.urls) * 2  # a queue that keeps every thread busy
         self._todo: queue.Queue[tuple[Request, int]] = queue.Queue()
         self._done: queue.Queue[Outcome] = queue.Queue()
@@ -202,7 +206,7 @@ class ServerEngine(Engine):
             if self._closing.is_set() or self._stopped is not None:
                 raise _Transient("the engine is stopping")
             try:
-                if self.options.api == "openai":
+                if self.apis[url] == "openai":
                     return self._openai(url, request)
                 return self._sglang(url, request)
             except _RequestFault as e:
@@ -241,13 +245,28 @@ class ServerEngine(Engine):
         except ValueError:
             raise _SetupFault(f"{url} answered something that is not JSON: {text[:200]!r}") from None
 
-    def _served_model(self) -> str:
-        """The model the first server lists (``GET /v1/models``), asked once at start."""
-        url = self.urls[0] + "/v1/models"
+    def _ask(self, url: str) -> dict | None:
+        """A GET at start: the answer, None where the server has no such route; unreachable: a stop."""
         try:
-            models = [m["id"] for m in self._http(url).get("data", [])]
-        except (_Transient, _SetupFault) as e:
-            raise EngineUnavailable(f"cannot list the served model at {url} ({e}); give it with --server-model") from e
+            return self._http(url)
+        except _SetupFault:
+            return None
+        except _Transient as e:
+            raise EngineUnavailable(f"cannot reach {url} ({e}); start the server, then run the same command") from e
+
+    def _detect(self, url: str) -> Api:
+        info = self._ask(url + "/get_model_info")
+        return "sglang" if info and "model_path" in info else "openai"
+
+    def _server_version(self, url: str) -> str:
+        """What the spec records: the server's software version (vLLM and SGLang answer GET /version)."""
+        answer = self._ask(url + "/version")
+        return str(answer.get("version", "unknown version")) if answer else "unknown version"
+
+    def _served_model(self, url: str) -> str:
+        """The model an OpenAI-API server lists (``GET /v1/models``), asked once at start."""
+        answer = self._ask(url + "/v1/models") or {}
+        models = [m.get("id") for m in answer.get("data", [])]
         if len(models) != 1:
             raise OptionError(f"{url} serves {len(models)} models {models}: choose one with --server-model")
         return models[0]
@@ -322,3 +341,25 @@ def _outcome(request: Request, prompt: list[int], ids: list[int], reason: str | 
     if reason not in ("stop", "length"):
         return Failure(request.key, f"the server finished with {reason!r}, not stop or length")
     return Completion(request.key, request.prompt_ids, tuple(int(t) for t in ids), reason)
+
+
+def open(settings: EngineSettings) -> ServerEngine:
+    """The engine ``hsx generate --backend server`` runs: ``--server`` URLs, ``--concurrency`` per server;
+    ``settings.extra`` may name ``server_api`` (openai | sglang), ``server_model``, ``server_retries``,
+    ``server_max_failures``, ``server_timeout``; ``HSX_SERVER_API_KEY`` in the environment is sent as a
+    bearer token (a secret stays off the command line and out of the run spec)."""
+    extra = settings.extra
+    options = ServerOptions(
+        urls=settings.servers,
+        api=extra.get("server_api"),
+        model=extra.get("server_model"),
+        concurrency=settings.concurrency,
+        retries=int(extra.get("server_retries", ServerOptions.retries)),
+        max_failures=int(extra.get("server_max_failures", ServerOptions.max_failures)),
+        timeout=float(extra.get("server_timeout", ServerOptions.timeout)),
+        api_key=os.environ.get("HSX_SERVER_API_KEY") or None,
+    )
+    engine = ServerEngine(options)
+    if settings.max_pending:
+        engine.max_pending = settings.max_pending
+    return engine

@@ -12,6 +12,7 @@ Importing this module imports vLLM (that is the check that the backend is availa
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from hsx.capture.vllm import close_llm
 from hsx.generate.engine import Completion, Engine, Failure, Outcome, Request, Sampling
+from hsx.generate.engines import EngineSettings
 
 QUEUED_BATCHES = 4  # requests kept queued: this many times vLLM's max_num_seqs
 
@@ -44,7 +46,6 @@ def open_llm(
     model: Path | str,
     *,
     dtype: str = "auto",
-    max_model_len: int | None = None,
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
     trust_remote_code: bool = False,
@@ -59,7 +60,6 @@ def open_llm(
         trust_remote_code=trust_remote_code,
         tensor_parallel_size=tensor_parallel_size,
         **({"data_parallel_size": data_parallel_size} if data_parallel_size > 1 else {}),  # vLLM decides
-        max_model_len=max_model_len,
         enforce_eager=current_platform.is_cpu(),
         seed=0,
         **engine_args,
@@ -117,3 +117,27 @@ class VllmEngine(Engine):
 
     def close(self) -> None:
         close_llm(self.llm)
+
+
+def open(settings: EngineSettings) -> VllmEngine:
+    """The engine ``hsx generate --backend vllm`` runs. ``settings.extra`` items go to ``vllm.LLM`` as
+    keyword arguments (values parsed as JSON where they parse: ``max_model_len=8192``,
+    ``gpu_memory_utilization=0.85``); the parallel sizes are the session's, not the run's."""
+    engine_args = {}
+    for name, value in settings.extra.items():
+        try:
+            engine_args[name] = json.loads(value)
+        except ValueError:
+            engine_args[name] = value
+    llm = open_llm(
+        settings.model_dir,
+        dtype=settings.dtype,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        data_parallel_size=settings.data_parallel_size,
+        trust_remote_code=settings.trust_remote_code,
+        **engine_args,
+    )
+    engine = VllmEngine(llm)
+    if settings.max_pending:
+        engine.max_pending = settings.max_pending
+    return engine
