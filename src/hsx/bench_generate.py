@@ -5,7 +5,9 @@ In one run, on the same prompts and sampling:
   keeping vLLM's queue full, every conversation written durably and self-verifying); its new
   tokens/s are the job's own (new tokens over the generation loop's time, model load excluded);
 - vllm: ``vllm.LLM.generate`` over exactly the prompt ids hsx ran, all at once, with the same
-  per-request sampling and seeds, outputs discarded (the engine's ceiling on this batch).
+  per-request sampling and seeds, outputs discarded (the engine's ceiling on this batch);
+- engine alone: hsx's vLLM engine through the Engine contract on the same requests, nothing
+  written (the contract's cost, apart from the job's rendering and durable writes).
 ``--turns last`` makes every prompt known up front, so the bare engine gets the whole batch at once.
 After the table: hsx / vllm, and how many completions are token-identical between the two (all of
 them, greedy or seeded: vLLM's per-request seeds do not depend on the batch).
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx.generate.engine import Sampling
+from hsx.generate.engine import Completion, Engine, Request, Sampling
 from hsx.generate.job import generate, request_seed
 from hsx.generate.options import GenerateOptions
 from hsx.generate.record import read_record
@@ -66,7 +68,7 @@ def run_generate_bench(
     from vllm.inputs import TokensPrompt
 
     from hsx.capture.vllm import close_llm
-    from hsx.generate.vllm import open_llm, sampling_params
+    from hsx.generate.vllm import VllmEngine, open_llm, sampling_params
 
     model = model or str(bundled_path("tiny-llama"))
     with tempfile.TemporaryDirectory(dir=workdir, prefix="hsx-bench-gen-") as tmp:
@@ -90,26 +92,46 @@ def run_generate_bench(
         turns = [(r, t) for r in records for t in r.turns]
         s = spec.sampling.sampling()
         prompts = [TokensPrompt(prompt_token_ids=t.prompt_ids.tolist()) for _, t in turns]
-        params = [
-            sampling_params(
+        requests = [
+            Request(
+                f"{r.key}/0",
+                tuple(t.prompt_ids.tolist()),
                 Sampling(s.temperature, s.top_p, s.top_k, min(s.max_new_tokens, spec.max_length - len(t.prompt_ids))),
                 request_seed(spec.seed, r.key, 0),  # --turns last: each conversation's one request is its turn 0
             )
             for r, t in turns
         ]
+        params = [sampling_params(q.sampling, q.seed) for q in requests]
         llm = open_llm(model, dtype=spec.dtype, tensor_parallel_size=tensor_parallel_size)
         try:
             t0 = time.monotonic()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.monotonic() - t0
+            new_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            bare = GenResult("vllm LLM.generate", len(outputs), new_tokens, seconds)
+            llm.reset_prefix_cache()  # the engine run must not be served the bare run's prompts from cache
+            engine = _engine_alone(VllmEngine(llm), requests)
         finally:
             close_llm(llm)
-        bare = GenResult("vllm LLM.generate", len(outputs), sum(len(o.outputs[0].token_ids) for o in outputs), seconds)
         same = sum(
             tuple(o.outputs[0].token_ids) == tuple(t.completion_ids.tolist())
             for o, (_, t) in zip(outputs, turns, strict=True)
         )
-    return [bare, hsx], same
+    return [bare, engine, hsx], same
+
+
+def _engine_alone(engine: Engine, requests: list[Request]) -> GenResult:
+    """hsx's engine through the Engine contract on the same requests, nothing written: what the
+    contract costs, apart from the job's own work (rendering, durable writes)."""
+    t0 = time.monotonic()
+    for q in requests:
+        engine.submit(q)
+    new_tokens = done = 0
+    while done < len(requests):
+        for o in engine.poll():
+            done += 1
+            new_tokens += len(o.completion_ids) if isinstance(o, Completion) else 0
+    return GenResult("hsx engine alone", done, new_tokens, time.monotonic() - t0)
 
 
 def generate_table(results: list[GenResult], same: int) -> str:
