@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import TINY
+from conftest import TINY, conversations, verified_files, write_jsonl
 from hsx.errors import EngineUnavailable, OptionError
 from hsx.generate.engine import Completion, Failure, Request, Sampling
 from hsx.generate.server import ServerEngine, ServerOptions
@@ -29,6 +29,7 @@ class Fake:
 
     def __init__(self, script=(), prompt_edit=None, echo=True, kind="vllm"):
         self.script, self.prompt_edit, self.echo = list(script), prompt_edit, echo
+        self.fail_from: int | None = None  # answer HTTP 503 to every request after this many
         self.posts: list[tuple[float, dict]] = []
         self.headers: list[dict] = []
         self.lock = threading.Lock()
@@ -63,6 +64,8 @@ class Fake:
                     fake.posts.append((time.monotonic(), body | {"path": self.path}))
                     fake.headers.append(dict(self.headers))
                     scripted = fake.script.pop(0) if fake.script else None
+                    if fake.fail_from is not None and len(fake.posts) > fake.fail_from:
+                        scripted = (503, [])
                 if scripted:
                     self.reply(scripted[0], {"error": "scripted"}, scripted[1])
                 elif self.path == "/v1/completions":
@@ -274,6 +277,41 @@ def test_the_factory_opens_it_from_the_generate_settings(fakes, monkeypatch):
     finally:
         eng.close()
     assert fake.headers[-1]["Authorization"] == "Bearer secret"
+
+
+def test_hsx_generate_through_a_server_stops_cleanly_then_resumes(fakes, tmp_path, monkeypatch):
+    """The job on the server engine: the server fails everything after 6 requests, the run stops with
+    EngineUnavailable keeping what finished, and the same command completes it once the server answers."""
+    from functools import partial
+
+    import hsx.generate.server as server_module
+    from hsx.generate.job import generate
+    from hsx.generate.options import GenerateOptions
+    from hsx.generate.record import read_record
+    from hsx.generate.spec import load_generate_spec
+    from hsx.store import layout
+
+    fake = fakes()
+    fake.fail_from = 6
+    fast = partial(ServerOptions, retries=2, backoff=0.01, max_failures=3)
+    monkeypatch.setattr(server_module, "ServerOptions", fast)
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(8))
+    out = tmp_path / "gen"
+    args = dict(out=out, backend="server", servers=[fake.url], concurrency=1, turns="last", max_new_tokens=5)
+    with pytest.raises(EngineUnavailable, match="stopped answering: 3 requests in a row failed"):
+        generate(GenerateOptions(model=str(TINY), data=[data], shard_size=3, **args), log=lambda m: None)
+    before = verified_files(out)
+    assert len(before) == 6  # every completion handed out before the stop was written
+    fake.fail_from = None
+    summary = generate(GenerateOptions(**args), log=lambda m: None)
+    assert summary.complete and summary.written == 2 and summary.already_done == 6
+    after = verified_files(out)
+    assert all(after[p] == ident for p, ident in before.items())  # none rewritten
+    spec = load_generate_spec(out)
+    assert spec.engine.name == "server" and spec.engine.version == "openai vllm-1.0"
+    for i in range(8):
+        (turn,) = read_record(layout.sample_path(out, i, spec.shard_size), i).turns
+        assert turn.completion_ids.tolist() == answer_ids(turn.prompt_ids.tolist(), 5)  # token-exact through the job
 
 
 def test_an_unreachable_server_at_start_is_a_clean_stop(fakes):

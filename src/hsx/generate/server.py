@@ -91,7 +91,7 @@ class ServerEngine(Engine):
         if not options.urls:
             raise OptionError("the server backend needs at least one --server URL")
         if options.concurrency < 1 or options.retries < 1 or options.max_failures < 1:
-            raise OptionError("--server-concurrency, --server-retries and --server-max-failures must be at least 1")
+            raise OptionError("the server backend's concurrency, retries and max failures must be at least 1")
         if options.api not in (None, "openai", "sglang"):
             raise OptionError(f"--server-api must be openai or sglang, not {options.api!r}")
         self.options = options
@@ -172,7 +172,7 @@ class ServerEngine(Engine):
                 self._failed(request, spent + 1, f"{url}: {e}")
                 continue
             except _SetupFault as e:
-                self._stop(f"{url}: {e}")
+                self._stop(f"a generation server answers as no request can succeed: {url}: {e}; fix that, then")
                 continue
             with self._lock:
                 self._failures = 0
@@ -185,18 +185,20 @@ class ServerEngine(Engine):
             self._failures += 1
             failures = self._failures
         if failures >= self.options.max_failures:
-            self._stop(f"{failures} requests in a row failed after {self.options.retries} tries each; last: {reason}")
+            self._stop(
+                f"the generation servers stopped answering: {failures} requests in a row failed after "
+                f"{self.options.retries} tries each; last: {reason}; once they answer,"
+            )
         elif spent >= self.options.max_failures:
             self._done.put(Failure(request.key, f"failed {spent} times on the servers: {reason}"))
         else:
             self._todo.put((request, spent))
 
-    def _stop(self, reason: str) -> None:
+    def _stop(self, why: str) -> None:
         with self._lock:
             if self._stopped is None:
                 self._stopped = EngineUnavailable(
-                    f"the generation servers stopped answering: {reason}; the run stopped cleanly and "
-                    "resumes with the same command once they answer"
+                    f"{why} resume with the same command (the run stopped cleanly: what is written is kept)"
                 )
 
     def _try(self, url: str, request: Request) -> Outcome:
@@ -345,19 +347,19 @@ def _outcome(request: Request, prompt: list[int], ids: list[int], reason: str | 
 
 def open(settings: EngineSettings) -> ServerEngine:
     """The engine ``hsx generate --backend server`` runs: ``--server`` URLs, ``--concurrency`` per server;
-    ``settings.extra`` may name ``server_api`` (openai | sglang), ``server_model``, ``server_retries``,
-    ``server_max_failures``, ``server_timeout``; ``HSX_SERVER_API_KEY`` in the environment is sent as a
-    bearer token (a secret stays off the command line and out of the run spec)."""
+    ``settings.extra`` may name ``server_api`` (openai | sglang), ``server_model`` and the failure policy
+    (``server_retries``, ``server_backoff``, ``server_max_failures``, ``server_timeout``);
+    ``HSX_SERVER_API_KEY`` in the environment is sent as a bearer token (a secret stays off the command
+    line and out of the run spec)."""
     extra = settings.extra
+    policy = {"retries": int, "backoff": float, "max_failures": int, "timeout": float}
     options = ServerOptions(
         urls=settings.servers,
         api=extra.get("server_api"),
         model=extra.get("server_model"),
         concurrency=settings.concurrency,
-        retries=int(extra.get("server_retries", ServerOptions.retries)),
-        max_failures=int(extra.get("server_max_failures", ServerOptions.max_failures)),
-        timeout=float(extra.get("server_timeout", ServerOptions.timeout)),
         api_key=os.environ.get("HSX_SERVER_API_KEY") or None,
+        **{name: cast(extra[f"server_{name}"]) for name, cast in policy.items() if f"server_{name}" in extra},
     )
     engine = ServerEngine(options)
     if settings.max_pending:
