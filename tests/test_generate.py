@@ -357,3 +357,52 @@ def test_turns_last_keeps_the_datasets_earlier_answers_and_samples_per_prompt_dr
         text = tok.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
         assert turn.prompt_ids.tolist() == tok(text, add_special_tokens=False)["input_ids"]
     assert records[0].turns[0].completion_ids.tolist() != records[1].turns[0].completion_ids.tolist()
+
+
+def test_template_kwargs_reach_the_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(TINY, model)
+    template = (model / "chat_template.jinja").read_text()
+    said = "'<|im_start|>assistant\\n' + ('NO THINK ' if enable_thinking is defined and not enable_thinking else '')"
+    (model / "chat_template.jinja").write_text(template.replace("'<|im_start|>assistant\\n'", said))
+    data = write_jsonl(tmp_path / "c.jsonl", conversations(1, start=1))
+    prompts = {}
+    for kwargs in (None, {"enable_thinking": False}):
+        out = tmp_path / f"gen{len(prompts)}"
+        generate(
+            _opts(out, model=str(model), data=[data], template_kwargs=kwargs, max_new_tokens=2), log=lambda m: None
+        )
+        (rec,) = _records(out)
+        prompts[json.dumps(kwargs)] = AutoTokenizer.from_pretrained(model).decode(rec.turns[0].prompt_ids.tolist())
+        assert json.loads((out / "hsx.json").read_text())["template_kwargs"] == (kwargs or {})
+    assert prompts['{"enable_thinking": false}'].endswith("NO THINK ")
+    assert not prompts["null"].endswith("NO THINK ")
+
+
+def test_an_engine_giving_up_on_a_request_rejects_that_conversation_only(tmp_path, monkeypatch):
+    from hsx.generate import transformers as engine_module
+
+    real = engine_module.TransformersEngine.generate
+
+    def failing_on_turn_2(self, request):
+        if request.key.endswith("/1"):  # every conversation's second turn
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(self, request)
+
+    monkeypatch.setattr(engine_module.TransformersEngine, "generate", failing_on_turn_2)
+    data = write_jsonl(tmp_path / "c.jsonl", conversations(2, start=0))  # 4 and 2 messages
+    out = tmp_path / "gen"
+    summary = generate(_opts(out, model=str(TINY), data=[data], max_new_tokens=4), log=lambda m: None)
+    assert summary.complete and summary.rejected_now == 1
+    two, one = _records(out)
+    assert (
+        not two.ok
+        and two.reason == "engine failed on turn 3: transformers generate failed: CUDA out of memory (injected)"
+    )
+    assert len(two.turns) == 1 and one.ok
+    (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert reject["key"] == two.key
+    monkeypatch.undo()  # a resume does not retry a rejected conversation: it is done, with its reason
+    assert generate(_opts(out), log=lambda m: None).written == 0

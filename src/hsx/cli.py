@@ -416,6 +416,9 @@ def generate(
         str | None, typer.Option(help="server backend: openai (/v1/completions) | sglang (/generate) [found out].")
     ] = None,
     server_model: Annotated[str | None, typer.Option(help="server backend: served model name [its only one].")] = None,
+    max_pending: Annotated[
+        int | None, typer.Option(help="Requests kept submitted to the engine [the engine's own choice].")
+    ] = None,
     fast_verify: Annotated[bool, typer.Option(help="On resume, check headers and sizes only, not digests.")] = False,
     allow_partial: Annotated[bool, typer.Option(help="Start even if the volume cannot hold the whole run.")] = False,
     metrics_port: Annotated[int | None, typer.Option(help="Serve the run's metrics on this port.")] = None,
@@ -451,6 +454,7 @@ def generate(
             concurrency=concurrency,
             server_api=server_api,
             server_model=server_model,
+            max_pending=max_pending,
             deep_verify=not fast_verify,
             allow_partial=allow_partial,
             metrics_port=metrics_port,

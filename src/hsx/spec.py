@@ -180,7 +180,11 @@ def same_place(a: str, b: str) -> bool:
 def load_spec(run: Path) -> RunSpec:
     path = run / layout.SPEC
     try:
-        return RunSpec.model_validate_json(path.read_bytes())
+        raw = path.read_bytes()
+        body = json.loads(raw)
+        if isinstance(body, dict) and body.get("kind") == "generate":  # hsx.generate.spec's run
+            raise SpecError(f"{run} is a generate run (hsx generate), not an extraction: extract it with --data {run}")
+        return RunSpec.model_validate_json(raw)
     except FileNotFoundError as e:
         raise SpecError(f"{run} has no run spec ({layout.SPEC}): not an hsx run folder") from e
     except (ValidationError, ValueError, json.JSONDecodeError) as e:

@@ -26,6 +26,7 @@ DEFAULTS = {
     "shard_size": 1000,
     "dtype": "auto",
 }
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 SAMPLING = Sampling()  # its defaults: greedy, 2048 new tokens at most
 
 
@@ -91,6 +92,7 @@ class GenerateOptions:
             ("seed", self.seed, lambda v: 0 <= v < 2**63, "0 to 2**63-1"),
             ("max-length", self.max_length, lambda v: v >= 2, "2 or more"),
             ("shard-size", self.shard_size, lambda v: v >= 1, "1 or more"),
+            ("dtype", self.dtype, lambda v: v in DTYPES, ", ".join(DTYPES)),
             ("tensor-parallel-size", self.tensor_parallel_size, lambda v: v >= 1, "1 or more"),
             ("data-parallel-size", self.data_parallel_size, lambda v: v >= 1, "1 or more"),
             ("concurrency", self.concurrency, lambda v: v >= 1, "1 or more"),

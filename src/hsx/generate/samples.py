@@ -92,7 +92,7 @@ def data_file(run: Path) -> DataFile:
     h = xxhash.xxh3_128(spec.digest().encode())
     for cid, digest in files.items():
         h.update(f"{cid}:{digest}\n".encode())
-    return DataFile(name=str(run), size=len(files), digest=h.hexdigest())
+    return DataFile(name=str(run.expanduser().resolve()), size=len(files), digest=h.hexdigest())
 
 
 def plan_samples(

@@ -109,6 +109,8 @@ def is_generate_run(path: Path) -> bool:
 
 def load_generate_spec(run: Path) -> GenerateSpec:
     path = run / layout.SPEC
+    if path.exists() and kind_of(run) not in (KIND, None):
+        raise SpecError(f"{run} is an extraction run (hsx extract), not a generate run")
     try:
         return GenerateSpec.model_validate_json(path.read_bytes())
     except FileNotFoundError as e:
