@@ -291,6 +291,7 @@ def test_hsx_generate_through_a_server_stops_cleanly_then_resumes(fakes, tmp_pat
     from hsx.generate.spec import load_generate_spec
     from hsx.store import layout
 
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the tokenizer is local: no hub lookups
     fake = fakes()
     fake.fail_from = 6
     fast = partial(ServerOptions, retries=2, backoff=0.01, max_failures=3)

@@ -8,6 +8,7 @@ In one run, on the same prompts and sampling:
   per-request sampling and seeds, outputs discarded (the engine's ceiling on this batch);
 - engine alone: hsx's vLLM engine through the Engine contract on the same requests, nothing
   written (the contract's cost, apart from the job's rendering and durable writes).
+Each runs on a fresh vLLM (as hsx generate does), so none is served from another's prefix cache.
 ``--turns last`` makes every prompt known up front, so the bare engine gets the whole batch at once.
 After the table: hsx / vllm, and how many completions are token-identical between the two (all of
 them, greedy or seeded: vLLM's per-request seeds do not depend on the batch).
@@ -102,22 +103,26 @@ def run_generate_bench(
             for r, t in turns
         ]
         params = [sampling_params(q.sampling, q.seed) for q in requests]
+        # Each measurement on a fresh vLLM, as hsx generate's own: none is served from another's cache or warm-up.
         llm = open_llm(model, dtype=spec.dtype, tensor_parallel_size=tensor_parallel_size)
         try:
             t0 = time.monotonic()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.monotonic() - t0
-            new_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            bare = GenResult("vllm LLM.generate", len(outputs), new_tokens, seconds)
-            llm.reset_prefix_cache()  # the engine run must not be served the bare run's prompts from cache
-            engine = _engine_alone(VllmEngine(llm), requests)
         finally:
             close_llm(llm)
+        new_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        bare = GenResult("vllm LLM.generate", len(outputs), new_tokens, seconds)
+        engine = VllmEngine(open_llm(model, dtype=spec.dtype, tensor_parallel_size=tensor_parallel_size))
+        try:
+            alone = _engine_alone(engine, requests)
+        finally:
+            engine.close()
         same = sum(
             tuple(o.outputs[0].token_ids) == tuple(t.completion_ids.tolist())
             for o, (_, t) in zip(outputs, turns, strict=True)
         )
-    return [bare, engine, hsx], same
+    return [bare, alone, hsx], same
 
 
 def _engine_alone(engine: Engine, requests: list[Request]) -> GenResult:
