@@ -125,6 +125,8 @@ def open(settings: EngineSettings) -> VllmEngine:
     ``gpu_memory_utilization=0.85``); the parallel sizes are the session's, not the run's."""
     engine_args = {}
     for name, value in settings.extra.items():
+        if name.startswith("server_"):  # the server backend's knobs
+            continue
         try:
             engine_args[name] = json.loads(value)
         except ValueError:
