@@ -10,4 +10,4 @@ python3 -m venv .venv-vllm
 .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton
 # A small CPU KV cache; float32 (bf16 kernels need CPU features a CI runner may lack).
 export VLLM_CPU_KVCACHE_SPACE=1 HSX_REQUIRE=vllm
-.venv-vllm/bin/python -m pytest -q tests/test_vllm.py "$@"
+.venv-vllm/bin/python -m pytest -q tests/test_vllm.py tests/test_generate_vllm.py "$@"

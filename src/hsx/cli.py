@@ -26,6 +26,8 @@ BENCH = Bounds(
     naive_samples=Bound(min=0),
     writers=AT_LEAST_ONE,
     compile=EXTRACT.bounds["compile"],
+    max_new_tokens=AT_LEAST_ONE,
+    tensor_parallel_size=AT_LEAST_ONE,
 )
 
 app = typer.Typer(
@@ -433,6 +435,16 @@ def vocab(
     )
 
 
+def _bench_generate(model: str | None, prompts: int, max_new_tokens: int, tp: int, workdir: Path | None) -> None:
+    from hsx.bench_generate import generate_table, run_generate_bench
+
+    with failures():
+        results, same = run_generate_bench(
+            model, prompts, max_new_tokens, tensor_parallel_size=tp, workdir=workdir, log=lambda m: None
+        )
+    print(generate_table(results, same))
+
+
 @app.command()
 def bench(
     model: Annotated[
@@ -463,11 +475,22 @@ def bench(
     int4_experts: Annotated[
         bool, typer.Option(help="MoE models: the last layout again with the routed experts INT4-packed.")
     ] = False,
+    generate: Annotated[
+        bool, typer.Option(help="Instead: hsx generate (vLLM) against vLLM's bare LLM.generate, --samples prompts.")
+    ] = False,
+    max_new_tokens: Annotated[
+        int, BENCH.option("max_new_tokens", help="--generate: new tokens per prompt at most.")
+    ] = 256,
+    tensor_parallel_size: Annotated[
+        int, BENCH.option("tensor_parallel_size", help="--generate: vLLM's GPUs per model replica.")
+    ] = 1,
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     from hsx.bench import run_bench, table
     from hsx.run.options import check_device, default_device
 
+    if generate:
+        return _bench_generate(model, samples, max_new_tokens, tensor_parallel_size, workdir)
     with failures():
         if device is not None:
             check_device(device)
@@ -551,6 +574,10 @@ def generate(
         list[str] | None, typer.Option(help="server backend: an OpenAI-compatible base URL; repeatable.")
     ] = None,
     concurrency: Annotated[int | None, typer.Option(help="server backend: requests in flight per server.")] = None,
+    server_api: Annotated[
+        str | None, typer.Option(help="server backend: openai (/v1/completions) | sglang (/generate) [found out].")
+    ] = None,
+    server_model: Annotated[str | None, typer.Option(help="server backend: served model name [its only one].")] = None,
     max_pending: Annotated[
         int | None, typer.Option(help="Requests kept submitted to the engine [the engine's own choice].")
     ] = None,
@@ -587,6 +614,8 @@ def generate(
             data_parallel_size=data_parallel_size,
             servers=list(server or []),
             concurrency=concurrency,
+            server_api=server_api,
+            server_model=server_model,
             max_pending=max_pending,
             deep_verify=not fast_verify,
             allow_partial=allow_partial,

@@ -19,6 +19,7 @@
     │   ├── ExportRefused          the export cannot go on as asked
     │   └── VocabError             the draft vocabulary cannot be built as asked
     ├── CleanStop                the volume filled; stopped cleanly, resumable once space is freed (exit 3)
+    ├── EngineUnavailable        the generation servers stopped answering; stopped cleanly, resumable (exit 2)
     ├── DiskFull (also OSError)  ENOSPC or the reserve reached while writing one file (the store's signal)
     │   └── LowSpace               free space fell under the reserve before a batch
     ├── BadFile                  a sample file is not valid: truncated, corrupt or misplaced (scans catch it)
@@ -133,6 +134,11 @@ class CleanStop(HsxError):
         super().__init__(reason or f"no space left on the output volume while writing {path}")
         self.summary = summary
         self.needed_bytes = needed_bytes
+
+
+class EngineUnavailable(HsxError):
+    """The generation engine (its servers) failed request after request, or answers as no request can
+    succeed (a wrong URL or model name); the generate job stops cleanly and the same command resumes."""
 
 
 class DiskFull(HsxError, OSError):

@@ -74,6 +74,8 @@ class GenerateOptions:
     data_parallel_size: int | None = None
     servers: list[str] = field(default_factory=list)
     concurrency: int | None = None
+    server_api: str | None = None  # openai | sglang (None: found out per server)
+    server_model: str | None = None  # the served model name (None: the one the server lists)
     max_pending: int | None = None
     metrics_port: int | None = None
     metrics_textfile: Path | None = None
@@ -141,6 +143,7 @@ class GenerateOptions:
             servers=tuple(self.servers),
             concurrency=self.concurrency or 64,
             max_pending=self.max_pending,
+            extra={k: v for k, v in (("server_api", self.server_api), ("server_model", self.server_model)) if v},
         )
 
     def telemetry(self, metrics: Callable[[], dict]) -> Telemetry:

@@ -1,0 +1,330 @@
+"""The server backend against a small fake inference server (stdlib http.server on 127.0.0.1): the
+retry and backoff policy, the stop after consecutive failures, other prompt ids as a Failure, the
+SGLang API, several servers. The real ``vllm serve`` is in test_generate_vllm.py."""
+
+import itertools
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from conftest import TINY, conversations, verified_files, write_jsonl
+from hsx.errors import EngineUnavailable, OptionError
+from hsx.generate.engine import Completion, Failure, Request, Sampling
+from hsx.generate.server import ServerEngine, ServerOptions
+
+SAMPLING = Sampling(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=5)
+
+
+def answer_ids(prompt: list[int], n: int) -> list[int]:
+    """What the fake model 'generates': a function of the prompt, so each answer is checkable."""
+    return [(sum(prompt) + i) % 1000 for i in range(n)]
+
+
+class Fake:
+    """A fake server; ``script`` is a list of (status, headers) answers given before it answers normally;
+    ``prompt_edit`` changes the prompt ids it reports; ``echo`` whether it returns the prompt ids (SGLang)."""
+
+    def __init__(self, script=(), prompt_edit=None, echo=True, kind="vllm"):
+        self.script, self.prompt_edit, self.echo = list(script), prompt_edit, echo
+        self.fail_from: int | None = None  # answer HTTP 503 to every request after this many
+        self.posts: list[tuple[float, dict]] = []
+        self.headers: list[dict] = []
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, status, body, headers=()):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                routes = {"/v1/models": {"data": [{"id": "tiny-served"}]}, "/version": {"version": f"{kind}-1.0"}}
+                if kind == "sglang":
+                    routes["/get_model_info"] = {"model_path": "tiny"}
+                if self.path in routes:
+                    self.reply(200, routes[self.path])
+                else:
+                    self.reply(404, {"error": "no such route"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with fake.lock:
+                    fake.posts.append((time.monotonic(), body | {"path": self.path}))
+                    fake.headers.append(dict(self.headers))
+                    scripted = fake.script.pop(0) if fake.script else None
+                    if fake.fail_from is not None and len(fake.posts) > fake.fail_from:
+                        scripted = (503, [])
+                if scripted:
+                    self.reply(scripted[0], {"error": "scripted"}, scripted[1])
+                elif self.path == "/v1/completions":
+                    prompt = body["prompt"]
+                    ran = fake.prompt_edit(prompt) if fake.prompt_edit else prompt
+                    ids = answer_ids(prompt, body["max_tokens"])
+                    choice = {"text": "x", "token_ids": ids, "prompt_token_ids": ran, "finish_reason": "length"}
+                    self.reply(200, {"choices": [choice]})
+                elif self.path == "/generate":
+                    prompt = body["input_ids"]
+                    ran = fake.prompt_edit(prompt) if fake.prompt_edit else prompt
+                    ids = answer_ids(prompt, body["sampling_params"]["max_new_tokens"])
+                    meta = {"prompt_tokens": len(ran), "finish_reason": {"type": "length", "length": len(ids)}}
+                    echoed = {"input_ids": ran} if fake.echo else {}
+                    self.reply(200, {"text": "x", "output_ids": ids, "meta_info": meta} | echoed)
+                else:
+                    self.reply(404, {"error": "no such route"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fakes():
+    made = []
+
+    def make(**kw):
+        made.append(Fake(**kw))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def request(i: int, n: int = 6) -> Request:
+    return Request(f"conv{i}/0/0", tuple(range(i, i + n)), SAMPLING, seed=1000 + i)
+
+
+def engine(*urls, **kw) -> ServerEngine:
+    kw = {"backoff": 0.05, "max_backoff": 1.0, "retries": 4, "max_failures": 3, "concurrency": 1} | kw
+    return ServerEngine(ServerOptions(urls=tuple(urls), **kw))
+
+
+def run_all(eng: ServerEngine, requests: list[Request]) -> dict[str, object]:
+    for r in requests:
+        eng.submit(r)
+    got = {}
+    while len(got) < len(requests):
+        for o in eng.poll(timeout=30):
+            got[o.key] = o
+    assert eng.poll(timeout=0) == []
+    return got
+
+
+def assert_completion(outcome, req: Request):
+    assert isinstance(outcome, Completion), outcome
+    assert outcome.prompt_ids == req.prompt_ids
+    assert list(outcome.completion_ids) == answer_ids(list(req.prompt_ids), req.sampling.max_new_tokens)
+    assert outcome.finish_reason == "length"
+
+
+def test_transient_errors_are_retried_with_growing_waits(fakes):
+    fake = fakes(script=[(429, [("Retry-After", "1")]), (503, []), (500, []), (408, [])])
+    eng = engine(fake.url, retries=5)
+    req = request(1)
+    try:
+        got = run_all(eng, [req])
+    finally:
+        eng.close()
+    assert_completion(got[req.key], req)
+    times = [t for t, _ in fake.posts]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert len(times) == 5
+    # Retry-After 1 s, then the backoff of the 2nd, 3rd, 4th try: 0.1, 0.2, 0.4 s.
+    assert gaps[0] >= 0.95 and gaps[1] >= 0.095 and gaps[2] >= 0.19 and gaps[3] >= 0.38, gaps
+    body = fake.posts[-1][1]
+    assert body["model"] == "tiny-served"  # the served model, asked for at start
+    assert body["prompt"] == list(req.prompt_ids) and body["return_token_ids"] is True
+    sent = {k: body[k] for k in ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty")}
+    want = {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "seed": 1001, "max_tokens": 5, "repetition_penalty": 1.0}
+    assert sent == want
+
+
+def test_a_bad_request_is_a_failure_at_once_and_the_rest_goes_on(fakes):
+    fake = fakes(script=[(400, [])])
+    eng = engine(fake.url, model="m")
+    reqs = [request(i) for i in range(3)]
+    try:
+        got = run_all(eng, reqs)
+    finally:
+        eng.close()
+    assert isinstance(got[reqs[0].key], Failure) and "HTTP 400" in got[reqs[0].key].reason
+    for r in reqs[1:]:
+        assert_completion(got[r.key], r)
+    assert len(fake.posts) == 3  # no retry of the bad one
+
+
+@pytest.mark.parametrize("api", ["openai", "sglang"])
+@pytest.mark.parametrize(
+    "edit", [lambda p: [*p[:2], p[2] + 1, *p[3:]], lambda p: p[1:]], ids=["changed-token", "dropped-token"]
+)
+def test_other_prompt_ids_are_a_failure_never_a_sample(fakes, api, edit):
+    fake = fakes(prompt_edit=edit)
+    eng = engine(fake.url, api=api, model="m")
+    req = request(3)
+    try:
+        got = run_all(eng, [req])[req.key]
+    finally:
+        eng.close()
+    assert isinstance(got, Failure), got
+    assert "other prompt ids than the request's" in got.reason
+
+
+def test_sglang_api_without_the_prompt_echoed_checks_its_length(fakes):
+    good, bad = fakes(echo=False, kind="sglang"), fakes(echo=False, kind="sglang", prompt_edit=lambda p: p[1:])
+    reqs = [request(i) for i in range(2)]
+    for fake, want in ((good, Completion), (bad, Failure)):
+        eng = engine(fake.url)  # found to be SGLang: it answers GET /get_model_info
+        assert eng.version == "sglang sglang-1.0" and eng.model is None
+        try:
+            got = run_all(eng, reqs)
+        finally:
+            eng.close()
+        for r in reqs:
+            assert isinstance(got[r.key], want), got[r.key]
+            if want is Completion:
+                assert_completion(got[r.key], r)
+            else:
+                assert "ran a prompt of 5 tokens, the request has 6" in got[r.key].reason
+        sp = fake.posts[0][1]["sampling_params"]
+        assert fake.posts[0][1]["path"] == "/generate" and sp["sampling_seed"] == 1000 and sp["top_k"] == -1
+
+
+def test_consecutive_failures_stop_cleanly_after_handing_out_what_finished(fakes):
+    fake = fakes()
+    eng = engine(fake.url, model="m", retries=2, max_failures=3)
+    done = [request(i) for i in range(2)]
+    try:
+        got = run_all(eng, done)
+        fake.script = [(503, [])] * 100  # the server now fails everything
+        for r in [request(i) for i in range(10, 15)]:
+            eng.submit(r)
+        with pytest.raises(EngineUnavailable, match="3 requests in a row failed after 2 tries each"):
+            while True:
+                assert eng.poll(timeout=30) == []
+    finally:
+        eng.close()
+    for r in done:
+        assert_completion(got[r.key], r)
+    assert len(fake.posts) == 2 + 3 * 2  # one thread: three requests, two tries each, then the stop
+
+
+def test_refused_connections_count_as_failures(fakes):
+    fake = fakes()
+    eng = engine(fake.url, model="m", retries=2, max_failures=2)
+    fake.close()  # nothing listens there now
+    eng.submit(request(0))
+    try:
+        with pytest.raises(EngineUnavailable, match="Connection refused"):
+            eng.poll(timeout=30)
+    finally:
+        eng.close()
+
+
+def test_a_wrong_route_stops_at_once(fakes):
+    fake = fakes()
+    eng = engine(fake.url + "/wrong", model="m")
+    eng.submit(request(0))
+    try:
+        with pytest.raises(EngineUnavailable, match="HTTP 404"):
+            eng.poll(timeout=30)
+    finally:
+        eng.close()
+    assert len(fake.posts) == 1
+
+
+def test_several_servers_share_the_requests(fakes):
+    a, b = fakes(), fakes()
+    eng = engine(a.url + "/v1/", b.url, model="m", concurrency=3)
+    reqs = [request(i) for i in range(40)]
+    try:
+        got = run_all(eng, reqs)
+    finally:
+        eng.close()
+    for r in reqs:
+        assert_completion(got[r.key], r)
+    assert len(a.posts) + len(b.posts) == 40 and a.posts and b.posts
+    assert eng.version == "openai vllm-1.0"  # what the run spec records
+
+
+def test_the_factory_opens_it_from_the_generate_settings(fakes, monkeypatch):
+    from hsx.generate.engines import EngineSettings, open_engine
+
+    fake = fakes()
+    monkeypatch.setenv("HSX_SERVER_API_KEY", "secret")
+    settings = EngineSettings(
+        model_dir=TINY, servers=(fake.url,), concurrency=2, extra={"server_model": "m", "server_retries": "2"}
+    )
+    eng = open_engine("server", settings)
+    try:
+        assert (eng.options.concurrency, eng.options.retries, eng.model) == (2, 2, "m")
+        assert isinstance(run_all(eng, [request(0)])["conv0/0/0"], Completion)
+    finally:
+        eng.close()
+    assert fake.headers[-1]["Authorization"] == "Bearer secret"
+
+
+def test_hsx_generate_through_a_server_stops_cleanly_then_resumes(fakes, tmp_path, monkeypatch):
+    """The job on the server engine: the server fails everything after 6 requests, the run stops with
+    EngineUnavailable keeping what finished, and the same command completes it once the server answers."""
+    from functools import partial
+
+    import hsx.generate.server as server_module
+    from hsx.generate.job import generate
+    from hsx.generate.options import GenerateOptions
+    from hsx.generate.record import read_record
+    from hsx.generate.spec import load_generate_spec
+    from hsx.store import layout
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the tokenizer is local: no hub lookups
+    fake = fakes()
+    fake.fail_from = 6
+    fast = partial(ServerOptions, retries=2, backoff=0.01, max_failures=3)
+    monkeypatch.setattr(server_module, "ServerOptions", fast)
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(8))
+    out = tmp_path / "gen"
+    args = dict(out=out, backend="server", servers=[fake.url], concurrency=1, turns="last", max_new_tokens=5)
+    with pytest.raises(EngineUnavailable, match="stopped answering: 3 requests in a row failed"):
+        generate(GenerateOptions(model=str(TINY), data=[data], shard_size=3, **args), log=lambda m: None)
+    before = verified_files(out)
+    assert len(before) == 6  # every completion handed out before the stop was written
+    fake.fail_from = None
+    summary = generate(GenerateOptions(**args), log=lambda m: None)
+    assert summary.complete and summary.written == 2 and summary.already_done == 6
+    after = verified_files(out)
+    assert all(after[p] == ident for p, ident in before.items())  # none rewritten
+    spec = load_generate_spec(out)
+    assert spec.engine.name == "server" and spec.engine.version == "openai vllm-1.0"
+    for i in range(8):
+        (turn,) = read_record(layout.sample_path(out, i, spec.shard_size), i).turns
+        assert turn.completion_ids.tolist() == answer_ids(turn.prompt_ids.tolist(), 5)  # token-exact through the job
+
+
+def test_an_unreachable_server_at_start_is_a_clean_stop(fakes):
+    fake = fakes()
+    url = fake.url
+    fake.close()
+    with pytest.raises(EngineUnavailable, match="cannot reach"):
+        ServerEngine(ServerOptions(urls=(url,)))
+
+
+def test_options_are_checked():
+    with pytest.raises(OptionError, match="at least one --server"):
+        ServerEngine(ServerOptions(urls=()))
+    with pytest.raises(OptionError, match="openai or sglang"):
+        ServerEngine(ServerOptions(urls=("http://127.0.0.1:1",), api="tgi"))
