@@ -20,7 +20,7 @@ from hsx.capture import checkpoint, default_layers
 from hsx.capture.transformers import TransformersBackend
 from hsx.extract import ExtractOptions, extract
 from hsx.store import layout
-from kimi_fixtures import PREFIX, VOCAB, kimi_k25, kimi_k25_int4, language_model_reference, routed_expert
+from kimi_fixtures import PREFIX, VOCAB, kimi_k25, kimi_k25_int4, language_model_reference
 
 LAYERS = [0, 1]  # of 3 decoder layers; hidden_states[3] is after the final norm
 SEQS = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).numpy() for n in (21, 8)]
@@ -33,6 +33,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
     kimi_k25(reference, root / "kimi-bf16", torch.bfloat16)
     kimi_k25(reference, root / "kimi-float32", torch.float32)
     kimi_k25_int4(reference, root / "kimi-int4", root / "int4-reference")
+    kimi_k25(root / "int4-reference", root / "kimi-int4-float32", torch.float32)  # the same, dequantized
     return {p.name: p for p in root.iterdir()}
 
 
@@ -157,30 +158,62 @@ def test_fingerprint_covers_the_packed_experts_and_their_scales(models, tmp_path
     assert f"{shard.name}: quantization scales differ" in before.differences(model_fingerprint(path))
 
 
-def test_kimi_k25_int4_loads_its_language_model_through_the_quantizer(models, monkeypatch):
-    """The INT4 composite loads on transformers' DeepseekV3ForCausalLM from the language model's
-    packed weights alone; transformers expands the routed experts at load (bf16: its
-    compressed-tensors conversion works in the scales' dtype), so they are the checkpoint's
-    weights to bf16 rounding, and hsx captures what that model computes."""
-    spy = ReadSpy(monkeypatch)
-    backend = TransformersBackend.load(models["kimi-int4"], LAYERS, "float32", "cpu", trust_remote_code=True)
-    assert spy.read and all(k.startswith(PREFIX) for k in spy.read)
-    from safetensors.torch import load_file
+def states(backend, seqs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    batch = backend.capture(list(range(len(seqs))), seqs)
+    return [tuple(t.clone() for t in batch.sample(i)) for i in range(len(seqs))]
 
-    want = load_file(models["int4-reference"] / "model.safetensors")
-    experts = backend.model.model.layers[1].mlp.experts
-    for e in range(4):
-        got = experts.down_proj[e].float()
-        ref = want[f"model.layers.1.mlp.experts.{e}.down_proj.weight"]
-        assert torch.allclose(got, ref, rtol=2**-8, atol=0), e
-    assert any(routed_expert(k.removeprefix(PREFIX).replace("_packed", "")) for k in spy.read)
-    model = backend.model
-    with torch.no_grad():
-        same = [
-            [h[0] for h in model(torch.as_tensor(s)[None].long(), output_hidden_states=True).hidden_states]
-            for s in SEQS
-        ]
-    assert_states(backend.capture([0, 1], SEQS), same)
+
+def test_kimi_k25_int4_runs_with_its_experts_packed_as_its_dequantized_model(models, monkeypatch, caplog):
+    """The INT4 composite as released (quantization config inside text_config only, vision weights
+    beside the language model) runs on transformers' DeepseekV3ForCausalLM with its routed experts
+    held as stored (int32 packed values + bf16 scales, expanded per layer); the vision tower is never
+    read. Float32 states: transformers' native model on the dequantized weights within 1e-5, and
+    hsx's run of the same composite fully dequantized in float32 bit for bit."""
+    from safetensors.torch import load_file
+    from transformers import DeepseekV3ForCausalLM
+
+    from hsx.capture.quantized import experts as jit
+
+    spy = ReadSpy(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="hsx.checkpoint"):
+        backend = TransformersBackend.load(models["kimi-int4"], LAYERS, "float32", "cpu", trust_remote_code=True)
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "language model of kimi_k25 on transformers' DeepseekV3ForCausalLM" in said, said
+    assert "mm_projector, vision_tower not loaded" in said
+    assert "routed experts held as int4-packed, expanded per layer to float32" in said, said
+    assert type(backend.model) is DeepseekV3ForCausalLM
+    # transformers read the language model's other weights only: no expert, no vision tower, no projector
+    assert spy.read and all(k.startswith(PREFIX) and ".mlp.experts." not in k for k in spy.read)
+    assert not any(("vision" in n or "mm_projector" in n) for n, _ in backend.model.named_parameters())
+    assert not any(("vision" in n or "mm_projector" in n) for n, _ in backend.model.named_buffers())
+    # the routed experts are held as stored: the checkpoint's packed values and scales, no dense weights
+    held = dict(jit.stored_modules(backend.model))
+    assert sorted(held) == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    stored = {}
+    for shard in sorted(models["kimi-int4"].glob("*.safetensors")):
+        stored |= load_file(shard)
+    for name, m in held.items():
+        assert not list(m.parameters(recurse=False)), "no dense expert parameters"
+        assert m.gate_up_proj__weight_packed.dtype == torch.int32 and m.down_proj__weight_scale.dtype == torch.bfloat16
+        for e in range(4):
+            key = f"{PREFIX}{name}.{e}"
+            gate_up = torch.cat([stored[f"{key}.gate_proj.weight_packed"], stored[f"{key}.up_proj.weight_packed"]])
+            assert torch.equal(m.gate_up_proj__weight_packed[e], gate_up)
+            assert torch.equal(m.down_proj__weight_packed[e], stored[f"{key}.down_proj.weight_packed"])
+            assert torch.equal(m.down_proj__weight_scale[e], stored[f"{key}.down_proj.weight_scale"])
+    got = states(backend, SEQS)
+    refs = reference_states(models["int4-reference"], SEQS)
+    for (aux, final), ref in zip(got, refs, strict=True):
+        for j, k in enumerate(LAYERS):
+            assert (aux[:, j * 64 : (j + 1) * 64] - ref[k + 1]).abs().max().item() <= 1e-5, k
+        assert (final - ref[-1]).abs().max().item() <= 1e-5
+    plain = TransformersBackend.load(models["kimi-int4-float32"], LAYERS, "float32", "cpu", trust_remote_code=True)
+    assert not dict(jit.stored_modules(plain.model))
+    for (a, f), (ra, rf) in zip(got, states(plain, SEQS), strict=True):
+        assert torch.equal(a, ra) and torch.equal(f, rf)
+    # the spec: the quantization found in text_config, the experts as hsx holds them
+    quantization = target.identity("kimi", models["kimi-int4"]).quantization
+    assert quantization.method == "compressed-tensors" and quantization.experts == "int4-packed group 32"
 
 
 def test_kimi_k25_extracts_end_to_end_text_rows_only(models, tmp_path, caplog):
