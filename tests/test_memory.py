@@ -31,9 +31,9 @@ def kimi() -> Inventory:
 def test_kimi_k25_tp8_ep8_fits_one_h200_node_with_its_experts_packed(kimi):
     est = memory.check(kimi, Layout(8, 8, "packed"), H200, 8)
     # the packed experts, from the released weight table: per expert, gate/up int32 [2048, 896] +
-    # bf16 scales [2048, 224] + int32 shape [2]; down int32 [7168, 256] + bf16 [7168, 64] + [2]
-    gate_up = 2048 * 896 * 4 + 2048 * 224 * 2 + 8
-    down = 7168 * 256 * 4 + 7168 * 64 * 2 + 8
+    # bf16 scales [2048, 224]; down int32 [7168, 256] + bf16 [7168, 64] (the int32 [2] shapes are not held)
+    gate_up = 2048 * 896 * 4 + 2048 * 224 * 2
+    down = 7168 * 256 * 4 + 7168 * 64 * 2
     packed = LAYERS * EXPERTS * (2 * gate_up + down)
     assert abs(packed / 2**30 - 3 * (157.50 + 19.69)) < 0.1  # the table's GiB per projection kind
     assert est.experts == round(packed / 8)
@@ -94,13 +94,14 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
 
 
 def loaded_bytes(model_dir: Path, dtype: str) -> int:
-    """The bytes transformers really holds for the model: every tensor of its state dict."""
-    from transformers import AutoModelForCausalLM
+    """The bytes hsx's loader really holds for the model: every tensor of its state dict, and the
+    routed experts it holds as stored (their packed values and scales: non-persistent buffers)."""
+    from hsx.capture.quantized import experts
+    from hsx.capture.transformers import TransformersBackend
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype), **checkpoint.plan(model_dir, "cpu", dtype).kwargs()
-    )
-    return sum(t.nbytes for t in model.state_dict().values())
+    model = TransformersBackend.load(model_dir, [0], dtype, "cpu").model
+    held = sum(b.nbytes for _, m in experts.stored_modules(model) for b in m.buffers(recurse=False))
+    return sum(t.nbytes for t in model.state_dict().values()) + held
 
 
 @pytest.mark.parametrize(
@@ -108,12 +109,12 @@ def loaded_bytes(model_dir: Path, dtype: str) -> int:
 )
 def test_header_figures_are_the_loaded_models_bytes(tiny, name, dtype):
     """The language model's weights from the safetensors headers (the vision tower's left out), in
-    the run's dtype, the INT4 experts dequantized as transformers does at load: exactly the bytes
-    of the loaded model's tensors."""
+    the run's dtype, the INT4 experts packed as hsx holds them: exactly the bytes of the loaded
+    model's tensors."""
     inventory = Inventory.of(tiny[name])
     assert inventory.source == "safetensors headers"
     form = memory.expert_form(tiny[name], "cpu", dtype)
-    assert form == ("dequantized" if name == "kimi-int4" else "unquantized")
+    assert form == ("packed" if name == "kimi-int4" else "unquantized")
     est = inventory.estimate(Layout(1, 1, form, dtype))
     assert est.experts + est.replicated + est.sharded == loaded_bytes(tiny[name], dtype)
 
@@ -138,16 +139,35 @@ def test_extract_refuses_before_loading_a_layout_that_cannot_fit(tiny, tmp_path,
     data = write_jsonl(tmp_path / "convs.jsonl", conversations(2))
     opts = ExtractOptions(out=tmp_path / "run", model=str(tiny["kimi-int4"]), data=[data], device="cpu", writers=1)
     logged = []
-    with pytest.raises(LayoutTooLarge, match=r"does not fit TP1, dequantized experts, float32 on 1 x 0.0 GB") as e:
+    with pytest.raises(LayoutTooLarge, match=r"does not fit TP1, packed experts, float32 on 1 x 0.0 GB") as e:
         extract(opts, log=logged.append)
-    assert "routed experts, dequantized (expanded to float32), all of them (EP1)" in str(e.value)
+    assert "routed experts, packed (as stored), all of them (EP1)" in str(e.value)
     assert loads == []  # refused before any weight was loaded
+
+
+def test_extract_logs_the_memory_of_its_layout_with_the_experts_packed(tiny, tmp_path):
+    """An INT4 composite's run works out its memory with the experts as hsx holds them (packed),
+    logs it before loading, and runs."""
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(2))
+    opts = ExtractOptions(out=tmp_path / "run", model=str(tiny["kimi-int4"]), data=[data], device="cpu", writers=1)
+    logged = []
+    assert extract(opts, log=logged.append).complete
+    assert "memory per GPU for TP1, packed experts, float32 (safetensors headers):" in logged, logged
+    est = Inventory.of(tiny["kimi-int4"]).estimate(Layout(1, 1, "packed", "float32"))
+    assert f"  routed experts, packed (as stored), all of them (EP1): {memory.gb(est.experts)}" in logged
 
 
 def test_hsx_memory_prints_the_arithmetic_and_exits_2_where_it_cannot_fit():
     from conftest import hsx
 
     args = ["--model", KIMI, "--tensor-parallel", "8", "--expert-parallel", "8", "--gpus", "8", "--gpu-memory", "141"]
+    # experts auto: the shape folder's INT4 routed experts are held as hsx loads them, packed
+    fits = hsx("memory", *args)
+    said = " ".join((fits.stdout + fits.stderr).split())
+    assert "memory per GPU for TP8 + EP8, packed experts, bfloat16 (config.json shapes):" in said, said
+    est = Inventory.of(KIMI).estimate(Layout(8, 8, "packed"))
+    assert f"routed experts, packed (as stored), 1/8 of them: {memory.gb(est.experts)}" in said
+    assert f"total: {memory.gb(est.total)}" in said and "(5% headroom): fits" in said
     refused = hsx("memory", *args, "--experts", "dequantized", check=False)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     said = " ".join((refused.stdout + refused.stderr).split())  # as the console wrapped it

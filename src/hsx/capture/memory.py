@@ -5,7 +5,7 @@ instead of after an hour of loading.
 
 The inventory is the language model's weights (``hsx.target.LanguageModel``: a composite's vision
 tower is not loaded, so not counted), one entry per module: its element count and, for a quantized
-module, the bytes it is stored in (packed values, scales, shapes). A folder with a config and no
+module, the bytes it is held in (packed values and scales). A folder with a config and no
 weights (a shape folder) gets the inventory the config implies, for the DeepSeek-V3 architecture.
 
 Per GPU of a layout (``tensor`` ranks, routed experts over ``expert`` ranks):
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from hsx.errors import LayoutTooLarge
 from hsx.spec import RunSpec
-from hsx.target import LanguageModel
+from hsx.target import LanguageModel, held_experts, int4_group
 
 GB = 10**9
 HEADROOM = 0.05  # of the device: the CUDA context, allocator slack
@@ -50,7 +50,7 @@ class Module:
 
     name: str  # the language model's own weight name (no composite prefix), e.g. model.norm.weight
     numel: int  # elements once expanded (quantized: of the weight it stands for)
-    stored: int = 0  # bytes as stored, for a quantized weight (packed values + scales + shape); 0 otherwise
+    stored: int = 0  # bytes as held, for a quantized weight (packed values + scales); 0 otherwise
     fp32: bool = False  # kept in float32 whatever the run's dtype
 
     @property
@@ -262,6 +262,8 @@ def _from_headers(lm: LanguageModel, keep: Callable[[str], bool]) -> list[Module
         module, part = name.rsplit(".", 1) if "." in name else ("", name)
         shape, dtype = entry.get("shape") or [], str(entry.get("dtype", ""))
         count = math.prod(shape)
+        if part == "weight_shape":
+            continue  # the unpacked shape, which the model's config gives: not held on the device
         if part in STORED_PARTS or (part == "weight" and dtype.startswith("F8")):
             weight = f"{module}.weight"
             stored[weight] = stored.get(weight, 0) + count * DTYPE_BYTES[dtype]
@@ -334,9 +336,9 @@ def _from_config(config: dict, quantization: dict, keep: Callable[[str], bool]) 
 
 
 def _stored_bytes(quantization: dict, config: dict) -> Callable[[str, int, int], int]:
-    """Bytes a linear module [out, in] is stored in under ``quantization`` (0: not quantized).
+    """Bytes a linear module [out, in] is held in under ``quantization`` (0: not quantized).
     compressed-tensors pack-quantized: int32 words of 32/bits values, a scale per group (the
-    checkpoint's dtype), the int32 [2] shape; fine-grained FP8: a byte per value and a float32
+    checkpoint's dtype; the stored int32 [2] shape is not held); fine-grained FP8: a byte per value and a float32
     scale per block."""
     method = quantization.get("quant_method")
     scale_bytes = DTYPE_BYTES.get(str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"), 2)
@@ -349,7 +351,7 @@ def _stored_bytes(quantization: dict, config: dict) -> Callable[[str, int, int],
             if _ignored(name, ignore):
                 return 0
             groups = math.ceil(cols / int(group)) if group else 1
-            return rows * math.ceil(cols * bits / 32) * 4 + rows * groups * scale_bytes + 2 * 4
+            return rows * math.ceil(cols * bits / 32) * 4 + rows * groups * scale_bytes
 
         return packed
     if method == "fp8":
@@ -402,15 +404,25 @@ def check(inventory: Inventory, layout: Layout, device_bytes: int, gpus: int) ->
 
 def expert_form(model_dir: Path, device: str, dtype: str) -> str:
     """How the loader holds quantized weights: "packed" (as stored) or "dequantized" (expanded to
-    the run's dtype at load); "unquantized" for a checkpoint without them. transformers'
-    compressed-tensors conversion expands DeepSeek-V3's fused routed experts at load whatever its
-    flags (its quantizer replaces ``nn.Linear`` only); FP8 stays FP8 where its kernels run
-    (``checkpoint.plan``). The one place that says which form a load takes."""
+    the run's dtype at load); "unquantized" for a checkpoint without them. INT4 routed experts that
+    are the checkpoint's only quantized weights stay packed (``hsx.target.held_experts``, the test
+    ``checkpoint.plan`` applies); FP8 stays FP8 where its kernels run; other compressed-tensors
+    weights go through transformers' conversion, which expands them at load. The one place that
+    says which form a load takes."""
     from hsx.capture import checkpoint
 
-    method = (LanguageModel.of(model_dir).quantization or {}).get("quant_method")
+    lm = LanguageModel.of(model_dir)
+    method = (lm.quantization or {}).get("quant_method")
     if method is None:
         return "unquantized"
+    if lm.weights:
+        held = held_experts(lm) is not None  # hsx holds them as stored, expanded per layer (capture.quantized)
+    else:  # a shape folder: the same rule on the modules its config implies, quantized as it says
+        inventory = Inventory.of(model_dir)
+        quantized = [m for m in inventory.modules if m.quantized] if inventory else []
+        held = int4_group(lm.quantization) is not None and bool(quantized) and all(m.expert for m in quantized)
+    if held:
+        return "packed"
     return "packed" if method == "fp8" and not checkpoint.plan(model_dir, device, dtype).dequantize else "dequantized"
 
 
