@@ -98,10 +98,19 @@ def kimi_thinking(dense: Path, packed: Path, reference: Path) -> None:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
+    """The Kimi-K2-Thinking form (``packed``, its reference ``reference``) and the Kimi-K2.5
+    composite (``kimi-int4``: quantization config inside text_config, vision weights beside the
+    language model; its reference ``int4-reference``)."""
+    from kimi_fixtures import kimi_k25_int4, language_model_reference
+
     root = tmp_path_factory.mktemp("int4")
     save_random(tiny_config(), root / "dense")
     kimi_thinking(root / "dense", root / "packed", root / "reference")
+    kimi_k25_int4(language_model_reference(root / "lm"), root / "kimi-int4", root / "int4-reference")
     return {p.name: p for p in root.iterdir()}
+
+
+REFERENCE = {"packed": "reference", "kimi-int4": "int4-reference"}  # each INT4 checkpoint's dequantized model
 
 
 SEQS = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).numpy() for n in (23, 9, 40)]
@@ -197,25 +206,34 @@ def test_experts_are_held_packed_and_one_layer_is_expanded_at_a_time(models, mon
     assert all(r() is None for r in alive)
 
 
-def test_an_ep_rank_reads_only_its_own_experts(models):
-    """Rank 1 of 2 holds experts 4-7, exactly the checkpoint's packed values and scales."""
+@pytest.mark.parametrize("name", ["packed", "kimi-int4"])
+def test_an_ep_rank_reads_only_its_own_experts(models, name):
+    """Rank 1 of 2 holds the second half of the experts, exactly the checkpoint's packed values and
+    scales (the composite's read under its language model's prefix), and nothing of the others."""
     from transformers import DeepseekV3ForCausalLM
 
+    from hsx import target
     from hsx.capture import checkpoint
 
-    how = checkpoint.plan(models["packed"], "cpu", "float32")
+    path = models[name]
+    how = checkpoint.plan(path, "cpu", "float32")
     with jit.swapped(DeepseekV3ForCausalLM, how.experts, torch.float32, ep_rank=1, ep_size=2):
-        model = DeepseekV3ForCausalLM.from_pretrained(models["packed"], dtype=torch.float32, **how.kwargs())
-    jit.fill(model, models["packed"], torch.device("cpu"))
-    stored = load_file(models["packed"] / "model.safetensors")
+        model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32, **how.kwargs())
+    prefix = target.LanguageModel.of(path).prefix
+    jit.fill(model, path, torch.device("cpu"), prefix)
+    stored = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        stored |= load_file(shard)
+    n = model.config.n_routed_experts // 2
     experts = model.model.layers[2].mlp.experts
-    assert experts.num_experts == 4 and experts.first_expert == 4
-    assert experts.down_proj__weight_packed.shape[0] == 4
-    for local, e in enumerate(range(4, 8)):
-        name = f"model.layers.2.mlp.experts.{e}"
-        gate_up = torch.cat([stored[f"{name}.gate_proj.weight_packed"], stored[f"{name}.up_proj.weight_packed"]])
+    assert experts.num_experts == n and experts.first_expert == n
+    for key, t in experts.named_buffers():
+        assert t.shape[0] == n, key  # only this rank's experts, packed values and scales
+    for local, e in enumerate(range(n, 2 * n)):
+        expert = f"{prefix}model.layers.2.mlp.experts.{e}"
+        gate_up = torch.cat([stored[f"{expert}.gate_proj.weight_packed"], stored[f"{expert}.up_proj.weight_packed"]])
         assert torch.equal(experts.gate_up_proj__weight_packed[local], gate_up)
-        assert torch.equal(experts.down_proj__weight_scale[local], stored[f"{name}.down_proj.weight_scale"])
+        assert torch.equal(experts.down_proj__weight_scale[local], stored[f"{expert}.down_proj.weight_scale"])
 
 
 def test_spec_records_the_experts_held_packed(models):
@@ -231,14 +249,16 @@ def test_spec_records_the_experts_held_packed(models):
 # ---------------------------------------------------------------- TP / EP
 
 
-@pytest.mark.parametrize("expert", [1, 2])
-def test_tp2_and_tp2_ep2_of_the_packed_model_equal_one_process_but_for_near_ties(models, tmp_path, expert):
+@pytest.mark.parametrize(("name", "expert"), [("packed", 1), ("kimi-int4", 2)])
+def test_tp2_and_tp2_ep2_of_the_packed_model_equal_one_process_but_for_near_ties(models, tmp_path, name, expert):
+    """TP2 of the Kimi-K2-Thinking form, TP2 + EP2 of the Kimi-K2.5 composite (hsx's own expert
+    split: each EP rank holds its own experts packed) against the dequantized model in one process."""
     from test_parallel import NEAR_TIE_SHARE, TOL, off_tokens
 
     data = write_jsonl(tmp_path / "convs.jsonl", conversations(12, start=200))
     out = tmp_path / "run"
     proc = hsx(
-        "extract", "--model", models["packed"], "--data", data, "--out", out, "--layers", "0,1", "--dtype", "float32",
+        "extract", "--model", models[name], "--data", data, "--out", out, "--layers", "0,1", "--dtype", "float32",
         "--shard-size", "6", "--batch-tokens", "512", "--device", "cpu", "--tensor-parallel", "2",
         "--expert-parallel", str(expert),
     )  # fmt: skip
@@ -246,8 +266,12 @@ def test_tp2_and_tp2_ep2_of_the_packed_model_equal_one_process_but_for_near_ties
     spec = json.loads((out / "hsx.json").read_text())
     assert spec["parallel"] == {"tensor": 2, "expert": expert}
     assert spec["model"]["quantization"]["experts"] == "int4-packed group 32"
-    off, total, worst = off_tokens(out, models["reference"])
-    print(f"TP2 EP{expert}: {off} of {total} tokens beyond {TOL} (router near-ties); the others within {worst:.2e}")
+    if expert > 1:
+        assert f"routed experts held as int4-packed, expanded per layer to float32, each of {expert} ranks" in (
+            proc.stdout + proc.stderr
+        )
+    off, total, worst = off_tokens(out, models[REFERENCE[name]])
+    print(f"{name} TP2 EP{expert}: {off} of {total} tokens beyond {TOL} (near-ties); the others within {worst:.2e}")
     assert total > 500
     assert off <= NEAR_TIE_SHARE * total
     assert worst <= TOL
