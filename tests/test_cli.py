@@ -272,7 +272,15 @@ def test_the_command_verify_repair_prints_redoes_what_it_moved(finished_run, tmp
 # ---------------------------------------------------------------- 7: help, version, flags; 8: the summary
 
 
-@pytest.mark.parametrize("command", ["extract", "status", "verify", "export", "vocab", "bench", "quickstart"])
+# every command of the app, so a command added later is covered too
+COMMANDS = [c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands]
+
+
+def test_every_command_is_listed():
+    assert {"extract", "status", "generate", "generate-export", "memory"} <= set(COMMANDS), COMMANDS
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 def test_help_shows_defaults_and_choices_and_fits_80_columns(command):
     r = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
     assert r.exit_code == 0, r.output
@@ -293,6 +301,16 @@ def test_help_shows_defaults_and_choices_and_fits_80_columns(command):
         "export": ["--to [specforge|speculators|modelopt]", "[default: (the model's config)]"],
         "vocab": ["[default: (OUT/vocab)]", "[default: 32000]"],
         "bench": ["--compile [auto|on|off]", "[default: auto]"],
+        "generate": [
+            "--backend [transformers|vllm|server]",
+            "--turns [all|last]",
+            "--dtype [auto|bfloat16|float16|float32]",
+            "(a number > 0.0 and <= 1.0)",
+            "[default: (2048)]",
+            "--fast-verify On resume",
+        ],
+        "generate-export": ["--allow-incomplete Export"],
+        "memory": ["--experts [auto|packed|dequantized]", "[default: 16384]", "(a number > 0.0)"],
     }.get(command, [])
     for piece in expected:
         assert piece in text, (piece, r.output)
