@@ -12,6 +12,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Annotated
@@ -34,11 +36,11 @@ def cli(*args) -> tuple[int, str]:
     return r.exit_code, r.output
 
 
-def printed(pattern: str, text: str) -> list[str]:
+def printed(pattern: str, text: str, verb: str = "extract") -> list[str]:
     """The command after ``pattern`` on its line, split as a shell would (a comment is left out)."""
     line = next(ln for ln in text.splitlines() if pattern in ln)
     args = shlex.split(line.split(pattern, 1)[1], comments=True)
-    assert args[:2] == ["hsx", "extract"], line
+    assert args[:2] == ["hsx", verb], line
     return args[1:]
 
 
@@ -232,6 +234,51 @@ def test_ctrl_c_before_the_spec_prints_the_command_that_starts_it_and_that_comma
     assert again[again.index("--max-length") + 1] == "64" and "--shard-size" in again
     done = hsx(*again)
     assert "5/5 done" in done.stdout, done.stdout
+
+
+def _interrupt(args: list, ready: str | Callable[[], bool]) -> str:
+    """Start ``hsx ARGS``, send a Ctrl-C once a line of its stderr starts with ``ready`` (or once
+    ``ready()`` holds); its stderr after it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hsx", *map(str, args)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+    )
+    if isinstance(ready, str):
+        next(line for line in proc.stderr if line.startswith(ready))
+    else:
+        deadline = time.monotonic() + 600  # a guard against a hang, not a timing
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, rest
+    return rest
+
+
+def test_generate_ctrl_c_before_and_after_the_spec_prints_a_command_that_works(tmp_path):
+    slow = {"conversations": [{"from": "human" if i % 2 == 0 else "gpt", "value": f"turn {i}"} for i in range(350)]}
+    data = write_jsonl(tmp_path / "slow.jsonl", [slow, slow, *conversations(16)])  # a few seconds to plan
+    out = tmp_path / "gen"
+    args = ["generate", "--model", TINY, "--data", data, "--out", out, "--device", "cpu", "--max-new-tokens", "12",
+            "--max-length", "64", "--shard-size", "2", "--seed", "5"]  # fmt: skip
+    rest = _interrupt(args, "planning")  # the spec is written only after the plan
+    assert not (out / layout.SPEC).exists(), "the plan finished before the Ctrl-C: make the data slower to plan"
+    assert "resume with" not in rest and "no run was made; start it again with: " in rest, rest
+    again = printed("start it again with: ", rest, "generate")
+    assert again[again.index("--max-length") + 1] == "64" and again[again.index("--seed") + 1] == "5"
+    assert json.loads((out / layout.FAILED_START).read_text())["command"] == shlex.join(["hsx", *again])
+    status = hsx("status", out, check=False)
+    assert status.returncode == 2 and "a start that never became one (interrupted" in status.stdout, status.stdout
+    # the printed command, run as printed, is the start; Ctrl-C it again once a conversation is written
+    rest = _interrupt(again, lambda: any((out / "shards").rglob("*.safetensors")))
+    assert (out / layout.SPEC).exists() and not (out / layout.FAILED_START).exists()
+    assert f"resume with: hsx generate --out {out}" in rest, rest
+    done = hsx(*printed("resume with: ", rest, "generate"))
+    assert re.search(r"convs +18/18 done, \d+ written now .*, [1-9]\d* were already verified", done.stdout), done.stdout
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,7 @@ def failures(interrupted: Callable[[], str] | None = None) -> Iterator[None]:
         raise _fail(
             f"{e}.\nStopped cleanly: {s.done}/{s.total_samples} samples are done and verified; "
             f"about {size(e.needed_bytes)} more are needed to finish.\n"
-            f"Free space, then resume: hsx extract --out {s.run}",
+            f"Free space, then resume: {resume_command(s.run, command=e.command)}",
             e.exit_code,
         ) from None
     except DiskFull as e:
@@ -673,7 +673,7 @@ def generate(
             metrics_textfile=metrics_textfile,
         )
         summary = run_generate(opts, log=lambda m: console.print(m, highlight=False))
-    console.print("\n".join(summary.lines()), highlight=False)
+    print("\n".join(summary.lines()))  # the summary on stdout, as extract's (progress goes to stderr)
 
 
 @app.command("generate-export")
