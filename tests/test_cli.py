@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from conftest import SMALL_RUN, TINY, conversations, hsx, write_jsonl
 from hsx.bounds import Bound, Bounds
-from hsx.cli import BENCH, RUN, TO, _print_summary, app
+from hsx.cli import BENCH, MEMORY, RUN, TO, _print_summary, app
 from hsx.errors import OptionError
 from hsx.run.options import EXTRACT, ExtractOptions
 from hsx.run.resume import Summary
@@ -90,6 +90,10 @@ def test_extract_refuses_an_option_out_of_range_before_anything_is_written(tmp_p
         (("export", "RUN", "DEST", "--to", "specforge", "--draft-vocab", "0"), "--draft-vocab takes an integer >= 1"),
         (("bench", "--samples", "0"), "--samples takes an integer >= 1, not 0"),
         (("bench", "--compile", "yes"), "--compile takes auto, on or off, not 'yes'"),
+        (("memory", "--model", "RUN", "--tensor-parallel", "0"), "--tensor-parallel takes an integer >= 1, not 0"),
+        (("memory", "--model", "RUN", "--gpu-memory", "0"), "--gpu-memory takes a number > 0.0, not 0.0"),
+        (("memory", "--model", "RUN", "--experts", "fp4"), "--experts takes auto, packed or dequantized, not 'fp4'"),
+        (("generate", "--out", "DEST", "--top-k", "-1"), "--top-k takes an integer >= 0, not -1"),
     ],
 )
 def test_other_commands_refuse_options_out_of_range(tmp_path, args, said):
@@ -102,12 +106,17 @@ def test_other_commands_refuse_options_out_of_range(tmp_path, args, said):
 def test_choices_are_the_ones_the_stages_accept():
     from hsx.capture.transformers import DTYPES
     from hsx.export import FORMATS
+    from hsx.generate.engines import ENGINES
+    from hsx.generate.options import GENERATE
     from hsx.store.codec import Codec
 
     assert set(EXTRACT.bounds["dtype"].choices) == {"auto", *DTYPES}
     assert set(EXTRACT.bounds["codec"].choices) == set(Codec)
     assert set(TO.bounds["to"].choices) == set(FORMATS)
     assert BENCH.bounds["compile"] is EXTRACT.bounds["compile"] and RUN.bounds["threads"].min == 1
+    assert set(GENERATE.bounds["backend"].choices) == set(ENGINES)
+    assert GENERATE.bounds["dtype"] is EXTRACT.bounds["dtype"]
+    assert set(MEMORY.bounds["dtype"].choices) == set(DTYPES)
 
 
 SAMPLING = Bounds(top_p=Bound(min=0.0, max=1.0, min_open=True), top_k=Bound(min=1), temperature=Bound(min=0.0))
