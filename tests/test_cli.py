@@ -12,6 +12,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Annotated
@@ -21,7 +23,7 @@ from typer.testing import CliRunner
 
 from conftest import SMALL_RUN, TINY, conversations, hsx, write_jsonl
 from hsx.bounds import Bound, Bounds
-from hsx.cli import BENCH, RUN, TO, _print_summary, app
+from hsx.cli import BENCH, MEMORY, RUN, TO, _print_summary, app
 from hsx.errors import OptionError
 from hsx.run.options import EXTRACT, ExtractOptions
 from hsx.run.resume import Summary
@@ -34,11 +36,11 @@ def cli(*args) -> tuple[int, str]:
     return r.exit_code, r.output
 
 
-def printed(pattern: str, text: str) -> list[str]:
+def printed(pattern: str, text: str, verb: str = "extract") -> list[str]:
     """The command after ``pattern`` on its line, split as a shell would (a comment is left out)."""
     line = next(ln for ln in text.splitlines() if pattern in ln)
     args = shlex.split(line.split(pattern, 1)[1], comments=True)
-    assert args[:2] == ["hsx", "extract"], line
+    assert args[:2] == ["hsx", verb], line
     return args[1:]
 
 
@@ -88,6 +90,10 @@ def test_extract_refuses_an_option_out_of_range_before_anything_is_written(tmp_p
         (("export", "RUN", "DEST", "--to", "specforge", "--draft-vocab", "0"), "--draft-vocab takes an integer >= 1"),
         (("bench", "--samples", "0"), "--samples takes an integer >= 1, not 0"),
         (("bench", "--compile", "yes"), "--compile takes auto, on or off, not 'yes'"),
+        (("memory", "--model", "RUN", "--tensor-parallel", "0"), "--tensor-parallel takes an integer >= 1, not 0"),
+        (("memory", "--model", "RUN", "--gpu-memory", "0"), "--gpu-memory takes a number > 0.0, not 0.0"),
+        (("memory", "--model", "RUN", "--experts", "fp4"), "--experts takes auto, packed or dequantized, not 'fp4'"),
+        (("generate", "--out", "DEST", "--top-k", "-1"), "--top-k takes an integer >= 0, not -1"),
     ],
 )
 def test_other_commands_refuse_options_out_of_range(tmp_path, args, said):
@@ -100,12 +106,17 @@ def test_other_commands_refuse_options_out_of_range(tmp_path, args, said):
 def test_choices_are_the_ones_the_stages_accept():
     from hsx.capture.transformers import DTYPES
     from hsx.export import FORMATS
+    from hsx.generate.engines import ENGINES
+    from hsx.generate.options import GENERATE
     from hsx.store.codec import Codec
 
     assert set(EXTRACT.bounds["dtype"].choices) == {"auto", *DTYPES}
     assert set(EXTRACT.bounds["codec"].choices) == set(Codec)
     assert set(TO.bounds["to"].choices) == set(FORMATS)
     assert BENCH.bounds["compile"] is EXTRACT.bounds["compile"] and RUN.bounds["threads"].min == 1
+    assert set(GENERATE.bounds["backend"].choices) == set(ENGINES)
+    assert GENERATE.bounds["dtype"] is EXTRACT.bounds["dtype"]
+    assert set(MEMORY.bounds["dtype"].choices) == set(DTYPES)
 
 
 SAMPLING = Bounds(top_p=Bound(min=0.0, max=1.0, min_open=True), top_k=Bound(min=1), temperature=Bound(min=0.0))
@@ -234,6 +245,51 @@ def test_ctrl_c_before_the_spec_prints_the_command_that_starts_it_and_that_comma
     assert "5/5 done" in done.stdout, done.stdout
 
 
+def _interrupt(args: list, ready: str | Callable[[], bool]) -> str:
+    """Start ``hsx ARGS``, send a Ctrl-C once a line of its stderr starts with ``ready`` (or once
+    ``ready()`` holds); its stderr after it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hsx", *map(str, args)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+    )
+    if isinstance(ready, str):
+        next(line for line in proc.stderr if line.startswith(ready))
+    else:
+        deadline = time.monotonic() + 600  # a guard against a hang, not a timing
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, rest
+    return rest
+
+
+def test_generate_ctrl_c_before_and_after_the_spec_prints_a_command_that_works(tmp_path):
+    slow = {"conversations": [{"from": "human" if i % 2 == 0 else "gpt", "value": f"turn {i}"} for i in range(350)]}
+    data = write_jsonl(tmp_path / "slow.jsonl", [slow, slow, *conversations(16)])  # a few seconds to plan
+    out = tmp_path / "gen"
+    args = ["generate", "--model", TINY, "--data", data, "--out", out, "--device", "cpu", "--max-new-tokens", "12",
+            "--max-length", "64", "--shard-size", "2", "--seed", "5"]  # fmt: skip
+    rest = _interrupt(args, "planning")  # the spec is written only after the plan
+    assert not (out / layout.SPEC).exists(), "the plan finished before the Ctrl-C: make the data slower to plan"
+    assert "resume with" not in rest and "no run was made; start it again with: " in rest, rest
+    again = printed("start it again with: ", rest, "generate")
+    assert again[again.index("--max-length") + 1] == "64" and again[again.index("--seed") + 1] == "5"
+    assert json.loads((out / layout.FAILED_START).read_text())["command"] == shlex.join(["hsx", *again])
+    status = hsx("status", out, check=False)
+    assert status.returncode == 2 and "a start that never became one (interrupted" in status.stdout, status.stdout
+    # the printed command, run as printed, is the start; Ctrl-C it again once a conversation is written
+    rest = _interrupt(again, lambda: any((out / "shards").rglob("*.safetensors")))
+    assert (out / layout.SPEC).exists() and not (out / layout.FAILED_START).exists()
+    assert f"resume with: hsx generate --out {out}" in rest, rest
+    done = hsx(*printed("resume with: ", rest, "generate"))
+    assert re.search(r"convs +18/18 done, \d+ written now .*, [1-9]\d* were already verified", done.stdout), done.stdout
+
+
 @pytest.fixture(scope="module")
 def moved(tmp_path_factory) -> tuple[Path, Path]:
     """A finished 12-sample run whose model folder was then moved: (run, the model's new place)."""
@@ -272,7 +328,15 @@ def test_the_command_verify_repair_prints_redoes_what_it_moved(finished_run, tmp
 # ---------------------------------------------------------------- 7: help, version, flags; 8: the summary
 
 
-@pytest.mark.parametrize("command", ["extract", "status", "verify", "export", "vocab", "bench", "quickstart"])
+# every command of the app, so a command added later is covered too
+COMMANDS = [c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands]
+
+
+def test_every_command_is_listed():
+    assert {"extract", "status", "generate", "generate-export", "memory"} <= set(COMMANDS), COMMANDS
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 def test_help_shows_defaults_and_choices_and_fits_80_columns(command):
     r = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
     assert r.exit_code == 0, r.output
@@ -293,6 +357,16 @@ def test_help_shows_defaults_and_choices_and_fits_80_columns(command):
         "export": ["--to [specforge|speculators|modelopt]", "[default: (the model's config)]"],
         "vocab": ["[default: (OUT/vocab)]", "[default: 32000]"],
         "bench": ["--compile [auto|on|off]", "[default: auto]"],
+        "generate": [
+            "--backend [transformers|vllm|server]",
+            "--turns [all|last]",
+            "--dtype [auto|bfloat16|float16|float32]",
+            "(a number > 0.0 and <= 1.0)",
+            "[default: (2048)]",
+            "--fast-verify On resume",
+        ],
+        "generate-export": ["--allow-incomplete Export"],
+        "memory": ["--experts [auto|packed|dequantized]", "[default: 16384]", "(a number > 0.0)"],
     }.get(command, [])
     for piece in expected:
         assert piece in text, (piece, r.output)

@@ -9,13 +9,15 @@ byte-identical to one that never ran short.
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from conftest import conversations, extract_args, hsx, run_files, write_jsonl
+from conftest import TINY, conversations, extract_args, hsx, run_files, write_jsonl
 from hsx.assess import volume
 from hsx.cli import app
 from hsx.store.durable import is_temp
@@ -253,3 +255,20 @@ def test_a_scaled_out_zstd_run_too_large_at_raw_size_is_judged_by_its_workers(tm
     assert again.returncode == EXIT_REFUSED, out
     assert f"measured on {done} files" in out and "not enough space on" in out
     assert run_files(run) == written
+
+
+def test_a_generate_run_stopped_by_a_full_volume_prints_the_generate_resume_that_works(tmpfs, tmp_path):
+    d = tmpfs("gen", size="64m", nr_inodes=24)  # bytes to spare, files not: it stops on a real ENOSPC
+    run = d / "gen"
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(30))
+    args = ["generate", "--model", TINY, "--data", data, "--out", run, "--device", "cpu", "--max-new-tokens", "2",
+            "--shard-size", "50", "--allow-partial"]  # fmt: skip
+    stopped = hsx(*args, check=False)
+    err = " ".join(stopped.stderr.split())
+    assert stopped.returncode == EXIT_DISK_FULL and "Stopped cleanly:" in err, stopped.stderr
+    assert f"Free space, then resume: hsx generate --out {run}" in err, err
+    done = assert_clean_stop(run)
+    assert 0 < done < 30 and f"{done}/30 samples are done" in err, err
+    remount(d, nr_inodes=4096)
+    resumed = hsx(*shlex.split(err.split("then resume: ", 1)[1])[1:])
+    assert re.search(rf"convs +30/30 done, {30 - done} written now .*, {done} were already verified", resumed.stdout)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -19,13 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from conftest import TINY, conversations, flip_byte, hsx, run_files, save_tiny, verified_files, write_jsonl
+from hsx.cli import app
 from hsx.errors import OptionError, Refused
 from hsx.generate.engine import Request, Sampling
 from hsx.generate.engines import EngineSettings
 from hsx.generate.job import generate
-from hsx.generate.options import GenerateOptions
+from hsx.generate.options import GENERATE, GenerateOptions
 from hsx.generate.record import read_record
 from hsx.input import ROLES
 from hsx.store import layout
@@ -207,6 +210,50 @@ def test_options_are_range_checked_by_name(tmp_path):
             _opts(tmp_path, **kw)
     with pytest.raises(OptionError, match="--samples-per-prompt"):
         _opts(tmp_path, samples_per_prompt=2).sampling()
+
+
+def _outside(bound) -> object:
+    """A value just outside ``bound``."""
+    if bound.choices:
+        return "nope"
+    step = 1 if bound.integer else 0.5
+    if bound.min is not None:
+        return bound.min if bound.min_open else bound.min - step
+    return bound.max if bound.max_open else bound.max + step
+
+
+@pytest.mark.parametrize("name", sorted(GENERATE.bounds))
+def test_every_bounded_option_is_refused_out_of_range_by_parser_and_api(name, tmp_path):
+    value = _outside(GENERATE.bounds[name])
+    flag = "--" + name.replace("_", "-")
+    out = tmp_path / "gen"
+    with pytest.raises(OptionError, match=f"{flag} takes .*, not {value!r}"):
+        _opts(out, **{name: value})
+    r = CliRunner().invoke(app, ["generate", "--out", str(out), flag, str(value)])
+    assert r.exit_code == 2 and f"{flag} takes " in r.output and str(value) in r.output, r.output
+    assert not out.exists()
+
+
+def test_an_out_of_range_option_is_refused_before_anything_is_written(tmp_path):
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(2))
+    r = hsx(*_args(data, tmp_path / "gen", "--top-p", "1.5"), check=False)
+    assert r.returncode == 2 and "--top-p takes a number > 0.0 and <= 1.0, not 1.5" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "gen").exists()
+
+
+def test_a_start_with_no_usable_row_leaves_its_rejects_and_a_start_command_that_status_names(tmp_path):
+    data = write_jsonl(tmp_path / "convs.jsonl", _rows()[CONVS - 2 : CONVS - 1])  # a tool call: rejected
+    out = tmp_path / "gen"
+    r = hsx(*_args(data, out), check=False)
+    assert r.returncode == 2 and f"(see {out / layout.REJECTS})" in r.stderr, r.stderr
+    assert [json.loads(x)["id"] for x in (out / layout.REJECTS).read_text().splitlines()] == ["tool"]
+    assert not (out / layout.SPEC).exists() and not [p for p in out.rglob("*") if ".tmp-" in p.name]
+    status = hsx("status", out, check=False)
+    assert status.returncode == 2 and "a start that never became one (no usable samples" in status.stdout
+    again = status.stdout.split("start it again: ", 1)[1].splitlines()[0]
+    assert shlex.split(again)[:2] == ["hsx", "generate"], again
+    rerun = hsx(*shlex.split(again)[1:], check=False)
+    assert rerun.returncode == 2 and "no usable samples: all 1 rows were rejected" in rerun.stderr, rerun.stderr
 
 
 def test_a_redone_request_draws_what_the_first_try_drew():

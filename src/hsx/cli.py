@@ -11,6 +11,8 @@ import typer
 
 from hsx.bounds import Bound, Bounds
 from hsx.errors import CleanStop, DiskFull, Exit, HsxError
+from hsx.generate.options import DEFAULTS as GEN
+from hsx.generate.options import GENERATE, SAMPLING
 from hsx.progress import console
 from hsx.run.options import AT_LEAST_ONE, DEFAULTS, EXTRACT
 from hsx.store.layout import SPEC
@@ -28,6 +30,16 @@ BENCH = Bounds(
     compile=EXTRACT.bounds["compile"],
     max_new_tokens=AT_LEAST_ONE,
     tensor_parallel_size=AT_LEAST_ONE,
+)
+MEMORY = Bounds(
+    tensor_parallel=AT_LEAST_ONE,
+    expert_parallel=AT_LEAST_ONE,
+    batch_tokens=AT_LEAST_ONE,
+    max_length=AT_LEAST_ONE,
+    gpus=AT_LEAST_ONE,
+    gpu_memory=Bound(min=0.0, min_open=True),
+    experts=Bound(choices=("auto", "packed", "dequantized")),
+    dtype=Bound(choices=("bfloat16", "float16", "float32")),
 )
 
 app = typer.Typer(
@@ -80,7 +92,7 @@ def failures(interrupted: Callable[[], str] | None = None) -> Iterator[None]:
         raise _fail(
             f"{e}.\nStopped cleanly: {s.done}/{s.total_samples} samples are done and verified; "
             f"about {size(e.needed_bytes)} more are needed to finish.\n"
-            f"Free space, then resume: hsx extract --out {s.run}",
+            f"Free space, then resume: {resume_command(s.run, command=e.command)}",
             e.exit_code,
         ) from None
     except DiskFull as e:
@@ -304,12 +316,12 @@ def extract(
     _print_summary(summary)
 
 
-def resume_command(out: Path, model: str | None = None) -> str:
-    """``hsx extract --out OUT``, with ``--model`` where one was given (a moved model: the resume
-    needs it until it has recorded the new place)."""
+def resume_command(out: Path, model: str | None = None, command: str = "extract") -> str:
+    """``hsx extract --out OUT`` (or ``hsx generate``), with ``--model`` where one was given (a moved
+    model: the resume needs it until it has recorded the new place)."""
     from hsx.assess.status import resume_command
 
-    return resume_command(out, model)
+    return resume_command(out, model, command)
 
 
 RUN = Bounds(threads=AT_LEAST_ONE, size=AT_LEAST_ONE, draft_vocab=AT_LEAST_ONE, target_vocab=AT_LEAST_ONE)
@@ -545,53 +557,149 @@ def quickstart(
 
 @app.command()
 def generate(
-    out: Annotated[Path, typer.Option("--out", help="Generate run folder (created, or resumed if it holds hsx.json).")],
-    model: Annotated[str | None, typer.Option(help="Model folder or hub id (new run; or its new path).")] = None,
+    out: Annotated[
+        Path,
+        typer.Option("--out", metavar="DIR", help="Generate run folder (created, or resumed if it holds hsx.json)."),
+    ],
+    model: Annotated[
+        str | None, typer.Option(metavar="PATH", help="Model folder or hub id (new run; or its new path).")
+    ] = None,
     data: Annotated[
-        list[Path] | None, typer.Option(help="Conversations: .jsonl, .json or .parquet; repeatable (new run).")
+        list[Path] | None,
+        typer.Option(metavar="FILE", help="Conversations: .jsonl, .json or .parquet; repeatable (new run)."),
     ] = None,
-    backend: Annotated[str | None, typer.Option(help="transformers | vllm | server [transformers].")] = None,
+    backend: Annotated[
+        str | None, GENERATE.option("backend", help="What generates (new run).", show_default=GEN["backend"])
+    ] = None,
     turns: Annotated[
-        str | None, typer.Option(help="all: every assistant turn, on the target's own answers; last: the last [all].")
+        str | None,
+        GENERATE.option(
+            "turns",
+            help="all: every assistant turn, on the target's own answers; last: the last only.",
+            show_default=GEN["turns"],
+        ),
     ] = None,
-    temperature: Annotated[float | None, typer.Option(help="0: greedy [0].")] = None,
-    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling [1.0: off].")] = None,
-    top_k: Annotated[int | None, typer.Option(help="Top-k sampling [0: off].")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(help="New tokens per turn at most [2048].")] = None,
-    samples_per_prompt: Annotated[int | None, typer.Option(help="Conversations generated per input row [1].")] = None,
-    seed: Annotated[int | None, typer.Option(help="The run's seed; each request's derives from it [0].")] = None,
+    temperature: Annotated[
+        float | None,
+        GENERATE.option("temperature", help="0: greedy.", show_default=str(SAMPLING.temperature)),
+    ] = None,
+    top_p: Annotated[
+        float | None, GENERATE.option("top_p", help="Nucleus sampling (1: off).", show_default=str(SAMPLING.top_p))
+    ] = None,
+    top_k: Annotated[
+        int | None, GENERATE.option("top_k", help="Top-k sampling (0: off).", show_default=str(SAMPLING.top_k))
+    ] = None,
+    max_new_tokens: Annotated[
+        int | None,
+        GENERATE.option(
+            "max_new_tokens", help="New tokens per turn at most.", show_default=str(SAMPLING.max_new_tokens)
+        ),
+    ] = None,
+    samples_per_prompt: Annotated[
+        int | None,
+        GENERATE.option(
+            "samples_per_prompt",
+            help="Conversations generated per input row.",
+            show_default=str(GEN["samples_per_prompt"]),
+        ),
+    ] = None,
+    seed: Annotated[
+        int | None,
+        GENERATE.option("seed", help="The run's seed; each request's derives from it.", show_default=str(GEN["seed"])),
+    ] = None,
     template_kwargs: Annotated[
-        str | None, typer.Option(help="JSON for the chat template, e.g. '{\"enable_thinking\": false}'.")
+        str | None,
+        typer.Option(
+            metavar="JSON",
+            help="JSON for the chat template, e.g. '{\"enable_thinking\": false}'.",
+            show_default="none",
+        ),
     ] = None,
-    max_length: Annotated[int | None, typer.Option(help="Prompt + completion of a turn at most [4096].")] = None,
-    shard_size: Annotated[int | None, typer.Option(help="Conversations per shard folder [1000].")] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto | bfloat16 | float16 | float32 [auto].")] = None,
-    device: Annotated[str | None, typer.Option(help="transformers backend: cuda, cuda:1, cpu.")] = None,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model's own Python code.")] = False,
-    tensor_parallel_size: Annotated[int | None, typer.Option(help="vllm backend: GPUs per model replica.")] = None,
-    data_parallel_size: Annotated[int | None, typer.Option(help="vllm backend: model replicas.")] = None,
+    max_length: Annotated[
+        int | None,
+        GENERATE.option(
+            "max_length", help="Prompt + completion of a turn at most.", show_default=str(GEN["max_length"])
+        ),
+    ] = None,
+    shard_size: Annotated[
+        int | None,
+        GENERATE.option("shard_size", help="Conversations per shard folder.", show_default=str(GEN["shard_size"])),
+    ] = None,
+    dtype: Annotated[str | None, GENERATE.option("dtype", help="Model dtype.", show_default=GEN["dtype"])] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            metavar="DEVICE", help="transformers backend: cpu, cuda or cuda:N.", show_default="cuda if available"
+        ),
+    ] = None,
+    trust_remote_code: Annotated[
+        bool, typer.Option("--trust-remote-code", help="Allow the model's own Python code.")
+    ] = False,
+    tensor_parallel_size: Annotated[
+        int | None,
+        GENERATE.option("tensor_parallel_size", help="vllm backend: GPUs per model replica.", show_default="1"),
+    ] = None,
+    data_parallel_size: Annotated[
+        int | None, GENERATE.option("data_parallel_size", help="vllm backend: model replicas.", show_default="1")
+    ] = None,
     server: Annotated[
-        list[str] | None, typer.Option(help="server backend: an OpenAI-compatible base URL; repeatable.")
+        list[str] | None,
+        typer.Option(
+            metavar="URL", help="server backend: an OpenAI-compatible base URL; repeatable.", show_default="none"
+        ),
     ] = None,
-    concurrency: Annotated[int | None, typer.Option(help="server backend: requests in flight per server.")] = None,
+    concurrency: Annotated[
+        int | None,
+        GENERATE.option("concurrency", help="server backend: requests in flight per server.", show_default="64"),
+    ] = None,
     server_api: Annotated[
-        str | None, typer.Option(help="server backend: openai (/v1/completions) | sglang (/generate) [found out].")
+        str | None,
+        GENERATE.option(
+            "server_api",
+            help="server backend: openai (/v1/completions) or sglang (/generate).",
+            show_default="found out per server",
+        ),
     ] = None,
-    server_model: Annotated[str | None, typer.Option(help="server backend: served model name [its only one].")] = None,
+    server_model: Annotated[
+        str | None,
+        typer.Option(metavar="NAME", help="server backend: the served model's name.", show_default="its only one"),
+    ] = None,
     max_pending: Annotated[
-        int | None, typer.Option(help="Requests kept submitted to the engine [the engine's own choice].")
+        int | None,
+        GENERATE.option(
+            "max_pending", help="Requests kept submitted to the engine.", show_default="the engine's own choice"
+        ),
     ] = None,
-    fast_verify: Annotated[bool, typer.Option(help="On resume, check headers and sizes only, not digests.")] = False,
-    allow_partial: Annotated[bool, typer.Option(help="Start even if the volume cannot hold the whole run.")] = False,
-    metrics_port: Annotated[int | None, typer.Option(help="Serve the run's metrics on this port.")] = None,
-    metrics_textfile: Annotated[Path | None, typer.Option(help="Keep this file in Prometheus' text format.")] = None,
+    fast_verify: Annotated[
+        bool, typer.Option("--fast-verify", help="On resume, check headers and sizes only, not digests.")
+    ] = False,
+    allow_partial: Annotated[
+        bool, typer.Option("--allow-partial", help="Start even if the volume cannot hold the whole run.")
+    ] = False,
+    metrics_port: Annotated[
+        int | None,
+        GENERATE.option("metrics_port", help="Serve the run's metrics in Prometheus' text format on this port."),
+    ] = None,
+    metrics_textfile: Annotated[
+        Path | None,
+        typer.Option(metavar="FILE", help="Keep this file in Prometheus' text format (node_exporter's textfile)."),
+    ] = None,
 ) -> None:
     """Regenerate the assistant turns of conversations with the target into OUT, or resume the run in OUT."""
     from hsx.generate.job import generate as run_generate
     from hsx.generate.options import GenerateOptions
     from hsx.generate.options import template_kwargs as parse_kwargs
 
-    with failures(interrupted=lambda: f"resume with: hsx generate --out {out}"):
+    opts = None
+
+    def interrupted() -> str:  # a command that works as printed: a resume needs the spec, a start its options
+        if (out / SPEC).is_file():
+            return f"resume with: {resume_command(out, model, 'generate')}"
+        if opts is None:
+            return "nothing was started"
+        return f"no run was made; start it again with: {opts.command()}"
+
+    with failures(interrupted=interrupted):
         opts = GenerateOptions(
             out=out,
             model=model,
@@ -623,14 +731,21 @@ def generate(
             metrics_textfile=metrics_textfile,
         )
         summary = run_generate(opts, log=lambda m: console.print(m, highlight=False))
-    console.print("\n".join(summary.lines()), highlight=False)
+    print("\n".join(summary.lines()))  # the summary on stdout, as extract's (progress goes to stderr)
 
 
 @app.command("generate-export")
 def generate_export(
-    run: Annotated[Path, typer.Argument(help="Generate run folder.")],
-    dest: Annotated[Path, typer.Argument(help="JSONL file to write: messages and token ids per conversation.")],
-    allow_incomplete: Annotated[bool, typer.Option(help="Export an unfinished run's conversations.")] = False,
+    run: Annotated[Path, typer.Argument(metavar="GEN", help="Generate run folder.", show_default=False)],
+    dest: Annotated[
+        Path,
+        typer.Argument(
+            metavar="DEST", help="JSONL file to write: messages and token ids per conversation.", show_default=False
+        ),
+    ],
+    allow_incomplete: Annotated[
+        bool, typer.Option("--allow-incomplete", help="Export an unfinished run's conversations.")
+    ] = False,
 ) -> None:
     """Write a generate run's conversations as JSONL (messages plus the exact token ids) for other trainers."""
     from hsx.generate.export import export_jsonl
@@ -646,18 +761,26 @@ def generate_export(
 
 @app.command()
 def memory(
-    model: Annotated[str, typer.Option(help="Model folder (a shape folder with only config.json will do).")],
-    tensor_parallel: Annotated[int, typer.Option(help="Ranks of one model replica.")] = 1,
-    expert_parallel: Annotated[int, typer.Option(help="Ranks the routed experts are split over (1 or N).")] = 1,
+    model: Annotated[
+        str, typer.Option(metavar="PATH", help="Model folder (a shape folder with only config.json will do).")
+    ],
+    tensor_parallel: Annotated[int, MEMORY.option("tensor_parallel", help="Ranks of one model replica.")] = 1,
+    expert_parallel: Annotated[
+        int, MEMORY.option("expert_parallel", help="Ranks the routed experts are split over (1 or N).")
+    ] = 1,
     experts: Annotated[
         str,
-        typer.Option(help="auto | packed | dequantized: quantized weights as stored or expanded [auto: as loaded]."),
+        MEMORY.option(
+            "experts", help="Quantized weights as stored (packed) or expanded (dequantized); auto: as loaded."
+        ),
     ] = "auto",
-    dtype: Annotated[str, typer.Option(help="The run's dtype.")] = "bfloat16",
-    batch_tokens: Annotated[int, typer.Option(help="Tokens per forward pass.")] = 16384,
-    max_length: Annotated[int, typer.Option(help="Longest sample.")] = 4096,
-    gpus: Annotated[int | None, typer.Option(help="GPUs on the node [this node's].")] = None,
-    gpu_memory: Annotated[float | None, typer.Option(help="GB of memory per GPU [this node's].")] = None,
+    dtype: Annotated[str, MEMORY.option("dtype", help="The run's dtype.")] = "bfloat16",
+    batch_tokens: Annotated[int, MEMORY.option("batch_tokens", help="Tokens per forward pass.")] = 16384,
+    max_length: Annotated[int, MEMORY.option("max_length", help="Longest sample.")] = 4096,
+    gpus: Annotated[int | None, MEMORY.option("gpus", help="GPUs on the node.", show_default="this node's")] = None,
+    gpu_memory: Annotated[
+        float | None, MEMORY.option("gpu_memory", help="GB of memory per GPU.", show_default="this node's")
+    ] = None,
 ) -> None:
     """Per-GPU memory of a parallel layout, from config.json and the safetensors headers (no weight read)."""
     from hsx import target

@@ -13,14 +13,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hsx import target
-from hsx.errors import InputError, Refused
+from hsx.errors import InputError, PlanError, Refused
 from hsx.generate.engine import Engine
 from hsx.generate.options import GenerateOptions
 from hsx.generate.plan import plan_rows, write_gen_plan
 from hsx.generate.spec import EngineIdentity, GenerateSpec, SamplingSpec, generate_differences, load_generate_spec
 from hsx.input import Conversation, Reject, read_conversations
-from hsx.plan import Tokenize
-from hsx.run.folder import remove_stray_temps
+from hsx.plan import NoUsableSamples, Tokenize
+from hsx.run.folder import failed_start, remove_stray_temps
 from hsx.spec import DataFile, PlanIdentity, now, who
 from hsx.store import layout
 from hsx.store.durable import write_durable
@@ -46,7 +46,12 @@ def open_gen_run(opts: GenerateOptions, log: Callable[[str], None]) -> GenerateS
     """An existing run's spec, checked against the options; None when ``opts.out`` is no run yet."""
     if not (opts.out / layout.SPEC).exists():
         if not opts.model or not opts.data:
-            raise Refused(f"{opts.out} is not a generate run yet: a new run needs --model and --data")
+            started = failed_start(opts.out)
+            raise Refused(
+                f"{opts.out} is not a generate run yet: a new run needs --model and --data"
+                + (f"; it was started with: {started['command']}" if started else "")
+            )
+        _check_new(opts)
         return None
     spec = load_generate_spec(opts.out)
     diffs = generate_differences(spec, asked(opts))
@@ -75,17 +80,25 @@ def _numbered(paths: list[Path]) -> Iterator[tuple[int, Conversation | Reject]]:
             yield file_no, item
 
 
-def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
-    """A new run's plan and rejects, written durably; the spec is written by ``create_spec``."""
-    remove_stray_temps(opts.out)  # an interrupted set-up; the plan is rebuilt from the data
-    foreign = sorted(p.name for p in opts.out.iterdir() if p.name not in layout.SETUP_FILES)
-    if foreign:
-        raise Refused(
-            f"{opts.out} is not empty and holds no run spec ({', '.join(foreign[:5])}): choose an empty or new folder"
-        )
+def _check_new(opts: GenerateOptions) -> None:
+    """Refuse a new run's folder or data before anything is written there."""
+    if opts.out.is_dir():
+        remove_stray_temps(opts.out)  # an interrupted set-up; the plan is rebuilt from the data
+        foreign = sorted(p.name for p in opts.out.iterdir() if p.name not in layout.SETUP_FILES)
+        if foreign:
+            raise Refused(
+                f"{opts.out} is not empty and holds no run spec ({', '.join(foreign[:5])}): "
+                "choose an empty or new folder"
+            )
     for path in opts.data:
         if not path.is_file():
             raise InputError(f"{path}: no such data file")
+
+
+def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
+    """A new run's plan and rejects, written durably; the spec is written by ``create_spec``.
+    A plan with no usable row writes its rejects where the refusal says, and no plan."""
+    remove_stray_temps(opts.out)
     model_dir = target.resolve(opts.model)
     tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
     tokenize = Tokenize(tokenizer, opts.get("max_length"), opts.template_kwargs)
@@ -97,10 +110,14 @@ def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
         opts.get("samples_per_prompt"),
         opts.sampling().max_new_tokens,
     )
-    info, rejects = write_gen_plan(opts.out, rows, opts.get("max_length"))
-    body = "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode()
-    write_durable(opts.out / layout.PLAN_DIR / PLAN_REJECTS, body)
-    write_durable(opts.out / layout.REJECTS, body)
+    try:
+        info, rejects = write_gen_plan(opts.out, rows, opts.get("max_length"))
+    except NoUsableSamples as e:
+        write_durable(opts.out / layout.REJECTS, _jsonl(e.rejects))
+        see = f" (see {opts.out / layout.REJECTS})" if e.rejects else ""
+        raise PlanError(f"{e}{see}: nothing to generate, no run was made") from None
+    write_durable(opts.out / layout.PLAN_DIR / PLAN_REJECTS, _jsonl(rejects))
+    write_durable(opts.out / layout.REJECTS, _jsonl(rejects))
     log(f"plan: {info.num_samples} conversations, {len(rejects)} rows rejected (see {layout.REJECTS})")
     plan = PlanIdentity(
         fingerprint=info.fingerprint,
@@ -110,6 +127,10 @@ def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
         num_rejected=len(rejects),
     )
     return plan
+
+
+def _jsonl(rejects: list[Reject]) -> bytes:
+    return "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode()
 
 
 def create_spec(opts: GenerateOptions, plan: PlanIdentity, engine: Engine) -> GenerateSpec:
@@ -133,5 +154,6 @@ def create_spec(opts: GenerateOptions, plan: PlanIdentity, engine: Engine) -> Ge
         data=[DataFile.of(p) for p in opts.data],
         plan=plan,
     )
-    spec.save(opts.out)
+    spec.save(opts.out)  # last: its presence means the run exists
+    (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
     return spec

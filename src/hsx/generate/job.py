@@ -27,7 +27,7 @@ import xxhash
 
 from hsx import target
 from hsx.assess import volume
-from hsx.errors import BadFile, CaptureFailed, NotEnoughSpace
+from hsx.errors import BadFile, CaptureFailed, CleanStop, DiskFull, LowSpace, NotEnoughSpace
 from hsx.generate.engine import Completion, Engine, Request, Sampling
 from hsx.generate.engines import EngineSettings, open_engine
 from hsx.generate.folder import PLAN_REJECTS, check_engine, create_spec, open_gen_run, plan_run
@@ -41,7 +41,7 @@ from hsx.input import Source as InputSource
 from hsx.lock import RunLock
 from hsx.plan import Tokenize
 from hsx.progress import Progress
-from hsx.run.folder import record_model, remove_stray_temps
+from hsx.run.folder import record_failed_start, record_model, remove_stray_temps
 from hsx.run.resume import Summary, Verifier, scan_all
 from hsx.store import layout
 from hsx.store.durable import write_durable, write_parts
@@ -73,6 +73,10 @@ class GenerateSummary:
     @property
     def complete(self) -> bool:
         return self.done == self.total
+
+    @property
+    def total_samples(self) -> int:  # an extraction summary's name, for what reports both (a clean stop)
+        return self.total
 
     def lines(self) -> list[str]:
         rate = f" ({self.new_tokens / self.seconds:,.0f} new tokens/s)" if self.seconds > 0 and self.new_tokens else ""
@@ -201,12 +205,16 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
         remove_stray_temps(run)
         try:
             if spec is None:  # a new run: plan, engine, then the spec, last
-                plan_id = plan_run(opts, log)
-                settings = opts.engine_settings(
-                    target.resolve(opts.model), opts.get("dtype"), opts.trust_remote_code, opts.get("seed")
-                )
-                engine = _open(opts.get("backend"), settings, log)
-                spec = create_spec(opts, plan_id, engine)
+                try:
+                    plan_id = plan_run(opts, log)
+                    settings = opts.engine_settings(
+                        target.resolve(opts.model), opts.get("dtype"), opts.trust_remote_code, opts.get("seed")
+                    )
+                    engine = _open(opts.get("backend"), settings, log)
+                    spec = create_spec(opts, plan_id, engine)
+                except BaseException as e:  # the folder now holds a start that never became a run: say so in it
+                    record_failed_start(opts, e)
+                    raise
             record_model(opts, spec, log)  # type: ignore[arg-type]  # a --model that matched, somewhere new
             progress.total_samples, progress.total_tokens = spec.plan.num_samples, spec.plan.num_tokens
             plan = load_gen_plan(run, spec)
@@ -239,6 +247,11 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                 t0 = time.monotonic()
                 try:
                     Feeder(spec, run, plan, engine, prompter, progress, guard, summary).run_shards(todo)
+                except DiskFull as e:  # stopped cleanly: every conversation written is whole and sealed
+                    left = spec.plan.num_tokens - progress.tokens_done()
+                    needed = volume.projected_bytes(left, 0, spec.bytes_per_token)
+                    reason = str(e) if isinstance(e, LowSpace) else None
+                    raise CleanStop(summary, needed, e.path, reason, command="generate") from e
                 finally:
                     summary.seconds = time.monotonic() - t0
             write_rejects(run, spec)

@@ -1,8 +1,9 @@
 """What the operator asked ``hsx generate`` for, parsed and range-checked once: ``GenerateOptions``.
 
 ``None`` means "not given": a new run takes ``DEFAULTS``, a resume takes the spec's value, and a
-value given on a resume must equal the spec's (``spec.generate_differences``). Every range check
-lives in ``GenerateOptions.__post_init__``, so a bad value is refused before anything is read.
+value given on a resume must equal the spec's (``spec.generate_differences``). Each option's range
+is declared once (``GENERATE``): the command line enforces it while parsing, and
+``GenerateOptions.__post_init__`` refuses the same values for a Python caller before anything is read.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
 from hsx.generate.engine import Sampling
 from hsx.generate.engines import ENGINES, EngineSettings
+from hsx.run.options import AT_LEAST_ONE, EXTRACT, command_line
 from hsx.telemetry import Telemetry
 
 DEFAULTS = {
@@ -26,12 +29,26 @@ DEFAULTS = {
     "shard_size": 1000,
     "dtype": "auto",
 }
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 SAMPLING = Sampling()  # its defaults: greedy, 2048 new tokens at most
-
-
-def _refuse(option: str, value: object, allowed: str) -> OptionError:
-    return OptionError(f"--{option} {value!r} is out of range: {allowed}")
+GENERATE = Bounds(
+    backend=Bound(choices=tuple(ENGINES)),
+    turns=Bound(choices=("all", "last")),
+    temperature=Bound(min=0.0),
+    top_p=Bound(min=0.0, max=1.0, min_open=True),
+    top_k=Bound(min=0),
+    max_new_tokens=AT_LEAST_ONE,
+    samples_per_prompt=Bound(min=1, max=1000),
+    seed=Bound(min=0, max=2**63 - 1),
+    max_length=Bound(min=2),  # a prompt token and a new one
+    shard_size=AT_LEAST_ONE,
+    dtype=EXTRACT.bounds["dtype"],
+    tensor_parallel_size=AT_LEAST_ONE,
+    data_parallel_size=AT_LEAST_ONE,
+    concurrency=AT_LEAST_ONE,
+    server_api=Bound(choices=("openai", "sglang")),
+    max_pending=AT_LEAST_ONE,
+    metrics_port=EXTRACT.bounds["metrics_port"],
+)
 
 
 def template_kwargs(text: str | None) -> dict | None:
@@ -81,26 +98,14 @@ class GenerateOptions:
     metrics_textfile: Path | None = None
 
     def __post_init__(self) -> None:
-        checks: list[tuple[str, object, Callable[[object], bool], str]] = [
-            ("backend", self.backend, lambda v: v in ENGINES, f"one of {', '.join(ENGINES)}"),
-            ("turns", self.turns, lambda v: v in ("all", "last"), "all or last"),
-            ("temperature", self.temperature, lambda v: 0 <= v <= 100, "0 (greedy) or more"),
-            ("top-p", self.top_p, lambda v: 0 < v <= 1, "greater than 0, at most 1"),
-            ("top-k", self.top_k, lambda v: v >= 0, "0 (off) or more"),
-            ("max-new-tokens", self.max_new_tokens, lambda v: v >= 1, "1 or more"),
-            ("samples-per-prompt", self.samples_per_prompt, lambda v: 1 <= v <= 1000, "1 to 1000"),
-            ("seed", self.seed, lambda v: 0 <= v < 2**63, "0 to 2**63-1"),
-            ("max-length", self.max_length, lambda v: v >= 2, "2 or more"),
-            ("shard-size", self.shard_size, lambda v: v >= 1, "1 or more"),
-            ("dtype", self.dtype, lambda v: v in DTYPES, ", ".join(DTYPES)),
-            ("tensor-parallel-size", self.tensor_parallel_size, lambda v: v >= 1, "1 or more"),
-            ("data-parallel-size", self.data_parallel_size, lambda v: v >= 1, "1 or more"),
-            ("concurrency", self.concurrency, lambda v: v >= 1, "1 or more"),
-            ("max-pending", self.max_pending, lambda v: v >= 1, "1 or more"),
-        ]
-        for option, value, ok, allowed in checks:
-            if value is not None and not ok(value):
-                raise _refuse(option, value, allowed)
+        GENERATE.check(self)
+        if self.out.is_file():
+            raise OptionError(f"--out {self.out} is a file, not a run folder: name a new or empty folder, or a run")
+
+    def command(self) -> str:
+        """The ``hsx generate`` command that asks for exactly these options: what a start that did
+        not become a run prints to start it again."""
+        return command_line("generate", self)
 
     def sampling_given(self) -> dict:
         """The sampling options given on the command line, by the spec's names."""

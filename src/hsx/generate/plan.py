@@ -28,7 +28,7 @@ import xxhash
 
 from hsx.errors import PlanError
 from hsx.input import Conversation, Reject
-from hsx.plan import PLAN_META, Tokenize
+from hsx.plan import PLAN_META, NoUsableSamples, Tokenize
 from hsx.store.durable import durable_rename, write_durable
 from hsx.store.layout import PLAN_DIR, PLAN_FILE
 
@@ -134,11 +134,15 @@ def write_gen_plan(run: Path, rows: Iterable[Planned | Reject], max_length: int)
             h.update(_row_digest(len(planned), item))
             planned.append(item)
     if not planned:
-        raise PlanError(f"no conversation to generate: all {len(rejects)} rows were rejected (see rejects.jsonl)")
+        raise NoUsableSamples(rejects)  # its caller writes the rejects where its refusal says
     cols = {name: [getattr(r, name) for r in planned] for name in SCHEMA.names if name != "messages"}
     cols["messages"] = [json.dumps(r.messages, ensure_ascii=False) for r in planned]
-    pq.write_table(pa.table(cols, schema=SCHEMA), tmp, compression="zstd")
-    durable_rename(tmp, plan_dir / PLAN_FILE)
+    try:
+        pq.write_table(pa.table(cols, schema=SCHEMA), tmp, compression="zstd")
+        durable_rename(tmp, plan_dir / PLAN_FILE)
+    except BaseException:  # a failed write or Ctrl-C: no half-written plan stays behind
+        tmp.unlink(missing_ok=True)
+        raise
     info = GenPlanInfo(h.hexdigest(), len(planned), sum(r.estimate for r in planned), 0, max_length)
     write_durable(plan_dir / PLAN_META, json.dumps(info.__dict__, indent=1).encode())
     return info, rejects

@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hsx import target
 from hsx.errors import HsxError, InputError, PlanError, Refused
@@ -29,6 +30,9 @@ from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import temp_of, write_durable
 from hsx.store.format import FINAL_STATE
+
+if TYPE_CHECKING:
+    from hsx.generate.options import GenerateOptions
 
 
 def asked(opts: ExtractOptions) -> dict:
@@ -92,7 +96,7 @@ def write_rejects(run: Path, rejects: list) -> None:
     write_durable(run / layout.REJECTS, "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode())
 
 
-def record_failed_start(opts: ExtractOptions, error: BaseException) -> None:
+def record_failed_start(opts: ExtractOptions | GenerateOptions, error: BaseException) -> None:
     """Why this start did not become a run, and the command that starts it again, for ``hsx status``
     and the next ``hsx extract --out`` to tell (a start killed outright leaves no record: status
     tells that case by the missing spec beside an unfinished plan)."""

@@ -7,6 +7,7 @@ folder, a device), never the whole ``ExtractOptions``.
 from __future__ import annotations
 
 import importlib.util
+import json
 import shlex
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
@@ -98,26 +99,7 @@ class ExtractOptions:
     def command(self) -> str:
         """The ``hsx extract`` command that asks for exactly these options (local paths made
         absolute): what a start that did not become a run prints to start it again."""
-        args = ["hsx", "extract"]
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in NOT_FLAGS or value == f.default or (f.default_factory is not MISSING and not value):
-                continue
-            flag = Bounds.flag(f.name)
-            if f.name == "deep_verify":
-                args.append("--fast-verify")
-            elif value is True:
-                args.append(flag)
-            elif f.name == "data":
-                for path in value:
-                    args += [flag, str(Path(path).absolute())]
-            elif f.name == "layers":
-                args += [flag, ",".join(map(str, value))]
-            elif f.name == "model" and Path(value).expanduser().exists():
-                args += [flag, str(Path(value).expanduser().absolute())]
-            else:
-                args += [flag, str(value.absolute() if isinstance(value, Path) else value)]
-        return shlex.join(args)
+        return command_line("extract", self)
 
     def telemetry(self, metrics: Callable[[], dict]) -> Telemetry:
         return Telemetry(self.out, metrics, self.metrics_port, self.metrics_textfile)
@@ -127,6 +109,33 @@ class ExtractOptions:
 
 
 NOT_FLAGS = frozenset({"max_inflight_bytes", "reserve_bytes"})  # the Python API's alone
+FLAG_NAMES = {"servers": "--server", "deep_verify": "--fast-verify"}  # fields whose flag is not their name
+
+
+def command_line(verb: str, opts) -> str:
+    """The ``hsx VERB`` command that asks for exactly the options of ``opts`` (a dataclass of a
+    command's options; local paths made absolute): what a start that did not become a run prints
+    to start it again."""
+    args = ["hsx", verb]
+    for f in fields(opts):
+        value = getattr(opts, f.name)
+        if f.name in NOT_FLAGS or value == f.default or (f.default_factory is not MISSING and not value):
+            continue
+        flag = FLAG_NAMES.get(f.name, Bounds.flag(f.name))
+        if value is True or f.name == "deep_verify":  # flags take no value (--fast-verify: deep_verify off)
+            args.append(flag)
+        elif f.name == "layers":
+            args += [flag, ",".join(map(str, value))]
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
+        elif isinstance(value, list):
+            for item in value:
+                args += [flag, str(Path(item).absolute()) if f.name == "data" else item]
+        elif f.name == "model" and Path(value).expanduser().exists():
+            args += [flag, str(Path(value).expanduser().absolute())]
+        else:
+            args += [flag, str(value.absolute() if isinstance(value, Path) else value)]
+    return shlex.join(args)
 
 
 def check_device(device: str) -> None:
