@@ -29,6 +29,7 @@ from hsx.generate.options import GenerateOptions
 from hsx.generate.record import read_record
 from hsx.input import ROLES
 from hsx.store import layout
+from test_diskguard import assert_clean_stop, remount, tmpfs  # noqa: F401  (the real small volume, its checks)
 
 CONVS = 8
 NEW = 8
@@ -406,3 +407,28 @@ def test_an_engine_giving_up_on_a_request_rejects_that_conversation_only(tmp_pat
     assert reject["key"] == two.key
     monkeypatch.undo()  # a resume does not retry a rejected conversation: it is done, with its reason
     assert generate(_opts(out), log=lambda m: None).written == 0
+
+
+def test_a_volume_that_fills_stops_cleanly_then_resumes_identical(gen_run, tmpfs, tmp_path):  # noqa: F811
+    """A real 64 KiB tmpfs: refused at start with the figures, then with --allow-partial generated until
+    the reserve is reached (exit 3, every file on it whole and verified, the resume command named),
+    then, the volume grown, resumed to the same bytes as a run that never ran short."""
+    data, reference = gen_run
+    d = tmpfs("small", size="64k")
+    out = d / "gen"
+    refused = hsx(*_args(data, out), env=ENV, check=False)
+    assert refused.returncode == 2 and "not enough space on" in refused.stderr, refused.stderr
+
+    stopped = hsx("generate", "--out", out, "--allow-partial", env=ENV, check=False)
+    err = " ".join(stopped.stderr.split())
+    assert stopped.returncode == 3, stopped.stderr
+    assert "is under the reserve of" in err and "Stopped cleanly:" in err and "more are needed to finish" in err
+    assert f"Free space, then resume: hsx generate --out {out}" in err
+    done = assert_clean_stop(out)
+    assert 0 < done < CONVS and f"{done}/{CONVS} conversations are done and verified" in err
+
+    remount(d, size="1m")
+    resumed = hsx("generate", "--out", out, env=ENV)
+    assert f"{CONVS - done} written now (0 of them rejected), {done} were already verified" in resumed.stderr
+    assert run_files(out) == run_files(reference)
+    assert (out / "rejects.jsonl").read_bytes() == (reference / "rejects.jsonl").read_bytes()

@@ -228,9 +228,12 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
         try:
             if spec is None:  # a new run: plan, engine, then the spec, last
                 plan_id = plan_run(opts, log)
+                model_dir = target.resolve(opts.model)
+                stops = stop_ids(model_dir, target.load_tokenizer(model_dir, opts.trust_remote_code))
                 settings = opts.engine_settings(
-                    target.resolve(opts.model), opts.get("dtype"), opts.trust_remote_code, opts.get("seed")
-                )
+                    model_dir, opts.get("dtype"), opts.trust_remote_code, opts.get("seed"), opts.get("max_length"),
+                    stops,
+                )  # fmt: skip
                 engine = _open(opts.get("backend"), settings, log)
                 spec = create_spec(opts, plan_id, engine)
             record_model(opts, spec, log)  # type: ignore[arg-type]  # a --model that matched, somewhere new
@@ -253,14 +256,15 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
             summary.already_done, summary.redone = resume.already_done, resume.redone
             if todo:
                 model_dir = target.model_dir_for(run, spec, opts.model, checked=False)  # type: ignore[arg-type]
+                tokenizer = target.load_tokenizer(model_dir, spec.trust_remote_code)
+                stops = stop_ids(model_dir, tokenizer)  # the engine stops where the job ends a turn
                 if engine is None:
-                    settings = opts.engine_settings(model_dir, spec.dtype, spec.trust_remote_code, spec.seed)
+                    settings = opts.engine_settings(
+                        model_dir, spec.dtype, spec.trust_remote_code, spec.seed, spec.max_length, stops
+                    )
                     engine = _open(spec.engine.name, settings, log)
                 check_engine(spec, engine)
-                tokenizer = target.load_tokenizer(model_dir, spec.trust_remote_code)
-                prompter = Prompter(
-                    Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stop_ids(model_dir, tokenizer)
-                )
+                prompter = Prompter(Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stops)
                 t0 = time.monotonic()
                 progress.clock()
                 try:
