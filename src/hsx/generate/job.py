@@ -122,6 +122,7 @@ class Feeder:
         self.shards: dict[int, dict[int, FileRecord]] = {}
         self.left: dict[int, int] = {}
         self.writer = SampleWriter(run, spec.shard_size, [], threads=WRITERS, max_inflight_bytes=WRITE_AHEAD)
+        self.writer.start_threads()
         self.writing: dict[Future, tuple[Dialogue, str | None]] = {}  # files being written -> (conversation, reject)
         # bytes queued for the writers count as spent
         self.guard = volume.DiskGuard(run, reserve, lambda: self.writer.inflight)

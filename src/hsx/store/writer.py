@@ -62,6 +62,7 @@ class SampleWriter:
         self.shard_size = shard_size
         self.layers = list(layers)
         self.codec = Codec(codec)
+        self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hsx-write")
         self.encoders = None
         if self.codec is not Codec.RAW:
@@ -90,6 +91,14 @@ class SampleWriter:
                 for t, groups in ((sample.aux, len(self.layers)), (sample.final, 1))
             ]
         return self.pool.submit(self._write, sample, n, release, ready, encoding)
+
+    def start_threads(self) -> None:
+        """Start every writer thread now, which the pool otherwise does one per submit: so that none is
+        started while finished work waits to be written (a batch that finished in one step)."""
+        started = threading.Barrier(self.threads + 1)
+        for _ in range(self.threads):  # each holds its thread until all are up, so none is reused
+            self.pool.submit(started.wait)
+        started.wait()
 
     def submit_encoded(self, sample_id: int, parts: list[memoryview | bytes], digest: str) -> Future:
         """Queue one file its caller has encoded already (``parts``, whose digest is ``digest``): written,
