@@ -143,6 +143,12 @@ class Feeder:
                         self.outcome(outcome)
                     self.collect(wait=False)
                 self.collect(wait=True)
+        except DiskFull:  # the files written whole before the stop count (their shards are sealed on resume)
+            self.writer.close()
+            whole = [f for f in self.writing if f.exception() is None]
+            self.writer.sync()
+            self.count(whole, [f.result() for f in whole], seal_shards=False)
+            raise
         finally:
             self.writer.close()  # queued writes finish (or fail and remove their temp files)
 
@@ -202,13 +208,15 @@ class Feeder:
         finished = list(self.writing) if wait else [f for f in self.writing if f.done()]
         if not finished:
             return
-        records = self.writer.wait(finished)  # durable now; all of them, or the first error is raised
-        for future, record in zip(finished, records, strict=True):
+        self.count(finished, self.writer.wait(finished))  # durable now; all of them, or the first error is raised
+
+    def count(self, futures: list[Future], records: list[FileRecord], seal_shards: bool = True) -> None:
+        for future, record in zip(futures, records, strict=True):
             d, reason = self.writing.pop(future)
             shard = layout.shard_of(d.id, self.spec.shard_size)
             self.shards[shard][d.id] = record
             self.left[shard] -= 1
-            if not self.left[shard]:
+            if not self.left[shard] and seal_shards:
                 seal(self.run, shard, list(self.shards[shard].values()))
             self.summary.written += 1
             self.summary.rejected_now += reason is not None
