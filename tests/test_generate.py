@@ -32,6 +32,7 @@ from hsx.generate.options import GENERATE, GenerateOptions
 from hsx.generate.record import read_record
 from hsx.input import ROLES
 from hsx.store import layout
+from test_diskguard import assert_clean_stop, remount, tmpfs  # noqa: F401  (the real small volume, its checks)
 
 CONVS = 8
 NEW = 8
@@ -132,6 +133,19 @@ def test_each_turn_is_conditioned_on_the_targets_own_earlier_answers(gen_run):
             assert rec.messages[prev.message]["content"] == prev.text
             text = tok.apply_chat_template(rec.messages[: t.message], tokenize=False, add_generation_prompt=True)
             assert tok.decode(t.prompt_ids.tolist()) == text
+
+
+def test_metrics_count_conversations_and_the_real_new_tokens(gen_run):
+    """metrics.json at the end of the run: what was written, counted from the files, not the plan's estimate."""
+    _, out = gen_run
+    m = json.loads((out / "metrics.json").read_text())
+    records = _records(out)
+    assert m["conversations_done"] == m["conversations_total"] == m["samples_done"] == CONVS
+    assert m["turns"] == sum(len(r.turns) for r in records)
+    assert m["new_tokens"] == sum(len(t.completion_ids) for r in records for t in r.turns) > 0
+    assert m["conversations_per_s"] > 0 and m["eta_s"] == 0
+    rate = m["new_tokens"] * m["conversations_per_s"] / CONVS  # both over the same generating time
+    assert m["new_tokens_per_s"] == m["tokens_per_s"] == pytest.approx(rate)
 
 
 def _kill_after(proc: subprocess.Popen, out: Path, k: int) -> None:
@@ -453,3 +467,27 @@ def test_an_engine_giving_up_on_a_request_rejects_that_conversation_only(tmp_pat
     assert reject["key"] == two.key
     monkeypatch.undo()  # a resume does not retry a rejected conversation: it is done, with its reason
     assert generate(_opts(out), log=lambda m: None).written == 0
+
+
+def test_a_volume_that_fills_stops_cleanly_then_resumes_identical(gen_run, tmpfs, tmp_path):  # noqa: F811
+    """A real 64 KiB tmpfs that fills during the run (with --allow-partial, or where the start's
+    projection fits but the files' blocks do not): exit 3, every file on it whole and verified, what is
+    done and the resume command named; then, the volume grown, resumed to the same bytes as a run that
+    never ran short."""
+    data, reference = gen_run
+    d = tmpfs("small", size="64k")
+    out = d / "gen"
+    stopped = hsx(*_args(data, out, "--allow-partial"), env=ENV, check=False)
+    err = " ".join(stopped.stderr.split())
+    assert stopped.returncode == 3, stopped.stderr
+    assert "is under the reserve of" in err or "no space left on the output volume" in err, err
+    assert "Stopped cleanly:" in err and "more are needed to finish" in err
+    assert f"Free space, then resume: hsx generate --out {out}" in err
+    done = assert_clean_stop(out)
+    assert 0 < done < CONVS and f"{done}/{CONVS} conversations are done and verified" in err
+
+    remount(d, size="1m")
+    resumed = hsx("generate", "--out", out, env=ENV)
+    assert f"{CONVS - done} written now (0 of them rejected), {done} were already verified" in resumed.stderr
+    assert run_files(out) == run_files(reference)
+    assert (out / "rejects.jsonl").read_bytes() == (reference / "rejects.jsonl").read_bytes()

@@ -88,10 +88,17 @@ def converse(engine, tokenizer, starts, sampling: Sampling, on_completion=None) 
     return got
 
 
-def assert_greedy_reference(got: dict[str, Completion], greedy, sampling: Sampling):
+def assert_greedy_reference(got: dict[str, Completion], greedy, sampling: Sampling, stops=frozenset()) -> int:
+    """Each completion is the greedy reference up to and with its first stop token (the tiny model
+    has no EOS: only ``stops`` end a turn early). Returns how many stopped."""
+    stopped = 0
     for key, c in got.items():
-        assert c.finish_reason == "length"  # the tiny model has no EOS
-        assert c.completion_ids == greedy(c.prompt_ids, sampling.max_new_tokens), key
+        ref = greedy(c.prompt_ids, sampling.max_new_tokens)
+        cut = next((i + 1 for i, t in enumerate(ref) if t in stops), None)
+        assert c.completion_ids == ref[:cut], key
+        assert c.finish_reason == ("length" if cut is None else "stop"), key
+        stopped += cut is not None
+    return stopped
 
 
 def test_vllm_engine_fed_continuously_equals_transformers(vllm, reference, monkeypatch):
@@ -101,12 +108,19 @@ def test_vllm_engine_fed_continuously_equals_transformers(vllm, reference, monke
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a faster start; the server test runs vLLM's processes
     greedy, tokenizer = reference
-    engine = open_engine("vllm", EngineSettings(TINY, dtype="float32", extra={"max_model_len": "512"}))
+    starts = first_turns(tokenizer, 10)
+    # a stop token the first conversation's greedy answer reaches mid-way: the engine must end the turn there
+    first = greedy(starts[0][0], GREEDY.max_new_tokens)
+    stop = next(t for i, t in enumerate(first) if i >= 4 and t not in first[:i])
+    settings = EngineSettings(TINY, dtype="float32", max_length=512, stop_ids=frozenset({stop}))
+    engine = open_engine("vllm", settings)
     try:
         assert engine.name == "vllm" and engine.version == vllm.__version__ and engine.max_pending >= 64
-        got = converse(engine, tokenizer, first_turns(tokenizer, 10), GREEDY)
+        assert engine.engine.vllm_config.model_config.max_model_len == 512  # the run's max_length, not the model's
+        got = converse(engine, tokenizer, starts, GREEDY)
         assert sum(k.endswith("/1") for k in got) >= 5 and len(got) >= 20, sorted(got)
-        assert_greedy_reference(got, greedy, GREEDY)
+        assert assert_greedy_reference(got, greedy, GREEDY, frozenset({stop})) >= 1
+        assert got["c0/0"].completion_ids[-1] == stop and got["c0/0"].finish_reason == "stop"
 
         # A seeded sample draws the same tokens alone and in a batch of others; another seed draws others.
         sampled = Sampling(temperature=1.0, top_p=0.95, top_k=50, max_new_tokens=16)

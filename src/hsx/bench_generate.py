@@ -26,9 +26,11 @@ from pathlib import Path
 from hsx.generate.engine import Completion, Engine, Request, Sampling
 from hsx.generate.job import generate, request_seed
 from hsx.generate.options import GenerateOptions
+from hsx.generate.prompts import stop_ids
 from hsx.generate.record import read_record
 from hsx.generate.spec import load_generate_spec
 from hsx.store import layout
+from hsx.target import load_tokenizer, resolve
 from hsx.tinymodel import bundled_path
 
 
@@ -102,9 +104,12 @@ def run_generate_bench(
             )
             for r, t in turns
         ]
-        params = [sampling_params(q.sampling, q.seed) for q in requests]
-        # Each measurement on a fresh vLLM, as hsx generate's own: none is served from another's cache or warm-up.
-        llm = open_llm(model, dtype=spec.dtype, tensor_parallel_size=tensor_parallel_size)
+        model_dir = resolve(model)
+        stops = stop_ids(model_dir, load_tokenizer(model_dir, spec.trust_remote_code))  # as hsx generate's
+        params = [sampling_params(q.sampling, q.seed, stops) for q in requests]
+        # Each measurement on a fresh vLLM, sized as hsx generate's: none is served from another's cache or warm-up.
+        sized = {"dtype": spec.dtype, "tensor_parallel_size": tensor_parallel_size, "max_model_len": spec.max_length}
+        llm = open_llm(model, **sized)
         try:
             t0 = time.monotonic()
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -113,7 +118,7 @@ def run_generate_bench(
             close_llm(llm)
         new_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         bare = GenResult("vllm LLM.generate", len(outputs), new_tokens, seconds)
-        engine = VllmEngine(open_llm(model, dtype=spec.dtype, tensor_parallel_size=tensor_parallel_size))
+        engine = VllmEngine(open_llm(model, **sized), stops)
         try:
             alone = _engine_alone(engine, requests)
         finally:

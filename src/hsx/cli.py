@@ -90,7 +90,7 @@ def failures(interrupted: Callable[[], str] | None = None) -> Iterator[None]:
 
         s = e.summary
         raise _fail(
-            f"{e}.\nStopped cleanly: {s.done}/{s.total_samples} samples are done and verified; "
+            f"{e}.\nStopped cleanly: {s.done}/{s.total_samples} {e.unit} are done and verified; "
             f"about {size(e.needed_bytes)} more are needed to finish.\n"
             f"Free space, then resume: {resume_command(s.run, command=e.command)}",
             e.exit_code,

@@ -126,16 +126,24 @@ class VocabError(Refused):
 class CleanStop(HsxError):
     """The volume filled up; the run stopped cleanly and resumes once space is freed.
 
-    ``summary`` is the job's summary at the stop, ``needed_bytes`` the space the rest still needs,
-    ``command`` the hsx command that resumes it (extract, or generate for a generate run)."""
+    ``summary`` is the job's summary at the stop, ``needed_bytes`` the space the rest still needs;
+    ``command`` resumes it (``hsx COMMAND --out RUN``), whose files are ``unit``."""
 
     exit_code = Exit.DISK_FULL
 
-    def __init__(self, summary, needed_bytes: int, path: Path, reason: str | None = None, command: str = "extract"):
+    def __init__(
+        self,
+        summary,
+        needed_bytes: int,
+        path: Path,
+        reason: str | None = None,
+        command: str = "extract",
+        unit: str = "samples",
+    ):
         super().__init__(reason or f"no space left on the output volume while writing {path}")
         self.summary = summary
         self.needed_bytes = needed_bytes
-        self.command = command
+        self.command, self.unit = command, unit
 
 
 class EngineUnavailable(HsxError):

@@ -47,6 +47,9 @@ GAUGES = {
     "verify_bytes": ("hsx_verify_bytes_read", "Bytes this session's resume verification read"),
     "verify_seconds": ("hsx_verify_seconds", "Seconds this session's resume verification took so far"),
     "verify_waited_s": ("hsx_verify_waited_seconds", "Seconds the loaded model waited for verification"),
+    "conversations_per_s": ("hsx_generate_conversations_per_second", "This generate session's conversations a second"),
+    "new_tokens": ("hsx_generate_new_tokens", "New tokens this generate session's conversations hold"),
+    "new_tokens_per_s": ("hsx_generate_new_tokens_per_second", "This generate session's new tokens a second"),
 }
 
 

@@ -33,6 +33,8 @@ class EngineSettings:
     dtype: str = "auto"  # torch dtype name or auto (the checkpoint's)
     device: str | None = None  # transformers: cpu, cuda, cuda:1 (None: cuda if present)
     seed: int = 0  # the run's seed (each request carries its own, derived from it)
+    max_length: int | None = None  # prompt + completion of a turn at most (vllm: its max_model_len)
+    stop_ids: frozenset[int] = frozenset()  # the tokens that end a turn, as the job reads them (prompts.stop_ids)
     tensor_parallel_size: int = 1  # vllm
     data_parallel_size: int = 1  # vllm
     servers: tuple[str, ...] = ()  # server: OpenAI-compatible base URLs

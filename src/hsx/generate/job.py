@@ -8,11 +8,13 @@ verifies what is on disk with the extraction's resume prologue (``run.resume``: 
 digests; stray temp files removed, damaged files redone, complete shards sealed), projects the
 space the rest needs (``assess.volume``), and then feeds the engine: up to ``engine.max_pending``
 requests are in flight, one per conversation, whose next turn is submitted when its previous one
-came back (its prompt holds that answer). A conversation's file is written (temp, fsync, rename,
-fsync folder: ``store.durable``) when its last turn is done, and a shard is sealed when its last
-file is; so "done" is a verified file per conversation id, exactly once, whatever order the engine
-answers in, and a kill loses only the conversations in flight, which a resume redoes from their
-first turn with the same seeds.
+came back (its prompt holds that answer). A conversation whose last turn is done is handed to the store's
+writer threads (``store.writer.SampleWriter``: temp, fsync, rename; the folder fsynced before it
+counts), so the engine is fed again at once rather than idling while a batch that finished in the
+same step is written file by file. It counts as done, and its shard is sealed after its last file,
+only once the file is durable; so "done" is a verified file per conversation id, exactly once,
+whatever order the engine answers in, and a kill loses only the conversations in flight or being
+written, which a resume redoes from their first turn with the same seeds.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +36,7 @@ from hsx.generate.engines import EngineSettings, open_engine
 from hsx.generate.folder import PLAN_REJECTS, check_engine, create_spec, open_gen_run, plan_run
 from hsx.generate.options import GenerateOptions
 from hsx.generate.plan import GenPlan, load_gen_plan, too_long
+from hsx.generate.progress import GenProgress
 from hsx.generate.prompts import Dialogue, Prompter, stop_ids
 from hsx.generate.record import ConversationRecord, Source, encode_record, read_record
 from hsx.generate.spec import BYTES_PER_TOKEN, GenerateSpec
@@ -40,16 +44,17 @@ from hsx.input import Reject
 from hsx.input import Source as InputSource
 from hsx.lock import RunLock
 from hsx.plan import Tokenize
-from hsx.progress import Progress
 from hsx.run.folder import record_failed_start, record_model, remove_stray_temps
 from hsx.run.resume import Summary, Verifier, scan_all
 from hsx.store import layout
-from hsx.store.durable import write_durable, write_parts
+from hsx.store.durable import write_durable
 from hsx.store.format import read_header
 from hsx.store.scan import ShardScan
-from hsx.store.writer import FileRecord, seal
+from hsx.store.writer import FileRecord, SampleWriter, seal
 
 LARGE = 2e9  # parameters above which the transformers engine is said not to be the production route
+WRITERS = 8  # writer threads: a batch finishing in one engine step is written in parallel, off the engine's path
+WRITE_AHEAD = 256 << 20  # bytes of finished conversations queued for the writers at most (then the engine waits)
 
 
 @dataclass
@@ -71,12 +76,12 @@ class GenerateSummary:
         return self.already_done + self.written
 
     @property
-    def complete(self) -> bool:
-        return self.done == self.total
+    def total_samples(self) -> int:  # the name a clean stop's message reads (as an extraction's summary)
+        return self.total
 
     @property
-    def total_samples(self) -> int:  # an extraction summary's name, for what reports both (a clean stop)
-        return self.total
+    def complete(self) -> bool:
+        return self.done == self.total
 
     def lines(self) -> list[str]:
         rate = f" ({self.new_tokens / self.seconds:,.0f} new tokens/s)" if self.seconds > 0 and self.new_tokens else ""
@@ -106,16 +111,21 @@ class Feeder:
         plan: GenPlan,
         engine: Engine,
         prompter: Prompter,
-        progress: Progress,
-        guard: volume.DiskGuard | None,
+        progress: GenProgress,
+        reserve: int,
         summary: GenerateSummary,
     ):
         self.spec, self.run, self.plan, self.engine, self.prompter = spec, run, plan, engine, prompter
-        self.progress, self.guard, self.summary = progress, guard, summary
+        self.progress, self.summary = progress, summary
         self.sampling = spec.sampling.sampling()
         self.active: dict[str, tuple[Dialogue, np.ndarray]] = {}  # request key -> (dialogue, its prompt)
         self.shards: dict[int, dict[int, FileRecord]] = {}
         self.left: dict[int, int] = {}
+        self.writer = SampleWriter(run, spec.shard_size, [], threads=WRITERS, max_inflight_bytes=WRITE_AHEAD)
+        self.writer.start_threads()
+        self.writing: dict[Future, tuple[Dialogue, str | None]] = {}  # files being written -> (conversation, reject)
+        # bytes queued for the writers count as spent
+        self.guard = volume.DiskGuard(run, reserve, lambda: self.writer.inflight)
 
     def run_shards(self, todo: list[ShardScan]) -> None:
         queue: list[int] = []
@@ -124,12 +134,23 @@ class Feeder:
             self.left[scan.shard] = len(scan.missing)
             queue += scan.missing
         queue.reverse()
-        with self.progress.live("generating"):
-            while queue or self.active:
-                while queue and len(self.active) < max(self.engine.max_pending, 1):
-                    self.start(queue.pop())
-                for outcome in self.engine.poll(None if self.active else 0):
-                    self.outcome(outcome)
+        try:
+            with self.progress.live("generating"):
+                while queue or self.active:
+                    while queue and len(self.active) < max(self.engine.max_pending, 1):
+                        self.start(queue.pop())
+                    for outcome in self.engine.poll(None if self.active else 0):
+                        self.outcome(outcome)
+                    self.collect(wait=False)
+                self.collect(wait=True)
+        except DiskFull:  # the files written whole before the stop count (their shards are sealed on resume)
+            self.writer.close()
+            whole = [f for f in self.writing if f.exception() is None]
+            self.writer.sync()
+            self.count(whole, [f.result() for f in whole], seal_shards=False)
+            raise
+        finally:
+            self.writer.close()  # queued writes finish (or fail and remove their temp files)
 
     def start(self, cid: int) -> None:
         row = self.plan.row(cid)
@@ -166,6 +187,7 @@ class Feeder:
         self.advance(d)
 
     def write(self, d: Dialogue, reason: str | None = None) -> None:
+        """Hand ``d``'s file to the writer threads; it counts once ``collect`` has it durable."""
         row = self.plan.row(d.id)
         rec = ConversationRecord(
             d.id,
@@ -177,20 +199,29 @@ class Feeder:
             reason,
         )
         parts, digest = encode_record(rec)
-        nbytes = sum(memoryview(p).nbytes for p in parts)
-        if self.guard is not None:
-            self.guard(nbytes)
-        path = layout.sample_path(self.run, d.id, self.spec.shard_size)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_parts(path, parts)  # durable: temp, fsync, rename, fsync folder
-        shard = layout.shard_of(d.id, self.spec.shard_size)
-        self.shards[shard][d.id] = FileRecord(d.id, nbytes, digest)
-        self.left[shard] -= 1
-        if not self.left[shard]:
-            seal(self.run, shard, list(self.shards[shard].values()))
-        self.summary.written += 1
-        self.summary.rejected_now += reason is not None
-        self.progress.add_written(int(self.plan.lengths[d.id]), nbytes)
+        self.guard(sum(memoryview(p).nbytes for p in parts))
+        self.writing[self.writer.submit_encoded(d.id, parts, digest)] = (d, reason)
+
+    def collect(self, wait: bool) -> None:
+        """Count the files written since (all of them when ``wait``): their folders fsynced first, each
+        shard sealed after its last file. The writers' first error (a full disk) is raised here."""
+        finished = list(self.writing) if wait else [f for f in self.writing if f.done()]
+        if not finished:
+            return
+        self.count(finished, self.writer.wait(finished))  # durable now; all of them, or the first error is raised
+
+    def count(self, futures: list[Future], records: list[FileRecord], seal_shards: bool = True) -> None:
+        for future, record in zip(futures, records, strict=True):
+            d, reason = self.writing.pop(future)
+            shard = layout.shard_of(d.id, self.spec.shard_size)
+            self.shards[shard][d.id] = record
+            self.left[shard] -= 1
+            if not self.left[shard] and seal_shards:
+                seal(self.run, shard, list(self.shards[shard].values()))
+            self.summary.written += 1
+            self.summary.rejected_now += reason is not None
+            new_tokens = sum(len(t.completion_ids) for t in d.done)
+            self.progress.add_conversation(int(self.plan.lengths[d.id]), len(d.done), new_tokens, record.size)
 
 
 def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> GenerateSummary:
@@ -199,7 +230,7 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
     run = opts.out
     run.mkdir(parents=True, exist_ok=True)
     engine: Engine | None = None
-    progress = Progress(0, 0, BYTES_PER_TOKEN)  # totals set once the plan is known
+    progress = GenProgress(BYTES_PER_TOKEN)
     telemetry = opts.telemetry(progress.metrics)
     with telemetry, RunLock(run, command="generate", on_beat=telemetry.beat, warn=log):
         remove_stray_temps(run)
@@ -207,9 +238,12 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
             if spec is None:  # a new run: plan, engine, then the spec, last
                 try:
                     plan_id = plan_run(opts, log)
+                    model_dir = target.resolve(opts.model)
+                    stops = stop_ids(model_dir, target.load_tokenizer(model_dir, opts.trust_remote_code))
                     settings = opts.engine_settings(
-                        target.resolve(opts.model), opts.get("dtype"), opts.trust_remote_code, opts.get("seed")
-                    )
+                        model_dir, opts.get("dtype"), opts.trust_remote_code, opts.get("seed"), opts.get("max_length"),
+                        stops,
+                    )  # fmt: skip
                     engine = _open(opts.get("backend"), settings, log)
                     spec = create_spec(opts, plan_id, engine)
                 except BaseException as e:  # the folder now holds a start that never became a run: say so in it
@@ -235,23 +269,24 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
             summary.already_done, summary.redone = resume.already_done, resume.redone
             if todo:
                 model_dir = target.model_dir_for(run, spec, opts.model, checked=False)  # type: ignore[arg-type]
+                tokenizer = target.load_tokenizer(model_dir, spec.trust_remote_code)
+                stops = stop_ids(model_dir, tokenizer)  # the engine stops where the job ends a turn
                 if engine is None:
-                    settings = opts.engine_settings(model_dir, spec.dtype, spec.trust_remote_code, spec.seed)
+                    settings = opts.engine_settings(
+                        model_dir, spec.dtype, spec.trust_remote_code, spec.seed, spec.max_length, stops
+                    )
                     engine = _open(spec.engine.name, settings, log)
                 check_engine(spec, engine)
-                tokenizer = target.load_tokenizer(model_dir, spec.trust_remote_code)
-                prompter = Prompter(
-                    Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stop_ids(model_dir, tokenizer)
-                )
-                guard = volume.DiskGuard(run, reserve)
+                prompter = Prompter(Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stops)
                 t0 = time.monotonic()
+                progress.clock()
                 try:
-                    Feeder(spec, run, plan, engine, prompter, progress, guard, summary).run_shards(todo)
-                except DiskFull as e:  # stopped cleanly: every conversation written is whole and sealed
+                    Feeder(spec, run, plan, engine, prompter, progress, reserve, summary).run_shards(todo)
+                except DiskFull as e:  # the guard's reserve reached, or a real ENOSPC: every file whole or absent
                     left = spec.plan.num_tokens - progress.tokens_done()
-                    needed = volume.projected_bytes(left, 0, spec.bytes_per_token)
+                    needed = volume.projected_bytes(left, summary.total - summary.done, spec.bytes_per_token)
                     reason = str(e) if isinstance(e, LowSpace) else None
-                    raise CleanStop(summary, needed, e.path, reason, command="generate") from e
+                    raise CleanStop(summary, needed, e.path, reason, command="generate", unit="conversations") from e
                 finally:
                     summary.seconds = time.monotonic() - t0
             write_rejects(run, spec)

@@ -136,13 +136,23 @@ class GenerateOptions:
         value = getattr(self, name)
         return DEFAULTS[name] if value is None else value
 
-    def engine_settings(self, model_dir: Path, dtype: str, trust_remote_code: bool, seed: int) -> EngineSettings:
+    def engine_settings(
+        self,
+        model_dir: Path,
+        dtype: str,
+        trust_remote_code: bool,
+        seed: int,
+        max_length: int,
+        stop_ids: frozenset[int],
+    ) -> EngineSettings:
         return EngineSettings(
             model_dir=model_dir,
             trust_remote_code=trust_remote_code,
             dtype=dtype,
             device=self.device,
             seed=seed,
+            max_length=max_length,
+            stop_ids=stop_ids,
             tensor_parallel_size=self.tensor_parallel_size or 1,
             data_parallel_size=self.data_parallel_size or 1,
             servers=tuple(self.servers),

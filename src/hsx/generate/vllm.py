@@ -29,9 +29,11 @@ from hsx.generate.engines import EngineSettings
 QUEUED_BATCHES = 4  # requests kept queued: this many times vLLM's max_num_seqs
 
 
-def sampling_params(sampling: Sampling, seed: int) -> SamplingParams:
-    """Every value explicit, so the model's generation_config.json defaults play no part."""
+def sampling_params(sampling: Sampling, seed: int, stop_ids: frozenset[int] = frozenset()) -> SamplingParams:
+    """Every value explicit, so the model's generation_config.json defaults play no part; ``stop_ids``:
+    the tokens the job ends a turn on (vLLM keeps the stop token in the completion, as the job expects)."""
     return SamplingParams(
+        stop_token_ids=sorted(stop_ids),
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,
@@ -67,13 +69,14 @@ def open_llm(
 
 
 class VllmEngine(Engine):
-    """``llm``: an open ``vllm.LLM`` (``open_llm``); the engine closes it."""
+    """``llm``: an open ``vllm.LLM`` (``open_llm``); the engine closes it. ``stop_ids``: the tokens every
+    request stops on."""
 
     name = "vllm"
     version = vllm.__version__
 
-    def __init__(self, llm: vllm.LLM):
-        self.llm = llm
+    def __init__(self, llm: vllm.LLM, stop_ids: frozenset[int] = frozenset()):
+        self.llm, self.stop_ids = llm, stop_ids
         self.engine = llm.llm_engine
         self.max_pending = QUEUED_BATCHES * self.engine.vllm_config.scheduler_config.max_num_seqs
         self._requests: dict[str, Request] = {}  # vLLM request id -> the request
@@ -85,7 +88,7 @@ class VllmEngine(Engine):
         self._next += 1
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
         try:
-            self.engine.add_request(rid, prompt, sampling_params(request.sampling, request.seed))
+            self.engine.add_request(rid, prompt, sampling_params(request.sampling, request.seed, self.stop_ids))
         except (ValueError, VLLMClientError) as e:  # vLLM validates here: longer than max_model_len, ids out of vocab
             self._refused.append(Failure(request.key, f"vLLM refused the request: {e}"))
             return
@@ -122,7 +125,9 @@ class VllmEngine(Engine):
 def open(settings: EngineSettings) -> VllmEngine:
     """The engine ``hsx generate --backend vllm`` runs. ``settings.extra`` items go to ``vllm.LLM`` as
     keyword arguments (values parsed as JSON where they parse: ``max_model_len=8192``,
-    ``gpu_memory_utilization=0.85``); the parallel sizes are the session's, not the run's."""
+    ``gpu_memory_utilization=0.85``); the parallel sizes are the session's, not the run's. vLLM is sized
+    for the run's ``max_length`` (its ``max_model_len``), not for the model's whole context, which
+    may not fit; a ``max_model_len`` in ``extra`` is taken as given."""
     engine_args = {}
     for name, value in settings.extra.items():
         if name.startswith("server_"):  # the server backend's knobs
@@ -131,6 +136,8 @@ def open(settings: EngineSettings) -> VllmEngine:
             engine_args[name] = json.loads(value)
         except ValueError:
             engine_args[name] = value
+    if settings.max_length:
+        engine_args.setdefault("max_model_len", settings.max_length)
     llm = open_llm(
         settings.model_dir,
         dtype=settings.dtype,
@@ -139,7 +146,7 @@ def open(settings: EngineSettings) -> VllmEngine:
         trust_remote_code=settings.trust_remote_code,
         **engine_args,
     )
-    engine = VllmEngine(llm)
+    engine = VllmEngine(llm, settings.stop_ids)
     if settings.max_pending:
         engine.max_pending = settings.max_pending
     return engine

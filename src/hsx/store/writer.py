@@ -62,6 +62,7 @@ class SampleWriter:
         self.shard_size = shard_size
         self.layers = list(layers)
         self.codec = Codec(codec)
+        self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hsx-write")
         self.encoders = None
         if self.codec is not Codec.RAW:
@@ -82,6 +83,32 @@ class SampleWriter:
         """Queue one sample. ``ready`` blocks until its buffers are filled (a device copy's fence);
         ``release`` is called once they are no longer read."""
         n = sample.nbytes
+        self._admit(n)
+        encoding = None
+        if self.encoders is not None and not isinstance(sample.aux, Encoded):  # else encoded on the device
+            encoding = [
+                self.encoders.submit(self._encode, t, groups, ready)
+                for t, groups in ((sample.aux, len(self.layers)), (sample.final, 1))
+            ]
+        return self.pool.submit(self._write, sample, n, release, ready, encoding)
+
+    def start_threads(self) -> None:
+        """Start every writer thread now, which the pool otherwise does one per submit: so that none is
+        started while finished work waits to be written (a batch that finished in one step)."""
+        started = threading.Barrier(self.threads + 1)
+        for _ in range(self.threads):  # each holds its thread until all are up, so none is reused
+            self.pool.submit(started.wait)
+        started.wait()
+
+    def submit_encoded(self, sample_id: int, parts: list[memoryview | bytes], digest: str) -> Future:
+        """Queue one file its caller has encoded already (``parts``, whose digest is ``digest``): written,
+        bounded and made durable by ``wait`` as the others are."""
+        n = sum(memoryview(p).nbytes for p in parts)
+        self._admit(n)
+        return self.pool.submit(self._write_encoded, sample_id, parts, digest, n)
+
+    def _admit(self, n: int) -> None:
+        """Wait until ``n`` more bytes fit in the in-flight budget; raise the writer's first error."""
         with self.cond:
             t0 = time.perf_counter()
             while self.inflight and self.inflight + n > self.max_inflight and self.error is None:
@@ -90,13 +117,37 @@ class SampleWriter:
             if self.error is not None:
                 raise self.error
             self.inflight += n
-        encoding = None
-        if self.encoders is not None and not isinstance(sample.aux, Encoded):  # else encoded on the device
-            encoding = [
-                self.encoders.submit(self._encode, t, groups, ready)
-                for t, groups in ((sample.aux, len(self.layers)), (sample.final, 1))
-            ]
-        return self.pool.submit(self._write, sample, n, release, ready, encoding)
+
+    def _write_encoded(self, sample_id: int, parts: list[memoryview | bytes], digest: str, n: int) -> FileRecord:
+        try:
+            if self.error is not None:
+                raise self.error
+            return self._store(sample_id, parts, digest)
+        except BaseException as e:
+            self._fail(e)
+            raise
+        finally:
+            self._release(n)
+
+    def _store(self, sample_id: int, parts: list[memoryview | bytes], digest: str) -> FileRecord:
+        """Write one file under its final name (its folder is fsynced by ``sync``)."""
+        path = layout.sample_path(self.run, sample_id, self.shard_size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        size = write_parts(path, parts, sync_dir=False)
+        with self.cond:
+            self.dirty.add(path.parent)
+            self.bytes_written += size
+        return FileRecord(sample_id, size, digest)
+
+    def _fail(self, e: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = e
+
+    def _release(self, n: int) -> None:
+        with self.cond:
+            self.inflight -= n
+            self.cond.notify_all()
 
     def _encode(self, t: torch.Tensor, groups: int, ready: Callable[[], None] | None) -> Encoded:
         if ready is not None:
@@ -113,7 +164,6 @@ class SampleWriter:
         ready: Callable[[], None] | None,
         encoding: list[Future] | None,
     ) -> FileRecord:
-        path = layout.sample_path(self.run, sample.sample_id, self.shard_size)
         try:
             if ready is not None:
                 ready()
@@ -126,23 +176,14 @@ class SampleWriter:
             if self.error is not None:
                 raise self.error
             parts, digest = encode(sample, self.layers, self.codec)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            size = write_parts(path, parts, sync_dir=False)
-            with self.cond:
-                self.dirty.add(path.parent)
-                self.bytes_written += size
-            return FileRecord(sample.sample_id, size, digest)
+            return self._store(sample.sample_id, parts, digest)
         except BaseException as e:
-            with self.cond:
-                if self.error is None:
-                    self.error = e
+            self._fail(e)
             raise
         finally:
             if release is not None:
                 release()
-            with self.cond:
-                self.inflight -= n
-                self.cond.notify_all()
+            self._release(n)
 
     def wait(self, futures: list[Future]) -> list[FileRecord]:
         """Wait for these writes, fsync the folders touched; return the now-durable records."""
