@@ -414,7 +414,7 @@ def export_cmd(
     from hsx.export import ExportOptions, run_export
 
     opts = ExportOptions(out, dest, to, model, prenorm, allow_incomplete, draft_vocab, target_vocab, pace)
-    with failures(f"every file exported so far is complete and kept; continue with: {opts.command()}"):
+    with failures(lambda: f"every file exported so far is complete and kept; continue with: {opts.command()}"):
         s = run_export(opts, log=lambda m: console.print(m, highlight=False))
     err = "" if s.max_norm_error is None else f", max norm error {s.max_norm_error:.1e}"
     console.print(
