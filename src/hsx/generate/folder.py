@@ -20,7 +20,7 @@ from hsx.generate.plan import plan_rows, write_gen_plan
 from hsx.generate.spec import EngineIdentity, GenerateSpec, SamplingSpec, generate_differences, load_generate_spec
 from hsx.input import Conversation, Reject, read_conversations
 from hsx.plan import NoUsableSamples, Tokenize
-from hsx.run.folder import failed_start, remove_stray_temps
+from hsx.run.folder import failed_start, refuse_drift, remove_stray_temps
 from hsx.spec import DataFile, PlanIdentity, now, who
 from hsx.store import layout
 from hsx.store.durable import write_durable
@@ -54,13 +54,7 @@ def open_gen_run(opts: GenerateOptions, log: Callable[[str], None]) -> GenerateS
         _check_new(opts)
         return None
     spec = load_generate_spec(opts.out)
-    diffs = generate_differences(spec, asked(opts))
-    if diffs:
-        raise Refused(
-            f"{opts.out} belongs to a generate run with other settings; refusing to resume:\n  - "
-            + "\n  - ".join(diffs)
-            + f"\nResume with the run's own settings: hsx generate --out {opts.out}"
-        )
+    refuse_drift(opts.out, generate_differences(spec, asked(opts)), "generate")
     return spec
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from hsx.errors import BadFile, Damage
+from hsx.input import Source
 from hsx.store.format import CONVERSATION, pack, read_checked
 
 
@@ -34,13 +35,6 @@ class GeneratedTurn:
     completion_ids: np.ndarray  # int32
     finish_reason: str  # stop | length
     text: str  # the completion decoded (without its stop token): the message's new content
-
-
-@dataclass(frozen=True)
-class Source:
-    file: str
-    row: int
-    id: str
 
 
 @dataclass(frozen=True)

@@ -223,14 +223,19 @@ def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     if not (opts.out / layout.SPEC).exists():
         return create_run(opts, log)
     spec = load_spec(opts.out)
-    diffs = differences(spec, asked(opts))
-    if diffs:
-        raise Refused(
-            f"{opts.out} belongs to a run with other settings; refusing to resume:\n  - "
-            + "\n  - ".join(diffs)
-            + f"\nResume with the run's own settings: hsx extract --out {opts.out}"
-        )
+    refuse_drift(opts.out, differences(spec, asked(opts)), "extract")
     return spec
+
+
+def refuse_drift(out: Path, diffs: list[str], command: str) -> None:
+    """Invariant 3: a resume that asks for anything other than the spec is refused, each difference named."""
+    if diffs:
+        kind = "a generate run" if command == "generate" else "a run"
+        raise Refused(
+            f"{out} belongs to {kind} with other settings; refusing to resume:\n  - "
+            + "\n  - ".join(diffs)
+            + f"\nResume with the run's own settings: hsx {command} --out {out}"
+        )
 
 
 def record_model(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None]) -> None:
