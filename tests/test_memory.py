@@ -81,6 +81,22 @@ def test_kimi_k25_dequantized_is_refused_with_the_smallest_layout_that_fits(kimi
         memory.check(kimi, Layout(8, 1, "packed"), H200, 8)
 
 
+def test_kimi_k2_in_fp8_fits_one_h200_node_at_one_byte_per_expert_weight():
+    """The same ~1T model in fine-grained FP8 (Kimi-K2-Instruct's and DeepSeek-V3's format): its
+    routed experts stay FP8, one byte a weight plus a float32 scale per 128x128 block, 1/8 of them
+    per GPU; TP8 + EP8 fits an H200 as nvidia-smi reports it (143,771 MiB), and expanded to bf16 it
+    would need two nodes."""
+    fp8 = Inventory.of(KIMI.parent / "kimi-k2-fp8-shape")
+    h200 = 143_771 * 2**20
+    per_layer = EXPERTS * 3 * MOE * HIDDEN  # FP8 weights of one MoE layer's experts: one byte each
+    scales = EXPERTS * 3 * (MOE // 128) * (HIDDEN // 128) * 4
+    est = memory.check(fp8, Layout(8, 8, "packed"), h200, 8)
+    assert est.experts == round(LAYERS * (per_layer + scales) / 8)
+    assert est.total <= h200 * (1 - memory.HEADROOM) < est.total + 5 * GB  # it fits, with little to spare
+    with pytest.raises(LayoutTooLarge, match="does NOT fit"):
+        memory.check(fp8, Layout(8, 8, "dequantized"), h200, 8)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("memory")

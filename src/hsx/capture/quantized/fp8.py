@@ -53,6 +53,8 @@ def gemm_blocker(device: str, dtype: str, block: list[int] | None, activation_sc
         return f"the block-scaled FP8 GEMM writes bfloat16, the run's dtype is {dtype}"
     if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
         return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm"
+    if not torch.cuda.is_available():
+        return "this machine has no CUDA device"
     major, minor = torch.cuda.get_device_capability(torch.device(device))
     if major != 9:
         return f"torch's block-scaled FP8 GEMM runs on compute capability 9.x (cuBLAS), this GPU is {major}.{minor}"
