@@ -482,13 +482,20 @@ def bench(
     ] = "raw,zstd,fp8",
     fp8_model: Annotated[
         bool,
-        typer.Option(help="Then build the model as a block-FP8 checkpoint (weights quantized 128x128) and measure it."),
+        typer.Option(
+            "--fp8-model",
+            help="Then build the model as a block-FP8 checkpoint (weights quantized 128x128) and measure it.",
+        ),
     ] = False,
     int4_experts: Annotated[
-        bool, typer.Option(help="MoE models: the last layout again with the routed experts INT4-packed.")
+        bool,
+        typer.Option("--int4-experts", help="MoE models: the last layout again with the routed experts INT4-packed."),
     ] = False,
     generate: Annotated[
-        bool, typer.Option(help="Instead: hsx generate (vLLM) against vLLM's bare LLM.generate, --samples prompts.")
+        bool,
+        typer.Option(
+            "--generate", help="Instead: hsx generate (vLLM) against vLLM's bare LLM.generate, --samples prompts."
+        ),
     ] = False,
     max_new_tokens: Annotated[
         int, BENCH.option("max_new_tokens", help="--generate: new tokens per prompt at most.")
