@@ -342,6 +342,7 @@ def test_help_shows_defaults_and_choices_and_fits_80_columns(command):
     assert r.exit_code == 0, r.output
     assert all(len(line) <= 80 for line in r.output.splitlines()), r.output
     assert "<bool>" not in r.output
+    assert " / --no-" not in r.output, r.output  # a switch is a flag that takes no value, with one spelling
     text = " ".join(r.output.split())
     expected = {
         "extract": [

@@ -212,7 +212,10 @@ def extract(
         ),
     ] = False,
     allow_incomplete: Annotated[
-        bool, typer.Option(help="--data is an unfinished generate run: extract the conversations it holds.")
+        bool,
+        typer.Option(
+            "--allow-incomplete", help="--data is an unfinished generate run: extract the conversations it holds."
+        ),
     ] = False,
     backend: Annotated[
         str | None,
@@ -400,14 +403,18 @@ def export_cmd(
     model: Annotated[
         str | None, typer.Option(help="The run's model, if it moved (final norm, vocabulary size).")
     ] = None,
-    prenorm: Annotated[bool, typer.Option(help="modelopt: export the pre-norm final state (flagged).")] = False,
+    prenorm: Annotated[
+        bool, typer.Option("--prenorm", help="modelopt: export the pre-norm final state (flagged).")
+    ] = False,
     draft_vocab: Annotated[
         int | None, RUN.option("draft_vocab", help="Also write a draft-vocab map of this size.")
     ] = None,
     target_vocab: Annotated[
         int | None, RUN.option("target_vocab", help="Target vocabulary size.", show_default="the model's config")
     ] = None,
-    allow_incomplete: Annotated[bool, typer.Option(help="Export the finished samples of an unfinished run.")] = False,
+    allow_incomplete: Annotated[
+        bool, typer.Option("--allow-incomplete", help="Export the finished samples of an unfinished run.")
+    ] = False,
     pace: Annotated[float, typer.Option(hidden=True, min=0.0, help="Seconds to sleep after each sample.")] = 0.0,
 ) -> None:
     """Write OUT's samples in a trainer's own format, verifying each source file; resumable."""
