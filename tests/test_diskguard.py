@@ -268,7 +268,7 @@ def test_a_generate_run_stopped_by_a_full_volume_prints_the_generate_resume_that
     assert stopped.returncode == EXIT_DISK_FULL and "Stopped cleanly:" in err, stopped.stderr
     assert f"Free space, then resume: hsx generate --out {run}" in err, err
     done = assert_clean_stop(run)
-    assert 0 < done < 30 and f"{done}/30 samples are done" in err, err
+    assert 0 < done < 30 and f"{done}/30 conversations are done" in err, err
     remount(d, nr_inodes=4096)
     resumed = hsx(*shlex.split(err.split("then resume: ", 1)[1])[1:])
     assert re.search(rf"convs +30/30 done, {30 - done} written now .*, {done} were already verified", resumed.stdout)

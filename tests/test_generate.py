@@ -488,6 +488,6 @@ def test_a_volume_that_fills_stops_cleanly_then_resumes_identical(gen_run, tmpfs
 
     remount(d, size="1m")
     resumed = hsx("generate", "--out", out, env=ENV)
-    assert f"{CONVS - done} written now (0 of them rejected), {done} were already verified" in resumed.stderr
+    assert f"{CONVS - done} written now (0 of them rejected), {done} were already verified" in resumed.stdout
     assert run_files(out) == run_files(reference)
     assert (out / "rejects.jsonl").read_bytes() == (reference / "rejects.jsonl").read_bytes()
