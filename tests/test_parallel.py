@@ -360,3 +360,29 @@ def test_a_tp_worker_refused_at_load_stops_the_driver_with_that_refusal(models, 
         assert not list(out.rglob("*.safetensors")) and not (out / "workers").exists()
     finally:
         driver.kill_all()
+
+
+def test_fp8_expert_parallel_is_refused_where_transformers_ep_plan_fails():
+    """FP8 routed experts are split by transformers' own EP plan, which fails under inference mode on
+    the lowest transformers the pin admits: there the layout is refused by name before anything loads
+    (CI runs this file on both ends of the pin), and on a newer one it is taken."""
+    import transformers
+    from packaging.version import Version
+
+    from hsx.capture.transformers import FP8_EP_TRANSFORMERS, parallel_refusal
+
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    }
+    refusal = parallel_refusal(config, 2, 2)
+    if Version(transformers.__version__) < Version(FP8_EP_TRANSFORMERS):
+        assert refusal is not None and f"fails on transformers {transformers.__version__}" in refusal, refusal
+        assert "upgrade transformers, or run without --expert-parallel" in refusal
+    else:
+        assert refusal is None
+    unquantized = {k: v for k, v in config.items() if k != "quantization_config"}
+    assert parallel_refusal(unquantized, 2, 2) is None  # hsx splits unquantized experts itself, on every version

@@ -132,7 +132,25 @@ def parallel_refusal(config: dict, tensor: int, expert: int) -> str | None:
         return f"{config.get('architectures', ['this model'])[0]} has no routed experts to split"
     if expert > 1 and experts % expert:
         return f"{experts} routed experts do not split over {expert} ranks"
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if expert > 1 and method in checkpoint.FP8_METHODS and (found := _older_transformers(FP8_EP_TRANSFORMERS)):
+        return (
+            f"FP8 routed experts are split by transformers' own EP plan, which fails on transformers {found} "
+            f"(FSDP2 under inference mode) and runs on {FP8_EP_TRANSFORMERS} and newer: upgrade transformers, "
+            "or run without --expert-parallel"
+        )
     return None
+
+
+FP8_EP_TRANSFORMERS = "5.25"  # the oldest transformers FP8 + --expert-parallel was tested to run on
+
+
+def _older_transformers(than: str) -> str | None:
+    """The installed transformers' version where it is older than ``than``, else None."""
+    import transformers
+    from packaging.version import Version
+
+    return transformers.__version__ if Version(transformers.__version__) < Version(than) else None
 
 
 def _causal_lm_class(config, trust_remote_code: bool):
