@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 # torch==2.13.0: any build works; pinning it lets pip take a local CPU wheel where one exists.
-.venv/bin/pip install -q "torch==2.13.0" -e ".[test,ray]"
+.venv/bin/pip install -q "torch==2.13.0" -e ".[test,ray,int4]"
 # The trainers' loaders, without their own pins on torch/transformers (see the file's header).
 .venv/bin/pip install -q --no-deps -r scripts/extras-trainers.txt
 .venv/bin/pip install -q "torch==2.13.0" "datasets==5.1.0" openai requests omegaconf pulp scipy
@@ -19,5 +19,5 @@ HSX_REQUIRE=ray,specforge,speculators,modelopt,compressed_tensors .venv/bin/pyth
 bash scripts/test-vllm.sh
 # The lowest admitted transformers (pyproject.toml): its TP/EP and checkpoint loading differ most.
 python3 -m venv .venv-lowest
-.venv-lowest/bin/pip install -q "torch==2.13.0" "transformers==5.19.0" -e ".[test]"
+.venv-lowest/bin/pip install -q "torch==2.13.0" "transformers==5.19.0" -e ".[test,int4]"
 HSX_REQUIRE=compressed_tensors .venv-lowest/bin/python -m pytest -q tests/test_parallel.py tests/test_checkpoint.py tests/test_quantized.py
