@@ -653,9 +653,6 @@ def generate(
         int | None,
         GENERATE.option("tensor_parallel_size", help="vllm backend: GPUs per model replica.", show_default="1"),
     ] = None,
-    data_parallel_size: Annotated[
-        int | None, GENERATE.option("data_parallel_size", help="vllm backend: model replicas.", show_default="1")
-    ] = None,
     server: Annotated[
         list[str] | None,
         typer.Option(
@@ -733,7 +730,6 @@ def generate(
             device=device,
             trust_remote_code=trust_remote_code,
             tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size,
             servers=list(server or []),
             concurrency=concurrency,
             server_api=server_api,

@@ -36,7 +36,6 @@ class EngineSettings:
     max_length: int | None = None  # prompt + completion of a turn at most (vllm: its max_model_len)
     stop_ids: frozenset[int] = frozenset()  # the tokens that end a turn, as the job reads them (prompts.stop_ids)
     tensor_parallel_size: int = 1  # vllm
-    data_parallel_size: int = 1  # vllm
     servers: tuple[str, ...] = ()  # server: OpenAI-compatible base URLs
     concurrency: int = 64  # server: requests in flight per server
     max_pending: int | None = None  # requests kept submitted (None: the engine's own choice)

@@ -43,7 +43,6 @@ GENERATE = Bounds(
     shard_size=AT_LEAST_ONE,
     dtype=EXTRACT.bounds["dtype"],
     tensor_parallel_size=AT_LEAST_ONE,
-    data_parallel_size=AT_LEAST_ONE,
     concurrency=AT_LEAST_ONE,
     server_api=Bound(choices=("openai", "sglang")),
     max_pending=AT_LEAST_ONE,
@@ -88,7 +87,6 @@ class GenerateOptions:
     reserve_bytes: int | None = None
     # how this session reaches its engine: not part of the spec
     tensor_parallel_size: int | None = None
-    data_parallel_size: int | None = None
     servers: list[str] = field(default_factory=list)
     concurrency: int | None = None
     server_api: str | None = None  # openai | sglang (None: found out per server)
@@ -154,7 +152,6 @@ class GenerateOptions:
             max_length=max_length,
             stop_ids=stop_ids,
             tensor_parallel_size=self.tensor_parallel_size or 1,
-            data_parallel_size=self.data_parallel_size or 1,
             servers=tuple(self.servers),
             concurrency=self.concurrency or 64,
             max_pending=self.max_pending,

@@ -49,7 +49,6 @@ def open_llm(
     *,
     dtype: str = "auto",
     tensor_parallel_size: int = 1,
-    data_parallel_size: int = 1,
     trust_remote_code: bool = False,
     **engine_args,
 ) -> vllm.LLM:
@@ -61,7 +60,6 @@ def open_llm(
         dtype=dtype,
         trust_remote_code=trust_remote_code,
         tensor_parallel_size=tensor_parallel_size,
-        **({"data_parallel_size": data_parallel_size} if data_parallel_size > 1 else {}),  # vLLM decides
         enforce_eager=current_platform.is_cpu(),
         seed=0,
         **engine_args,
@@ -142,7 +140,6 @@ def open(settings: EngineSettings) -> VllmEngine:
         settings.model_dir,
         dtype=settings.dtype,
         tensor_parallel_size=settings.tensor_parallel_size,
-        data_parallel_size=settings.data_parallel_size,
         trust_remote_code=settings.trust_remote_code,
         **engine_args,
     )
