@@ -21,7 +21,16 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from conftest import conversations, extract_args, flip_byte, hsx, run_files, verified_files, write_jsonl
+from conftest import (
+    conversations,
+    extract_args,
+    flip_byte,
+    hsx,
+    kill_after_new_files,
+    run_files,
+    verified_files,
+    write_jsonl,
+)
 from hsx.assess.verify import verify
 from hsx.data import HsxDataset, SampleUnavailable, collate_packed, collate_padded, read_mapped, read_verified
 from hsx.spec import load_spec
@@ -560,8 +569,6 @@ def test_codec_bench_reports_every_codec():
 
 # ---------------------------------------------------------------- a real run with a codec: kill -9, damage, resume
 
-HANG_GUARD_S = 600  # a hang, not a pace: a healthy run on the slowest machine writes a file within this
-
 
 def expected_files(raw_run: Path, codec: Codec) -> dict[str, bytes]:
     """What an uninterrupted run with ``codec`` holds: the raw run's tensors, encoded (the writer's
@@ -575,22 +582,6 @@ def expected_files(raw_run: Path, codec: Codec) -> dict[str, bytes]:
         )
         out[str(p.relative_to(raw_run / "shards"))] = b"".join(encode(s, layers, codec)[0])
     return out
-
-
-def _kill_after_new_files(proc: subprocess.Popen, out: Path, k: int, seed: int) -> None:
-    """SIGKILL ``proc`` as soon as k sample files have appeared that were not there when it started."""
-
-    def files() -> set[Path]:
-        return set((out / "shards").rglob("*.safetensors")) if (out / "shards").exists() else set()
-
-    before = files()
-    deadline = time.monotonic() + HANG_GUARD_S
-    while len(files() - before) < k:
-        assert proc.poll() is None, f"seed {seed}: the extractor ended (rc {proc.returncode}) before {k} new files"
-        assert time.monotonic() < deadline, f"seed {seed}: no progress for {HANG_GUARD_S} s"
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
 
 
 def test_kill_9_and_damage_then_resume_with_a_codec_is_byte_identical(finished_run, tmp_path):
@@ -614,7 +605,7 @@ def test_kill_9_and_damage_then_resume_with_a_codec_is_byte_identical(finished_r
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    _kill_after_new_files(proc, out, k, seed)
+    kill_after_new_files(proc, out, k, seed)
     assert proc.returncode == -signal.SIGKILL, f"seed {seed}: the kill did not land mid-run"
     assert k <= len(run_files(out)) < 40, f"seed {seed}: the kill came after the run had finished"
     assert load_spec(out).codec is Codec.ZSTD

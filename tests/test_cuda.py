@@ -340,9 +340,10 @@ def test_fp8_run_killed_and_resumed_on_the_gpu_is_the_host_encoders_bytes(tmp_pa
     import sys
     import time
 
+    from conftest import kill_after_new_files
     from hsx.spec import load_spec
     from hsx.store.codec import Codec
-    from test_codec import _kill_after_new_files, expected_files
+    from test_codec import expected_files
 
     data = write_jsonl(tmp_path / "convs.jsonl", conversations(400))
     args = ("--model", TINY, "--data", data, "--shard-size", "10", "--batch-tokens", "1024", "--writers", "2")
@@ -354,7 +355,7 @@ def test_fp8_run_killed_and_resumed_on_the_gpu_is_the_host_encoders_bytes(tmp_pa
     k = random.Random(seed).randint(4, 12)
     cmd = [sys.executable, "-m", "hsx", "extract", *map(str, args), "--out", str(out), "--codec", "fp8"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _kill_after_new_files(proc, out, k, seed)
+    kill_after_new_files(proc, out, k, seed)
     assert proc.returncode == -signal.SIGKILL, f"seed {seed}: the kill did not land mid-run"
     assert k <= len(run_files(out)) < 400, f"seed {seed}: the kill came after the run had finished"
     assert load_spec(out).codec is Codec.FP8

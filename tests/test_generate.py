@@ -22,7 +22,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import TINY, conversations, flip_byte, hsx, run_files, save_tiny, verified_files, write_jsonl
+from conftest import (
+    TINY,
+    conversations,
+    flip_byte,
+    hsx,
+    kill_after_new_files,
+    run_files,
+    save_tiny,
+    verified_files,
+    write_jsonl,
+)
 from hsx.cli import app
 from hsx.errors import OptionError, Refused
 from hsx.generate.engine import Request, Sampling
@@ -37,7 +47,6 @@ from test_diskguard import assert_clean_stop, remount, tmpfs  # noqa: F401  (the
 CONVS = 8
 NEW = 8
 ENV = {"OMP_NUM_THREADS": "1"}  # every process of these tests computes with one thread: same float sums
-HANG_GUARD_S = 600
 
 
 def _args(data: Path, out: Path, *extra: str) -> list:
@@ -148,19 +157,6 @@ def test_metrics_count_conversations_and_the_real_new_tokens(gen_run):
     assert m["new_tokens_per_s"] == m["tokens_per_s"] == pytest.approx(rate)
 
 
-def _kill_after(proc: subprocess.Popen, out: Path, k: int) -> None:
-    """SIGKILL ``proc`` once k conversation files appeared that were not there when it started."""
-    files = lambda: set((out / "shards").rglob("*.safetensors")) if (out / "shards").exists() else set()  # noqa: E731
-    before = files()
-    deadline = time.monotonic() + HANG_GUARD_S
-    while len(files() - before) < k:
-        assert proc.poll() is None, f"generate ended (rc {proc.returncode}) before {k} new files"
-        assert time.monotonic() < deadline, f"no progress for {HANG_GUARD_S} s"
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-
-
 def test_kill9_at_progress_points_then_resume_is_byte_identical(gen_run, tmp_path):
     data, reference = gen_run
     out = tmp_path / "gen"
@@ -172,7 +168,7 @@ def test_kill9_at_progress_points_then_resume_is_byte_identical(gen_run, tmp_pat
             [sys.executable, "-m", "hsx", *map(str, _args(data, out))],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ | ENV,
         )  # fmt: skip
-        _kill_after(proc, out, rng.randint(1, 3))
+        kill_after_new_files(proc, out, rng.randint(1, 3), seed)
         assert proc.returncode == -signal.SIGKILL, f"seed {seed}"
         now = verified_files(out)
         assert len(now) < CONVS, f"seed {seed}: the kill came after the run had finished"

@@ -20,7 +20,7 @@ from hsx.generate.plan import plan_rows, write_gen_plan
 from hsx.generate.spec import EngineIdentity, GenerateSpec, SamplingSpec, generate_differences, load_generate_spec
 from hsx.input import Conversation, Reject, read_conversations
 from hsx.plan import NoUsableSamples, Tokenize
-from hsx.run.folder import failed_start, refuse_drift, remove_stray_temps
+from hsx.run.folder import failed_start, refuse_drift, refuse_foreign, remove_stray_temps
 from hsx.spec import DataFile, PlanIdentity, now, who
 from hsx.store import layout
 from hsx.store.durable import write_durable
@@ -76,14 +76,7 @@ def _numbered(paths: list[Path]) -> Iterator[tuple[int, Conversation | Reject]]:
 
 def _check_new(opts: GenerateOptions) -> None:
     """Refuse a new run's folder or data before anything is written there."""
-    if opts.out.is_dir():
-        remove_stray_temps(opts.out)  # an interrupted set-up; the plan is rebuilt from the data
-        foreign = sorted(p.name for p in opts.out.iterdir() if p.name not in layout.SETUP_FILES)
-        if foreign:
-            raise Refused(
-                f"{opts.out} is not empty and holds no run spec ({', '.join(foreign[:5])}): "
-                "choose an empty or new folder"
-            )
+    refuse_foreign(opts.out)
     for path in opts.data:
         if not path.is_file():
             raise InputError(f"{path}: no such data file")

@@ -126,14 +126,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
             f"{opts.out} is not a run yet: a new run needs --model and --data"
             + (f"; it was started with: {started['command']}" if started else "")
         )
-    if opts.out.exists():
-        remove_stray_temps(opts.out)  # an interrupted set-up; the plan is rebuilt from the data
-        foreign = sorted(p.name for p in opts.out.iterdir() if p.name not in layout.SETUP_FILES)
-        if foreign:
-            raise Refused(
-                f"{opts.out} is not empty and holds no run spec ({', '.join(foreign[:5])}"
-                f"{', ...' if len(foreign) > 5 else ''}): choose an empty or new folder"
-            )
+    refuse_foreign(opts.out)
     generated = _generated_input(opts)
     for path in opts.data:
         if not path.is_file() and generated is None:
@@ -225,6 +218,19 @@ def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     spec = load_spec(opts.out)
     refuse_drift(opts.out, differences(spec, asked(opts)), "extract")
     return spec
+
+
+def refuse_foreign(out: Path) -> None:
+    """A new run's folder holds nothing but what an interrupted set-up left (removed here, rebuilt
+    from the data), or the run is refused before anything is written there."""
+    if out.is_dir():
+        remove_stray_temps(out)
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in layout.SETUP_FILES)
+        if foreign:
+            raise Refused(
+                f"{out} is not empty and holds no run spec ({', '.join(foreign[:5])}"
+                f"{', ...' if len(foreign) > 5 else ''}): choose an empty or new folder"
+            )
 
 
 def refuse_drift(out: Path, diffs: list[str], command: str) -> None:
