@@ -21,6 +21,7 @@ from hsx.capture.transformers import TransformersBackend
 from hsx.extract import ExtractOptions, extract
 from hsx.store import layout
 from kimi_fixtures import PREFIX, VOCAB, kimi_k25, kimi_k25_int4, language_model_reference
+from test_checkpoint import hidden_states  # transformers' own output_hidden_states, float32: the reference
 
 LAYERS = [0, 1]  # of 3 decoder layers; hidden_states[3] is after the final norm
 SEQS = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).numpy() for n in (21, 8)]
@@ -35,18 +36,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
     kimi_k25_int4(reference, root / "kimi-int4", root / "int4-reference")
     kimi_k25(root / "int4-reference", root / "kimi-int4-float32", torch.float32)  # the same, dequantized
     return {p.name: p for p in root.iterdir()}
-
-
-def reference_states(model_dir: Path, seqs) -> list[list[torch.Tensor]]:
-    """transformers' own DeepseekV3ForCausalLM on the language model's weights, float32."""
-    from transformers import DeepseekV3ForCausalLM
-
-    model = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return [
-            [h[0] for h in model(torch.as_tensor(s)[None].long(), output_hidden_states=True).hidden_states]
-            for s in seqs
-        ]
 
 
 def assert_states(batch, refs, atol=1e-5):
@@ -101,7 +90,7 @@ def test_kimi_k25_runs_its_language_model_only_on_transformers_deepseek_v3(model
     with pytest.raises(RuntimeError, match="repository modeling code ran"):  # the trap is armed
         AutoModelForCausalLM.from_pretrained(models[stored], trust_remote_code=True)
     native = DeepseekV3ForCausalLM.from_pretrained(models["reference"], dtype=torch.float32)
-    refs = reference_states(models["reference"], SEQS)
+    refs = hidden_states(models["reference"], SEQS)
     spy = ReadSpy(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="hsx.checkpoint"):
         backend = TransformersBackend.load(models[stored], LAYERS, "float32", "cpu", trust_remote_code=True)
@@ -202,7 +191,7 @@ def test_kimi_k25_int4_runs_with_its_experts_packed_as_its_dequantized_model(mod
             assert torch.equal(m.down_proj__weight_packed[e], stored[f"{key}.down_proj.weight_packed"])
             assert torch.equal(m.down_proj__weight_scale[e], stored[f"{key}.down_proj.weight_scale"])
     got = states(backend, SEQS)
-    refs = reference_states(models["int4-reference"], SEQS)
+    refs = hidden_states(models["int4-reference"], SEQS)
     for (aux, final), ref in zip(got, refs, strict=True):
         for j, k in enumerate(LAYERS):
             assert (aux[:, j * 64 : (j + 1) * 64] - ref[k + 1]).abs().max().item() <= 1e-5, k
@@ -268,7 +257,7 @@ def test_kimi_k25_extracts_end_to_end_text_rows_only(models, tmp_path, caplog):
     from safetensors.torch import load_file
 
     files = [load_file(layout.sample_path(out, i, 4)) for i in range(3)]
-    refs = reference_states(models["reference"], [f["input_ids"] for f in files])
+    refs = hidden_states(models["reference"], [f["input_ids"] for f in files])
     layers = spec["layers"]
     for f, ref in zip(files, refs, strict=True):
         for j, k in enumerate(layers):
