@@ -33,9 +33,26 @@ TEXT_ONLY = "hsx extracts text conversations only (multimodal extraction is not 
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One function call an assistant turn makes. ``arguments`` is JSON text (OpenAI's form), whatever
+    form the row gave it in, so that a call compares and digests the same from any source."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+
+@dataclass(frozen=True)
 class Turn:
-    role: str  # system | user | assistant
+    """One message. ``reasoning`` and ``tool_calls`` belong to assistant turns; ``tool_call_id`` and
+    ``name`` to tool results (role ``tool``)."""
+
+    role: str  # system | user | assistant | tool
     content: str
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -49,8 +66,12 @@ class Source:
 
 @dataclass(frozen=True)
 class Conversation:
+    """``tools``: the function schemas the row offers the model (OpenAI's ``tools`` list), JSON text
+    per tool, in the row's order; the chat template renders them."""
+
     source: Source
     turns: tuple[Turn, ...]
+    tools: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
