@@ -74,6 +74,38 @@ class Conversation:
     tools: tuple[str, ...] = ()
 
 
+def to_message(turn: Turn) -> dict:
+    """The message a chat template reads (transformers' convention): calls as
+    ``{"type": "function", "function": {"name", "arguments"}}`` with the arguments as the object their
+    JSON text holds (templates serialise them themselves), the reasoning as ``reasoning_content``."""
+    message: dict = {"role": turn.role, "content": turn.content}
+    if turn.reasoning:
+        message["reasoning_content"] = turn.reasoning
+    if turn.tool_calls:
+        message["tool_calls"] = [_call_message(c) for c in turn.tool_calls]
+    if turn.tool_call_id:
+        message["tool_call_id"] = turn.tool_call_id
+    if turn.name:
+        message["name"] = turn.name
+    return message
+
+
+def _call_message(call: ToolCall) -> dict:
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        arguments = call.arguments
+    out: dict = {"type": "function", "function": {"name": call.name, "arguments": arguments}}
+    if call.id:
+        out["id"] = call.id
+    return out
+
+
+def tools_of(conv: Conversation) -> list[dict] | None:
+    """The ``tools=`` a chat template takes, or None where the row offers none."""
+    return [json.loads(t) for t in conv.tools] or None
+
+
 @dataclass(frozen=True)
 class Reject:
     source: Source

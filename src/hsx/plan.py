@@ -81,9 +81,9 @@ class Tokenize:
         self.max_length = max_length
         self.template_kwargs = dict(template_kwargs or {})  # e.g. enable_thinking, passed to the template
 
-    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+    def render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
         )
 
     def ids(self, text: str) -> list[int]:
