@@ -86,6 +86,20 @@ def test_pace_gives_the_recent_rate_the_finish_and_a_free_space_warning():
     assert pace.pace(points[:1]) is None and pace.check(None, complete=False).level == "ok"
 
 
+def test_a_stalled_run_is_not_told_it_runs_out_of_space_by_others_writes():
+    """The run wrote nothing for the last hour while another process filled the volume a little: no
+    'runs out in 4262d' alarm (the run has no finish to race); the trend is named as others' writes."""
+    hour = 3600.0
+    points = [_point(0, 0, 500 << 30), _point(hour, 100_000, 499 << 30)]
+    points += [_point(hour + 600 * i, 100_000, (499 << 30) - i * (10 << 20)) for i in (1, 6)]  # 10 MiB a 10 min, others'
+    p = pace.pace(points)
+    assert p.rate == 0 and p.eta is None and p.runs_out is not None  # the trend alone would project an end
+    c = pace.check(p, complete=False, now=points[-1].time)
+    assert c.level == "ok", c.figure
+    assert "no progress in that window; free space fell 62.9 MB/h from other writers" in c.figure, c.figure
+    assert "runs out" not in c.figure
+
+
 def test_status_shows_the_pace_from_the_history(finished_run, tmp_path):
     import shutil
 

@@ -10,10 +10,10 @@ from typing import Annotated
 import typer
 
 from hsx.bounds import Bound, Bounds
-from hsx.errors import CleanStop, DiskFull, Exit, HsxError
+from hsx.errors import CleanStop, DiskFull, Exit, HsxError, Terminated
 from hsx.generate.options import DEFAULTS as GEN
 from hsx.generate.options import GENERATE, SAMPLING
-from hsx.progress import console
+from hsx.progress import LOG_EVERY, console
 from hsx.run.options import AT_LEAST_ONE, DEFAULTS, EXTRACT
 from hsx.store.layout import SPEC
 
@@ -82,7 +82,13 @@ def _fail(message: str, code: int) -> typer.Exit:
 def failures(interrupted: Callable[[], str] | None = None) -> Iterator[None]:
     """The one place errors become exit codes: hsx's own errors print their message and exit with
     their code (``hsx.errors``); anything else is a bug and surfaces as a traceback (exit 1).
-    ``interrupted``: what to do after a Ctrl-C, asked when it comes (what exists by then)."""
+    ``interrupted``: what to do after a Ctrl-C or SIGTERM, asked when it comes (what exists by then);
+    with it, SIGTERM stops as Ctrl-C does (``_terminate``), its exit code 143."""
+    import signal
+    import threading
+
+    handled = interrupted is not None and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if handled else None
     try:
         yield
     except CleanStop as e:
@@ -99,10 +105,24 @@ def failures(interrupted: Callable[[], str] | None = None) -> Iterator[None]:
         raise _fail(f"{e}; free space and rerun the same command: it continues", e.exit_code) from None
     except HsxError as e:
         raise _fail(str(e), e.exit_code) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if interrupted is None:
             raise
+        if isinstance(e, Terminated):
+            raise _fail(f"terminated (SIGTERM); {interrupted()}", Exit.TERMINATED) from None
         raise _fail(f"interrupted; {interrupted()}", Exit.INTERRUPTED) from None
+    finally:
+        if handled:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame) -> None:
+    """SIGTERM: the clean stop of Ctrl-C (a KeyboardInterrupt in the main thread). Further SIGTERMs
+    are ignored while the stop finishes its writes (a scheduler's SIGKILL still ends it)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
 
 
 def _layers(value: str | None) -> list[int] | None:
@@ -264,6 +284,9 @@ def extract(
         Path | None,
         typer.Option(metavar="FILE", help="Keep this file in Prometheus' text format (node_exporter's textfile)."),
     ] = None,
+    log_every: Annotated[
+        float, EXTRACT.option("log_every", help="Off a terminal: seconds between progress lines.")
+    ] = LOG_EVERY,
     quantized_compute: Annotated[
         str | None,
         typer.Option(
@@ -314,6 +337,7 @@ def extract(
             metrics_port=metrics_port,
             metrics_textfile=metrics_textfile,
             quantized_compute=quantized_compute,
+            log_every=log_every,
         )
         summary = run_extract(opts, log=lambda m: console.print(m, highlight=False))
     _print_summary(summary)
@@ -681,6 +705,21 @@ def generate(
             "max_pending", help="Requests kept submitted to the engine.", show_default="the engine's own choice"
         ),
     ] = None,
+    server_timeout: Annotated[
+        float | None,
+        GENERATE.option("server_timeout", help="server backend: seconds a request may take.", show_default="3600"),
+    ] = None,
+    server_retries: Annotated[
+        int | None,
+        GENERATE.option("server_retries", help="server backend: tries of a request on a server.", show_default="5"),
+    ] = None,
+    server_backoff: Annotated[
+        float | None,
+        GENERATE.option("server_backoff", help="server backend: first wait between tries, doubling.", show_default="1"),
+    ] = None,
+    log_every: Annotated[
+        float, GENERATE.option("log_every", help="Off a terminal: seconds between progress lines.")
+    ] = LOG_EVERY,
     fast_verify: Annotated[
         bool, typer.Option("--fast-verify", help="On resume, check headers and sizes only, not digests.")
     ] = False,
@@ -735,6 +774,10 @@ def generate(
             server_api=server_api,
             server_model=server_model,
             max_pending=max_pending,
+            server_timeout=server_timeout,
+            server_retries=server_retries,
+            server_backoff=server_backoff,
+            log_every=log_every,
             deep_verify=not fast_verify,
             allow_partial=allow_partial,
             metrics_port=metrics_port,

@@ -42,7 +42,13 @@ class Exit(IntEnum):
     REDO = 1  # status/verify: damage that hsx extract repairs by itself (also a bug's traceback)
     ACT = 2  # a person must act first; every refusal
     DISK_FULL = 3
-    INTERRUPTED = 130
+    INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+    TERMINATED = 143  # SIGTERM (128 + SIGTERM), what schedulers send before a kill
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is: every clean stop written
+    for Ctrl-C (work in flight finished or dropped whole, the resume command printed) serves both."""
 
 
 class HsxError(Exception):

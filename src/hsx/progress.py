@@ -1,29 +1,50 @@
 """Progress of an extraction: the live bar, the figures for metrics.json, and the session's totals.
 
 Counts move when a sample's file has been written (from writer threads), so the bar shows what is
-on disk, not what was computed.
+on disk, not what was computed. Off a terminal (nohup, a batch scheduler's log) the bar is off and
+a line is logged every ``log_every`` seconds instead, one line each, ``key=value`` fields:
+
+    progress done=120/500 rate=35.2/s eta=11s free=81.2GB last_error=-
+
+``rate`` counts samples (conversations for a generate run) a second this session, ``eta`` the
+seconds to the end (``-`` while unknown), ``free`` the output volume's free space, and
+``last_error`` the last trouble noted (``note_error``), the rest of the line.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
 
 console = Console(stderr=True, soft_wrap=True)
+LOG_EVERY = 60.0  # seconds between progress lines off a terminal
 
 
 class Progress:
-    def __init__(self, total_samples: int, total_tokens: int, bytes_per_token: int):
+    """``where``: the run folder, whose volume's free space the progress lines give."""
+
+    def __init__(
+        self,
+        total_samples: int,
+        total_tokens: int,
+        bytes_per_token: int,
+        where: Path | None = None,
+        log_every: float = LOG_EVERY,
+    ):
         self.total_samples, self.total_tokens = total_samples, total_tokens
         self.bytes_per_token = bytes_per_token
+        self.where, self.log_every = where, log_every
+        self.last_error: str | None = None
         self.lock = threading.Lock()
         self.t0 = time.monotonic()
         self.base_samples = self.base_tokens = 0
@@ -62,6 +83,28 @@ class Progress:
             self.bytes += nbytes
         if self._bar is not None:
             self._bar.update(self._task, advance=1, rate=self.rates())
+
+    def note_error(self, message: str) -> None:
+        """Trouble the run goes on through (a retried request, a rejected conversation): the next
+        progress line names it."""
+        self.last_error = " ".join(message.split())
+
+    def counts(self) -> tuple[int, int, float]:
+        """(done, total, per second this session) in the unit the progress line counts."""
+        with self.lock:
+            written = self.samples
+            done = self.base_samples + written
+        return done, self.total_samples, written / max(self.elapsed(), 1e-9)
+
+    def line(self) -> str:
+        """The progress line (module docstring)."""
+        done, total, rate = self.counts()
+        eta = self.metrics().get("eta_s")
+        free = f"{shutil.disk_usage(self.where).free / 1e9:.1f}GB" if self.where is not None else "-"
+        return (
+            f"progress done={done}/{total} rate={rate:.2f}/s eta={'-' if eta is None else f'{eta:.0f}s'} "
+            f"free={free} last_error={self.last_error or '-'}"
+        )
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -107,6 +150,7 @@ class Progress:
             console=console,
             disable=not sys.stderr.isatty(),
         )
+        ticker = None if sys.stderr.isatty() else _Ticker(self)
         with bar:
             self._task = bar.add_task("extract", total=self.total_samples, completed=self.base_samples, rate="")
             self._bar = bar
@@ -114,6 +158,8 @@ class Progress:
                 yield
             finally:
                 self._bar = None
+                if ticker is not None:
+                    ticker.stop()
 
     @staticmethod
     @contextmanager
@@ -128,6 +174,24 @@ class Progress:
         )
         with bar:
             yield _Simple(bar, bar.add_task(description, total=total))
+
+
+class _Ticker:
+    """Off a terminal: ``progress.line()`` on stderr every ``progress.log_every`` seconds."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hsx-progress-log", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.progress.log_every):
+            print(self.progress.line(), file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class _Simple:

@@ -2,7 +2,9 @@
 projected finish, and whether the free space, falling as it has lately, lasts until then.
 
 The volume check projects the run's own writes against free space; this one watches the trend,
-which also counts what else writes to the volume (another job, logs, a checkpoint copy).
+which also counts what else writes to the volume (another job, logs, a checkpoint copy). A run
+that wrote nothing in the window has no finish to race: the trend is then told as others' writes,
+never as this run running out of space (the volume check still weighs what the run needs).
 """
 
 from __future__ import annotations
@@ -75,9 +77,11 @@ def check(p: Pace | None, complete: bool, now: float | None = None) -> Check:
     recent = f"{p.rate:,.0f} tok/s over the {duration(p.seconds)} to {age} ago"
     if complete:
         return Check("pace", "ok", f"finished; {recent}", data=data)
-    finish = "no progress in that window" if p.eta is None else f"finish in {duration(p.eta)} at that rate"
-    figure = f"{recent}; {finish}"
-    if p.runs_out is not None and (p.eta is None or p.runs_out < p.eta):
+    if p.eta is None:  # the run wrote nothing: a falling free space is others' writes, not this run's pace
+        others = f"; free space fell {size(p.free_fall * 3600)}/h from other writers" if p.free_fall > 0 else ""
+        return Check("pace", "ok", f"{recent}; no progress in that window{others}", data=data)
+    figure = f"{recent}; finish in {duration(p.eta)} at that rate"
+    if p.runs_out is not None and p.runs_out < p.eta:
         return Check(
             "pace",
             "warn",

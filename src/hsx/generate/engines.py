@@ -8,6 +8,7 @@ when a run uses it, and a build without it refuses by name instead of failing at
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,7 @@ class EngineSettings:
     concurrency: int = 64  # server: requests in flight per server
     max_pending: int | None = None  # requests kept submitted (None: the engine's own choice)
     extra: dict[str, str] = field(default_factory=dict)  # backend-specific knobs, by name, as given
+    log: Callable[[str], None] | None = None  # where an engine reports what it goes on through (retries, outages)
 
 
 def open_engine(name: str, settings: EngineSettings) -> Engine:

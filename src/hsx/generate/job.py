@@ -23,7 +23,7 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import xxhash
@@ -198,6 +198,8 @@ class Feeder:
             d.done,
             reason,
         )
+        if reason is not None:
+            self.progress.note_error(f"conversation {row.key} rejected: {reason}")
         parts, digest = encode_record(rec)
         self.guard(sum(memoryview(p).nbytes for p in parts))
         self.writing[self.writer.submit_encoded(d.id, parts, digest)] = (d, reason)
@@ -230,7 +232,7 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
     run = opts.out
     run.mkdir(parents=True, exist_ok=True)
     engine: Engine | None = None
-    progress = GenProgress(BYTES_PER_TOKEN)
+    progress = GenProgress(BYTES_PER_TOKEN, run, opts.log_every)
     telemetry = opts.telemetry(progress.metrics)
     with telemetry, RunLock(run, command="generate", on_beat=telemetry.beat, warn=log):
         remove_stray_temps(run)
@@ -244,7 +246,7 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                         model_dir, opts.get("dtype"), opts.trust_remote_code, opts.get("seed"), opts.get("max_length"),
                         stops,
                     )  # fmt: skip
-                    engine = _open(opts.get("backend"), settings, log)
+                    engine = _open(opts.get("backend"), settings, log, progress)
                     spec = create_spec(opts, plan_id, engine)
                 except BaseException as e:  # the folder now holds a start that never became a run: say so in it
                     record_failed_start(opts, e)
@@ -275,7 +277,7 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                     settings = opts.engine_settings(
                         model_dir, spec.dtype, spec.trust_remote_code, spec.seed, spec.max_length, stops
                     )
-                    engine = _open(spec.engine.name, settings, log)
+                    engine = _open(spec.engine.name, settings, log, progress)
                 check_engine(spec, engine)
                 prompter = Prompter(Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stops)
                 t0 = time.monotonic()
@@ -296,9 +298,15 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                 engine.close()
 
 
-def _open(backend: str, settings: EngineSettings, log: Callable[[str], None]) -> Engine:
-    """The engine, and a word when transformers is asked to generate with a large model."""
-    engine = open_engine(backend, settings)
+def _open(backend: str, settings: EngineSettings, log: Callable[[str], None], progress: GenProgress) -> Engine:
+    """The engine, and a word when transformers is asked to generate with a large model. What the
+    engine goes on through (a server's retries and outages) is logged and named by the next progress line."""
+
+    def trouble(message: str) -> None:
+        progress.note_error(message)
+        log(message)
+
+    engine = open_engine(backend, replace(settings, log=trouble))
     if engine.name == "transformers":
         params = sum(f.stat().st_size for f in settings.model_dir.glob("*.safetensors")) / 2  # bf16 checkpoints
         if params > LARGE:

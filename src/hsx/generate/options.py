@@ -17,6 +17,7 @@ from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
 from hsx.generate.engine import Sampling
 from hsx.generate.engines import ENGINES, EngineSettings
+from hsx.progress import LOG_EVERY
 from hsx.run.options import AT_LEAST_ONE, EXTRACT, command_line
 from hsx.telemetry import Telemetry
 
@@ -47,6 +48,10 @@ GENERATE = Bounds(
     server_api=Bound(choices=("openai", "sglang")),
     max_pending=AT_LEAST_ONE,
     metrics_port=EXTRACT.bounds["metrics_port"],
+    log_every=EXTRACT.bounds["log_every"],
+    server_timeout=Bound(min=0.0, min_open=True),
+    server_retries=AT_LEAST_ONE,
+    server_backoff=Bound(min=0.0),
 )
 
 
@@ -92,8 +97,12 @@ class GenerateOptions:
     server_api: str | None = None  # openai | sglang (None: found out per server)
     server_model: str | None = None  # the served model name (None: the one the server lists)
     max_pending: int | None = None
+    server_timeout: float | None = None  # seconds one request may take (None: the server backend's default)
+    server_retries: int | None = None  # tries of a request on one server before it counts as a failure
+    server_backoff: float | None = None  # first wait between tries, doubling (up to 30 s)
     metrics_port: int | None = None
     metrics_textfile: Path | None = None
+    log_every: float = LOG_EVERY  # seconds between progress lines off a terminal
 
     def __post_init__(self) -> None:
         GENERATE.check(self)
@@ -155,7 +164,11 @@ class GenerateOptions:
             servers=tuple(self.servers),
             concurrency=self.concurrency or 64,
             max_pending=self.max_pending,
-            extra={k: v for k, v in (("server_api", self.server_api), ("server_model", self.server_model)) if v},
+            extra={
+                f"server_{k}": v
+                for k in ("api", "model", "timeout", "retries", "backoff")
+                if (v := getattr(self, f"server_{k}")) is not None
+            },
         )
 
     def telemetry(self, metrics: Callable[[], dict]) -> Telemetry:

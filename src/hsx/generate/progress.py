@@ -9,13 +9,14 @@ tokens a turn will produce is not known before it is generated.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
-from hsx.progress import Progress
+from hsx.progress import LOG_EVERY, Progress
 
 
 class GenProgress(Progress):
-    def __init__(self, bytes_per_token: int):
-        super().__init__(0, 0, bytes_per_token)  # totals set once the plan is known
+    def __init__(self, bytes_per_token: int, where: Path | None = None, log_every: float = LOG_EVERY):
+        super().__init__(0, 0, bytes_per_token, where, log_every)  # totals set once the plan is known
         self.turns = self.new_tokens = 0
 
     def clock(self) -> None:

@@ -14,8 +14,9 @@ conversation becomes a reject), never a silent sample. Every sampling value is s
 a server otherwise fills in the model's ``generation_config.json`` defaults.
 
 Transient faults (HTTP 408/409/425/429/5xx, refused or dropped connections, timeouts) are retried
-with exponential backoff (``Retry-After`` honoured); a request whose tries are spent goes back to
-the queue (another server or a restarted one takes it) and counts as one failure. After
+with exponential backoff (``Retry-After`` honoured), each retry logged with its cause; a request
+whose tries are spent goes back to the queue (another server or a restarted one takes it) and
+counts as one failure. After
 ``max_failures`` such failures in a row with no success between, the engine stops:
 ``poll`` raises ``EngineUnavailable`` and the job stops cleanly, leaving the run resumable; the
 requests in flight are simply redone by the resume. Faults of the setup (a wrong URL or model
@@ -33,6 +34,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,6 +60,7 @@ class ServerOptions:
     max_backoff: float = 30.0
     max_failures: int = 10  # failures in a row (no success between) before the engine stops
     api_key: str | None = None  # sent as a bearer token
+    log: Callable[[str], None] | None = None  # each retry, spent request and outage, with its cause
 
 
 class _Transient(Exception):
@@ -178,12 +181,20 @@ class ServerEngine(Engine):
                 self._failures = 0
             self._done.put(outcome)
 
+    def _log(self, message: str) -> None:
+        if self.options.log is not None:
+            self.options.log(message)
+
     def _failed(self, request: Request, spent: int, reason: str) -> None:
         """A request's tries are spent: count it and give it back to the queue (or give up on it once it
         alone has failed ``max_failures`` times while other requests succeed: it is what breaks the server)."""
         with self._lock:
             self._failures += 1
             failures = self._failures
+        self._log(
+            f"server: request {request.key} failed {self.options.retries} tries ({reason}); "
+            f"{failures} of {self.options.max_failures} failures in a row before the run stops"
+        )
         if failures >= self.options.max_failures:
             self._stop(
                 f"the generation servers stopped answering: {failures} requests in a row failed after "
@@ -196,10 +207,13 @@ class ServerEngine(Engine):
 
     def _stop(self, why: str) -> None:
         with self._lock:
-            if self._stopped is None:
+            first = self._stopped is None
+            if first:
                 self._stopped = EngineUnavailable(
                     f"{why} resume with the same command (the run stopped cleanly: what is written is kept)"
                 )
+        if first:
+            self._log(f"server: the run stops: {why.rsplit(';', 1)[0]}")
 
     def _try(self, url: str, request: Request) -> Outcome:
         """One request with its retries on one server."""
@@ -216,7 +230,12 @@ class ServerEngine(Engine):
             except _Transient as e:
                 if attempt == self.options.retries:
                     raise
-                self._closing.wait(min(e.wait if e.wait is not None else wait, self.options.max_backoff))
+                pause = min(e.wait if e.wait is not None else wait, self.options.max_backoff)
+                self._log(
+                    f"server {url}: request {request.key} try {attempt}/{self.options.retries} failed ({e}); "
+                    f"retrying in {pause:g}s"
+                )
+                self._closing.wait(pause)
                 wait = min(wait * 2, self.options.max_backoff)
         raise AssertionError("unreachable")
 
@@ -359,6 +378,7 @@ def open(settings: EngineSettings) -> ServerEngine:
         model=extra.get("server_model"),
         concurrency=settings.concurrency,
         api_key=os.environ.get("HSX_SERVER_API_KEY") or None,
+        log=settings.log,
         **{name: cast(extra[f"server_{name}"]) for name, cast in policy.items() if f"server_{name}" in extra},
     )
     engine = ServerEngine(options)

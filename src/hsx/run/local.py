@@ -35,7 +35,7 @@ def extract_local(
     tensor-parallel group (run.group), told when to load the model and which batch comes next."""
     spec = spec or open_run(opts, log)
     run = opts.out
-    progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
+    progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token, run, opts.log_every)
     telemetry = opts.telemetry(progress.metrics)
     with telemetry, RunLock(run, on_beat=telemetry.beat, warn=log) as lock:
         registry.settle(run, lock.me, log)  # workers of a crashed scale-out driver: gone first

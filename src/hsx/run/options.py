@@ -16,6 +16,7 @@ from typing import Literal, get_args
 
 from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
+from hsx.progress import LOG_EVERY
 from hsx.spec import Parallel
 from hsx.store.codec import DEFAULT_CODEC, Codec
 from hsx.telemetry import Telemetry
@@ -35,6 +36,7 @@ EXTRACT = Bounds(
     data_parallel_size=AT_LEAST_ONE,
     workers=Bound(min=0),
     metrics_port=Bound(min=1, max=65535),
+    log_every=Bound(min=0.0, min_open=True),
     dtype=Bound(choices=("auto", "bfloat16", "float16", "float32")),
     codec=Bound(choices=tuple(Codec)),
     backend=Bound(choices=get_args(Backend)),
@@ -82,6 +84,7 @@ class ExtractOptions:
     ray_address: str | None = None  # join this Ray cluster; None: start a local one for the run
     metrics_port: int | None = None  # serve Prometheus' text format on this port while running
     metrics_textfile: Path | None = None  # keep this file in Prometheus' text format (node_exporter)
+    log_every: float = LOG_EVERY  # seconds between progress lines off a terminal
     quantized_compute: str | None = None  # FP8 checkpoints: fp8 | dequantized (a new run's default: fp8 where it can)
 
     def __post_init__(self) -> None:
