@@ -158,20 +158,23 @@ def verified_files(out: Path) -> dict[Path, tuple[int, int]]:
 HANG_GUARD_S = 600  # a hang, not a pace: a healthy run on the slowest machine writes a file within this
 
 
-def kill_after_new_files(proc: subprocess.Popen, out: Path, k: int, seed: int) -> None:
-    """SIGKILL ``proc`` (an extract or generate run into ``out``) as soon as k sample or conversation
-    files have appeared that were not there when it started: a progress point, never a clock."""
-    import signal
+def kill_after_new_files(proc: subprocess.Popen, out: Path, k: int, seed: int, sig: int = 9, log: Path | None = None):
+    """Send ``sig`` (SIGKILL by default) to ``proc`` (an extract or generate run into ``out``) as soon
+    as k sample or conversation files have appeared that were not there when it started (and, with
+    ``log``, its stderr file, a progress line): a progress point, never a clock. Waits for its end."""
     import time
 
     def files() -> set[Path]:
         return set((out / "shards").rglob("*.safetensors")) if (out / "shards").exists() else set()
 
+    def ready() -> bool:
+        return log is None or any(line.startswith("progress done=") for line in log.read_text().splitlines())
+
     before = files()
     deadline = time.monotonic() + HANG_GUARD_S
-    while len(files() - before) < k:
+    while len(files() - before) < k or not ready():
         assert proc.poll() is None, f"seed {seed}: the run ended (rc {proc.returncode}) before {k} new files"
         assert time.monotonic() < deadline, f"seed {seed}: no progress for {HANG_GUARD_S} s"
         time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.send_signal(sig)
+    proc.wait(timeout=HANG_GUARD_S)

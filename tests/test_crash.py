@@ -1,23 +1,25 @@
 """kill -9 of a real extractor at points defined by its progress, then resume: the output is
-byte-identical to an uninterrupted run, and no file is rewritten once it has verified.
+byte-identical to an uninterrupted run, and no file is rewritten once it has verified. The last
+stop is a SIGTERM (what a scheduler sends), off a terminal: the run logs progress lines, stops
+cleanly (exit 143, no partial file) and prints the command that resumes it.
 
 Each kill waits until the run has written k more sample files (k from a seeded RNG, the seed in
 every message), so where the kills land depends on the seed, never on the machine's speed."""
 
 import os
 import random
+import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from conftest import TINY, conversations, hsx, run_files, verified_files, write_jsonl
+from conftest import TINY, conversations, hsx, kill_after_new_files, run_files, verified_files, write_jsonl
 
 SAMPLES = 120
 KILLS = 6
 MAX_STEP = 10  # at most KILLS * MAX_STEP = 60 of the 120 samples are written before the last kill
-HANG_GUARD_S = 600  # a hang, not a pace: a healthy run on the slowest machine writes a file within this
 
 
 def _args(data, out):
@@ -40,23 +42,6 @@ def _args(data, out):
     ]
 
 
-def _sample_files(out: Path) -> set[Path]:
-    shards = out / "shards"
-    return set(shards.rglob("*.safetensors")) if shards.exists() else set()
-
-
-def _kill_after(proc: subprocess.Popen, out: Path, k: int, seed: int) -> None:
-    """SIGKILL ``proc`` as soon as k sample files have appeared that were not there when it started."""
-    before = _sample_files(out)
-    deadline = time.monotonic() + HANG_GUARD_S
-    while len(_sample_files(out) - before) < k:
-        assert proc.poll() is None, f"seed {seed}: the extractor ended (rc {proc.returncode}) before {k} new files"
-        assert time.monotonic() < deadline, f"seed {seed}: no progress for {HANG_GUARD_S} s"
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-
-
 def test_sigkill_at_progress_points_then_resume_is_byte_identical(tmp_path):
     data = write_jsonl(tmp_path / "convs.jsonl", conversations(SAMPLES, start=300))
     hsx(*_args(data, tmp_path / "reference"))
@@ -68,20 +53,29 @@ def test_sigkill_at_progress_points_then_resume_is_byte_identical(tmp_path):
     rng = random.Random(seed)
     out = tmp_path / "crashed"
     verified: dict = {}
+    log = tmp_path / "stderr.txt"
     for i in range(KILLS):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hsx", *map(str, _args(data, out))],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        _kill_after(proc, out, rng.randint(1, MAX_STEP), seed)
-        assert proc.returncode == -signal.SIGKILL, f"seed {seed}: kill {i} did not land mid-run"
+        term = i == KILLS - 1  # the last stop: SIGTERM, once a progress line is logged
+        with open(log, "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "hsx", *map(str, _args(data, out)), *(["--log-every", "0.01"] if term else [])],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=os.environ | {"PYTHONUNBUFFERED": "1"},
+            )
+            sig = signal.SIGTERM if term else signal.SIGKILL
+            kill_after_new_files(proc, out, rng.randint(1, MAX_STEP), seed, sig, log if term else None)
+        assert proc.returncode == (143 if term else -signal.SIGKILL), f"seed {seed}: kill {i} did not land mid-run"
         assert len(run_files(out)) < SAMPLES, f"seed {seed}: kill {i} came after the run had finished"
         now = verified_files(out)
         for p, ident in verified.items():  # once verified, never rewritten
             assert now.get(p) == ident, f"seed {seed}: {p.name} changed after it had verified"
         verified = now
-    hsx(*_args(data, out))
+    err = log.read_text()
+    assert re.search(r"^progress done=\d+/120 rate=[\d.]+/s eta=(\d+s|-) free=[\d.]+GB last_error=-$", err, re.M), err
+    assert f"terminated (SIGTERM); resume with: hsx extract --out {out} --model {TINY}" in err, err
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name], "a SIGTERM left a partial file"
+    hsx(*shlex.split(err.split("resume with: ")[1].splitlines()[0])[1:])  # the resume, as printed
     final = verified_files(out)
     for p, ident in verified.items():
         assert final[p] == ident, f"seed {seed}: {p.name} rewritten by the final resume"

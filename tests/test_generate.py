@@ -375,22 +375,42 @@ def test_status_and_verify_assess_a_generate_run_and_a_resume_redoes_the_damage(
     assert verify(gen, deep=True).exit_code == 0
 
 
-def test_a_prompt_grown_past_the_limit_rejects_its_conversation_and_export_leaves_it_out(tmp_path):
+def test_a_prompt_grown_past_the_limit_ends_its_conversation_keeping_the_turns_before(tmp_path):
+    """A later prompt that no longer fits --max-length ends the conversation there: the turns generated
+    before it are kept (status ended, with why), exported and extracted; status counts it. A first
+    prompt that does not fit rejects its row when planning (nothing to generate)."""
+    from hsx.assess.status import assess
     from hsx.generate.export import export_jsonl
+    from hsx.generate.samples import samples_of
 
-    data = write_jsonl(tmp_path / "c.jsonl", conversations(2, start=0))  # 4 and 2 messages
+    long = {"id": "long", "conversations": [{"from": "human", "value": "word " * 40}, {"from": "gpt", "value": "ok"}]}
+    rows = conversations(2, start=0)  # 4 and 2 messages
+    data = write_jsonl(tmp_path / "c.jsonl", [*rows, long])
     out = tmp_path / "gen"
-    generate(_opts(out, model=str(TINY), data=[data], max_new_tokens=NEW, max_length=30), log=lambda m: None)
+    summary = generate(_opts(out, model=str(TINY), data=[data], max_new_tokens=NEW, max_length=30), log=lambda m: None)
+    assert (summary.rejected_now, summary.ended_now) == (0, 1)
     two, one = _records(out)
-    assert not two.ok and "prompt of turn 3" in two.reason and "--max-length 30" in two.reason
-    assert one.ok and len(one.turns[0].prompt_ids) + len(one.turns[0].completion_ids) <= 30
+    assert two.ok and two.status == "ended" and len(two.turns) == 1, two
+    assert "prompt of turn 3" in two.ended and "--max-length 30" in two.ended
+    (turn,) = two.turns
+    assert len(turn.prompt_ids) + len(turn.completion_ids) <= 30
+    assert [m["role"] for m in two.messages] == ["user", "assistant"]  # ends at its last generated answer
+    assert two.messages[0]["content"] == rows[0]["conversations"][0]["value"]
+    assert two.messages[1]["content"] == turn.text
+    assert one.status == "ok"
     (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
-    assert reject["key"] == two.key and reject["reason"] == two.reason
+    assert reject["id"] == "long" and "prompt of turn 1" in reject["reason"], reject
+    (sample,) = samples_of(two, out, 4096)  # extraction takes the kept turn, masked on its completion
+    assert sample.input_ids.tolist() == [*turn.prompt_ids.tolist(), *turn.completion_ids.tolist()]
+    assert sample.loss_mask.tolist() == [0] * len(turn.prompt_ids) + [1] * len(turn.completion_ids)
+    progress = assess(out).get("progress")
+    assert progress.data["conversations"] == {"ok": 1, "ended": 1, "rejected": 0}
+    assert "1 ended early" in " ".join(progress.details)
     done = export_jsonl(out, tmp_path / "e.jsonl")
-    assert (done.conversations, done.rejected) == (1, 1)
-    (line,) = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
-    assert line["key"] == one.key and line["messages"] == one.messages
-    assert line["turns"][0]["completion_ids"] == one.turns[0].completion_ids.tolist()
+    assert (done.conversations, done.rejected) == (2, 0)
+    lines = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
+    assert [x["key"] for x in lines] == [two.key, one.key] and lines[0]["messages"] == two.messages
+    assert lines[0]["turns"][0]["completion_ids"] == turn.completion_ids.tolist()
 
 
 def test_turns_last_keeps_the_datasets_earlier_answers_and_samples_per_prompt_draw_apart(tmp_path):
@@ -484,6 +504,9 @@ def test_a_volume_that_fills_stops_cleanly_then_resumes_identical(gen_run, tmpfs
 
     remount(d, size="1m")
     resumed = hsx("generate", "--out", out, env=ENV)
-    assert f"{CONVS - done} written now (0 of them rejected), {done} were already verified" in resumed.stdout
+    assert (
+        f"{CONVS - done} written now (0 of them rejected, 0 ended early), {done} were already verified"
+        in resumed.stdout
+    )
     assert run_files(out) == run_files(reference)
     assert (out / "rejects.jsonl").read_bytes() == (reference / "rejects.jsonl").read_bytes()

@@ -91,7 +91,9 @@ def test_a_stalled_run_is_not_told_it_runs_out_of_space_by_others_writes():
     'runs out in 4262d' alarm (the run has no finish to race); the trend is named as others' writes."""
     hour = 3600.0
     points = [_point(0, 0, 500 << 30), _point(hour, 100_000, 499 << 30)]
-    points += [_point(hour + 600 * i, 100_000, (499 << 30) - i * (10 << 20)) for i in (1, 6)]  # 10 MiB a 10 min, others'
+    points += [
+        _point(hour + 600 * i, 100_000, (499 << 30) - i * (10 << 20)) for i in (1, 6)
+    ]  # 10 MiB a 10 min, others'
     p = pace.pace(points)
     assert p.rate == 0 and p.eta is None and p.runs_out is not None  # the trend alone would project an end
     c = pace.check(p, complete=False, now=points[-1].time)

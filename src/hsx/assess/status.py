@@ -112,6 +112,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         t = tally.tally(result.scans, spec.plan.num_samples, spec.plan.num_tokens, plan.lengths if plan else None)
         checks["integrity"] = integrity.check(result)
         checks["progress"] = tally.check(t)
+        if isinstance(spec, GenerateSpec):
+            _outcomes(checks["progress"], run, spec)
         checks["pace"] = pace.check(pace.pace(read_history(run)), t.complete)
         left_tokens = t.tokens_left
         if t.tokens_done is None:  # plan unreadable: assume average-length samples are left
@@ -131,6 +133,22 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
     report = Report(run, [checks[n] for n in ORDER], generate=isinstance(spec, GenerateSpec))
     _next_steps(report, t, given_model)
     return report
+
+
+def _outcomes(progress: Check, run: Path, spec: GenerateSpec) -> None:
+    """A generate run's conversations by outcome (their headers): whole, ended early (kept up to the
+    last turn that fit), rejected."""
+    from collections import Counter
+
+    from hsx.generate.record import statuses
+
+    n = Counter(statuses(run, spec.plan.num_samples, spec.shard_size).values())
+    progress.data["conversations"] = {k: n[k] for k in ("ok", "ended", "rejected")}
+    if n["ended"] or n["rejected"]:
+        progress.details.append(
+            f"conversations: {n['ok']:,} whole, {n['ended']:,} ended early (a later prompt reached --max-length: "
+            f"the turns before it kept), {n['rejected']:,} rejected (see {layout.REJECTS})"
+        )
 
 
 def _next_steps(report: Report, t: tally.Tally | None, given_model: str | None = None) -> None:

@@ -38,7 +38,7 @@ from hsx.generate.options import GenerateOptions
 from hsx.generate.plan import GenPlan, load_gen_plan, too_long
 from hsx.generate.progress import GenProgress
 from hsx.generate.prompts import Dialogue, Prompter, stop_ids
-from hsx.generate.record import ConversationRecord, Source, encode_record, read_record
+from hsx.generate.record import ConversationRecord, Source, encode_record, read_record, statuses
 from hsx.generate.spec import BYTES_PER_TOKEN, GenerateSpec
 from hsx.input import Reject
 from hsx.input import Source as InputSource
@@ -48,7 +48,6 @@ from hsx.run.folder import record_failed_start, record_model, remove_stray_temps
 from hsx.run.resume import Summary, Verifier, scan_all
 from hsx.store import layout
 from hsx.store.durable import write_durable
-from hsx.store.format import read_header
 from hsx.store.scan import ShardScan
 from hsx.store.writer import FileRecord, SampleWriter, seal
 
@@ -66,6 +65,7 @@ class GenerateSummary:
     already_done: int = 0
     written: int = 0
     rejected_now: int = 0  # conversations this session rejected (prompt over the limit, engine failure)
+    ended_now: int = 0  # conversations this session kept up to the last turn that fit (a later prompt did not)
     turns: int = 0
     new_tokens: int = 0
     seconds: float = 0.0
@@ -88,7 +88,8 @@ class GenerateSummary:
         out = [
             f"run        {self.run}  ({'complete' if self.complete else 'incomplete'})",
             f"convs      {self.done}/{self.total} done, {self.written} written now "
-            f"({self.rejected_now} of them rejected), {self.already_done} were already verified",
+            f"({self.rejected_now} of them rejected, {self.ended_now} ended early), "
+            f"{self.already_done} were already verified",
             f"generated  {self.turns} turns, {self.new_tokens:,} new tokens in {self.seconds:.1f}s{rate}",
         ]
         if self.redone:
@@ -162,8 +163,9 @@ class Feeder:
             return self.write(d)
         prompt = self.prompter.prompt(d)
         room = self.spec.max_length - len(prompt)
-        if room <= 0:
-            return self.write(d, too_long(d.next_message, len(prompt), self.spec.max_length))
+        if room <= 0:  # the turns done are kept: the conversation ends before this one (docs/generate.md)
+            why = too_long(d.next_message, len(prompt), self.spec.max_length)
+            return self.write(d, ended=why) if d.done else self.write(d, why)
         s = self.sampling
         key = f"{d.id}/{len(d.done)}"
         sampling = Sampling(s.temperature, s.top_p, s.top_k, min(s.max_new_tokens, room))
@@ -186,23 +188,27 @@ class Feeder:
         self.summary.new_tokens += len(completion)
         self.advance(d)
 
-    def write(self, d: Dialogue, reason: str | None = None) -> None:
-        """Hand ``d``'s file to the writer threads; it counts once ``collect`` has it durable."""
+    def write(self, d: Dialogue, reason: str | None = None, ended: str | None = None) -> None:
+        """Hand ``d``'s file to the writer threads; it counts once ``collect`` has it durable. ``reason``:
+        rejected; ``ended``: kept up to its last generated answer, the messages after it dropped."""
         row = self.plan.row(d.id)
+        messages = d.messages[: d.done[-1].message + 1] if ended else d.messages
         rec = ConversationRecord(
             d.id,
             row.key,
             Source(row.source_file, row.source_row, row.source_id),
             row.sample,
-            d.messages,
+            messages,
             d.done,
             reason,
+            ended,
         )
         if reason is not None:
             self.progress.note_error(f"conversation {row.key} rejected: {reason}")
         parts, digest = encode_record(rec)
         self.guard(sum(memoryview(p).nbytes for p in parts))
         self.writing[self.writer.submit_encoded(d.id, parts, digest)] = (d, reason)
+        self.summary.ended_now += ended is not None
 
     def collect(self, wait: bool) -> None:
         """Count the files written since (all of them when ``wait``): their folders fsynced first, each
@@ -347,18 +353,15 @@ def write_rejects(run, spec: GenerateSpec) -> int:
     (read from their verified files), replaced whole. Returns how many conversations were rejected."""
     lines = (run / layout.PLAN_DIR / PLAN_REJECTS).read_text()
     later = 0
-    for shard in range(layout.num_shards(spec.plan.num_samples, spec.shard_size)):
-        folder = layout.shard_dir(run, shard)
-        for path in sorted(folder.iterdir()) if folder.is_dir() else []:
-            cid = layout.parse_sample_name(path.name)
-            try:  # the header says which are rejected: only those are read whole
-                if cid is None or read_header(path).metadata.get("status") != "rejected":
-                    continue
-                rec = read_record(path, cid)
-            except (OSError, BadFile):
-                continue
-            src = InputSource(rec.source.file, rec.source.row, rec.source.id)
-            lines += json.dumps(Reject(src, rec.reason or "").to_json() | {"key": rec.key}) + "\n"
-            later += 1
+    for cid, status in statuses(run, spec.plan.num_samples, spec.shard_size).items():
+        if status != "rejected":  # the header says which are rejected: only those are read whole
+            continue
+        try:
+            rec = read_record(layout.sample_path(run, cid, spec.shard_size), cid)
+        except (OSError, BadFile):
+            continue
+        src = InputSource(rec.source.file, rec.source.row, rec.source.id)
+        lines += json.dumps(Reject(src, rec.reason or "").to_json() | {"key": rec.key}) + "\n"
+        later += 1
     write_durable(run / layout.REJECTS, lines.encode())
     return later

@@ -2,9 +2,12 @@
 
     prompt_ids      int32 [sum of the turns' prompt lengths]       each turn's prompt, as the engine ran it
     completion_ids  int32 [sum of the turns' completion lengths]   each turn's completion, as it produced it
-    record          uint8 [n]   UTF-8 JSON: key, source, sample, status (ok | rejected) and its reason,
+    record          uint8 [n]   UTF-8 JSON: key, source, sample, status (ok | ended | rejected) and why,
                                 the final messages (generated assistant turns in place), and per turn
                                 its message index, prompt and completion lengths, finish reason, text
+
+A conversation whose next prompt no longer fits ``--max-length`` after some turns were generated
+ends there and is kept (status ``ended``, with why): its messages stop at its last generated answer.
 
 ``__metadata__`` holds the format (``hsx-conversation/1``), the conversation id (``sample_id``, its row
 in the input plan), key, status, number of turns and tokens, and the digest of the data section, so
@@ -46,10 +49,16 @@ class ConversationRecord:
     messages: list[dict]  # role, content; generated turns in place
     turns: list[GeneratedTurn] = field(default_factory=list)
     reason: str | None = None  # set: the conversation is rejected, with why
+    ended: str | None = None  # set: kept, but ended before its last target turn (a later prompt did not fit), why
 
     @property
     def ok(self) -> bool:
         return self.reason is None
+
+    @property
+    def status(self) -> str:
+        """ok, ended (kept, its later turns not generated) or rejected, as the file's header says."""
+        return "rejected" if self.reason is not None else "ended" if self.ended is not None else "ok"
 
     @property
     def num_tokens(self) -> int:
@@ -68,8 +77,9 @@ def encode_record(rec: ConversationRecord) -> tuple[list, str]:
         "key": rec.key,
         "source": rec.source.__dict__,
         "sample": rec.sample,
-        "status": "ok" if rec.ok else "rejected",
+        "status": rec.status,
         "reason": rec.reason,
+        "ended": rec.ended,
         "messages": rec.messages,
         "turns": [
             {
@@ -126,6 +136,27 @@ def read_record(path: Path, conversation_id: int) -> ConversationRecord:
             body["messages"],
             turns,
             body["reason"],
+            body.get("ended"),
         )
     except (SafetensorError, KeyError, TypeError, ValueError) as e:
         raise BadFile(Damage.CORRUPT, f"not a conversation file ({e!r})") from e
+
+
+def statuses(run: Path, num_conversations: int, shard_size: int) -> dict[int, str]:
+    """Conversation id -> status (ok, ended, rejected) of every conversation file, from its header
+    alone (unreadable files are left out: the scans report them)."""
+    from hsx.errors import HsxError
+    from hsx.store import layout
+    from hsx.store.format import read_header
+
+    out = {}
+    for shard in range(layout.num_shards(num_conversations, shard_size)):
+        folder = layout.shard_dir(run, shard)
+        for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+            cid = layout.parse_sample_name(path.name)
+            try:
+                if cid is not None:
+                    out[cid] = read_header(path).metadata.get("status", "ok")
+            except (OSError, HsxError):
+                continue
+    return out
