@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -157,25 +158,35 @@ def test_metrics_count_conversations_and_the_real_new_tokens(gen_run):
     assert m["new_tokens_per_s"] == m["tokens_per_s"] == pytest.approx(rate)
 
 
-def test_kill9_at_progress_points_then_resume_is_byte_identical(gen_run, tmp_path):
+def test_kill9_then_sigterm_at_progress_points_then_resume_is_byte_identical(gen_run, tmp_path):
+    """kill -9, then SIGTERM (a scheduler's stop) off a terminal: the SIGTERM stops cleanly (exit 143,
+    no partial file, progress lines logged before it, the resume command printed); the resume as
+    printed gives the bytes of an uninterrupted run."""
     data, reference = gen_run
     out = tmp_path / "gen"
     seed = int(os.environ.get("HSX_CRASH_SEED", time.time_ns() % 10_000))
     rng = random.Random(seed)
     verified: dict = {}
-    for _ in range(2):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hsx", *map(str, _args(data, out))],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ | ENV,
-        )  # fmt: skip
-        kill_after_new_files(proc, out, rng.randint(1, 3), seed)
-        assert proc.returncode == -signal.SIGKILL, f"seed {seed}"
+    log = tmp_path / "stderr.txt"
+    for sig in (signal.SIGKILL, signal.SIGTERM):
+        term = sig == signal.SIGTERM
+        with open(log, "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "hsx", *map(str, _args(data, out, *(["--log-every", "0.01"] if term else [])))],
+                stdout=subprocess.DEVNULL, stderr=err, env=os.environ | ENV | {"PYTHONUNBUFFERED": "1"},
+            )  # fmt: skip
+            kill_after_new_files(proc, out, rng.randint(1, 3), seed, sig, log if term else None)
+        assert proc.returncode == (143 if term else -signal.SIGKILL), f"seed {seed}: {log.read_text()}"
         now = verified_files(out)
         assert len(now) < CONVS, f"seed {seed}: the kill came after the run had finished"
         for p, ident in verified.items():  # once verified, never rewritten
             assert now.get(p) == ident, f"seed {seed}: {p.name} changed after it had verified"
         verified = now
-    hsx("generate", "--out", out, env=ENV)
+    err = log.read_text()
+    assert re.search(rf"^progress done=\d+/{CONVS} rate=[\d.]+/s eta=(\d+s|-) free=[\d.]+GB last_error=-$", err, re.M)
+    assert "terminated (SIGTERM); resume with: hsx generate --out" in err, err
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name], "a SIGTERM left a partial file"
+    hsx(*shlex.split(err.split("resume with: ")[1].splitlines()[0])[1:], env=ENV)  # the resume, as printed
     assert run_files(out) == run_files(reference), f"seed {seed}"  # no conversation lost, duplicated or changed
     keys = [r.key for r in _records(out)]
     assert len(set(keys)) == CONVS

@@ -4,13 +4,14 @@ SGLang API, several servers. The real ``vllm serve`` is in test_generate_vllm.py
 
 import itertools
 import json
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import TINY, conversations, verified_files, write_jsonl
+from conftest import TINY, conversations, hsx, verified_files, write_jsonl
 from hsx.errors import EngineUnavailable, OptionError
 from hsx.generate.engine import Completion, Failure, Request, Sampling
 from hsx.generate.server import ServerEngine, ServerOptions
@@ -27,8 +28,9 @@ class Fake:
     """A fake server; ``script`` is a list of (status, headers) answers given before it answers normally;
     ``prompt_edit`` changes the prompt ids it reports; ``echo`` whether it returns the prompt ids (SGLang)."""
 
-    def __init__(self, script=(), prompt_edit=None, echo=True, kind="vllm"):
+    def __init__(self, script=(), prompt_edit=None, echo=True, kind="vllm", stall=False):
         self.script, self.prompt_edit, self.echo = list(script), prompt_edit, echo
+        self.stalled = threading.Event() if stall else None  # set: accept every request, never answer
         self.fail_from: int | None = None  # answer HTTP 503 to every request after this many
         self.posts: list[tuple[float, dict]] = []
         self.headers: list[dict] = []
@@ -60,6 +62,9 @@ class Fake:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if fake.stalled is not None:  # a hung server: the connection stays open, no answer comes
+                    fake.stalled.wait()
+                    return
                 with fake.lock:
                     fake.posts.append((time.monotonic(), body | {"path": self.path}))
                     fake.headers.append(dict(self.headers))
@@ -89,6 +94,8 @@ class Fake:
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
     def close(self):
+        if self.stalled is not None:
+            self.stalled.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -313,6 +320,42 @@ def test_hsx_generate_through_a_server_stops_cleanly_then_resumes(fakes, tmp_pat
     for i in range(8):
         (turn,) = read_record(layout.sample_path(out, i, spec.shard_size), i).turns
         assert turn.completion_ids.tolist() == answer_ids(turn.prompt_ids.tolist(), 5)  # token-exact through the job
+
+
+def test_a_stalled_server_times_out_logs_each_retry_and_the_run_stops_resumable(fakes, tmp_path):
+    """A server that accepts every request and never answers, under hsx generate off a terminal with a
+    small --server-timeout: each retry and spent request is logged with its cause (the timeout), the
+    last progress line names it, and the run stops cleanly (exit 2); the resume completes it."""
+    from hsx.generate.job import generate
+    from hsx.generate.options import GenerateOptions
+    from hsx.generate.record import read_record
+    from hsx.store import layout
+
+    stalled = fakes(stall=True)
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(4))
+    out = tmp_path / "gen"
+    first = hsx(
+        "generate", "--model", TINY, "--data", data, "--out", out, "--backend", "server", "--server", stalled.url,
+        "--concurrency", "4", "--turns", "last", "--max-new-tokens", "5", "--shard-size", "2",
+        "--server-timeout", "0.2", "--server-retries", "2", "--server-backoff", "0", "--log-every", "0.05",
+        check=False,
+    )  # fmt: skip
+    err = first.stderr
+    assert first.returncode == 2 and "the generation servers stopped answering: 10 requests in a row" in err, err
+    assert "resume with the same command" in err
+    retries = re.findall(rf"server {stalled.url}: request \S+ try 1/2 failed \((.*)\); retrying in 0s", err)
+    assert retries and all("timed out" in why for why in retries), err
+    assert re.search(r"server: request \S+ failed 2 tries \(.*timed out\); \d+ of 10 failures in a row", err), err
+    assert re.search(r"server: the run stops: the generation servers stopped answering", err), err
+    last = [line for line in err.splitlines() if line.startswith("progress ")][-1]
+    assert last.startswith("progress done=0/4 ") and "last_error=server" in last and "timed out" in last, last
+    assert not any((out / "shards").rglob("*.safetensors")) if (out / "shards").exists() else True
+    good = fakes()
+    opts = GenerateOptions(out=out, backend="server", servers=[good.url])
+    assert generate(opts, log=lambda m: None).complete
+    for i in range(4):
+        (turn,) = read_record(layout.sample_path(out, i, 2), i).turns
+        assert turn.completion_ids.tolist() == answer_ids(turn.prompt_ids.tolist(), 5)
 
 
 def test_an_unreachable_server_at_start_is_a_clean_stop(fakes):

@@ -177,7 +177,8 @@ class Progress:
 
 
 class _Ticker:
-    """Off a terminal: ``progress.line()`` on stderr every ``progress.log_every`` seconds."""
+    """Off a terminal: ``progress.line()`` on stderr every ``progress.log_every`` seconds, and once
+    more when the work stops (finished, stopped or failed), so a log ends with where it stood."""
 
     def __init__(self, progress: Progress):
         self.progress = progress
@@ -192,6 +193,7 @@ class _Ticker:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+        print(self.progress.line(), file=sys.stderr, flush=True)
 
 
 class _Simple:
