@@ -338,6 +338,18 @@ def test_an_unfinished_generate_run_is_extracted_only_when_asked(gen_run, tmp_pa
     assert len(Plan(tmp_path / "y")) == CONVS - 1
     (reject,) = [json.loads(line) for line in (tmp_path / "y" / "rejects.jsonl").read_text().splitlines()]
     assert reject["row"] == 4 and "not generated" in reject["reason"]
+    from hsx.assess.status import assess
+
+    progress = assess(tmp_path / "y").get("progress")  # status says what still waits for generation
+    assert (progress.data["not_generated"], progress.data["generated_since"]) == (1, 0)
+    assert "1 still wait for generation" in " ".join(progress.details)
+    shutil.copy2(layout.sample_path(gen_run[1], 4, 3), layout.sample_path(gen, 4, 3))  # generated since
+    progress = assess(tmp_path / "y").get("progress")
+    assert (progress.data["not_generated"], progress.data["generated_since"]) == (1, 1)
+    with pytest.raises(Refused) as refused:  # the same path is named once, with what changed
+        extract(ExtractOptions(out=tmp_path / "y", data=[gen], allow_incomplete=True), log=lambda m: None)
+    (diff,) = [line for line in str(refused.value).splitlines() if line.startswith("  - data:")]
+    assert diff.count(str(gen.resolve())) == 1 and "7 conversation files then, 8 now" in diff, diff
 
 
 def test_a_template_that_rewrites_history_gives_one_sample_per_turn(tmp_path):

@@ -239,5 +239,14 @@ def differences(stored: RunSpec, asked: dict) -> list[str]:
         if mine != theirs:
             names = ", ".join(d.name for d in data)
             have = ", ".join(d.name for d in stored.data)
-            out.append(f"data: {names} differ from the run's data ({have}) in content or order")
+            if names != have:
+                out.append(f"data: {names} differ from the run's data ({have}) in content or order")
+            elif stored.generate_spec is not None:  # the same generate run, which wrote or lost files since
+                then, now = stored.data[0].size, data[0].size
+                out.append(
+                    f"data: the generate run {have} changed since this run was planned ({then} conversation "
+                    f"files then, {now} now); an extraction takes a generate run as it was: extract it into a new run"
+                )
+            else:
+                out.append(f"data: {have} changed since the run was planned (its content differs)")
     return out

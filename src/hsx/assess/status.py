@@ -114,6 +114,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         checks["progress"] = tally.check(t)
         if isinstance(spec, GenerateSpec):
             _outcomes(checks["progress"], run, spec)
+        elif spec.generate_spec is not None:
+            _waiting(checks["progress"], run, Path(spec.data[0].name))
         checks["pace"] = pace.check(pace.pace(read_history(run)), t.complete)
         left_tokens = t.tokens_left
         if t.tokens_done is None:  # plan unreadable: assume average-length samples are left
@@ -148,6 +150,21 @@ def _outcomes(progress: Check, run: Path, spec: GenerateSpec) -> None:
         progress.details.append(
             f"conversations: {n['ok']:,} whole, {n['ended']:,} ended early (a later prompt reached --max-length: "
             f"the turns before it kept), {n['rejected']:,} rejected (see {layout.REJECTS})"
+        )
+
+
+def _waiting(progress: Check, run: Path, gen: Path) -> None:
+    """An extraction of an unfinished generate run: the conversations it found not generated, and
+    how many the generate run holds by now (an extraction takes the generate run as it was)."""
+    from hsx.generate.samples import waiting
+
+    missing, since = waiting(run, gen)
+    progress.data["not_generated"], progress.data["generated_since"] = missing, since
+    if missing:
+        progress.details.append(
+            f"{missing:,} conversations of {gen} were not generated when this run was planned, "
+            f"{missing - since:,} still wait for generation; {since:,} generated since are not in this run "
+            "(extract the finished generate run into a new run to take them)"
         )
 
 

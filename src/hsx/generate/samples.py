@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from hsx.errors import BadFile, Refused
+from hsx.errors import BadFile, HsxError, Refused
 from hsx.generate.record import ConversationRecord, read_record
 from hsx.generate.spec import GenerateSpec, load_generate_spec
 from hsx.input import Reject, Source
@@ -29,6 +29,8 @@ from hsx.plan import Sample
 from hsx.spec import DataFile
 from hsx.store import layout
 from hsx.store.scan import scan_run
+
+NOT_GENERATED = "not generated (the generate run is unfinished)"
 
 
 def whole(rec: ConversationRecord) -> bool:
@@ -116,7 +118,7 @@ def plan_samples(
         for cid in range(total):
             path = layout.sample_path(run, cid, spec.shard_size)
             if cid not in files:
-                yield Reject(Source(str(run), cid, ""), "not generated (the generate run is unfinished)")
+                yield Reject(Source(str(run), cid, ""), NOT_GENERATED)
                 continue
             try:
                 rec = read_record(path, cid)
@@ -126,3 +128,22 @@ def plan_samples(
             yield from samples_of(rec, run, max_length)
 
     return spec, items()
+
+
+def waiting(extraction: Path, gen: Path) -> tuple[int, int]:
+    """Of the conversations an extraction of the unfinished generate run ``gen`` found not generated
+    (its rejects): how many there were, and how many ``gen`` holds by now."""
+    import json
+
+    try:
+        lines = (extraction / layout.REJECTS).read_text().splitlines()
+    except OSError:
+        return 0, 0
+    ids = {r["row"] for r in map(json.loads, lines) if r.get("reason") == NOT_GENERATED}
+    if not ids:
+        return 0, 0
+    try:
+        _, files = generated(gen)
+    except HsxError:  # the generate run is gone or unreadable: none can be counted as there
+        return len(ids), 0
+    return len(ids), len(ids & files.keys())
