@@ -25,8 +25,8 @@ from conftest import SMALL_RUN, TINY, conversations, hsx, write_jsonl
 from hsx.bounds import Bound, Bounds
 from hsx.cli import BENCH, MEMORY, RUN, TO, _print_summary, app
 from hsx.errors import OptionError
-from hsx.run.options import EXTRACT, ExtractOptions
-from hsx.run.resume import Summary
+from hsx.extract.options import EXTRACT, ExtractOptions
+from hsx.job.resume import Summary
 from hsx.store import layout
 
 

@@ -263,9 +263,9 @@ def run_bench(
     (compressed-tensors pack-quantized, group 32, from its own weights), expanded per layer.
     ``fp8``: then the same model as a block-FP8 checkpoint, on the last layout (not with
     ``int4_experts``: each rebuilds the model)."""
+    from hsx.extract.options import Resources
+    from hsx.extract.pipeline import Extractor
     from hsx.progress import Progress
-    from hsx.run.options import Resources
-    from hsx.run.pipeline import Extractor
     from hsx.store import layout
     from hsx.store.scan import ShardScan
 

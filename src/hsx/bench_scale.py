@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsx.assess.checks import size
 from hsx.capture import default_layers
 from hsx.plan import Sample, write_plan
 from hsx.spec import PlanIdentity, RunSpec, now, who
@@ -36,6 +35,7 @@ from hsx.store.format import SampleTensors, encode
 from hsx.store.writer import FileRecord, seal
 from hsx.target import identity, load_tokenizer, tokenizer_identity
 from hsx.tinymodel import bundled_path
+from hsx.units import size
 
 
 def build_run(run: Path, samples: int, tokens: int, shard_size: int, threads: int = 8) -> RunSpec:

@@ -11,13 +11,13 @@ import typer
 
 from hsx.bounds import Bound, Bounds
 from hsx.errors import CleanStop, DiskFull, Exit, HsxError
+from hsx.extract.options import AT_LEAST_ONE, DEFAULTS, EXTRACT
 from hsx.generate.options import DEFAULTS as GEN
 from hsx.generate.options import GENERATE, SAMPLING
 from hsx.progress import console
-from hsx.run.options import AT_LEAST_ONE, DEFAULTS, EXTRACT
 from hsx.store.layout import SPEC
 
-# the bounds of the other commands' options (extract's: hsx.run.options.EXTRACT, shared with its Python API)
+# the bounds of the other commands' options (extract's: hsx.extract.options.EXTRACT, shared with its Python API)
 TO = Bounds(to=Bound(choices=("specforge", "speculators", "modelopt")))
 BENCH = Bounds(
     samples=AT_LEAST_ONE,
@@ -86,7 +86,7 @@ def failures(interrupted: Callable[[], str] | None = None) -> Iterator[None]:
     try:
         yield
     except CleanStop as e:
-        from hsx.assess.checks import size
+        from hsx.units import size
 
         s = e.summary
         raise _fail(
@@ -513,7 +513,7 @@ def bench(
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     from hsx.bench import run_bench, table
-    from hsx.run.options import check_device, default_device
+    from hsx.extract.options import check_device, default_device
 
     if generate:
         return _bench_generate(model, samples, max_new_tokens, tensor_parallel_size, workdir)

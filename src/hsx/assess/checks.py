@@ -53,15 +53,6 @@ def skipped(name: str, why: str) -> Check:
     return Check(name, "warn", f"not checked: {why}")
 
 
-def size(n: float) -> str:
-    """Bytes in a human unit (decimal, as disks are sold and df -H prints)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
 def ranges(ids: Iterable[int], limit: int = 6) -> str:
     """Compact id list: ``3, 7-9, 12-3999 (+2 more ranges)``, readable for thousands of shards."""
     spans: list[list[int]] = []

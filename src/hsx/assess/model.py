@@ -13,10 +13,11 @@ import importlib.util
 import itertools
 from pathlib import Path
 
-from hsx.assess.checks import Check, size
+from hsx.assess.checks import Check
 from hsx.fingerprint import model_fingerprint
 from hsx.spec import RunSpec
 from hsx.target import load_config, relative_note
+from hsx.units import size
 
 BACKENDS = {"transformers": "transformers", "vllm": "vllm"}  # backend name in the spec -> module that must import
 

@@ -18,6 +18,7 @@ from hsx.assess import gpus, integrity, model, pace, runspec, tally, volume, wor
 from hsx.assess.checks import EXIT_ACT, EXIT_REDO, Check, exit_code, skipped
 from hsx.errors import SpecError
 from hsx.generate.spec import GenerateSpec
+from hsx.job import space
 from hsx.spec import RunSpec, model_location, same_place
 from hsx.store import layout
 from hsx.telemetry import read_history
@@ -64,32 +65,27 @@ def resume_command(run: Path, model: str | None = None, command: str = "extract"
     return shlex.join(args)
 
 
-def _projection(run: Path, spec: RunSpec | GenerateSpec, plan, t: tally.Tally, left_tokens: int) -> volume.Projection:
-    """What the rest of the run needs on the volume: an extraction's states at its codec's ratio
-    as the files on disk measure it; a generate run's token ids and texts by its plan's estimate."""
-    if isinstance(spec, GenerateSpec):
-        ratio, basis = 1.0, ""
-        largest = int(plan.lengths.max()) * spec.bytes_per_token if plan else spec.max_length * spec.bytes_per_token
-    else:
-        # the codec's ratio as the files on disk measure it (without a readable plan: unmeasured)
-        measured = volume.Measured()
-        if t.tokens_done is not None:
-            measured = volume.Measured(t.samples_done, t.tokens_done * spec.bytes_per_token, t.bytes_done)
-        ratio, basis = volume.stored_ratio(spec, measured), volume.ratio_basis(spec, measured)
-        longest = int(plan.lengths.max()) if plan else spec.max_length
-        largest = volume.largest_batch_bytes(spec.batch_tokens, longest, spec.bytes_per_token)
-    return volume.project(
+def _projection(run: Path, spec: RunSpec | GenerateSpec, plan, t: tally.Tally, left_tokens: int) -> space.Projection:
+    """What the rest of the run needs on the volume: its tokens at what its files take
+    (``spec.footprint``: an extraction's states at its codec's ratio as the files on disk measure it,
+    a generate run's token ids and texts by its plan's estimate)."""
+    fp = spec.footprint()
+    measured = space.Measured()  # without a readable plan: unmeasured
+    if t.tokens_done is not None:
+        measured = space.Measured(t.samples_done, t.tokens_done * fp.bytes_per_token, t.bytes_done)
+    longest = int(plan.lengths.max()) if plan else spec.max_length
+    return space.project(
         run,
-        spec.bytes_per_token,
+        fp.bytes_per_token,
         spec.plan.num_tokens,
         spec.plan.num_samples,
         left_tokens,
         t.samples_left,
         t.bytes_done,
-        largest,
+        space.largest_batch_bytes(fp.batch_tokens, longest, fp.bytes_per_token),
         new_dirs=len(t.shards["untouched"]),
-        ratio=ratio,
-        basis=basis,
+        ratio=space.stored_ratio(spec, measured),
+        basis=space.ratio_basis(spec, measured),
     )
 
 

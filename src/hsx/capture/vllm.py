@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 import vllm
 
-from hsx.assess.volume import DiskGuard, Forecast
 from hsx.capture import check_layers
 from hsx.capture.vllm_connector import CONNECTOR, EXTRA_KEY, SAMPLE_KEY, SinkConfig
 from hsx.errors import BadFile, CaptureFailed, DiskFull
 from hsx.finalnorm import FinalNorm, locate
+from hsx.job.space import DiskGuard, Forecast
 from hsx.plan import Plan, batches_for
 from hsx.progress import Progress
 from hsx.spec import RunSpec
@@ -239,8 +239,8 @@ def run_shards_vllm(
     data_parallel_size: int = 1,
     forecast: Forecast | None = None,
 ) -> None:
-    """The vLLM counterpart of ``run.pipeline.Extractor.run_shards``: capture every missing sample
-    of ``todo`` (scans already settled by ``run.resume``), keeping ``reserve`` bytes free, the
+    """The vLLM counterpart of ``extract.pipeline.Extractor.run_shards``: capture every missing sample
+    of ``todo`` (scans already settled by ``job.resume``), keeping ``reserve`` bytes free, the
     bytes in flight scaled by the codec's ratio (``forecast``, bound here to this session's files)."""
     window = max(4 * spec.batch_tokens, int(plan.lengths.max()))
     feeder = Feeder(run, spec, plan, todo, progress, None, window=window)

@@ -1,9 +1,9 @@
-"""The single-process job: open the run, take its lock, check the headers and the space, then load
-the model and extract while the digests are verified (``run.resume.Verifier``): every shard that
-is not complete is extracted, once its own scan is settled, and sealed.
+"""The single-process job: open the run, take its lock, check the headers and the space, then load the
+model and extract while the digests are verified (``job.prologue``, the prologue every job runs):
+every shard that is not complete is extracted, once its own scan is settled, and sealed.
 
-The model is loaded only when something is missing: a resume that finds every file in place
-verifies them and loads nothing, and loads the model afterwards only if a digest was bad."""
+The model is loaded only when something is missing: a resume that finds every file in place verifies
+them and loads nothing, and loads the model afterwards only if a digest was bad."""
 
 from __future__ import annotations
 
@@ -11,19 +11,18 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from hsx import registry, target
-from hsx.assess import volume
-from hsx.errors import CleanStop, DiskFull, LowSpace
-from hsx.lock import RunLock
+from hsx.errors import DiskFull
+from hsx.extract.folder import open_run
+from hsx.extract.options import ExtractOptions
+from hsx.job.prologue import Prologue, locked
+from hsx.job.resume import Summary, Verifier
 from hsx.plan import load_plan
 from hsx.progress import Progress
-from hsx.run.folder import open_run, record_model, remove_stray_temps
-from hsx.run.options import ExtractOptions
-from hsx.run.resume import Summary, Verifier, scan_all
 from hsx.spec import RunSpec
 from hsx.store.scan import ShardScan
 
 if TYPE_CHECKING:
-    from hsx.run.pipeline import Peers
+    from hsx.extract.pipeline import Peers
 
 
 def extract_local(
@@ -32,28 +31,17 @@ def extract_local(
     """``hsx extract`` in this process: a new run, or the resume of one, to the end or a clean stop.
 
     ``spec``: the run's, already opened by the caller; ``peers``: the other ranks of this process's
-    tensor-parallel group (run.group), told when to load the model and which batch comes next."""
+    tensor-parallel group (extract.group), told when to load the model and which batch comes next."""
     spec = spec or open_run(opts, log)
     run = opts.out
     progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
-    telemetry = opts.telemetry(progress.metrics)
-    with telemetry, RunLock(run, on_beat=telemetry.beat, warn=log) as lock:
+    with locked(opts, progress.metrics, log) as lock:
         registry.settle(run, lock.me, log)  # workers of a crashed scale-out driver: gone first
-        remove_stray_temps(run)
-        record_model(opts, spec, log)
         plan = load_plan(run, spec)
-        summary = Summary.of(run, spec)
-        headers = scan_all(run, spec, deep=False)  # seconds: sealed shards are trusted by their listing
-        space = volume.plan_space(
-            run, spec, plan.lengths, headers, opts.allow_partial, opts.reserve_bytes, log, measure_first=True
-        )
-        reserve = space.reserve
+        begun = Prologue.open(opts, spec, plan.lengths, log, measure_first=True)
+        summary, headers = begun.summary, begun.headers
         progress.start(0, 0)
-
-        def done(scan: ShardScan) -> None:
-            progress.add_done(len(scan.good), int(plan.lengths[list(scan.good)].sum()) if scan.good else 0)
-
-        verifier = Verifier(run, spec, headers, opts.deep_verify, summary, done).start()
+        verifier = begun.verify(progress.add_done)
         summary.verified = verifier.stats
         progress.verified = verifier.stats.metrics
         try:
@@ -69,20 +57,21 @@ def extract_local(
                     from hsx.capture.vllm import run_shards_vllm  # vLLM is optional
 
                     run_shards_vllm(
-                        run, spec, plan, model_dir, todo, progress, reserve,
-                        opts.tensor_parallel_size or 1, opts.data_parallel_size or 1, space.forecast,
+                        run, spec, plan, model_dir, todo, progress, begun.space.reserve,
+                        opts.tensor_parallel_size or 1, opts.data_parallel_size or 1, begun.space.forecast,
                     )  # fmt: skip
                 else:
                     from hsx.capture.memory import check_run
-                    from hsx.run.pipeline import Extractor, open_backend  # torch: only when there is work
+                    from hsx.extract.pipeline import Extractor, open_backend  # torch: only when there is work
 
                     check_run(spec, model_dir, resources.device, log)  # before any rank loads a weight
                     if peers is not None:
                         peers.load()
                     backend = open_backend(spec, model_dir, resources.device)
                     extractor = Extractor(
-                        run, spec, plan, backend, resources, progress, reserve, peers=peers, forecast=space.forecast
-                    )
+                        run, spec, plan, backend, resources, progress, begun.space.reserve, peers=peers,
+                        forecast=begun.space.forecast,
+                    )  # fmt: skip
                     try:
                         extractor.run_shards(todo)
                     finally:
@@ -90,10 +79,7 @@ def extract_local(
                     _log_verified(verifier, log)
         except DiskFull as e:
             summary.written, summary.tokens_written, summary.bytes_written = progress.session()
-            left = spec.plan.num_tokens - progress.tokens_done()
-            reason = str(e) if isinstance(e, LowSpace) else None
-            needed = volume.projected_bytes(left, 0, spec.bytes_per_token, space.forecast.ratio())
-            raise CleanStop(summary, needed, e.path, reason) from e
+            raise begun.clean_stop(e, summary, spec.plan.num_tokens - progress.tokens_done()) from e
         finally:
             verifier.stop()
             summary.seconds = progress.elapsed()

@@ -15,12 +15,12 @@ from typing import Protocol
 
 import torch
 
-from hsx.assess.volume import DiskGuard, Forecast
 from hsx.capture import CapturedBatch
 from hsx.capture.transformers import TransformersBackend
+from hsx.extract.options import Resources
+from hsx.job.space import DiskGuard, Forecast
 from hsx.plan import Plan, batches_for
 from hsx.progress import Progress
-from hsx.run.options import Resources
 from hsx.spec import RunSpec
 from hsx.staging import Staging, staging_for
 from hsx.store.codec import Codec
@@ -48,7 +48,7 @@ def open_backend(spec: RunSpec, model_dir: Path, device: str) -> TransformersBac
 
 
 class Peers(Protocol):
-    """The other ranks of a tensor-parallel group, as the writing rank sees them (run.group)."""
+    """The other ranks of a tensor-parallel group, as the writing rank sees them (extract.group)."""
 
     def load(self) -> None: ...  # they load their share of the model, now
     def batch(self, ids: list[int]) -> None: ...  # they capture the same batch, now
@@ -62,7 +62,7 @@ class Extractor:
     (the benchmark reuses one across variants); by default one is made for the backend's device and
     the run's codec (fp8: encoded on the device, before the copy).
     ``peers``: the other ranks of a tensor-parallel group, which compute every batch with us.
-    ``forecast``: the start's space forecast (``assess.volume.plan_space``) for the disk guard; it is
+    ``forecast``: the start's space forecast (``job.space.plan_space``) for the disk guard; it is
     bound to ``progress`` here, so its ratio counts this session's files."""
 
     def __init__(

@@ -1,9 +1,10 @@
-"""The one resume prologue: verify what is on disk, tidy what a crash left, settle finished shards.
+"""Verify what is on disk, tidy what a crash left, settle finished shards: the resume of every job.
 
-Used the same way by the local job, the scale-out driver and its workers, and the vLLM path, so
-"done" means the same everywhere: a sample is done only when its file verified (invariant 2);
-stray temp files are removed, misplaced or foreign files are moved aside (never deleted), and a
-shard whose every id verified is sealed. Nothing is written into a shard before its own scan.
+Used the same way by the extraction (its local job, the scale-out driver and its workers, the vLLM
+path) and the generate job, so "done" means the same everywhere: a sample is done only when its file
+verified (invariant 2); stray temp files are removed, misplaced or foreign files are moved aside
+(never deleted), and a shard whose every id verified is sealed. Nothing is written into a shard
+before its own scan.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from hsx.errors import Damage
 from hsx.progress import Progress
-from hsx.spec import RunSpec
+from hsx.spec import JobSpec
 from hsx.store import layout
 from hsx.store.quarantine import quarantine
 from hsx.store.scan import Problem, ShardScan, scan_run, scan_shard
@@ -44,7 +45,7 @@ class Summary:
     verified: Verified | None = None  # what the resume's verification read, and whether extraction waited for it
 
     @classmethod
-    def of(cls, run: Path, spec: RunSpec) -> Summary:
+    def of(cls, run: Path, spec: JobSpec) -> Summary:
         return cls(run, spec.plan.num_samples, spec.plan.num_tokens, 0, rejected=spec.plan.num_rejected)
 
     @property
@@ -92,14 +93,14 @@ def settle(run: Path, scan: ShardScan, summary: Summary) -> ShardScan:
     return scan
 
 
-def verify_shard(run: Path, spec: RunSpec, shard: int, deep: bool, summary: Summary) -> ShardScan:
+def verify_shard(run: Path, spec: JobSpec, shard: int, deep: bool, summary: Summary) -> ShardScan:
     """Scan and settle one shard (a scale-out worker's first step on each shard it is handed)."""
     ids = layout.shard_ids(shard, spec.shard_size, spec.plan.num_samples)
-    scan = scan_shard(run, shard, ids, deep, codec=spec.codec)
+    scan = scan_shard(run, shard, ids, deep, codec=spec.footprint().codec)
     return settle(run, scan, summary)
 
 
-def scan_all(run: Path, spec: RunSpec, deep: bool) -> list[ShardScan]:
+def scan_all(run: Path, spec: JobSpec, deep: bool) -> list[ShardScan]:
     """Every shard's scan (with a progress bar); an empty run costs no reads at all."""
     n = layout.num_shards(spec.plan.num_samples, spec.shard_size)
     shards_dir = run / layout.SHARDS
@@ -107,7 +108,12 @@ def scan_all(run: Path, spec: RunSpec, deep: bool) -> list[ShardScan]:
         return [ShardScan(s, layout.shard_ids(s, spec.shard_size, spec.plan.num_samples)) for s in range(n)]
     with Progress.simple(f"verifying ({'digests' if deep else 'headers'})", n) as bar:
         return scan_run(
-            run, spec.plan.num_samples, spec.shard_size, deep, on_shard=lambda _: bar.advance(), codec=spec.codec
+            run,
+            spec.plan.num_samples,
+            spec.shard_size,
+            deep,
+            on_shard=lambda _: bar.advance(),
+            codec=spec.footprint().codec,
         )
 
 
@@ -152,7 +158,7 @@ class Verifier:
     def __init__(
         self,
         run: Path,
-        spec: RunSpec,
+        spec: JobSpec,
         first: list[ShardScan],
         deep: bool,
         summary: Summary,
@@ -195,7 +201,7 @@ class Verifier:
                 deep=True,
                 shards=[s.shard for s in order],
                 on_shard=self._settled,
-                codec=self.spec.codec,
+                codec=self.spec.footprint().codec,
             )
         except _Stopped:
             pass

@@ -1,4 +1,5 @@
-"""The output volume: free space against what the rest of the run needs, and the disk guard.
+"""The output volume: free space against what the rest of a run needs, and the disk guard, for every
+job (an extraction's states, a generate run's conversations: ``spec.Footprint`` says what a token costs).
 
 Projection: every remaining token costs the run's ``bytes_per_token`` (its layers, hidden size and
 dtype) times the storage codec's ratio (``stored_ratio``: stored bytes per raw byte), every
@@ -29,11 +30,11 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from hsx.assess.checks import Check, size
 from hsx.errors import LowSpace, NotEnoughSpace
-from hsx.spec import RunSpec
+from hsx.spec import JobSpec
 from hsx.store.codec import Codec, prior_ratio
 from hsx.store.scan import ShardScan
+from hsx.units import size
 
 FILE_OVERHEAD = 3 << 10  # header (~0.6 KiB) + half a 4 KiB block of allocation rounding, on average
 INODE_HEADROOM = 16  # temp files of writes in flight, lock and metrics rewrites
@@ -96,31 +97,35 @@ class Measured:
         return Measured(self.files + other.files, self.raw + other.raw, self.stored + other.stored)
 
     @classmethod
-    def on_disk(cls, spec: RunSpec, lengths: np.ndarray, scans: list[ShardScan]) -> Measured:
+    def on_disk(cls, spec: JobSpec, lengths: np.ndarray, scans: list[ShardScan]) -> Measured:
         """The good files of a scan."""
         good = [r for s in scans for r in s.good.values()]
         tokens = int(lengths[[r.sample_id for r in good]].sum()) if good else 0
-        return cls(len(good), tokens * spec.bytes_per_token, sum(r.size for r in good))
+        return cls(len(good), tokens * spec.footprint().bytes_per_token, sum(r.size for r in good))
 
 
-def stored_ratio(spec: RunSpec, measured: Measured = Measured()) -> float:
-    """Stored bytes per raw byte to project a run's states with, erring high: 1 for raw, fp8's
-    exact ratio; for zstd 1.0 until ``MIN_FILES`` files are measured, then their ratio plus
-    ``MARGIN``, never above max(1, the ratio measured)."""
-    prior = prior_ratio(spec.codec, spec.state_itemsize, spec.model.hidden_size)
-    if spec.codec is not Codec.ZSTD or measured.files < MIN_FILES or measured.raw <= 0:
+def stored_ratio(spec: JobSpec, measured: Measured = Measured()) -> float:
+    """Stored bytes per raw byte to project a run's states with, erring high: 1 for raw (and for
+    files without states), fp8's exact ratio; for zstd 1.0 until ``MIN_FILES`` files are measured,
+    then their ratio plus ``MARGIN``, never above max(1, the ratio measured)."""
+    fp = spec.footprint()
+    if fp.codec is None:
+        return 1.0
+    prior = prior_ratio(fp.codec, fp.itemsize, fp.hidden_size)
+    if fp.codec is not Codec.ZSTD or measured.files < MIN_FILES or measured.raw <= 0:
         return prior
     r = measured.stored / measured.raw
     return min(r * (1 + MARGIN), max(1.0, r))
 
 
-def ratio_basis(spec: RunSpec, measured: Measured) -> str:
+def ratio_basis(spec: JobSpec, measured: Measured) -> str:
     """How ``stored_ratio`` was reached, for the projection's line."""
-    if spec.codec is Codec.RAW:
+    fp = spec.footprint()
+    if fp.codec in (None, Codec.RAW):
         return ""
     ratio = stored_ratio(spec, measured)
-    if spec.codec is not Codec.ZSTD:
-        return f"{spec.codec} stores {ratio:.3f} of raw"
+    if fp.codec is not Codec.ZSTD:
+        return f"{fp.codec} stores {ratio:.3f} of raw"
     if measured.files < MIN_FILES:
         return f"zstd at raw size until its ratio is measured on {MIN_FILES} files"
     return (
@@ -186,11 +191,12 @@ class Projection:
             )
         return "; ".join(parts)
 
-    def refusal(self, out: Path) -> str:
+    def refusal(self, out: Path, command: str = "extract") -> str:
+        """``command``: the job's (``hsx COMMAND --out OUT --allow-partial`` runs what fits)."""
         return (
             f"not enough space on {self.volume.mount} ({self.volume.fstype}) for this run: {self.shortfall()}.\n"
             f"Free space or move {out} to a larger volume; or run what fits now and resume later: "
-            f"hsx extract --out {out} --allow-partial"
+            f"hsx {command} --out {out} --allow-partial"
         )
 
 
@@ -223,44 +229,6 @@ def project(
     )
 
 
-def check(p: Projection, out: Path) -> Check:
-    """The volume line of ``hsx status``."""
-    v = p.volume
-    data = {
-        "mount": v.mount,
-        "fstype": v.fstype,
-        "device": v.device,
-        "total": v.total,
-        "free": v.free,
-        "projected_total": p.total_bytes,
-        "written": p.written_bytes,
-        "needed": p.needed_bytes,
-        "reserve": p.reserve,
-        "margin": p.margin,
-        "inodes_free": v.inodes_free,
-        "inodes_needed": p.needed_inodes,
-        "ratio_basis": p.basis,
-    }
-    figure = (
-        f"{v.fstype} {v.mount}: {size(v.free)} free of {size(v.total)}; rest of run needs "
-        f"{size(p.needed_bytes)} + {size(p.reserve)} reserve; margin {size(p.margin)}"
-        + (f" ({p.basis})" if p.basis else "")
-    )
-    if p.needed_bytes == 0:
-        return Check("volume", "ok", f"{v.fstype} {v.mount}: {size(v.free)} free; nothing left to write", data=data)
-    if not p.fits:
-        return Check(
-            "volume",
-            "fail",
-            figure if not p.inodes_short else f"{v.fstype} {v.mount}: {p.shortfall()}",
-            action=f"free space on {v.mount} ({p.shortfall()}), or resume what fits with --allow-partial",
-            data=data,
-        )
-    if p.margin < p.needed_bytes // 10:
-        return Check("volume", "warn", figure + " (under 10% headroom)", data=data)
-    return Check("volume", "ok", figure, data=data)
-
-
 def _nothing_yet() -> tuple[int, int, int]:
     return 0, 0, 0
 
@@ -287,17 +255,21 @@ class Forecast:
     undecided start is decided by the guard: it projects the rest once ``MIN_FILES`` are measured,
     and refuses then."""
 
-    spec: RunSpec
+    spec: JobSpec
     start: Start = Start()
     session: Callable[[], tuple[int, int, int]] = _nothing_yet
     decided: bool = field(default=False, init=False)
 
     def measured(self, session: tuple[int, int, int] | None = None) -> Measured:
         files, tokens, stored = session or self.session()
-        return self.start.on_disk + Measured(files, tokens * self.spec.bytes_per_token, stored)
+        return self.start.on_disk + Measured(files, tokens * self.spec.footprint().bytes_per_token, stored)
 
     def ratio(self) -> float:
         return stored_ratio(self.spec, self.measured())
+
+    def needed(self, left_tokens: int, left_files: int = 0) -> int:
+        """What ``left_files`` files of ``left_tokens`` tokens still take, at the ratio measured so far."""
+        return projected_bytes(left_tokens, left_files, self.spec.footprint().bytes_per_token, self.ratio())
 
     def decide(self, out: Path, reserve: int) -> None:
         """Once measured, project the rest of an undecided run: refuse (``NotEnoughSpace``) if it
@@ -310,9 +282,10 @@ class Forecast:
             return
         left_tokens = max(self.start.left_tokens - tokens, 0)
         left_files = max(self.start.left_files - files, 0)
+        fp = self.spec.footprint()
         proj = project(
             out,
-            self.spec.bytes_per_token,
+            fp.bytes_per_token,
             self.spec.plan.num_tokens,
             self.spec.plan.num_samples,
             left_tokens,
@@ -373,35 +346,38 @@ class Space:
 
 def plan_space(
     run: Path,
-    spec: RunSpec,
+    spec: JobSpec,
     lengths: np.ndarray,
     scans: list[ShardScan],
     allow_partial: bool,
     reserve: int | None,
     log: Callable[[str], None],
     measure_first: bool = False,
+    command: str = "extract",
 ) -> Space:
     """At start: print the projection, refuse when it does not fit. ``measure_first``: the caller
     hands the forecast to its guard, so a run whose ratio is still unmeasured (zstd) and whose raw
-    size does not fit starts and is judged on its first files (``Forecast.decide``)."""
+    size does not fit starts and is judged on its first files (``Forecast.decide``). ``command``:
+    the job's, in what the refusal tells to run."""
+    fp = spec.footprint()
     missing = np.asarray([i for s in scans for i in s.missing], dtype=np.int64)
     on_disk = Measured.on_disk(spec, lengths, scans)
     proj = project(
         run,
-        spec.bytes_per_token,
+        fp.bytes_per_token,
         spec.plan.num_tokens,
         spec.plan.num_samples,
         int(lengths[missing].sum()),
         len(missing),
         on_disk.stored,
-        largest_batch_bytes(spec.batch_tokens, int(lengths.max()), spec.bytes_per_token),
+        largest_batch_bytes(fp.batch_tokens, int(lengths.max()), fp.bytes_per_token),
         reserve,
         new_dirs=sum(1 for s in scans if not s.good and not s.problems),
         ratio=stored_ratio(spec, on_disk),
         basis=ratio_basis(spec, on_disk),
     )
     log(f"space: {proj.describe()}")
-    unmeasured = spec.codec is Codec.ZSTD and on_disk.files < MIN_FILES
+    unmeasured = fp.codec is Codec.ZSTD and on_disk.files < MIN_FILES
     undecided = False
     if proj.needed_bytes and not proj.fits:
         if unmeasured and measure_first and not allow_partial and not proj.inodes_short:
@@ -411,11 +387,11 @@ def plan_space(
                 f"judged again on its first {MIN_FILES} files"
             )
         elif not allow_partial:
-            raise NotEnoughSpace(proj.refusal(run))
+            raise NotEnoughSpace(proj.refusal(run, command))
         else:
             log(
-                f"warning: {proj.shortfall()}; --allow-partial: extracting until the volume is too full "
-                "to go on, then stopping cleanly"
+                f"warning: {proj.shortfall()}; --allow-partial: hsx {command} writes until the volume is too full "
+                "to go on, then stops cleanly"
             )
     start = Start(on_disk, undecided, int(lengths[missing].sum()), len(missing))
     return Space(proj.reserve, Forecast(spec, start))
