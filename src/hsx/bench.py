@@ -263,7 +263,7 @@ def run_bench(
     (compressed-tensors pack-quantized, group 32, from its own weights), expanded per layer.
     ``fp8``: then the same model as a block-FP8 checkpoint, on the last layout (not with
     ``int4_experts``: each rebuilds the model)."""
-    from hsx.extract.options import Resources
+    from hsx.extract.backends import Resources
     from hsx.extract.pipeline import Extractor
     from hsx.progress import Progress
     from hsx.store import layout

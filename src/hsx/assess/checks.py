@@ -1,7 +1,7 @@
 """The verdict vocabulary shared by every check: ok / warn / fail, and who must act on a fail.
 
-Exit codes follow from it: 0 when nothing is wrong (warnings allowed), 1 when ``hsx extract``
-redoes the damage by itself, 2 when a person must act before resuming.
+Exit codes follow from it (``errors.Exit``): 0 when nothing is wrong (warnings allowed), 1 when
+``hsx extract`` redoes the damage by itself, 2 when a person must act before resuming.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-Level = Literal["ok", "warn", "fail"]
+from hsx.errors import Exit
 
-EXIT_OK, EXIT_REDO, EXIT_ACT = 0, 1, 2
+Level = Literal["ok", "warn", "fail"]
 
 
 @dataclass
@@ -28,8 +28,8 @@ class Check:
     @property
     def exit_code(self) -> int:
         if self.level != "fail":
-            return EXIT_OK
-        return EXIT_REDO if self.redo else EXIT_ACT
+            return Exit.OK
+        return Exit.REDO if self.redo else Exit.ACT
 
     def to_json(self) -> dict:
         return {
@@ -45,7 +45,7 @@ class Check:
 
 
 def exit_code(checks: Iterable[Check]) -> int:
-    return max((c.exit_code for c in checks), default=EXIT_OK)
+    return max((c.exit_code for c in checks), default=Exit.OK)
 
 
 def skipped(name: str, why: str) -> Check:

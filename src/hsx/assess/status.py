@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from hsx.assess import gpus, integrity, model, pace, runspec, tally, volume, workers
-from hsx.assess.checks import EXIT_ACT, EXIT_REDO, Check, exit_code, skipped
-from hsx.errors import SpecError
+from hsx.assess.checks import Check, exit_code, skipped
+from hsx.errors import Exit, SpecError
 from hsx.generate.spec import GenerateSpec
 from hsx.job import space
 from hsx.spec import RunSpec, model_location, same_place
@@ -24,7 +24,7 @@ from hsx.store import layout
 from hsx.telemetry import read_history
 
 ORDER = ("gpus", "volume", "progress", "pace", "integrity", "model", "capture", "spec", "workers")
-VERDICTS = {0: "ok", EXIT_REDO: "redo", EXIT_ACT: "act"}
+VERDICTS = {Exit.OK: "ok", Exit.REDO: "redo", Exit.ACT: "act"}
 STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 
 
@@ -130,7 +130,7 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
 
 
 def _next_steps(report: Report, t: tally.Tally | None, given_model: str | None = None) -> None:
-    act = [c for c in report.checks if c.exit_code == EXIT_ACT]
+    act = [c for c in report.checks if c.exit_code == Exit.ACT]
     start = report.get("spec").data.get("start_command")
     if start is not None:  # a start that never became a run: nothing to resume, only to start again
         report.next = [f"nothing to resume; once the reason above is fixed, start it again: {start}"]
@@ -145,7 +145,7 @@ def _next_steps(report: Report, t: tally.Tally | None, given_model: str | None =
     if model.level == "fail" and model.data.get("found") is False:
         cmd += " --model NEW_PATH"
     report.next = [f"fix first: {c.name}: {c.action or c.figure}" for c in act]
-    redo = report.exit_code == EXIT_REDO
+    redo = report.exit_code == Exit.REDO
     finished = t is not None and t.complete and not t.complete_unsealed
     if finished and not redo:
         report.next.append(f"nothing to resume: all {t.samples_total:,} samples are done and verified")
@@ -165,7 +165,7 @@ def render(report: Report, console: Console) -> None:
     for line in report.next:
         console.print(escape(line), highlight=False)
     if report.resume:
-        label = "then resume" if report.exit_code == EXIT_ACT else "resume"
+        label = "then resume" if report.exit_code == Exit.ACT else "resume"
         console.print(f"[bold]{label}:[/] {escape(report.resume)}", highlight=False)
     verdict = {0: "[green]nothing wrong[/]", 1: "[yellow]hsx extract repairs this[/]", 2: "[red]act first[/]"}
     console.print(f"exit {report.exit_code}: {verdict[report.exit_code]}", highlight=False)

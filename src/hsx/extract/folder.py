@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hsx import target
-from hsx.errors import InputError, PlanError, Refused
+from hsx.errors import InputError, PlanError
+from hsx.extract import backends
 from hsx.extract.options import (
     DEFAULTS,
     ExtractOptions,
@@ -29,7 +30,6 @@ from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, differences, loa
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
-from hsx.store.format import FINAL_STATE
 
 
 def asked(opts: ExtractOptions) -> dict:
@@ -98,13 +98,8 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     device = opts.resources().device
     dtype = resolve_dtype(given(opts, "dtype"), device)
     packed = resolve_packing(opts.packing, device, target.load_config(model_dir), dtype, log)
-    backend, final_state = opts.backend or "transformers", FINAL_STATE
-    if backend == "vllm":
-        from hsx.capture.vllm import final_state as vllm_final_state  # vLLM is optional
-
-        final_state = vllm_final_state(model_dir)  # refuses a model whose final norm it cannot apply
-    elif backend != "transformers":
-        raise Refused(f"unknown backend {backend!r}: use transformers or vllm")
+    backend = opts.backend or "transformers"
+    final_state = backends.backend(backend).final_state(model_dir)  # vLLM refuses a final norm it cannot apply
     compiled = resolve_compile(opts.compile, device, backend)
     parallel = resolve_parallel(opts.tensor_parallel, opts.expert_parallel, target.load_config(model_dir), backend)
     compute = resolve_quantized_compute(opts.quantized_compute, model_dir, device, dtype, parallel, log)

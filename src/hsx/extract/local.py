@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from hsx import registry, target
 from hsx.errors import DiskFull
+from hsx.extract.backends import Session, backend, entry
 from hsx.extract.folder import open_run
 from hsx.extract.options import ExtractOptions
 from hsx.job.prologue import Prologue, locked
@@ -22,7 +23,7 @@ from hsx.spec import RunSpec
 from hsx.store.scan import ShardScan
 
 if TYPE_CHECKING:
-    from hsx.extract.pipeline import Peers
+    from hsx.extract.backends import Peers
 
 
 def extract_local(
@@ -45,37 +46,20 @@ def extract_local(
         summary.verified = verifier.stats
         progress.verified = verifier.stats.metrics
         try:
+            how = entry(spec.backend)
             todo: Iterable[ShardScan] = verifier.todo()  # the shards that miss samples, as they are settled
             work = True  # the headers say something is missing: load the model now, beside verification
-            if all(s.complete for s in headers) or spec.backend == "vllm":
-                todo = verifier.rest()  # nothing missing (or vLLM, which takes its work whole): no model yet
+            if all(s.complete for s in headers) or how.whole:
+                todo = verifier.rest()  # nothing missing (or a backend that takes its work whole): no model yet
                 work = bool(todo)
             if work:
-                resources = opts.resources()
                 model_dir = target.model_dir_for(run, spec, opts.model, checked=opts.model is not None)
-                if spec.backend == "vllm":
-                    from hsx.capture.vllm import run_shards_vllm  # vLLM is optional
-
-                    run_shards_vllm(
-                        run, spec, plan, model_dir, todo, progress, begun.space.reserve,
-                        opts.tensor_parallel_size or 1, opts.data_parallel_size or 1, begun.space.forecast,
-                    )  # fmt: skip
-                else:
-                    from hsx.capture.memory import check_run
-                    from hsx.extract.pipeline import Extractor, open_backend  # torch: only when there is work
-
-                    check_run(spec, model_dir, resources.device, log)  # before any rank loads a weight
-                    if peers is not None:
-                        peers.load()
-                    backend = open_backend(spec, model_dir, resources.device)
-                    extractor = Extractor(
-                        run, spec, plan, backend, resources, progress, begun.space.reserve, peers=peers,
-                        forecast=begun.space.forecast,
-                    )  # fmt: skip
-                    try:
-                        extractor.run_shards(todo)
-                    finally:
-                        extractor.close()
+                session = Session(
+                    run, spec, plan, model_dir, opts.resources(), progress, begun.space, log,
+                    opts.tensor_parallel_size or 1, opts.data_parallel_size or 1, peers,
+                )  # fmt: skip
+                backend(spec.backend).run(session, todo)  # torch or vLLM: imported only when there is work
+                if not how.whole:
                     _log_verified(verifier, log)
         except DiskFull as e:
             summary.written, summary.tokens_written, summary.bytes_written = progress.session()

@@ -1,7 +1,7 @@
 """What the operator asked ``hsx extract`` for, parsed once: ``ExtractOptions`` (the job's shared
 fields, ``job.options.JobOptions``, and extraction's own), their defaults and bounds (``EXTRACT``).
 
-Options live at the top of the job; stages below it get resolved values (``Resources``, a model
+Options live at the top of the job; stages below it get resolved values (``backends.Resources``, a model
 folder, a device), never the whole ``ExtractOptions``.
 """
 
@@ -15,12 +15,12 @@ from typing import ClassVar, Literal, get_args
 
 from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
+from hsx.extract.backends import BACKENDS, Resources
 from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions
 from hsx.spec import Parallel
 from hsx.store.codec import DEFAULT_CODEC, Codec
 
 Toggle = Literal["auto", "on", "off"]
-Backend = Literal["transformers", "vllm"]
 DEFAULTS = {"max_length": 4096, "batch_tokens": 16384, "shard_size": 1000, "dtype": "auto", "codec": DEFAULT_CODEC}
 EXTRACT = Bounds(
     **JOB.bounds,
@@ -32,19 +32,10 @@ EXTRACT = Bounds(
     data_parallel_size=AT_LEAST_ONE,
     workers=Bound(min=0),
     codec=Bound(choices=tuple(Codec)),
-    backend=Bound(choices=get_args(Backend)),
+    backend=Bound(choices=tuple(BACKENDS)),
     packing=Bound(choices=get_args(Toggle)),
     compile=Bound(choices=get_args(Toggle)),
 )
-
-
-@dataclass(frozen=True)
-class Resources:
-    """What one extracting process may use: its device, writer threads, host memory for writes."""
-
-    device: str
-    writers: int = 8
-    max_inflight_bytes: int = 4 << 30  # host memory for states not yet on disk (pinned staging on CUDA)
 
 
 @dataclass

@@ -99,7 +99,7 @@ def request_seed(seed: int, key: str, turn: int) -> int:
     return xxhash.xxh3_64_intdigest(f"{seed}/{key}/{turn}".encode()) & (2**63 - 1)
 
 
-class ConversationWriter:
+class ConversationLoop:
     """Keeps ``engine`` full with the turns of the missing conversations; writes each one whole."""
 
     def __init__(
@@ -270,7 +270,7 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                 t0 = time.monotonic()
                 progress.clock()
                 try:
-                    ConversationWriter(
+                    ConversationLoop(
                         spec, run, plan, engine, prompter, progress, begun.space.reserve, summary
                     ).run_shards(todo)
                 except DiskFull as e:  # the guard's reserve reached, or a real ENOSPC: every file whole or absent

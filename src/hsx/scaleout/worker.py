@@ -21,8 +21,8 @@ import numpy as np
 
 from hsx import registry, target
 from hsx.errors import DiskFull, HsxError, ModelChanged, Refused
-from hsx.extract.options import Resources
-from hsx.extract.pipeline import Extractor, Peers, open_backend
+from hsx.extract.backends import Peers, Resources
+from hsx.extract.pipeline import Extractor, open_backend
 from hsx.job.resume import Summary, verify_shard
 from hsx.job.space import Forecast, Start
 from hsx.lock import Holder
