@@ -20,7 +20,7 @@ LAYERS = [
     ("extract",),  # the extraction stage (it reads generate runs)
     ("scaleout",),  # extraction by Ray workers
     ("hsx.extract", "assess", "export", "data"),  # extract's dispatcher (local, group or scaleout), status, export
-    ("bench", "bench_generate", "bench_scale", "cli", "__main__"),  # benchmarks and the command line
+    ("bench", "cli", "__main__"),  # benchmarks and the command line
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
