@@ -391,3 +391,41 @@ def test_disk_advice_only_where_acting_on_it_would_matter(tmp_path, capsys, seco
     out = capsys.readouterr().out
     assert "10/10 done" in out
     assert ("a faster volume or more --writers" in out) is advice, out
+
+
+# ---------------------------------------------------------------- 9: text printed as it is; results on stdout
+
+
+def test_square_brackets_in_paths_and_messages_print_as_they_are(tmp_path, convs, finished_run, monkeypatch):
+    """Console markup would eat ``[v2]`` and ``[ray]``: paths are named as they are, in errors, in
+    progress lines and in the summary, and the refusal of --workers without Ray (a real environment
+    without it: a ``ray`` that does not import) says ``pip install 'hsx[ray]'``."""
+    monkeypatch.chdir(tmp_path)
+    data = shutil.copy(convs, tmp_path / "convs[v2].jsonl")
+    code, out = cli("extract", "--data", data, "--data", "./convs[v2].jsonl", "--out", tmp_path / "run")
+    assert code == 2 and f"--data names {data} twice (also as convs[v2].jsonl)" in out, out
+    run, model = tmp_path / "run[1]", tmp_path / "model[v2]"
+    shutil.copytree(finished_run, run)
+    shutil.copytree(TINY, model)
+    r = CliRunner().invoke(app, ["extract", "--out", str(run), "--model", str(model)])
+    assert r.exit_code == 0 and f"model: {model} matches the run's fingerprint" in r.stderr, r.output
+    assert f"run        {run}  (complete)" in r.stdout, r.output
+    no_ray = tmp_path / "no-ray"
+    (no_ray / "ray").mkdir(parents=True)
+    (no_ray / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    path = os.pathsep.join(p for p in (str(no_ray), os.environ.get("PYTHONPATH")) if p)
+    proc = hsx("extract", "--out", tmp_path / "new", "--workers", "1", check=False, env={"PYTHONPATH": path})
+    assert proc.returncode == 2 and proc.stderr.endswith("pip install 'hsx[ray]'\n"), proc.stderr
+
+
+def test_results_go_to_stdout_and_progress_to_stderr(finished_run, tmp_path):
+    """``hsx memory ... > plan.txt`` holds the plan (the shell's redirect: stdout alone)."""
+    plan = tmp_path / "plan.txt"
+    args = ["memory", "--model", str(TINY), "--gpus", "1", "--gpu-memory", "80"]
+    with plan.open("w") as f:
+        proc = subprocess.run([sys.executable, "-m", "hsx", *args], stdout=f, stderr=subprocess.PIPE, text=True)
+    assert proc.returncode == 0 and "memory per GPU" not in proc.stderr, proc.stderr
+    said = plan.read_text()
+    assert said.startswith("memory per GPU for TP1, ") and said.rstrip().endswith("fits"), said
+    r = CliRunner().invoke(app, ["vocab", str(finished_run), "--size", "48", "--dest", str(tmp_path / "vocab")])
+    assert r.exit_code == 0 and r.stdout.startswith("vocab      48 of 2048 tokens") and not r.stderr, r.output
