@@ -429,3 +429,45 @@ def test_results_go_to_stdout_and_progress_to_stderr(finished_run, tmp_path):
     assert said.startswith("memory per GPU for TP1, ") and said.rstrip().endswith("fits"), said
     r = CliRunner().invoke(app, ["vocab", str(finished_run), "--size", "48", "--dest", str(tmp_path / "vocab")])
     assert r.exit_code == 0 and r.stdout.startswith("vocab      48 of 2048 tokens") and not r.stderr, r.output
+
+
+def _values_not_default(cls, bounds: Bounds, tmp_path: Path) -> dict:
+    """A value other than its default for every field of ``cls`` that has an option, within its bound."""
+    from dataclasses import fields
+    from typing import get_type_hints
+
+    from hsx.run.options import NOT_FLAGS
+
+    values, hints = {}, get_type_hints(cls)
+    for f in fields(cls):
+        hint, bound = str(hints[f.name]), bounds.bounds.get(f.name)
+        if f.name in NOT_FLAGS:
+            continue
+        if bound is not None and bound.choices:
+            values[f.name] = next(c for c in reversed(bound.choices) if c != f.default)
+        elif hint == "<class 'bool'>":
+            values[f.name] = not f.default
+        else:
+            by_type = {"list[pathlib.Path]": [tmp_path / "a.jsonl", tmp_path / "b.jsonl"], "list[int]": [1, 5],
+                       "list[str]": ["http://127.0.0.1:1", "http://127.0.0.1:2"], "Path": tmp_path / f.name,
+                       "dict": {"enable_thinking": False}, "int": 3, "float": 0.5, "str": "org/name"}  # fmt: skip
+            values[f.name] = next(v for t, v in by_type.items() if t in hint)
+    return values
+
+
+@pytest.mark.parametrize("verb", ["extract", "generate"])
+def test_every_field_of_a_jobs_options_is_an_option_and_a_printed_command_parses_back_to_it(
+    tmp_path, monkeypatch, verb
+):
+    """The parser is made from the options dataclass, ``command_line`` writes a command back from
+    it: every field given (none at its default) survives the round trip, so an option added to the
+    dataclass is on the command line and in every command hsx prints."""
+    from hsx.cli import jobs
+    from hsx.generate.options import GENERATE, GenerateOptions
+
+    cls, bounds = {"extract": (ExtractOptions, EXTRACT), "generate": (GenerateOptions, GENERATE)}[verb]
+    given = cls(**_values_not_default(cls, bounds, tmp_path))
+    built = []
+    monkeypatch.setattr(jobs, "run_job", lambda verb, stage, out, model, build: built.append(build()))
+    code, out = cli(*shlex.split(given.command())[1:])
+    assert code == 0 and built == [given], out

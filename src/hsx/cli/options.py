@@ -125,7 +125,9 @@ def parameters(
     for f in fields(cls):
         if f.name in NOT_FLAGS:
             continue
-        flag = flags.get(f.name) or FLAGS[f.name]
+        flag = flags.get(f.name) or FLAGS.get(f.name)
+        if flag is None:
+            raise TypeError(f"{cls.__name__}.{f.name}: no entry in hsx.cli.options.FLAGS (or NOT_FLAGS if no option)")
         typed, default = flag.typed or hints[f.name], f.default
         if get_origin(typed) is Literal:
             typed = str
