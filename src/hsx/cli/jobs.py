@@ -69,7 +69,6 @@ def extract(opts: ExtractOptions, log: Callable[[str], None]):
     GenerateOptions,
     GENERATE,
     GENERATE_DEFAULTS | asdict(SAMPLING),
-    out=Flag("Generate run folder (created, or resumed if it holds hsx.json).", "DIR"),
     backend=Flag("What generates (new run)."),
     max_length=Flag("Prompt + completion of a turn at most."),
     shard_size=Flag("Conversations per shard folder."),
