@@ -59,7 +59,7 @@ def bench(
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     if generate:
-        from hsx.bench_generate import generate_table, run_generate_bench
+        from hsx.bench.generate import generate_table, run_generate_bench
 
         with failures():
             results, same = run_generate_bench(
@@ -67,7 +67,7 @@ def bench(
             )
         print(generate_table(results, same))
         return
-    from hsx.bench import run_bench, table
+    from hsx.bench.extract import run_bench, table
 
     with failures():
         results = run_bench(

@@ -39,6 +39,7 @@ import numpy as np
 import psutil
 import torch
 
+from hsx.bench.codec import CodecResult, measure_states
 from hsx.capture import varlen
 from hsx.capture.transformers import TransformersBackend
 from hsx.fingerprint import ModelFingerprint, digest_json
@@ -46,7 +47,6 @@ from hsx.plan import Sample, batches_for
 from hsx.run.options import Toggle, check_device, default_device
 from hsx.spec import ModelIdentity, PlanIdentity, RunSpec, TokenizerIdentity, now, who
 from hsx.store.codec import Codec
-from hsx.store.codec_bench import CodecResult, measure_states
 from hsx.store.format import SampleTensors
 
 LLAMA_8B = dict(
