@@ -11,10 +11,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import typer
+from rich.console import Console
 from rich.text import Text
 
 from hsx.errors import CleanStop, DiskFull, Exit, HsxError
 from hsx.progress import console
+
+# status's and verify's checklist on stdout: its colours are markup, its text escaped (assess.status)
+checklist = Console(highlight=False, soft_wrap=True)
 
 
 def log(message: str) -> None:

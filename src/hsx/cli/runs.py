@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from hsx.cli.options import RUN, TO, AllowIncomplete, Deep, Json, MovedModel, RunFolder, TargetVocab, Threads
-from hsx.cli.output import failures, log, print_summary
+from hsx.cli.output import checklist, failures, log, print_summary
 
 
-def status(out: RunFolder, deep: Deep = False, json_out: Json = False, threads: Threads = 8, model: MovedModel = None):
+def status(
+    out: RunFolder, deep: Deep = False, json_out: Json = False, threads: Threads = 8, model: MovedModel = None
+) -> None:
     """Is it safe to resume? One line per item: GPUs, volume, progress, pace, integrity, model, capture, spec, workers.
 
     Exit 0: nothing wrong; 1: damage that hsx extract redoes by itself; 2: a person must act first.
@@ -25,7 +26,7 @@ def status(out: RunFolder, deep: Deep = False, json_out: Json = False, threads: 
     if json_out:
         print(json.dumps(report.to_json(), indent=1))
     else:
-        render(report, Console(highlight=False, soft_wrap=True))
+        render(report, checklist)
     raise typer.Exit(report.exit_code)
 
 
@@ -47,8 +48,7 @@ def verify(
     if json_out:
         print(json.dumps(result.to_json(), indent=1))
     else:
-        stdout = Console(highlight=False, soft_wrap=True)
-        render_check(result.check, stdout)
+        render_check(result.check, checklist)
         if result.moved:
             n = len(result.redo_ids())
             print(f"next: {resume_command(out, command=result.command)}  # redoes {n} samples")
