@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
 
-console = Console(stderr=True, soft_wrap=True)
+# text, never markup: a square bracket in a path or message prints as it is (hsx[ray], convs[v2].jsonl)
+console = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
 
 
 class Progress:

@@ -24,6 +24,9 @@ from hsx.store.quarantine import quarantine
 from hsx.store.scan import Problem, ShardScan, scan_run, scan_shard
 from hsx.store.writer import seal
 
+# the disk-pace advice of a summary: only for a run this long, whose forward pass waited this share of it
+DISK_ADVICE_RUN_S, DISK_ADVICE_SHARE = 60.0, 0.05
+
 
 @dataclass
 class Summary:
@@ -55,6 +58,37 @@ class Summary:
     @property
     def complete(self) -> bool:
         return self.done == self.total_samples
+
+    def lines(self) -> list[str]:
+        """What the run did, as ``hsx extract`` prints it; the disk-pace advice only where acting
+        on it changes the run's time materially."""
+        rate = f" ({self.tokens_written / self.seconds:,.0f} tok/s)" if self.seconds > 0 and self.tokens_written else ""
+        mb = self.bytes_written / 1e6
+        lines = [
+            f"run        {self.run}  ({'complete' if self.complete else 'incomplete'})",
+            f"samples    {self.done}/{self.total_samples} done, {self.written} written now, "
+            f"{self.already_done} were already verified",
+            f"written    {self.tokens_written:,} tokens, {mb:,.1f} MB in {self.seconds:.1f}s{rate}",
+            f"rejected   {self.rejected} input rows (see {self.run / layout.REJECTS})",
+        ]
+        if self.seconds > DISK_ADVICE_RUN_S and self.waited_for_disk > DISK_ADVICE_SHARE * self.seconds:
+            lines.append(
+                f"disk       the model waited {self.waited_for_disk:.1f}s ({self.waited_for_disk / self.seconds:.0%}) "
+                "for writes to finish: writing, not the forward pass, set the pace (a faster volume or more --writers)"
+            )
+        v = self.verified
+        if v is not None and v.files:
+            waited = f"extraction waited {v.waited:.1f}s for it"
+            then = waited if self.written else "nothing to extract: no model loaded"
+            read = f"{v.bytes / 1e9:,.2f} GB in {v.seconds:.1f}s ({v.rate / 1e9:.2f} GB/s)"
+            lines.append(f"verified   {v.files:,} files, {read}; {then}")
+        if self.redone:
+            lines.append("redone     " + ", ".join(f"{n} {k}" for k, n in sorted(self.redone.items())))
+        if self.stray_removed or self.quarantined:
+            lines.append(
+                f"cleaned    {self.stray_removed} stray temp files removed, {self.quarantined} files quarantined"
+            )
+        return lines
 
     def add(self, other: Summary) -> None:
         """Fold a worker's tally of its shards into the job's."""
