@@ -69,7 +69,7 @@ def test_loss_mask_is_exactly_assistant_content_and_end_of_turn(template, pieces
     tok = _tokenizer(template)
     tokenize = Tokenize(tok, max_length=10_000)
     for conv in _convs():
-        sample = tokenize(conv)
+        (sample,) = tokenize(conv).samples
         ids, mask = _expected(tok, pieces(conv.turns))
         assert sample.input_ids.tolist() == ids.tolist()
         assert sample.loss_mask.tolist() == mask.tolist()
@@ -79,8 +79,8 @@ def test_loss_mask_is_exactly_assistant_content_and_end_of_turn(template, pieces
 def test_truncation_is_marked_and_a_mask_without_assistant_tokens_is_rejected():
     tok = _tokenizer()
     conv = _convs()[-2]  # six turns
-    full = Tokenize(tok, 10_000)(conv)
-    cut = Tokenize(tok, 20)(conv)
+    (full,) = Tokenize(tok, 10_000)(conv).samples
+    (cut,) = Tokenize(tok, 20)(conv).samples
     assert cut.truncated and len(cut.input_ids) == 20
     assert cut.input_ids.tolist() == full.input_ids[:20].tolist()
     long_question = Conversation(Source("x", 0, ""), (Turn("user", "word " * 200), Turn("assistant", "ok")))
@@ -95,7 +95,7 @@ def test_plan_round_trip_and_fingerprint(tmp_path):
     plan = Plan(tmp_path)
     assert rejects == [] and len(plan) == len(convs) == info.num_samples
     assert plan.fingerprint() == info.fingerprint
-    direct = Tokenize(tok, 64)(convs[3])
+    (direct,) = Tokenize(tok, 64)(convs[3]).samples
     assert plan.input_ids(3).tolist() == direct.input_ids.tolist()
     assert plan.loss_mask(3).tolist() == direct.loss_mask.tolist()
     assert int(plan.lengths.sum()) == info.num_tokens
