@@ -158,7 +158,7 @@ def _json(value: object, what: str) -> object:
     try:
         return json.loads(value)
     except ValueError as e:
-        raise ValueError(f"{what} is not JSON ({e})") from None
+        raise ValueError(f"{what}: not valid JSON ({e})") from None
 
 
 def _call(raw: object, where: str) -> ToolCall:
@@ -171,7 +171,7 @@ def _call(raw: object, where: str) -> ToolCall:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: a tool call has no function name")
     args = fn.get("arguments", fn.get("parameters"))
-    args = {} if args is None else _json(args, f"{where}: the arguments of the call to {name!r}")
+    args = {} if args is None else _json(args, f"{where}: arguments of the call to {name!r}")
     if not isinstance(args, dict):
         raise ValueError(f"{where}: the arguments of the call to {name!r} are a {type(args).__name__}, not an object")
     return ToolCall(name, json.dumps(args, ensure_ascii=False), str(raw.get("id") or ""))
@@ -252,11 +252,7 @@ def _turns(raw: list, role_key: str, text_key: str, list_key: str) -> tuple[list
             raise ValueError(f"{where} is a {type(item).__name__}, not an object")
         said = str(item.get(role_key, "")).lower()
         if said in CALL_ROLES:  # ShareGPT function-call datasets: the assistant's call(s) as a JSON turn
-            value = item.get(text_key)
-            try:
-                calls = _calls(value, where)
-            except ValueError as e:
-                raise ValueError(f"{where}: a '{said}' turn holds no JSON call ({e})") from None
+            calls = _calls(_json(item.get(text_key), f"{where}: a '{said}' turn"), where)
             last = turns[-1] if turns else None
             if last is not None and last.role == "assistant" and not last.tool_calls:  # its text, then its calls
                 turns[-1] = Turn("assistant", last.content, last.reasoning, calls)
