@@ -213,6 +213,17 @@ def _openai(*turns, **row) -> dict:
 
 
 CALL = {"id": "c1", "function": {"name": "f", "arguments": "{}"}}
+SAID, CALLED = {"from": "human", "value": "q"}, {"from": "gpt", "value": "Let me look."}
+CALLS = {"from": "function_call", "value": '{"name": "f", "arguments": {"x": 1}}'}
+RESULTS = [CALLS, {"from": "observation", "value": "r"}, {"from": "observation", "value": "r"}]
+
+
+def test_a_call_turn_right_after_the_assistants_text_is_that_turns_call():
+    row = {"conversations": [SAID, CALLED, *RESULTS[:2], {"from": "gpt", "value": "done"}]}
+    conv = normalize(row, Source("f", 0, ""))
+    assert [t.role for t in conv.turns] == ["user", "assistant", "tool", "assistant"]
+    assert conv.turns[1] == Turn("assistant", "Let me look.", tool_calls=(ToolCall("f", '{"x": 1}'),))
+    assert conv.turns[2] == Turn("tool", "r", name="f")
 
 
 @pytest.mark.parametrize(
@@ -223,6 +234,8 @@ CALL = {"id": "c1", "function": {"name": "f", "arguments": "{}"}}
         ("broken-call-id", "turn 2: a tool result for call id 'c9', which no open call has"),
         ("broken-function-call", "turn 1: a 'function_call' turn: not valid JSON"),
         ("broken-extra-result", "turn 3: more tool results than the 1 call(s) before them"),
+        ({"system": "S", "conversations": [SAID, CALLED, *RESULTS]},  # the row's numbering, whatever joins
+         "turn 4: more tool results than the 1 call(s) before them"),
         (_openai({"role": "assistant", "content": "a"}, {"role": "user", "content": "q", "thinking": "t"}),
          "turn 2: a user turn holds reasoning"),
         (_openai({"role": "assistant", "content": None, "refusal": "I can't."}),

@@ -243,8 +243,11 @@ def _metadata(raw: dict, known: set[str], prefix: str) -> set[str]:
     return {prefix + str(k) for k, v in raw.items() if k not in known and _given(v)}
 
 
-def _turns(raw: list, role_key: str, text_key: str, list_key: str) -> tuple[list[Turn], set[str]]:
+def _turns(raw: list, role_key: str, text_key: str, list_key: str) -> tuple[list[Turn], list[int], set[str]]:
+    """The turns, the row's index of each (for reasons: a call turn may join the text before it),
+    and the metadata fields the messages hold."""
     turns: list[Turn] = []
+    at: list[int] = []
     ignored: set[str] = set()
     for i, item in enumerate(raw):
         where = f"turn {i}"
@@ -258,27 +261,29 @@ def _turns(raw: list, role_key: str, text_key: str, list_key: str) -> tuple[list
                 turns[-1] = Turn("assistant", last.content, last.reasoning, calls)
             else:
                 turns.append(Turn("assistant", "", "", calls))
+                at.append(i)
             ignored |= _metadata(item, {role_key, text_key}, f"{list_key}[].")
             continue
         role = (OPENAI_ROLES if list_key == "messages" else ROLES).get(said)
         if role is None:
             raise ValueError(f"{where}: unknown role {item.get(role_key)!r}")
         turns.append(_turn(item, role, text_key, where))
+        at.append(i)
         used = {role_key, text_key, *UNSUPPORTED, *REASONING, "tool_calls", "function_call"}
         if role == "tool":
             used |= {"tool_call_id", "name"}
         ignored |= _metadata(item, used, f"{list_key}[].")
-    return turns, ignored
+    return turns, at, ignored
 
 
-def _paired(turns: list[Turn]) -> list[Turn]:
+def _paired(turns: list[Turn], at: list[int]) -> list[Turn]:
     """Each tool result paired with a call of the assistant turn before it: by id, else by name, else
     in order; its missing ``name`` / ``tool_call_id`` are the call's (templates render them). Where
     that turn writes its calls in its text (Hermes, ToolACE datasets), results stay as given."""
     out: list[Turn] = []
     caller: Turn | None = None
     open_calls: list[ToolCall] = []
-    for i, turn in enumerate(turns):
+    for i, turn in zip(at, turns, strict=True):
         if turn.role == "assistant":
             caller, open_calls = turn, list(turn.tool_calls)
         elif turn.role != "tool":
@@ -329,7 +334,8 @@ def normalize(row: object, source: Source) -> Conversation | Reject:
     if not row[list_key]:
         return Reject(source, "empty conversation")
     try:
-        turns, ignored = _turns(row[list_key], role_key, text_key, list_key)
+        turns, at, ignored = _turns(row[list_key], role_key, text_key, list_key)
+        turns = _paired(turns, at)
         tools = _tools(row.get("tools") if _given(row.get("tools")) else row.get("functions"))
         system = row.get("system")
         if _given(system):  # a row-level system prompt (LLaMA-Factory's ShareGPT, ToolACE)
@@ -339,7 +345,6 @@ def normalize(row: object, source: Source) -> Conversation | Reject:
                     raise ValueError("a row-level 'system' and a system turn that differ")
             else:
                 turns.insert(0, Turn("system", system))
-        turns = _paired(turns)
     except ValueError as e:
         return Reject(source, str(e))
     if not any(t.role == "assistant" for t in turns):
