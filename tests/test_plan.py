@@ -128,6 +128,17 @@ TEMPLATES = {
     "deepseekv3": ("tool_chat_template_deepseekv3.jinja", ("<｜end▁of▁sentence｜>",)),
     "hyperclovax": ("tool_chat_template_hyperclovax_seed_think_14b.jinja", ("<|endofturn|>", "<|stop|>")),
 }
+
+
+def _starts(name: str, t: Turn) -> str:
+    """What the target writes first in turn ``t`` under template ``name`` (read off the templates)."""
+    if name == "hyperclovax":  # after its prompt "<|im_start|>assistant"
+        return f"/think\n{t.reasoning}" if t.reasoning else "\n" + t.content if t.content else " -> tool/function_call"
+    if t.tool_calls:
+        return "<tool_call>" if name == "hermes" else t.content + "<｜tool▁calls▁begin｜>"
+    return t.content
+
+
 MARKERS = ("USERQ", "SYSP", "TOOLRES", "TOOLDESC")  # in every user, system, tool result and tool schema of the data
 
 
@@ -168,6 +179,8 @@ def test_masks_hold_what_the_target_generates_and_nothing_else(name):
         assert len(runs) == len(assistant), conv.source.id  # parallel calls of one turn: one run
         masked = "".join(runs)
         assert all(r.rstrip().endswith(ends) for r in runs), (conv.source.id, runs)
+        for t in assistant:  # each run starts where the target starts writing (a token may carry blanks before)
+            assert any(r.lstrip(" ").startswith(_starts(name, t).lstrip(" ")) for r in runs), (conv.source.id, runs)
         assert not any(m in masked for m in MARKERS), (conv.source.id, masked)
         text = tok.decode(np.concatenate([s.input_ids for s in done.samples]).tolist())
         for t in conv.turns:  # the context is rendered, unmasked (a marker's phrase survives JSON escaping)
