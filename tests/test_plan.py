@@ -221,6 +221,12 @@ def test_a_turn_the_template_renders_otherwise_later_gets_a_sample_of_its_own():
     assert _runs(tok, own) == ["/think\nSeventeen threes: thirty plus twenty-one gives fifty-one.<|im_end|>\n"
                                "<|im_start|>assistant\n51.<|im_end|><|endofturn|>"]  # fmt: skip
     assert "Seventeen" not in tok.decode(full.input_ids.tolist())
+    # a limit that the last turn starts at: the whole conversation has nothing left to extract,
+    # the first turn's own sample still has its turn; the lost turn is counted, not dropped silently
+    limit = int(np.argmax(full.loss_mask))
+    cut = Tokenize(tok, limit)(conv)
+    assert cut.notes.counts == {"own_sample_turns": 1, "past_max_length_turns": 1}
+    assert [s.input_ids.tolist() for s in cut.samples] == [own.input_ids[:limit].tolist()]
     assert _runs(tok, full) == ["/think\nFifty-one and nine make sixty.<|im_end|>\n"
                                 "<|im_start|>assistant\n60.<|im_end|><|endofturn|>"]  # fmt: skip
 
@@ -242,6 +248,10 @@ def test_the_plan_counts_what_the_template_leaves_out_and_names_metadata(tmp_pat
     assert len(thinking) == 4 and len(calling) == 4 and len(tool_rows) == 4
     assert info.ignored_fields == {"category": 2, "messages[].name": 1, "messages[].weight": 1, "subcategory": 1}
     assert Plan(tmp_path).info == info  # recorded with the plan
+    meta = tmp_path / "plan" / "plan.json"
+    old = {k: v for k, v in json.loads(meta.read_text()).items() if k not in ("rendering", "ignored_fields")}
+    meta.write_text(json.dumps(old))  # a plan written before hsx counted: read, with nothing counted
+    assert (Plan(tmp_path).info.rendering, Plan(tmp_path).info.ignored_fields) == ({}, {})
     lines = info.summary()
     assert "4 assistant turns' reasoning the chat template does not render" in lines
     assert "4 assistant turns' tool calls the chat template does not render" in lines
