@@ -7,7 +7,7 @@ import pytest
 
 from conftest import TINY, conversations
 from hsx.input import Conversation, Source, Turn, normalize, read_conversations, to_message
-from hsx.plan import Plan, Tokenize, batches_for, tokenize_all, write_plan
+from hsx.plan import Notes, Plan, Tokenize, batches_for, tokenize_all, write_plan
 from hsx.target import load_tokenizer
 from hsx.tinymodel import LLAMA3_TEMPLATE
 
@@ -259,3 +259,13 @@ def test_the_plan_counts_what_the_template_leaves_out_and_names_metadata(tmp_pat
         "metadata fields no template reads, not rendered: category (2 rows), messages[].name (1 rows), "
         "messages[].weight (1 rows), subcategory (1 rows)"
     )
+    # a template that renders no tool turn: every tool result is counted
+    skipping = (
+        "{% for m in messages %}{% if m.role != 'tool' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tokenize = Tokenize(_tokenizer(skipping), 4096)
+    counted = sum(
+        n.counts.get("tool_results_unrendered", 0) for n in tokenize_all(convs, tokenize) if isinstance(n, Notes)
+    )
+    assert counted == sum(t.role == "tool" for c in convs for t in c.turns) == 8
