@@ -77,6 +77,10 @@ class PlanIdentity(BaseModel):
     num_tokens: int
     num_truncated: int
     num_rejected: int
+    # what the chat template did not render or rendered in samples of their own, by hsx.plan.COUNTS
+    # key, and metadata fields -> rows holding them; empty in runs made before hsx counted them
+    rendering: dict[str, int] = {}
+    ignored_fields: dict[str, int] = {}
 
 
 class Parallel(BaseModel):

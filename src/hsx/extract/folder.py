@@ -153,6 +153,8 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
             num_tokens=info.num_tokens,
             num_truncated=info.num_truncated,
             num_rejected=len(rejects),
+            rendering=info.rendering,
+            ignored_fields=info.ignored_fields,
         ),
     )
     spec.save(opts.out)  # last: its presence means the run exists
@@ -161,6 +163,8 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
         f"{len(rejects)} rejected (see {layout.REJECTS})"
     )
+    for line in info.summary():
+        log(f"plan: {line}")
     return spec
 
 
