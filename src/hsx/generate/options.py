@@ -2,24 +2,23 @@
 
 ``None`` means "not given": a new run takes ``DEFAULTS``, a resume takes the spec's value, and a
 value given on a resume must equal the spec's (``spec.generate_differences``). Each option's range
-is declared once (``GENERATE``): the command line enforces it while parsing, and
-``GenerateOptions.__post_init__`` refuses the same values for a Python caller before anything is read.
+is declared once (``GENERATE``, the shared ones in ``job.options.JOB``): the command line enforces
+it while parsing, and ``GenerateOptions.__post_init__`` refuses the same values for a Python caller
+before anything is read.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
 from hsx.generate.engine import Sampling
 from hsx.generate.engines import ENGINES, EngineSettings
-from hsx.progress import LOG_EVERY
-from hsx.run.options import AT_LEAST_ONE, EXTRACT, command_line
-from hsx.telemetry import Telemetry
+from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions
 
 DEFAULTS = {
     "backend": "transformers",
@@ -32,6 +31,7 @@ DEFAULTS = {
 }
 SAMPLING = Sampling()  # its defaults: greedy, 2048 new tokens at most
 GENERATE = Bounds(
+    **JOB.bounds,
     backend=Bound(choices=tuple(ENGINES)),
     turns=Bound(choices=("all", "last")),
     temperature=Bound(min=0.0),
@@ -41,14 +41,9 @@ GENERATE = Bounds(
     samples_per_prompt=Bound(min=1, max=1000),
     seed=Bound(min=0, max=2**63 - 1),
     max_length=Bound(min=2),  # a prompt token and a new one
-    shard_size=AT_LEAST_ONE,
-    dtype=EXTRACT.bounds["dtype"],
-    tensor_parallel_size=AT_LEAST_ONE,
     concurrency=AT_LEAST_ONE,
     server_api=Bound(choices=("openai", "sglang")),
     max_pending=AT_LEAST_ONE,
-    metrics_port=EXTRACT.bounds["metrics_port"],
-    log_every=EXTRACT.bounds["log_every"],
     server_timeout=Bound(min=0.0, min_open=True),
     server_retries=AT_LEAST_ONE,
     server_backoff=Bound(min=0.0),
@@ -69,10 +64,11 @@ def template_kwargs(text: str | None) -> dict | None:
 
 
 @dataclass
-class GenerateOptions:
-    out: Path
-    model: str | None = None
-    data: list[Path] = field(default_factory=list)
+class GenerateOptions(JobOptions):
+    COMMAND: ClassVar[str] = "generate"
+    UNIT: ClassVar[str] = "conversations"
+    BOUNDS: ClassVar[Bounds] = GENERATE
+
     backend: str | None = None
     turns: str | None = None  # all | last
     temperature: float | None = None
@@ -82,16 +78,7 @@ class GenerateOptions:
     samples_per_prompt: int | None = None
     seed: int | None = None
     template_kwargs: dict | None = None
-    max_length: int | None = None
-    shard_size: int | None = None
-    dtype: str | None = None
-    device: str | None = None
-    trust_remote_code: bool = False
-    deep_verify: bool = True
-    allow_partial: bool = False
-    reserve_bytes: int | None = None
     # how this session reaches its engine: not part of the spec
-    tensor_parallel_size: int | None = None
     servers: list[str] = field(default_factory=list)
     concurrency: int | None = None
     server_api: str | None = None  # openai | sglang (None: found out per server)
@@ -100,19 +87,6 @@ class GenerateOptions:
     server_timeout: float | None = None  # seconds one request may take (None: the server backend's default)
     server_retries: int | None = None  # tries of a request on one server before it counts as a failure
     server_backoff: float | None = None  # first wait between tries, doubling (up to 30 s)
-    metrics_port: int | None = None
-    metrics_textfile: Path | None = None
-    log_every: float = LOG_EVERY  # seconds between progress lines off a terminal
-
-    def __post_init__(self) -> None:
-        GENERATE.check(self)
-        if self.out.is_file():
-            raise OptionError(f"--out {self.out} is a file, not a run folder: name a new or empty folder, or a run")
-
-    def command(self) -> str:
-        """The ``hsx generate`` command that asks for exactly these options: what a start that did
-        not become a run prints to start it again."""
-        return command_line("generate", self)
 
     def sampling_given(self) -> dict:
         """The sampling options given on the command line, by the spec's names."""
@@ -170,6 +144,3 @@ class GenerateOptions:
                 if (v := getattr(self, f"server_{k}")) is not None
             },
         )
-
-    def telemetry(self, metrics: Callable[[], dict]) -> Telemetry:
-        return Telemetry(self.out, metrics, self.metrics_port, self.metrics_textfile)
