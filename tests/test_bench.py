@@ -55,3 +55,19 @@ def test_bench_measures_every_variant_in_one_run(tmp_path):
     assert all(float(v[3].replace(",", "")) > 0 and float(v[4].replace(",", "")) > 0 for v in codecs.values())
     assert [v[-1] for v in codecs.values()] == ["-", "host", "host"]  # where encoded: on CPU all on the host
     assert list(tmp_path.iterdir()) == []  # it cleans up after itself
+
+
+def test_pick_names_the_smallest_codec_that_keeps_pace_with_raw():
+    """The bench's advice: zstd where it writes at >= 0.97x raw's rate, raw where it does not; fp8
+    named beside it only where it keeps pace."""
+    from hsx.bench.extract import Result, pick
+    from hsx.store.codec import Codec
+
+    def row(codec, seconds, ratio):
+        return Result(f"hsx extract ({codec})", 1000, seconds, codec=codec, stored_ratio=ratio)
+
+    fast = [row(Codec.RAW, 1.0, 1.0), row(Codec.ZSTD, 1.02, 0.69), row(Codec.FP8, 0.99, 0.5)]
+    assert pick(fast).startswith("pick here: --codec zstd (lossless, 0.690x raw's bytes at 0.980x its tok/s)")
+    assert "lossy: --codec fp8 keeps pace at 0.500x" in pick(fast)
+    slow = [row(Codec.RAW, 1.0, 1.0), row(Codec.ZSTD, 1.2, 0.69), row(Codec.FP8, 1.1, 0.5)]
+    assert pick(slow) == "pick here: --codec raw (lossless); under 0.97x raw's tok/s: zstd 0.833x, fp8 0.909x"
