@@ -113,10 +113,9 @@ def build_rank(config, experts: str, device: torch.device):
     if experts == "fp8":
         from hsx.bench.extract import to_block_fp8
 
-        for layer in model.model.layers:  # one layer at a time: the bf16 experts of all never coexist
-            to_block_fp8(layer)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        to_block_fp8(model)  # built bf16 first: a subset of layers (--layers) keeps that within one GPU
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return model.eval()
 
 
