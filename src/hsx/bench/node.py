@@ -146,7 +146,7 @@ def sync(device: torch.device) -> None:
 
 def run(args) -> NodeEstimate:
     from hsx.bench.extract import lognormal_lengths
-    from hsx.capture import default_layers
+    from hsx.capture import default_layers, varlen
     from hsx.capture.transformers import TransformersBackend
 
     device = torch.device(args.device)
@@ -164,7 +164,8 @@ def run(args) -> NodeEstimate:
         f"{time.perf_counter() - t0:.0f} s",
         flush=True,
     )
-    backend = TransformersBackend(model, default_layers(built), packed=True, compiled=cuda)
+    backend = TransformersBackend(model, default_layers(built), compiled=cuda)
+    backend.set_packed(True)  # one padding-free row per batch, on the varlen attention kernel
     lengths = lognormal_lengths(args.samples, args.mean_len, args.min_len, args.max_len, seed=1)
     rng = np.random.default_rng(0)
     rows = [[rng.integers(0, config.vocab_size, n) for n in b] for b in batches(lengths, args.batch_tokens)]
@@ -173,6 +174,7 @@ def run(args) -> NodeEstimate:
         backend.forward(backend.inputs(row))
     sync(device)
     print(f"warm-up ({args.warm_up} batches, compiling) {time.perf_counter() - t0:.0f} s", flush=True)
+    calls = dict(varlen.CALLS)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     timed = rows[args.warm_up :]
@@ -181,6 +183,8 @@ def run(args) -> NodeEstimate:
         backend.forward(backend.inputs(row))
     sync(device)
     seconds = time.perf_counter() - t0
+    kernel, single = (varlen.CALLS[k] - calls[k] for k in ("kernel", "per_sample"))
+    print(f"timed: {len(timed)} batches; packed attention ran {kernel} varlen-kernel and {single} per-sample calls")
     tokens = sum(len(s) for row in timed for s in row)
     dense = int(text.get("first_k_dense_replace", 0))
     scale = layers / built
