@@ -427,7 +427,8 @@ def export_cmd(
     console.print(
         f"exported   {s.samples} samples to {s.dest} ({s.to}): {s.written} written now, {s.already_done} already done\n"
         f"files      {s.files}, {s.bytes / 1e6:,.1f} MB in {s.seconds:.1f}s; manifest hsx-export.json\n"
-        f"final      {s.final_state}{err}",
+        f"final      {s.final_state}{err}\n"
+        f"train      {s.train}",
         highlight=False,
     )
 
