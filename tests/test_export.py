@@ -281,7 +281,7 @@ def test_speculators_exports_a_custom_layer_run_without_datasets_and_names_its_l
     s = hsx_samples(runs["last"])[0]
     exported = load_file(dest / "hidden_states" / "hs_0.safetensors")["hidden_states"]
     ref = reference(s["input_ids"])
-    states = ref["states"][:-1] + [ref["pre"]]  # transformers' last entry is after the final norm
+    states = [*ref["states"][:-1], ref["pre"]]  # transformers' last entry is after the final norm
     assert ids == [2, 4, 8]
     for slot, k in enumerate(ids):
         assert torch.allclose(exported[:, slot], states[k], atol=1e-5), (slot, k)

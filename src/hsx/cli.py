@@ -162,7 +162,16 @@ def extract(
     ] = None,
     data: Annotated[
         list[Path] | None,
-        typer.Option(metavar="FILE", help="Conversations: .jsonl, .json or .parquet; repeatable, each file once."),
+        typer.Option(
+            metavar="FILE",
+            help="Conversations: .jsonl, .json or .parquet, a datasets folder or a cached Hugging Face dataset "
+            "name; repeatable, each once.",
+        ),
+    ] = None,
+    split: Annotated[str | None, typer.Option(help="The split of a Hugging Face dataset --data.")] = None,
+    limit: Annotated[int | None, EXTRACT.option("limit", help="Only the first N rows of the data.")] = None,
+    threads: Annotated[
+        int | None, EXTRACT.option("threads", help="CPU: torch threads.", show_default="torch's")
     ] = None,
     layers: Annotated[
         str | None,
@@ -290,6 +299,9 @@ def extract(
             out=out,
             model=model,
             data=list(data or []),
+            split=split,
+            limit=limit,
+            threads=threads,
             layers=_layers(layers),
             max_length=max_length,
             batch_tokens=batch_tokens,
@@ -581,7 +593,20 @@ def generate(
     ] = None,
     data: Annotated[
         list[Path] | None,
-        typer.Option(metavar="FILE", help="Conversations: .jsonl, .json or .parquet; repeatable (new run)."),
+        typer.Option(
+            metavar="FILE",
+            help="Conversations: .jsonl, .json or .parquet, a datasets folder or a cached Hugging Face dataset "
+            "name; repeatable (new run).",
+        ),
+    ] = None,
+    split: Annotated[str | None, typer.Option(help="The split of a Hugging Face dataset --data.")] = None,
+    limit: Annotated[int | None, GENERATE.option("limit", help="Only the first N rows of the data.")] = None,
+    drop: Annotated[
+        list[str] | None,
+        typer.Option(metavar="empty,length", help="Reject conversations with an empty or length-cut answer."),
+    ] = None,
+    threads: Annotated[
+        int | None, GENERATE.option("threads", help="transformers on CPU: torch threads.", show_default="torch's")
     ] = None,
     backend: Annotated[
         str | None, GENERATE.option("backend", help="What generates (new run).", show_default=GEN["backend"])
@@ -716,6 +741,10 @@ def generate(
             out=out,
             model=model,
             data=list(data or []),
+            split=split,
+            limit=limit,
+            drop=[x for v in drop or [] for x in v.split(",") if x] if drop else None,
+            threads=threads,
             backend=backend,
             turns=turns,
             temperature=temperature,

@@ -17,7 +17,7 @@ from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
 from hsx.generate.engine import Sampling
 from hsx.generate.engines import ENGINES, EngineSettings
-from hsx.run.options import AT_LEAST_ONE, EXTRACT, command_line
+from hsx.run.options import AT_LEAST_ONE, EXTRACT, check_device, check_vllm, command_line
 from hsx.telemetry import Telemetry
 
 DEFAULTS = {
@@ -47,7 +47,10 @@ GENERATE = Bounds(
     server_api=Bound(choices=("openai", "sglang")),
     max_pending=AT_LEAST_ONE,
     metrics_port=EXTRACT.bounds["metrics_port"],
+    limit=AT_LEAST_ONE,
+    threads=AT_LEAST_ONE,
 )
+DROPS = ("empty", "length")  # --drop: answers rejected rather than kept (an empty one; one cut at the length limit)
 
 
 def template_kwargs(text: str | None) -> dict | None:
@@ -68,6 +71,10 @@ class GenerateOptions:
     out: Path
     model: str | None = None
     data: list[Path] = field(default_factory=list)
+    split: str | None = None  # of the Hugging Face datasets among data (new run; part of the spec)
+    limit: int | None = None  # only the first rows of the data, over all sources (new run; in the spec)
+    drop: list[str] | None = None  # of DROPS: such answers reject their conversation, with the reason (spec)
+    threads: int | None = None  # transformers on CPU: torch's threads (None: torch's own choice)
     backend: str | None = None
     turns: str | None = None  # all | last
     temperature: float | None = None
@@ -99,6 +106,12 @@ class GenerateOptions:
         GENERATE.check(self)
         if self.out.is_file():
             raise OptionError(f"--out {self.out} is a file, not a run folder: name a new or empty folder, or a run")
+        if unknown := [d for d in self.drop or [] if d not in DROPS]:
+            raise OptionError(f"--drop takes {', '.join(DROPS)} (comma-separated), not {', '.join(unknown)}")
+        if self.device is not None:
+            check_device(self.device)
+        if self.backend == "vllm":
+            check_vllm("--backend vllm")
 
     def command(self) -> str:
         """The ``hsx generate`` command that asks for exactly these options: what a start that did
@@ -148,6 +161,7 @@ class GenerateOptions:
             trust_remote_code=trust_remote_code,
             dtype=dtype,
             device=self.device,
+            threads=self.threads,
             seed=seed,
             max_length=max_length,
             stop_ids=stop_ids,

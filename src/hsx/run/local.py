@@ -17,7 +17,7 @@ from hsx.lock import RunLock
 from hsx.plan import load_plan
 from hsx.progress import Progress
 from hsx.run.folder import open_run, record_model, remove_stray_temps
-from hsx.run.options import ExtractOptions
+from hsx.run.options import ExtractOptions, set_threads
 from hsx.run.resume import Summary, Verifier, scan_all
 from hsx.spec import RunSpec
 from hsx.store.scan import ShardScan
@@ -79,6 +79,7 @@ def extract_local(
                     check_run(spec, model_dir, resources.device, log)  # before any rank loads a weight
                     if peers is not None:
                         peers.load()
+                    set_threads(opts.threads, resources.device)
                     backend = open_backend(spec, model_dir, resources.device)
                     extractor = Extractor(
                         run, spec, plan, backend, resources, progress, reserve, peers=peers, forecast=space.forecast

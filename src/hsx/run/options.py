@@ -34,6 +34,8 @@ EXTRACT = Bounds(
     tensor_parallel_size=AT_LEAST_ONE,
     data_parallel_size=AT_LEAST_ONE,
     workers=Bound(min=0),
+    limit=AT_LEAST_ONE,
+    threads=AT_LEAST_ONE,
     metrics_port=Bound(min=1, max=65535),
     dtype=Bound(choices=("auto", "bfloat16", "float16", "float32")),
     codec=Bound(choices=tuple(Codec)),
@@ -57,6 +59,9 @@ class ExtractOptions:
     out: Path
     model: str | None = None
     data: list[Path] = field(default_factory=list)
+    split: str | None = None  # of the Hugging Face datasets among data (a new run's; part of the spec)
+    limit: int | None = None  # only the first rows of the data, over all sources (a new run's; in the spec)
+    threads: int | None = None  # CPU: torch's threads (None: torch's own choice)
     layers: list[int] | None = None
     max_length: int | None = None
     batch_tokens: int | None = None
@@ -89,6 +94,10 @@ class ExtractOptions:
         EXTRACT.check(self)
         if self.out.is_file():
             raise OptionError(f"--out {self.out} is a file, not a run folder: name a new or empty folder, or a run")
+        if self.device is not None and not self.workers:  # Ray workers' devices are theirs, not this machine's
+            check_device(self.device)
+        if self.backend == "vllm":
+            check_vllm("--backend vllm")
         seen: dict[Path, Path] = {}
         for path in map(Path, self.data):
             first = seen.setdefault(path.resolve(), path)
@@ -130,7 +139,8 @@ def command_line(verb: str, opts) -> str:
             args += [flag, json.dumps(value)]
         elif isinstance(value, list):
             for item in value:
-                args += [flag, str(Path(item).absolute()) if f.name == "data" else item]
+                local = f.name == "data" and Path(item).exists()  # a dataset's name stays as given
+                args += [flag, str(Path(item).absolute()) if local else item]
         elif f.name == "model" and Path(value).expanduser().exists():
             args += [flag, str(Path(value).expanduser().absolute())]
         else:
@@ -145,7 +155,9 @@ def check_device(device: str) -> None:
     try:
         d = torch.device(device)
     except (RuntimeError, ValueError):
-        raise OptionError(f"--device takes cpu, cuda or cuda:N, not {device!r}") from None
+        d = None
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise OptionError(f"--device takes cpu, cuda or cuda:N, not {device!r}")
     if d.type != "cuda":
         return
     if not torch.cuda.is_available():
@@ -154,6 +166,21 @@ def check_device(device: str) -> None:
     n = torch.cuda.device_count()
     if d.index is not None and d.index >= n:
         raise OptionError(f"--device {device}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+
+
+def check_vllm(what: str) -> None:
+    """vLLM is installed, or ``what`` is refused by name before anything is written."""
+    if importlib.util.find_spec("vllm") is None:
+        raise OptionError(f"{what} needs vLLM, which is not installed here: pip install vllm (see docs/vllm.md)")
+
+
+def set_threads(threads: int | None, device: str) -> None:
+    """``--threads``: torch's CPU threads for this process's model (on a shared machine torch's default,
+    one per core, can run many times slower than one); None keeps torch's choice."""
+    if threads is not None and device == "cpu":
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def default_device() -> str:
