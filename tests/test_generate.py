@@ -6,6 +6,7 @@ ids, and the tokenizer's ``apply_chat_template`` on the dataset's and the genera
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -28,6 +29,7 @@ from conftest import (
     flip_byte,
     hsx,
     kill_after_new_files,
+    require,
     run_files,
     save_tiny,
     verified_files,
@@ -487,3 +489,42 @@ def test_a_volume_that_fills_stops_cleanly_then_resumes_identical(gen_run, tmpfs
     assert f"{CONVS - done} written now (0 of them rejected), {done} were already verified" in resumed.stdout
     assert run_files(out) == run_files(reference)
     assert (out / "rejects.jsonl").read_bytes() == (reference / "rejects.jsonl").read_bytes()
+
+
+def test_a_datasets_folder_split_limit_drop_and_threads(tmp_path, one_thread):
+    """--data a save_to_disk folder with --split and --limit 3: the first 3 rows only, recorded in the
+    spec (a resume asking for another limit is refused); --drop length rejects each conversation at
+    its first answer cut by the length limit, with that reason; --threads sets torch's threads."""
+    from hsx.generate.record import GeneratedTurn
+
+    datasets = require("datasets")
+    folder = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(conversations(5))}).save_to_disk(str(folder))
+    out = tmp_path / "gen"
+    torch.set_num_threads(2)
+    opts = _opts(out, model=str(TINY), data=[folder], split="train", limit=3, drop=["length"], max_new_tokens=3)
+    summary = generate(dataclasses.replace(opts, threads=1), log=lambda m: None)
+    assert torch.get_num_threads() == 1
+    records = _records(out)
+    assert [r.source.row for r in records] == [0, 1, 2]
+    for rec in records:
+        cut = [t for t in rec.turns if t.finish_reason == "length"]
+        assert rec.ok == (not cut)
+        if cut:  # generation stopped there: the cut answer is the last one
+            (t,) = cut
+            assert rec.turns[-1].message == t.message
+            assert rec.reason == f"turn {t.message}: the generated answer was cut at the length limit (--drop length)"
+    assert summary.rejected_now == sum(not r.ok for r in records) > 0
+    rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert sorted(r["reason"] for r in rejects) == sorted(r.reason for r in records if not r.ok)
+    (data,) = json.loads((out / "hsx.json").read_text())["data"]
+    assert (data["split"], data["limit"]) == ("train", 3)
+    assert json.loads((out / "hsx.json").read_text())["drop"] == ["length"]
+    with pytest.raises(Refused, match="content, order, split or limit"):
+        generate(dataclasses.replace(opts, limit=4), log=lambda m: None)
+
+    from hsx.generate.job import dropped
+
+    empty = GeneratedTurn(3, np.zeros(1, np.int32), np.zeros(1, np.int32), "stop", " \n")
+    assert dropped(empty, ["empty"]) == "turn 3: the generated answer is empty (--drop empty)"
+    assert dropped(empty, ["length"]) is None and dropped(empty, []) is None

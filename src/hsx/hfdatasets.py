@@ -8,8 +8,8 @@ of the split read (what ``datasets`` itself keeps), so a changed cache or folder
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import xxhash
@@ -47,16 +47,25 @@ def _datasets():
     return datasets
 
 
+@contextmanager
+def offline(ds) -> Iterator[None]:
+    """``datasets`` and ``huggingface_hub`` in offline mode for one call (their flags are read per
+    call; the environment variable only at import): a dataset comes from the local cache or not at all."""
+    import huggingface_hub.constants as hub
+
+    before = ds.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    ds.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        ds.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = before
+
+
 def load(path: Path, split: str | None):
     """The ``datasets.Dataset`` of ``path`` (its ``split``): from the folder, or from the local cache.
     Refused with the reason: not cached, no such split, or a choice of splits to make."""
     name = str(path)
-    os.environ["HF_HUB_OFFLINE"] = "1"  # read before datasets and huggingface_hub are first imported
     ds = _datasets()
-    ds.config.HF_HUB_OFFLINE = True  # and at each call, where they were imported already
-    import huggingface_hub.constants
-
-    huggingface_hub.constants.HF_HUB_OFFLINE = True
     if is_folder(path):
         try:
             data = ds.load_from_disk(name)
@@ -64,7 +73,8 @@ def load(path: Path, split: str | None):
             raise InputError(f"{name}: not a readable datasets folder ({e})") from e
     else:
         try:
-            data = ds.load_dataset(name)
+            with offline(ds):
+                data = ds.load_dataset(name)
         except Exception as e:
             raise InputError(
                 f"{name}: no such data file or datasets folder, and no dataset of that name in the local "
