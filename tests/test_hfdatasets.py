@@ -119,3 +119,17 @@ def test_without_datasets_a_dataset_is_refused_naming_the_extra(folder, monkeypa
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(InputError, match=r"needs the datasets package: pip install 'hsx\[datasets\]'"):
         check_source(folder, "train")
+
+
+def test_extract_plans_the_first_rows_of_a_datasets_split(folder, tmp_path):
+    import json
+
+    from conftest import TINY
+    from hsx.extract import ExtractOptions, extract
+
+    out = tmp_path / "run"
+    opts = ExtractOptions(out=out, model=str(TINY), data=[folder], split="test", limit=1, device="cpu", threads=1)
+    extract(opts, log=lambda m: None)
+    spec = json.loads((out / "hsx.json").read_text())
+    assert spec["plan"]["num_samples"] == 1 and spec["plan"]["num_rejected"] == 0
+    assert (spec["data"][0]["split"], spec["data"][0]["limit"]) == ("test", 1)

@@ -819,15 +819,25 @@ def memory(
     max_length: Annotated[int, MEMORY.option("max_length", help="Longest sample.")] = 4096,
     gpus: Annotated[int | None, MEMORY.option("gpus", help="GPUs on the node.", show_default="this node's")] = None,
     gpu_memory: Annotated[
-        float | None, MEMORY.option("gpu_memory", help="GB of memory per GPU.", show_default="this node's")
+        float | None,
+        MEMORY.option(
+            "gpu_memory", help="GB (10^9 bytes) per GPU: an H200 is 150.7 (143,771 MiB).", show_default="this node's"
+        ),
     ] = None,
 ) -> None:
     """Per-GPU memory of a parallel layout, from config.json and the safetensors headers (no weight read)."""
+    import torch
+
     from hsx import target
     from hsx.capture import memory as mem
+    from hsx.run.options import check_gpus, resolve_parallel
 
     with failures():
         model_dir = target.resolve(model)
+        # the layout checks an extraction makes (heads, experts, GPUs of the node), before any arithmetic
+        parallel = resolve_parallel(tensor_parallel, expert_parallel, target.load_config(model_dir), "transformers")
+        if node := gpus if gpus is not None else torch.cuda.device_count():  # unknown on a machine without GPUs
+            check_gpus(parallel, node)
         form = experts if experts != "auto" else mem.expert_form(model_dir, "cuda", dtype)
         layout = mem.Layout(tensor_parallel, expert_parallel, form, dtype, batch_tokens, max_length)
         device = None if gpu_memory is None else int(gpu_memory * mem.GB)

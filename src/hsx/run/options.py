@@ -236,6 +236,12 @@ def resolve_parallel(tensor: int | None, expert: int | None, config: dict, backe
     return parallel
 
 
+def check_gpus(parallel: Parallel, gpus: int) -> None:
+    """One GPU per rank of a replica, on one node: refused where the node has fewer."""
+    if gpus < parallel.ranks:
+        raise OptionError(f"the run is laid over {parallel.ranks} GPUs ({parallel}); the node has {gpus}")
+
+
 def resolve_quantized_compute(
     asked: str | None, model_dir: Path, device: str, dtype: str, parallel: Parallel, log: Callable[[str], None]
 ) -> str | None:
