@@ -371,6 +371,19 @@ def test_status_and_verify_assess_a_generate_run_and_a_resume_redoes_the_damage(
     assert result.exit_code == 1 and result.redo_ids() == [5]
     report = assess(gen, deep=True)
     assert report.exit_code == 1 and report.resume == f"hsx generate --out {gen}"
+    said = " ".join(CliRunner().invoke(app, ["status", str(gen), "--deep"]).output.split())
+    assert "hsx generate repairs this" in said and "hsx generate redoes these samples" in said, said
+    assert "no hsx generate process running" in said and "hsx extract" not in said and "extractor" not in said
+    r = CliRunner().invoke(app, ["generate-export", str(gen), str(tmp_path / "e.jsonl")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and f"conversation file {bad} (conversation 5) is damaged (corrupt" in said, said
+    assert f"hsx verify {gen} --repair, then hsx generate --out {gen}, then this export again" in said
+    assert not (tmp_path / "e.jsonl").exists() and not list(tmp_path.glob(".e.jsonl*"))
+    from hsx.errors import Locked
+    from hsx.lock import RunLock
+
+    with RunLock(gen, "generate", warn=lambda m: None), pytest.raises(Locked, match="another hsx generate process"):
+        generate(_opts(gen), log=lambda m: None)
     summary = generate(_opts(gen), log=lambda m: None)
     assert summary.written == 1 and summary.redone == {"corrupt": 1}
     assert run_files(gen) == run_files(gen_run[1])

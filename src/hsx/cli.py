@@ -469,8 +469,10 @@ def vocab(
 
 def _bench_generate(model: str | None, prompts: int, max_new_tokens: int, tp: int, workdir: Path | None) -> None:
     from hsx.bench_generate import generate_table, run_generate_bench
+    from hsx.run.options import check_vllm
 
     with failures():
+        check_vllm("hsx bench --generate")
         results, same = run_generate_bench(
             model, prompts, max_new_tokens, tensor_parallel_size=tp, workdir=workdir, log=lambda m: None
         )
