@@ -468,7 +468,7 @@ def vocab(
 
 
 def _bench_generate(model: str | None, prompts: int, max_new_tokens: int, tp: int, workdir: Path | None) -> None:
-    from hsx.bench_generate import generate_table, run_generate_bench
+    from hsx.bench.generate import generate_table, run_generate_bench
     from hsx.run.options import check_vllm
 
     with failures():
@@ -527,7 +527,7 @@ def bench(
     ] = 1,
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
-    from hsx.bench import run_bench, table
+    from hsx.bench.extract import run_bench, table
     from hsx.run.options import check_device, default_device
 
     if generate:

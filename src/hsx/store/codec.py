@@ -29,7 +29,7 @@
   2^-8 for bf16 (total 3.96%), 2^-11 for fp16. Values above amax / 28672 (e4m3's normal range) also
   err by at most 2^-4 (6.25%) of themselves. Measured on random-normal rows [2000, 3*4096] bf16:
   max 3.57% of amax in float32 and 3.77% in bf16; RMS error 2.6% of the row's RMS
-  (``hsx.store.codec_bench``).
+  (``hsx.bench.codec``).
 """
 
 from __future__ import annotations

@@ -39,13 +39,13 @@ import numpy as np
 import psutil
 import torch
 
+from hsx.bench.codec import CodecResult, measure_states
 from hsx.capture import varlen
 from hsx.capture.transformers import TransformersBackend
 from hsx.fingerprint import ModelFingerprint, digest_json
 from hsx.plan import Sample, batches_for
 from hsx.spec import ModelIdentity, PlanIdentity, RunSpec, TokenizerIdentity, now, who
 from hsx.store.codec import Codec
-from hsx.store.codec_bench import CodecResult, measure_states
 from hsx.store.format import SampleTensors
 
 LLAMA_8B = dict(

@@ -205,7 +205,7 @@ def row(t: Timed) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m hsx.bench_scale", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m hsx.bench.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=40000)
     p.add_argument("--tokens", type=int, default=16, help="tokens per sample (the file size follows)")
     p.add_argument("--shard-size", type=int, default=2000)
