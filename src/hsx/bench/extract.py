@@ -575,4 +575,28 @@ def table(results: list[Result]) -> str:
                 f"{e.encode_mbs:>15,.0f} {e.encode_mbs_n:>15,.0f} {e.encode_mbs_n / n:>8,.0f} {e.decode_mbs:>9,.0f} "
                 f"{r.encoded_on or '-':>10}"
             )
+        rows.append(pick(coded))
     return "\n".join(rows)
+
+
+KEEPS_PACE = 0.97  # a codec worth its bytes here writes at >= this fraction of raw's tok/s
+
+
+def pick(coded: list[Result]) -> str:
+    """Which codec to choose on this machine, from the codec rows of one run: the fewest bytes among
+    the lossless codecs that keep pace with raw (``KEEPS_PACE``), and fp8 beside it where it keeps
+    pace too (lossy: its error bound must suit the trainer)."""
+    raw = next(r for r in coded if r.codec is Codec.RAW)
+    pace = [r for r in coded if r.codec is Codec.RAW or r.rate >= KEEPS_PACE * raw.rate]
+    lossless = min((r for r in pace if r.codec is not Codec.FP8), key=lambda r: r.stored_ratio)
+    text = f"pick here: --codec {lossless.codec} (lossless"
+    if lossless is not raw:
+        text += f", {lossless.stored_ratio:.3f}x raw's bytes at {lossless.rate / raw.rate:.3f}x its tok/s"
+    text += ")"
+    slow = [f"{r.codec} {r.rate / raw.rate:.3f}x" for r in coded if r not in pace]
+    if slow:
+        text += f"; under {KEEPS_PACE}x raw's tok/s: {', '.join(slow)}"
+    fp8 = next((r for r in pace if r.codec is Codec.FP8), None)
+    if fp8 is not None:
+        text += f"; lossy: --codec fp8 keeps pace at {fp8.stored_ratio:.3f}x the bytes"
+    return text

@@ -18,7 +18,7 @@ from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
 from hsx.generate.engine import Sampling
 from hsx.generate.engines import ENGINES, EngineSettings
-from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions
+from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm
 
 DEFAULTS = {
     "backend": "transformers",
@@ -48,6 +48,7 @@ GENERATE = Bounds(
     server_retries=AT_LEAST_ONE,
     server_backoff=Bound(min=0.0),
 )
+DROPS = ("empty", "length")  # --drop: answers rejected rather than kept (an empty one; one cut at the length limit)
 
 
 def template_kwargs(text: str | None) -> dict | None:
@@ -69,6 +70,7 @@ class GenerateOptions(JobOptions):
     UNIT: ClassVar[str] = "conversations"
     BOUNDS: ClassVar[Bounds] = GENERATE
 
+    drop: list[str] | None = None  # of DROPS: such answers reject their conversation, with the reason (spec)
     backend: str | None = None
     turns: str | None = None  # all | last
     temperature: float | None = None
@@ -87,6 +89,15 @@ class GenerateOptions(JobOptions):
     server_timeout: float | None = None  # seconds one request may take (None: the server backend's default)
     server_retries: int | None = None  # tries of a request on one server before it counts as a failure
     server_backoff: float | None = None  # first wait between tries, doubling (up to 30 s)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if unknown := [d for d in self.drop or [] if d not in DROPS]:
+            raise OptionError(f"--drop takes {', '.join(DROPS)} (comma-separated), not {', '.join(unknown)}")
+        if self.device is not None:
+            check_device(self.device)
+        if self.backend == "vllm":
+            check_vllm("--backend vllm")
 
     def sampling_given(self) -> dict:
         """The sampling options given on the command line, by the spec's names."""
@@ -131,6 +142,7 @@ class GenerateOptions(JobOptions):
             trust_remote_code=trust_remote_code,
             dtype=dtype,
             device=self.device,
+            threads=self.threads,
             seed=seed,
             max_length=max_length,
             stop_ids=stop_ids,
