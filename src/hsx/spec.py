@@ -304,12 +304,14 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
         have = ", ".join(d.name for d in stored.data)
         if names != have:
             out.append(f"data: {names} differ from the run's data ({have}) in content, order, split or limit")
-        elif stored.generate_spec is not None:  # the same generate run, which wrote or lost files since
+        elif (
+            getattr(stored, "generate_spec", None) is not None
+        ):  # the same generate run, which wrote or lost files since
             then, now = stored.data[0].size, data[0].size
             out.append(
                 f"data: the generate run {have} changed since this run was planned ({then} conversation "
                 f"files then, {now} now); an extraction takes a generate run as it was: extract it into a new run"
             )
         else:
-            out.append(f"data: {have} changed since the run was planned (content, split or limit)")
+            out.append(f"data: {have} is not what the run read: it differs in content, order, split or limit")
     return out
