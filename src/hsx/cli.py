@@ -629,6 +629,10 @@ def generate(
             show_default="none",
         ),
     ] = None,
+    tool_parser: Annotated[
+        str | None,
+        GENERATE.option("tool_parser", help="How the target's calls are read.", show_default="response template"),
+    ] = None,
     max_length: Annotated[
         int | None,
         GENERATE.option(
@@ -724,6 +728,7 @@ def generate(
             samples_per_prompt=samples_per_prompt,
             seed=seed,
             template_kwargs=parse_kwargs(template_kwargs),
+            tool_parser=tool_parser,
             max_length=max_length,
             shard_size=shard_size,
             dtype=dtype,

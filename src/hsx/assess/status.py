@@ -16,10 +16,11 @@ from rich.markup import escape
 
 from hsx.assess import gpus, integrity, model, pace, runspec, tally, volume, workers
 from hsx.assess.checks import EXIT_ACT, EXIT_REDO, Check, exit_code, skipped
-from hsx.errors import SpecError
+from hsx.errors import BadFile, SpecError
 from hsx.generate.spec import GenerateSpec
 from hsx.spec import RunSpec, model_location, same_place
 from hsx.store import layout
+from hsx.store.format import read_header
 from hsx.telemetry import read_history
 
 ORDER = ("gpus", "volume", "progress", "pace", "integrity", "model", "capture", "spec", "workers")
@@ -93,6 +94,26 @@ def _projection(run: Path, spec: RunSpec | GenerateSpec, plan, t: tally.Tally, l
     )
 
 
+def _conversation_ends(run: Path, spec: GenerateSpec, scans, check: Check) -> None:
+    """A generate run's done conversations that ended early (a tool call the dataset has no result
+    for) or were rejected, counted from their headers, onto the progress line."""
+    counts = {"ended": 0, "rejected": 0}
+    for scan in scans:
+        for cid in scan.good:
+            try:
+                meta = read_header(layout.sample_path(run, cid, spec.shard_size)).metadata
+            except (OSError, BadFile):
+                continue  # changed since the scan: the next scan says so
+            counts["ended"] += meta.get("ended") == "true"
+            counts["rejected"] += meta.get("status") == "rejected"
+    check.data |= {"conversations_ended": counts["ended"], "conversations_rejected": counts["rejected"]}
+    if any(counts.values()):
+        check.details.append(
+            f"conversations: {counts['ended']} ended at a tool call the dataset has no result for, "
+            f"{counts['rejected']} rejected (each with its reason in {layout.REJECTS} once the session ends)"
+        )
+
+
 def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | None = None) -> Report:
     """``given_model``: ``hsx status --model PATH``, checked against the fingerprint instead of
     where the run looks for its model."""
@@ -112,6 +133,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         t = tally.tally(result.scans, spec.plan.num_samples, spec.plan.num_tokens, plan.lengths if plan else None)
         checks["integrity"] = integrity.check(result)
         checks["progress"] = tally.check(t)
+        if isinstance(spec, GenerateSpec):
+            _conversation_ends(run, spec, result.scans, checks["progress"])
         checks["pace"] = pace.check(pace.pace(read_history(run)), t.complete)
         left_tokens = t.tokens_left
         if t.tokens_done is None:  # plan unreadable: assume average-length samples are left

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hsx import target
 from hsx.errors import InputError, PlanError, Refused
+from hsx.generate import toolcalls
 from hsx.generate.engine import Engine
 from hsx.generate.options import GenerateOptions
 from hsx.generate.plan import plan_rows, write_gen_plan
@@ -37,7 +38,9 @@ def asked(opts: GenerateOptions) -> dict:
         out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
     if opts.data:
         out["data"] = [DataFile.of(p) for p in opts.data]
-    for key in ("max_length", "shard_size", "backend", "seed", "turns", "samples_per_prompt", "template_kwargs"):
+    for key in (
+        "max_length", "shard_size", "backend", "seed", "turns", "samples_per_prompt", "template_kwargs", "tool_parser"
+    ):  # fmt: skip
         out[key] = getattr(opts, key)
     return out
 
@@ -123,12 +126,14 @@ def _jsonl(rejects: list[Reject]) -> bytes:
 def create_spec(opts: GenerateOptions, plan: PlanIdentity, engine: Engine) -> GenerateSpec:
     """The spec of a new run, saved last: from now on the folder is a run."""
     model_dir = target.resolve(opts.model)
+    tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
     spec = GenerateSpec(
         created=now(),
         created_by=who(),
         model=target.identity(opts.model, model_dir),
-        tokenizer=target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code)),
+        tokenizer=target.tokenizer_identity(tokenizer),
         template_kwargs=opts.template_kwargs or {},
+        tool_parser=toolcalls.choose(tokenizer, opts.tool_parser),
         engine=EngineIdentity(name=engine.name, version=engine.version),
         sampling=SamplingSpec.of(opts.sampling()),
         seed=opts.get("seed"),

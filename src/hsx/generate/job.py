@@ -31,15 +31,17 @@ import xxhash
 from hsx import target
 from hsx.assess import volume
 from hsx.errors import BadFile, CaptureFailed, CleanStop, DiskFull, LowSpace, NotEnoughSpace
+from hsx.generate.dialogue import Dialogue
 from hsx.generate.engine import Completion, Engine, Request, Sampling
 from hsx.generate.engines import EngineSettings, open_engine
 from hsx.generate.folder import PLAN_REJECTS, check_engine, create_spec, open_gen_run, plan_run
 from hsx.generate.options import GenerateOptions
 from hsx.generate.plan import GenPlan, load_gen_plan, too_long
 from hsx.generate.progress import GenProgress
-from hsx.generate.prompts import Dialogue, Prompter, stop_ids
+from hsx.generate.prompts import Prompter, stop_ids
 from hsx.generate.record import ConversationRecord, Source, encode_record, read_record
 from hsx.generate.spec import BYTES_PER_TOKEN, GenerateSpec
+from hsx.generate.toolcalls import Recognizer
 from hsx.input import Reject
 from hsx.input import Source as InputSource
 from hsx.lock import RunLock
@@ -66,6 +68,7 @@ class GenerateSummary:
     already_done: int = 0
     written: int = 0
     rejected_now: int = 0  # conversations this session rejected (prompt over the limit, engine failure)
+    ended_now: int = 0  # conversations this session ended at a call the dataset has no result for
     turns: int = 0
     new_tokens: int = 0
     seconds: float = 0.0
@@ -85,10 +88,11 @@ class GenerateSummary:
 
     def lines(self) -> list[str]:
         rate = f" ({self.new_tokens / self.seconds:,.0f} new tokens/s)" if self.seconds > 0 and self.new_tokens else ""
+        ended = f", {self.ended_now} ended at a tool call the dataset has no result for" if self.ended_now else ""
         out = [
             f"run        {self.run}  ({'complete' if self.complete else 'incomplete'})",
             f"convs      {self.done}/{self.total} done, {self.written} written now "
-            f"({self.rejected_now} of them rejected), {self.already_done} were already verified",
+            f"({self.rejected_now} of them rejected{ended}), {self.already_done} were already verified",
             f"generated  {self.turns} turns, {self.new_tokens:,} new tokens in {self.seconds:.1f}s{rate}",
         ]
         if self.redone:
@@ -154,7 +158,7 @@ class Feeder:
 
     def start(self, cid: int) -> None:
         row = self.plan.row(cid)
-        self.advance(Dialogue(cid, row.messages, row.targets))
+        self.advance(Dialogue(cid, row.messages, row.targets, row.tools))
 
     def advance(self, d: Dialogue) -> None:
         """Submit ``d``'s next turn, or write it when it has none left (or cannot go on)."""
@@ -197,6 +201,8 @@ class Feeder:
             d.messages,
             d.done,
             reason,
+            d.ended,
+            d.tools,
         )
         parts, digest = encode_record(rec)
         self.guard(sum(memoryview(p).nbytes for p in parts))
@@ -220,6 +226,7 @@ class Feeder:
                 seal(self.run, shard, list(self.shards[shard].values()))
             self.summary.written += 1
             self.summary.rejected_now += reason is not None
+            self.summary.ended_now += d.ended is not None and reason is None
             new_tokens = sum(len(t.completion_ids) for t in d.done)
             self.progress.add_conversation(int(self.plan.lengths[d.id]), len(d.done), new_tokens, record.size)
 
@@ -277,7 +284,8 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                     )
                     engine = _open(spec.engine.name, settings, log)
                 check_engine(spec, engine)
-                prompter = Prompter(Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stops)
+                recognize = Recognizer(tokenizer, spec.tool_parser) if spec.tool_parser else None
+                prompter = Prompter(Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stops, recognize)
                 t0 = time.monotonic()
                 progress.clock()
                 try:

@@ -17,6 +17,7 @@ from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
 from hsx.generate.engine import Sampling
 from hsx.generate.engines import ENGINES, EngineSettings
+from hsx.generate.toolcalls import PARSERS
 from hsx.run.options import AT_LEAST_ONE, EXTRACT, command_line
 from hsx.telemetry import Telemetry
 
@@ -45,6 +46,7 @@ GENERATE = Bounds(
     tensor_parallel_size=AT_LEAST_ONE,
     concurrency=AT_LEAST_ONE,
     server_api=Bound(choices=("openai", "sglang")),
+    tool_parser=Bound(choices=tuple(PARSERS)),
     max_pending=AT_LEAST_ONE,
     metrics_port=EXTRACT.bounds["metrics_port"],
 )
@@ -77,6 +79,7 @@ class GenerateOptions:
     samples_per_prompt: int | None = None
     seed: int | None = None
     template_kwargs: dict | None = None
+    tool_parser: str | None = None  # generate.toolcalls.PARSERS (None: the tokenizer's response template, if any)
     max_length: int | None = None
     shard_size: int | None = None
     dtype: str | None = None

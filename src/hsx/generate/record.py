@@ -3,8 +3,10 @@
     prompt_ids      int32 [sum of the turns' prompt lengths]       each turn's prompt, as the engine ran it
     completion_ids  int32 [sum of the turns' completion lengths]   each turn's completion, as it produced it
     record          uint8 [n]   UTF-8 JSON: key, source, sample, status (ok | rejected) and its reason,
-                                the final messages (generated assistant turns in place), and per turn
-                                its message index, prompt and completion lengths, finish reason, text
+                                where it ended early (a tool call the dataset has no result for),
+                                the tools offered, the final messages (the target's turns, with their
+                                reasoning and calls, and the results spliced in), and per turn its
+                                message index, prompt and completion lengths, finish reason, text
 
 ``__metadata__`` holds the format (``hsx-conversation/1``), the conversation id (``sample_id``, its row
 in the input plan), key, status, number of turns and tokens, and the digest of the data section, so
@@ -12,7 +14,9 @@ the store's checks (``store.format.check``, ``store.scan``) verify it as they ve
 The texts and messages are in the data section, not the header: a safetensors header is capped
 (``format.MAX_HEADER``) and a long conversation would not fit; the digest covers them all the same.
 A rejected conversation (a later turn's prompt over the length limit, the engine giving up) is a
-file too: it is done exactly once, and the run's rejects list is rebuilt from these files.
+file too: it is done exactly once, and the run's rejects list is rebuilt from these files. One that
+ended at an unpaired call is ``ok`` (every turn in it is the target's own) with ``ended`` set, also in
+``__metadata__``, so ``hsx status`` counts them from the headers.
 """
 
 from __future__ import annotations
@@ -43,9 +47,11 @@ class ConversationRecord:
     key: str
     source: Source
     sample: int  # which of the samples per prompt
-    messages: list[dict]  # role, content; generated turns in place
+    messages: list[dict]  # as a chat template reads them (input.to_message); generated turns in place
     turns: list[GeneratedTurn] = field(default_factory=list)
     reason: str | None = None  # set: the conversation is rejected, with why
+    ended: str | None = None  # set: it stopped at a call that could not be paired, with why
+    tools: list[dict] | None = None  # the tools the row offered the target
 
     @property
     def ok(self) -> bool:
@@ -70,6 +76,8 @@ def encode_record(rec: ConversationRecord) -> tuple[list, str]:
         "sample": rec.sample,
         "status": "ok" if rec.ok else "rejected",
         "reason": rec.reason,
+        "ended": rec.ended,
+        "tools": rec.tools,
         "messages": rec.messages,
         "turns": [
             {
@@ -95,7 +103,7 @@ def encode_record(rec: ConversationRecord) -> tuple[list, str]:
         "status": body["status"],
         "num_turns": str(len(rec.turns)),
         "num_tokens": str(rec.num_tokens),
-    }
+    } | ({"ended": "true"} if rec.ended else {})
     return pack(views, metadata)
 
 
@@ -126,6 +134,8 @@ def read_record(path: Path, conversation_id: int) -> ConversationRecord:
             body["messages"],
             turns,
             body["reason"],
+            body.get("ended"),
+            body.get("tools"),
         )
     except (SafetensorError, KeyError, TypeError, ValueError) as e:
         raise BadFile(Damage.CORRUPT, f"not a conversation file ({e!r})") from e
