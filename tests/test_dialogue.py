@@ -57,6 +57,8 @@ def script(prompt: str) -> str:
         )
     if "news, then" in ask and got < 2:  # two calls one after the other
         return "One moment." + _call(["get_news", "get_weather"][got], {"topic": "local"})
+    if "broken" in ask:  # a call whose arguments are cut short
+        return '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
     if "time" in ask:
         return _call("get_time", {"tz": "Asia/Tokyo"})
     return f"I have {got} results." if got else "Hello! How can I help?"
@@ -147,6 +149,8 @@ ROWS = [
     # 4: no tool result left (the dataset answered without calling), and plain chat without tools
     _row([Turn("user", "Paris and Rome weather, from memory"), Turn("assistant", "Probably warm.")]),
     _row([Turn("user", "hello"), Turn("assistant", "Hi.")], ()),
+    # 6: a call the parser cannot read
+    _row([Turn("user", "a broken call"), Turn("assistant", "", tool_calls=_calls(("get_weather", "e")))]),
 ]
 RESULTS = ("RESULT-PARIS", "RESULT-ROME", "RESULT-NEWS", "RESULT-LOCAL", "RESULT-TOKYO", "RESULT-ONLY-ONE")
 
@@ -159,7 +163,7 @@ def model(tmp_path_factory) -> Path:
     return path
 
 
-def _generate(out: Path, model: Path, monkeypatch, crash_after: int | None = None, **kw):
+def _generate(out: Path, model: Path, monkeypatch, crash_after: int | None = None, parser="qwen3", **kw):
     """``hsx generate`` with the scripted target, on ``ROWS`` as the input stage gives them."""
     data = model.parent / "tools.jsonl"  # one data file for every run: the files name their source
     if not data.exists():
@@ -167,7 +171,7 @@ def _generate(out: Path, model: Path, monkeypatch, crash_after: int | None = Non
     convs = [Conversation(Source(str(data), i, f"r{i}"), tuple(t), tools) for i, (t, tools) in enumerate(ROWS)]
     monkeypatch.setattr("hsx.generate.folder.read_conversations", lambda paths: iter(convs))
     monkeypatch.setattr("hsx.generate.job.open_engine", lambda name, settings: Scripted(model, crash_after))
-    opts = GenerateOptions(out=out, model=str(model), data=[data], tool_parser="qwen3", shard_size=2, **kw)
+    opts = GenerateOptions(out=out, model=str(model), data=[data], tool_parser=parser, shard_size=2, **kw)
     return generate(opts, log=lambda m: None)
 
 
@@ -180,7 +184,7 @@ def tool_run(model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gen") / "gen"
     with pytest.MonkeyPatch.context() as mp:
         summary = _generate(out, model, mp)
-    assert summary.complete and summary.ended_now == 3 and summary.rejected_now == 0
+    assert summary.complete and summary.ended_now == 4 and summary.rejected_now == 0
     return out
 
 
@@ -189,7 +193,7 @@ def test_calls_are_answered_with_the_datasets_results_paired_by_name_in_order(to
 
     tok = AutoTokenizer.from_pretrained(model)
     recs = _records(tool_run)
-    par, time_, seq, more, none_, plain = recs
+    par, time_, seq, more, none_, plain, broken = recs
     # 0: the target's parallel calls, its reasoning split off, each call given the next get_weather result
     assert par.ended is None and par.ok and par.tools == [json.loads(t) for t in TOOLS]
     roles = [m["role"] for m in par.messages]
@@ -231,6 +235,8 @@ def test_calls_are_answered_with_the_datasets_results_paired_by_name_in_order(to
     for rec in (time_, more, none_):
         assert rec.ok and len(rec.turns) == 1 and rec.messages[-1]["tool_calls"] and len(rec.messages) == 2
     assert plain.ended is None and plain.messages[-1]["content"] == "Hello! How can I help?"
+    assert broken.ended.startswith("turn 1: the target's tool call does not parse (a <tool_call> is not JSON")
+    assert broken.messages[-1] == {"role": "assistant", "content": script("user\na broken call")}
     rejects = (tool_run / layout.REJECTS).read_text()
     assert rejects == ""  # ended conversations are data, not rejects
 
@@ -239,8 +245,8 @@ def test_status_counts_the_conversations_that_ended_at_an_unpaired_call(tool_run
     from hsx.assess.status import assess
 
     progress = assess(tool_run).get("progress")
-    assert progress.data["conversations_ended"] == 3 and progress.data["conversations_rejected"] == 0
-    assert any("3 ended at a tool call the dataset has no result for" in d for d in progress.details)
+    assert progress.data["conversations_ended"] == 4 and progress.data["conversations_rejected"] == 0
+    assert any("4 ended at a tool call that could not be answered" in d for d in progress.details)
 
 
 def test_extraction_masks_the_targets_turns_and_never_a_tool_result(tool_run, model, tmp_path):
@@ -261,7 +267,7 @@ def test_extraction_masks_the_targets_turns_and_never_a_tool_result(tool_run, mo
         masked.append([tok.decode(ids[lo:hi].tolist()) for lo, hi in zip(edges[::2], edges[1::2], strict=True)])
         whole = tok.decode(ids.tolist())
         assert all(r not in span for span in masked[-1] for r in RESULTS)
-        assert "<tool_response>" in whole or i in (1, 3, 4, 5)  # the results are there, unmasked
+        assert "<tool_response>" in whole or i in (1, 3, 4, 5, 6)  # the results are there, unmasked
     assert masked[0] == [
         '<think>\nTwo cities, two calls.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
         '"Paris"}}\n</tool_call><tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
@@ -312,3 +318,11 @@ def test_an_interrupted_tool_loop_resumes_to_the_same_bytes(tool_run, model, tmp
 
     with pytest.raises(Refused, match="tool parser: run has qwen3, asked for hermes"):
         generate(GenerateOptions(out=out, tool_parser="hermes"), log=lambda m: None)
+
+
+def test_tool_rows_without_a_way_to_read_calls_are_refused_before_a_plan(model, tmp_path, monkeypatch):
+    from hsx.errors import OptionError
+
+    with pytest.raises(OptionError, match=r"row 0 has tools, .* --tool-parser \(hermes, qwen3, kimi_k2, deepseek_v3\)"):
+        _generate(tmp_path / "gen", model, monkeypatch, parser=None)
+    assert not (tmp_path / "gen" / "hsx.json").exists() and not list((tmp_path / "gen").rglob("*.parquet"))

@@ -95,8 +95,9 @@ def _projection(run: Path, spec: RunSpec | GenerateSpec, plan, t: tally.Tally, l
 
 
 def _conversation_ends(run: Path, spec: GenerateSpec, scans, check: Check) -> None:
-    """A generate run's done conversations that ended early (a tool call the dataset has no result
-    for) or were rejected, counted from their headers, onto the progress line."""
+    """A generate run's done conversations that ended early (at a tool call with no result to pair
+    it with, or one that does not parse) or were rejected, counted from their headers, onto the
+    progress line."""
     counts = {"ended": 0, "rejected": 0}
     for scan in scans:
         for cid in scan.good:
@@ -109,7 +110,7 @@ def _conversation_ends(run: Path, spec: GenerateSpec, scans, check: Check) -> No
     check.data |= {"conversations_ended": counts["ended"], "conversations_rejected": counts["rejected"]}
     if any(counts.values()):
         check.details.append(
-            f"conversations: {counts['ended']} ended at a tool call the dataset has no result for, "
+            f"conversations: {counts['ended']} ended at a tool call that could not be answered, "
             f"{counts['rejected']} rejected (each with its reason in {layout.REJECTS} once the session ends)"
         )
 

@@ -135,3 +135,8 @@ class Dialogue:
             self.ended = f"turn {len(self.messages) - 1}: {answers}"
         else:
             self.messages += answers
+
+    def end(self, message: dict, reason: str) -> None:
+        """The target's turn is ``message`` and the conversation cannot go on after it, for ``reason``."""
+        self.messages.append(message)
+        self.ended = f"turn {len(self.messages) - 1}: {reason}"

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hsx import target
-from hsx.errors import InputError, PlanError, Refused
+from hsx.errors import InputError, OptionError, PlanError, Refused
 from hsx.generate import toolcalls
 from hsx.generate.engine import Engine
 from hsx.generate.options import GenerateOptions
@@ -77,6 +77,17 @@ def _numbered(paths: list[Path]) -> Iterator[tuple[int, Conversation | Reject]]:
             yield file_no, item
 
 
+def _without_tools(items: Iterator[tuple[int, Conversation | Reject]]) -> Iterator[tuple[int, Conversation | Reject]]:
+    """The rows, refused at the first that offers or calls tools: the target's calls could not be read."""
+    for file_no, item in items:
+        if isinstance(item, Conversation) and (item.tools or any(t.role == "tool" for t in item.turns)):
+            raise OptionError(
+                f"{item.source.file} row {item.source.row} has tools, and the tokenizer has no response template to "
+                f"read the target's calls with: name their format with --tool-parser ({', '.join(toolcalls.PARSERS)})"
+            )
+        yield file_no, item
+
+
 def _check_new(opts: GenerateOptions) -> None:
     """Refuse a new run's folder or data before anything is written there."""
     refuse_foreign(opts.out)
@@ -93,8 +104,9 @@ def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
     tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
     tokenize = Tokenize(tokenizer, opts.get("max_length"), opts.template_kwargs)
     log(f"planning {len(opts.data)} data file(s) with the model's chat template")
+    items = _numbered(opts.data)
     rows = plan_rows(
-        _numbered(opts.data),
+        items if toolcalls.choose(tokenizer, opts.tool_parser) else _without_tools(items),
         tokenize,
         opts.get("turns"),
         opts.get("samples_per_prompt"),

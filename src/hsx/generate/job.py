@@ -88,7 +88,7 @@ class GenerateSummary:
 
     def lines(self) -> list[str]:
         rate = f" ({self.new_tokens / self.seconds:,.0f} new tokens/s)" if self.seconds > 0 and self.new_tokens else ""
-        ended = f", {self.ended_now} ended at a tool call the dataset has no result for" if self.ended_now else ""
+        ended = f", {self.ended_now} ended at a tool call that could not be answered" if self.ended_now else ""
         out = [
             f"run        {self.run}  ({'complete' if self.complete else 'incomplete'})",
             f"convs      {self.done}/{self.total} done, {self.written} written now "

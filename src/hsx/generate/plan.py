@@ -8,8 +8,8 @@ will hold. The row index is the conversation id, which names its file (``store.l
 is built once (reading and rendering the data), written like an extraction's plan (temp, fsync,
 rename) into ``GEN/plan/``, fingerprinted over its content; a resume reads only this.
 
-Planning rejects what cannot be regenerated: what the input stage rejects (tool calls, images,
-unknown roles...), conversations the chat template cannot render, and those whose first prompt
+Planning rejects what cannot be regenerated: what the input stage rejects (images, unknown
+roles...), conversations the chat template cannot render, and those whose first prompt
 already reaches ``max_length``. A later turn's prompt grows with the target's own answers, so its
 length is checked when it is generated (``generate.job``).
 """

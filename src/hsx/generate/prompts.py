@@ -2,14 +2,16 @@
 renders it (``hsx.plan.Tokenize``, with the run's template keyword arguments), and the target's
 earlier answers are kept token for token wherever the template keeps their text.
 
-A conversation being generated (``Dialogue``) holds its messages, the assistant turns to regenerate
-and what each produced. The prompt of turn k is ``render(messages[:i_k], add_generation_prompt)``
-with the earlier turns' new texts in place. Where that text begins with the previous turn's prompt
-text followed by the previous completion's text (a prefix-stable template that renders the answer
-verbatim), the prompt is the previous prompt's ids, the previous completion's ids and the ids of the
-rest: the target is conditioned on exactly the tokens it produced, not on a re-tokenization of them,
-which need not give them back. Where the template changes the history (drops reasoning, strips
-whitespace), the whole text is tokenized as extraction would.
+A conversation being generated (``generate.dialogue.Dialogue``) holds its messages so far: the
+dataset's turns, the target's turns (its reasoning, content and calls, read back by
+``generate.toolcalls`` as a server would) and the tool results spliced in. The prompt of the next
+step is ``render(messages, add_generation_prompt, tools)``. Where that text begins with the previous
+step's prompt text followed by the previous completion's text (a prefix-stable template that renders
+the answer verbatim), the prompt is the previous prompt's ids, the previous completion's ids and the
+ids of the rest: the target is conditioned on exactly the tokens it produced, not on a
+re-tokenization of them, which need not give them back. Where the template changes the history
+(drops reasoning, strips whitespace, writes calls with other spacing), the whole text is tokenized as
+extraction would.
 """
 
 from __future__ import annotations
@@ -81,9 +83,7 @@ class Prompter:
         try:
             parsed = self.recognize(text, prompt.tolist(), self.body(completion).tolist(), d.tools)
         except Malformed as e:
-            d.messages.append({"role": "assistant", "content": text})
-            d.ended = f"turn {d.next_message - 1}: the target's tool call does not parse ({e})"
-            return
+            return d.end({"role": "assistant", "content": text}, f"the target's tool call does not parse ({e})")
         # calls without an id of the model's own get one that is the same on every run
         step = len(d.done) - 1
         calls = tuple(ToolCall(c.name, c.arguments, c.id or f"call_{step}_{k}") for k, c in enumerate(parsed.calls))
