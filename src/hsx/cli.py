@@ -671,7 +671,7 @@ def generate(
         str | None,
         GENERATE.option(
             "server_api",
-            help="server backend: openai (/v1/completions) or sglang (/generate).",
+            help="server backend: openai (/v1/completions), openai-chat (/v1/chat/completions) or sglang (/generate).",
             show_default="found out per server",
         ),
     ] = None,

@@ -18,6 +18,7 @@ from hsx.generate import toolcalls
 from hsx.generate.engine import Engine
 from hsx.generate.options import GenerateOptions
 from hsx.generate.plan import plan_rows, write_gen_plan
+from hsx.generate.server import CHAT
 from hsx.generate.spec import EngineIdentity, GenerateSpec, SamplingSpec, generate_differences, load_generate_spec
 from hsx.input import Conversation, Reject, read_conversations
 from hsx.plan import NoUsableSamples, Tokenize
@@ -106,7 +107,7 @@ def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
     log(f"planning {len(opts.data)} data file(s) with the model's chat template")
     items = _numbered(opts.data)
     rows = plan_rows(
-        items if toolcalls.choose(tokenizer, opts.tool_parser) else _without_tools(items),
+        items if opts.server_api == CHAT or toolcalls.choose(tokenizer, opts.tool_parser) else _without_tools(items),
         tokenize,
         opts.get("turns"),
         opts.get("samples_per_prompt"),
@@ -145,7 +146,7 @@ def create_spec(opts: GenerateOptions, plan: PlanIdentity, engine: Engine) -> Ge
         model=target.identity(opts.model, model_dir),
         tokenizer=target.tokenizer_identity(tokenizer),
         template_kwargs=opts.template_kwargs or {},
-        tool_parser=toolcalls.choose(tokenizer, opts.tool_parser),
+        tool_parser=toolcalls.ENGINE if engine.renders else toolcalls.choose(tokenizer, opts.tool_parser),
         engine=EngineIdentity(name=engine.name, version=engine.version),
         sampling=SamplingSpec.of(opts.sampling()),
         seed=opts.get("seed"),

@@ -31,6 +31,7 @@ import xxhash
 from hsx import target
 from hsx.assess import volume
 from hsx.errors import BadFile, CaptureFailed, CleanStop, DiskFull, LowSpace, NotEnoughSpace
+from hsx.generate import toolcalls
 from hsx.generate.dialogue import Dialogue
 from hsx.generate.engine import Completion, Engine, Request, Sampling
 from hsx.generate.engines import EngineSettings, open_engine
@@ -41,7 +42,6 @@ from hsx.generate.progress import GenProgress
 from hsx.generate.prompts import Prompter, stop_ids
 from hsx.generate.record import ConversationRecord, Source, encode_record, read_record
 from hsx.generate.spec import BYTES_PER_TOKEN, GenerateSpec
-from hsx.generate.toolcalls import Recognizer
 from hsx.input import Reject
 from hsx.input import Source as InputSource
 from hsx.lock import RunLock
@@ -173,19 +173,27 @@ class Feeder:
         sampling = Sampling(s.temperature, s.top_p, s.top_k, min(s.max_new_tokens, room))
         seed = request_seed(self.spec.seed, self.plan.row(d.id).key, len(d.done))
         self.active[key] = (d, prompt)
-        self.engine.submit(Request(key, tuple(int(i) for i in prompt), sampling, seed))
+        chat = None
+        if self.engine.renders:  # it renders the messages itself: they go with the request
+            chat = json.dumps(
+                {"messages": d.messages, "tools": d.tools, "template_kwargs": self.spec.template_kwargs},
+                ensure_ascii=False,
+            )
+        self.engine.submit(Request(key, tuple(int(i) for i in prompt), sampling, seed, chat))
 
     def outcome(self, outcome) -> None:
         d, prompt = self.active.pop(outcome.key)
         if not isinstance(outcome, Completion):
             return self.write(d, f"engine failed on turn {d.next_message}: {outcome.reason}")
-        if tuple(outcome.prompt_ids) != tuple(int(i) for i in prompt):
+        if self.engine.renders:  # what it rendered and ran is the turn's prompt
+            prompt = np.asarray(outcome.prompt_ids, dtype=np.int32)
+        elif tuple(outcome.prompt_ids) != tuple(int(i) for i in prompt):
             raise CaptureFailed(
                 f"the {self.engine.name} engine ran other prompt ids than asked for request {outcome.key} "
                 f"({len(outcome.prompt_ids)} ids, asked {len(prompt)}): refusing to keep a sample it did not see"
             )
         completion = np.asarray(outcome.completion_ids, dtype=np.int32)
-        self.prompter.answer(d, prompt, completion, outcome.finish_reason)
+        self.prompter.answer(d, prompt, completion, outcome.finish_reason, outcome.message)
         self.summary.turns += 1
         self.summary.new_tokens += len(completion)
         self.advance(d)
@@ -284,7 +292,8 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                     )
                     engine = _open(spec.engine.name, settings, log)
                 check_engine(spec, engine)
-                recognize = Recognizer(tokenizer, spec.tool_parser) if spec.tool_parser else None
+                parses = spec.tool_parser not in (None, toolcalls.ENGINE)
+                recognize = toolcalls.Recognizer(tokenizer, spec.tool_parser) if parses else None
                 prompter = Prompter(Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stops, recognize)
                 t0 = time.monotonic()
                 progress.clock()

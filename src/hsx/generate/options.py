@@ -45,7 +45,7 @@ GENERATE = Bounds(
     dtype=EXTRACT.bounds["dtype"],
     tensor_parallel_size=AT_LEAST_ONE,
     concurrency=AT_LEAST_ONE,
-    server_api=Bound(choices=("openai", "sglang")),
+    server_api=Bound(choices=("openai", "openai-chat", "sglang")),
     tool_parser=Bound(choices=tuple(PARSERS)),
     max_pending=AT_LEAST_ONE,
     metrics_port=EXTRACT.bounds["metrics_port"],
@@ -92,7 +92,7 @@ class GenerateOptions:
     tensor_parallel_size: int | None = None
     servers: list[str] = field(default_factory=list)
     concurrency: int | None = None
-    server_api: str | None = None  # openai | sglang (None: found out per server)
+    server_api: str | None = None  # openai | openai-chat | sglang (None: found out per server)
     server_model: str | None = None  # the served model name (None: the one the server lists)
     max_pending: int | None = None
     metrics_port: int | None = None

@@ -23,7 +23,7 @@ import numpy as np
 
 from hsx.generate.dialogue import Dialogue
 from hsx.generate.record import GeneratedTurn
-from hsx.generate.toolcalls import Malformed, Recognizer
+from hsx.generate.toolcalls import Malformed, Recognizer, from_message
 from hsx.input import ToolCall, Turn, to_message
 from hsx.plan import Tokenize
 
@@ -73,15 +73,21 @@ class Prompter:
     def text(self, completion: np.ndarray) -> str:
         return self.tokenize.tokenizer.decode(self.body(completion).tolist(), skip_special_tokens=False)
 
-    def answer(self, d: Dialogue, prompt: np.ndarray, completion: np.ndarray, finish_reason: str) -> None:
+    def answer(
+        self, d: Dialogue, prompt: np.ndarray, completion: np.ndarray, finish_reason: str, message: dict | None = None
+    ) -> None:
         """Record the next turn's completion and put the target's turn (its reasoning, content and
-        calls, as serving parses them) into the conversation; the dialogue pairs its calls."""
+        calls, as serving parses them; ``message``: as the engine parsed them) into the conversation;
+        the dialogue pairs its calls."""
         text = self.text(completion)
         d.done.append(GeneratedTurn(d.next_message, prompt, completion, finish_reason, text))
-        if self.recognize is None:
+        if self.recognize is None and message is None:
             return d.step({"role": "assistant", "content": text}, ())
         try:
-            parsed = self.recognize(text, prompt.tolist(), self.body(completion).tolist(), d.tools)
+            if message is not None:
+                parsed = from_message(message)
+            else:
+                parsed = self.recognize(text, prompt.tolist(), self.body(completion).tolist(), d.tools)
         except Malformed as e:
             return d.end({"role": "assistant", "content": text}, f"the target's tool call does not parse ({e})")
         # calls without an id of the model's own get one that is the same on every run

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from hsx.input import ToolCall
 
 RESPONSE_TEMPLATE = "response_template"  # what the spec records when the tokenizer's own template parses
+ENGINE = "engine"  # what it records when the engine parses (a server's chat completions)
 
 
 class Malformed(ValueError):
@@ -157,13 +158,13 @@ PARSERS: dict[str, Callable[[str], Parsed]] = {
 }
 
 
-def from_template(message: dict) -> Parsed:
-    """What transformers' ``parse_response`` returned, as a ``Parsed``."""
+def from_message(message: dict) -> Parsed:
+    """A parsed message (transformers' ``parse_response``, an engine's chat completion) as a ``Parsed``."""
     calls = []
     for c in message.get("tool_calls") or []:
         f = c.get("function", c) if isinstance(c, dict) else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise Malformed(f"the response template gave a call without a name: {c!r}")
+            raise Malformed(f"a parsed call without a name: {c!r}")
         calls.append(ToolCall(f["name"], _arguments(f.get("arguments", {})), str(c.get("id") or "")))
     reasoning = message.get("reasoning_content") or message.get("thinking") or message.get("reasoning") or ""
     return Parsed(str(reasoning), str(message.get("content") or ""), tuple(calls))
@@ -185,7 +186,7 @@ class Recognizer:
             message = self.tokenizer.parse_response(body_ids, prefix=prompt_ids, tools=tools)
         except (KeyError, TypeError, ValueError) as e:
             raise Malformed(f"the tokenizer's response template cannot parse it ({e})") from e
-        return from_template(message)
+        return from_message(message)
 
 
 def choose(tokenizer, named: str | None) -> str | None:
