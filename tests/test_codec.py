@@ -32,11 +32,11 @@ from conftest import (
     write_jsonl,
 )
 from hsx.assess.verify import verify
+from hsx.bench.codec import bench_codecs, states
 from hsx.data import HsxDataset, SampleUnavailable, collate_packed, collate_padded, read_mapped, read_verified
 from hsx.spec import load_spec
 from hsx.store import layout
 from hsx.store.codec import Codec, dequantize, fp8_bound, prior_ratio, quantize_fp8, zstd_compress
-from hsx.store.codec_bench import bench_codecs, states
 from hsx.store.durable import write_parts
 from hsx.store.format import (
     FORMAT,

@@ -420,7 +420,7 @@ def test_fp8_tensor_parallel_layouts_are_refused_where_blocks_split(tmp_path):
     as on CPU); a whole-block layout runs where this machine has the GPUs (test_parallel's TP runs)."""
     from hsx.capture import checkpoint
     from hsx.errors import OptionError
-    from hsx.run.options import resolve_quantized_compute
+    from hsx.extract.options import resolve_quantized_compute
     from hsx.spec import Parallel
 
     if (blocker := _fp8_blocker()) is not None:

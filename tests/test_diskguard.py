@@ -18,8 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import TINY, conversations, extract_args, hsx, run_files, write_jsonl
-from hsx.assess import volume
 from hsx.cli import app
+from hsx.job import space as volume
 from hsx.store.durable import is_temp
 from hsx.store.format import check
 from hsx.store.layout import parse_sample_name

@@ -421,7 +421,7 @@ def test_an_interrupted_export_says_so_and_its_printed_command_continues(runs, t
     assert args[2] == str(dest)  # "mo" as typed, made absolute: the command works from any directory
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    done = hsx(*args, cwd=elsewhere).stderr
+    done = hsx(*args, cwd=elsewhere).stdout
     assert "exported   20 samples" in done
     assert int(done.split(" already done")[0].rsplit(" ", 1)[1]) >= 3
     manifest_ok(dest, 20)
@@ -441,7 +441,7 @@ def test_an_incomplete_export_stopped_by_a_bad_file_continues_after_the_repair(r
     job = json.loads((dest / JOB).read_text())
     (dest / JOB).write_text(json.dumps(job | {"samples": 19, "ids_digest": "xxh3_128:0"}))
     hsx(*printed(out, "Redo it with: "))  # redoes 4 and 12
-    again = hsx(*printed(out, "continue this export with: ")).stderr
+    again = hsx(*printed(out, "continue this export with: ")).stdout
     assert "exported   20 samples" in again and "9 written now, 11 already done" in again
     assert all(p.stat().st_mtime_ns == t for p, t in before.items())  # nothing exported is redone
     m = manifest_ok(dest, 20)

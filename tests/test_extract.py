@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,3 +225,36 @@ def test_resume_with_another_chat_template_is_refused(tmp_path, convs):
     (other / "chat_template.jinja").write_text(LLAMA3_TEMPLATE)
     with pytest.raises(Refused, match="chat template differs"):
         extract(_opts(out, model=str(other)), log=lambda m: None)
+
+
+def test_a_mix_of_chat_reasoning_and_tool_rows_extracts_rejecting_only_broken_rows(tmp_path):
+    """Rows shaped like the public chat, reasoning and function-calling datasets, on the tiny model
+    with a tool-capable reasoning template: only the really broken rows are rejected, each with its
+    reason; the spec and the summary say what the template rendered otherwise; the files hold the plan."""
+    import shutil
+
+    from hsx.plan import Plan
+
+    model = shutil.copytree(TINY, tmp_path / "model")
+    data = Path(__file__).parent / "data"
+    template = data / "templates" / "tool_chat_template_hyperclovax_seed_think_14b.jinja"
+    shutil.copy(template, model / "chat_template.jinja")
+    out, said = tmp_path / "run", []
+    summary = extract(_opts(out, data / "agentic.jsonl", model=str(model)), log=said.append)
+    assert summary.complete
+    rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rejects] == [
+        "broken-orphan-result", "broken-arguments", "broken-call-id", "broken-function-call", "broken-extra-result"
+    ]  # fmt: skip
+    assert all(r["reason"].startswith("turn ") for r in rejects)
+    spec = json.loads((out / "hsx.json").read_text())["plan"]
+    # 10 conversations, two of whose first turns the template renders otherwise once the talk goes on
+    assert spec["num_samples"] == 12 and spec["rendering"] == {"own_sample_turns": 2}
+    assert spec["ignored_fields"] == {"category": 2, "messages[].name": 1, "messages[].weight": 1, "subcategory": 1}
+    assert any("2 assistant turns in a sample of their own" in line for line in said)
+    assert any(line.startswith("plan: metadata fields no template reads") for line in said)
+    plan = Plan(out)
+    for sid in range(spec["num_samples"]):
+        t = load_file(layout.sample_path(out, sid, 10))
+        assert t["input_ids"].tolist() == plan.input_ids(sid).tolist()
+        assert t["loss_mask"].tolist() == plan.loss_mask(sid).tolist()

@@ -293,7 +293,7 @@ def test_bench_builds_a_model_as_its_block_fp8_checkpoint_would_load():
     emulated GEMM against the same bf16 model (e4m3 activations and weights: a few % per token)."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
-    from hsx.bench import to_block_fp8
+    from hsx.bench.extract import to_block_fp8
 
     torch.manual_seed(0)
     config = DeepseekV3Config(
@@ -321,7 +321,7 @@ def test_bench_builds_a_model_as_its_block_fp8_checkpoint_would_load():
 
 
 def test_bench_refuses_the_fp8_model_where_the_gemm_cannot_run(tmp_path):
-    from hsx.bench import run_bench
+    from hsx.bench.extract import run_bench
 
     with pytest.raises(OptionError, match="the block-FP8 model cannot run here: torch has no block-scaled"):
         run_bench(None, "cpu", 4, 32, 8, 64, 256, 0, 1, tmp_path, fp8=True)

@@ -487,3 +487,11 @@ def test_a_volume_that_fills_stops_cleanly_then_resumes_identical(gen_run, tmpfs
     assert f"{CONVS - done} written now (0 of them rejected), {done} were already verified" in resumed.stdout
     assert run_files(out) == run_files(reference)
     assert (out / "rejects.jsonl").read_bytes() == (reference / "rejects.jsonl").read_bytes()
+
+
+def test_generate_export_prints_its_result_on_stdout(gen_run, tmp_path):
+    dest = tmp_path / "e.jsonl"
+    r = CliRunner().invoke(app, ["generate-export", str(gen_run[1]), str(dest)])
+    assert r.exit_code == 0 and not r.stderr, r.output
+    assert r.stdout.startswith(f"{CONVS} conversations to {dest} (") and "0 not generated left out" in r.stdout
+    assert len(dest.read_text().splitlines()) == CONVS

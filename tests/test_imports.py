@@ -1,5 +1,6 @@
 """The house's shape, checked: no import cycles among hsx's modules (imports inside functions
-count too), and no lower stage imports a higher one."""
+count too), and every module imports only from its own layer or those below it (``LAYERS``; the
+same list as docs/DESIGN.md's house)."""
 
 import ast
 from pathlib import Path
@@ -7,9 +8,21 @@ from pathlib import Path
 import hsx
 
 SRC = Path(hsx.__file__).parent
-# a lower stage never imports these (the job's dispatcher, the command line, the training side, Ray)
-LOWER = ("store", "spec", "plan", "target", "capture", "run", "errors", "finalnorm", "registry", "lock")
-UPPER = ("scaleout", "export", "extract", "cli")
+# lowest first: each package (or top-level module) by its name under hsx
+LAYERS = [
+    ("hsx", "errors", "units", "bounds"),  # the vocabulary: errors and their exit codes, units, option bounds
+    ("store",),  # the run folder's files: layout, durable writes, the file format, codecs, scans
+    ("fingerprint", "lock", "registry", "telemetry", "progress", "input"),  # services of a run folder
+    ("spec", "target", "finalnorm", "plan", "tinymodel"),  # what a run is: its spec, model, frozen plan
+    ("capture", "staging"),  # the target running: token ids in, states out
+    ("job",),  # what every job does around its work: options, folder steps, space, the resume prologue
+    ("generate",),  # the generate stage
+    ("extract",),  # the extraction stage (it reads generate runs)
+    ("scaleout",),  # extraction by Ray workers
+    ("hsx.extract", "assess", "export", "data"),  # extract's dispatcher (local, group or scaleout), status, export
+    ("bench", "cli", "__main__"),  # benchmarks and the command line
+]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
 def _module(path: Path) -> str:
@@ -79,18 +92,33 @@ def test_the_checker_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+def layer(mod: str) -> int:
+    """``mod``'s layer: its own entry (a package's front module), else its package's."""
+    return LAYER[mod] if mod in LAYER else LAYER[mod.split(".")[1] if "." in mod else mod]
+
+
+def upward(g: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a layer above its own, as ``module -> imported``."""
+    return sorted(f"{m} -> {d}" for m, deps in g.items() for d in deps if layer(d) > layer(m))
+
+
+def test_the_checker_finds_an_import_running_up():
+    g = {"hsx.store.scan": {"hsx.errors", "hsx.job.space"}, "hsx.extract": {"hsx.scaleout.driver"}}
+    assert upward(g) == ["hsx.store.scan -> hsx.job.space"]
+    assert upward({"hsx.scaleout.driver": {"hsx.extract"}}) == ["hsx.scaleout.driver -> hsx.extract"]
+
+
 def test_no_import_cycles():
     g = graph()
-    assert len(g) > 40 and "hsx.run.resume" in g["hsx.run.local"]  # the walk sees the real tree
+    assert len(g) > 40 and "hsx.job.prologue" in g["hsx.extract.local"]  # the walk sees the real tree
     assert cycles(g) == []
 
 
-def test_lower_stages_never_import_upper_ones():
-    def stage(mod: str) -> str:
-        return mod.split(".")[1] if "." in mod else ""
-
-    bad = [f"{m} -> {d}" for m, deps in graph().items() if stage(m) in LOWER for d in deps if stage(d) in UPPER]
-    assert bad == []
+def test_every_module_has_a_layer_and_none_imports_upward():
+    g = graph()
+    unplaced = sorted(m for m in g if m not in LAYER and (m.split(".")[1] if "." in m else m) not in LAYER)
+    assert unplaced == []
+    assert upward(g) == []
 
 
 def test_status_and_a_resume_with_nothing_to_do_never_load_torch(finished_run, tmp_path):

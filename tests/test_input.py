@@ -1,10 +1,22 @@
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hsx.input import Conversation, InputError, Reject, read_conversations
+from hsx.input import (
+    Conversation,
+    InputError,
+    Reject,
+    Source,
+    ToolCall,
+    Turn,
+    normalize,
+    read_conversations,
+    to_message,
+    tools_of,
+)
 
 
 def _read(path):
@@ -104,3 +116,141 @@ def test_unreadable_files_are_a_clear_error(tmp_path, name, content, message):
         _read(path)
     with pytest.raises(InputError, match="no such data file"):
         _read(tmp_path / "missing.jsonl")
+
+
+# ---------------------------------------------------------------- tools, tool calls, tool results, reasoning
+
+AGENTIC = Path(__file__).parent / "data" / "agentic.jsonl"  # rows shaped like the public datasets
+
+
+def _by_id() -> dict:
+    return {item.source.id: item for item in _read(AGENTIC)}
+
+
+def test_openai_tool_rows_keep_calls_results_tools_and_reasoning():
+    rows = _by_id()
+    conv = rows["openai-parallel"]
+    assert [t.role for t in conv.turns] == ["system", "user", "assistant", "tool", "tool", "assistant"]
+    call = conv.turns[2]
+    # arguments given as JSON text and as an object read the same; null content beside calls is empty text
+    assert call.tool_calls == (
+        ToolCall("get_weather", '{"city": "Oslo", "unit": "c"}', "call_a1"),
+        ToolCall("get_weather", '{"city": "Lima"}', "call_b2"),
+    )
+    assert (call.content, call.reasoning) == ("", "Two cities, so two weather lookups at once.")
+    # each result paired with its call by id; the name a template renders is the call's
+    pairs = [(t.tool_call_id, t.name) for t in conv.turns[3:5]]
+    assert pairs == [("call_a1", "get_weather"), ("call_b2", "get_weather")]
+    raw = json.loads(AGENTIC.read_text().splitlines()[4])
+    assert tools_of(conv) == raw["tools"]
+
+    def weather(arguments: dict, call_id: str) -> dict:
+        return {"type": "function", "function": {"name": "get_weather", "arguments": arguments}, "id": call_id}
+
+    assert to_message(call) == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Two cities, so two weather lookups at once.",
+        "tool_calls": [weather({"city": "Oslo", "unit": "c"}, "call_a1"), weather({"city": "Lima"}, "call_b2")],
+    }
+    stock = rows["openai-tools-string"]  # tools as the JSON text of a list; content beside a call
+    assert [t["function"]["name"] for t in tools_of(stock)] == ["get_stock_price"]
+    assert stock.turns[1].content == "Looking up the ticker now."
+    assert stock.turns[1].tool_calls == (ToolCall("get_stock_price", '{"ticker": "ACME"}', "call_s1"),)
+    assert rows["reason-thinking"].turns[1].reasoning == "Ninety-one is seven times thirteen."  # the alias
+    assert rows["reason-multiturn"].turns[3].reasoning == "Fifty-one and nine make sixty."
+
+
+def test_sharegpt_function_calling_rows_read_as_the_same_calls_and_results():
+    rows = _by_id()
+    glaive = rows["glaive-parallel"]
+    assert glaive.turns[0] == Turn("system", "SYSP You may call functions.")  # the row-level system prompt
+    assert [t.role for t in glaive.turns] == ["system", "user", "assistant", "tool", "tool", "assistant"]
+    # one function_call turn holding a list is one assistant turn with parallel calls, paired in order
+    assert glaive.turns[2].tool_calls == (
+        ToolCall("get_weather", '{"city": "Rome"}'),
+        ToolCall("get_weather", '{"city": "Cairo"}'),
+    )
+    assert [(t.content, t.name) for t in glaive.turns[3:5]] == [
+        ("TOOLRES Rome 18 C", "get_weather"),
+        ("TOOLRES Cairo 31 C", "get_weather"),
+    ]
+    # bare function schemas are offered to the template as OpenAI's tools, as serving passes them
+    assert [t["type"] for t in tools_of(glaive)] == ["function"]
+    assert tools_of(glaive)[0]["function"]["name"] == "get_weather"
+    single = rows["glaive-sharegpt"]
+    assert single.turns[2].tool_calls == (ToolCall("get_stock_price", '{"ticker": "ZETA"}'),)
+    assert single.turns[3] == Turn("tool", '{"price": "TOOLRES 7.05"}', name="get_stock_price")
+    # calls a dataset writes in the assistant's text (ToolACE, Hermes) stay text; their results stay as given
+    for key in ("toolace", "hermes-fc"):
+        conv = rows[key]
+        assert [t.role for t in conv.turns] == ["system", "user", "assistant", "tool", "assistant"]
+        assert not conv.turns[2].tool_calls and conv.turns[2].content.startswith(("[get_stock_price(", "<tool_call>"))
+        assert conv.turns[3].content.startswith(("[{", "<tool_response>")) and conv.turns[3].name == ""
+
+
+def test_metadata_fields_are_named_and_null_columns_are_not(tmp_path):
+    rows = _by_id()
+    assert rows["plain-openai"].ignored == ("category", "messages[].name", "messages[].weight")
+    assert rows["hermes-fc"].ignored == ("category", "subcategory")
+    assert rows["openai-parallel"].ignored == ()
+    # Parquet gives every row every column, absent ones as null: a null is not metadata, nor content
+    lines = AGENTIC.read_text().splitlines()
+    picked = [json.loads(lines[i]) for i in (0, 5)]  # plain ShareGPT, OpenAI tools
+    for row in picked:
+        row.setdefault("messages", None)
+        row.setdefault("conversations", None)
+        row.setdefault("tools", None)
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(picked), path)
+    from_parquet = _read(path)
+    assert [c.turns for c in from_parquet] == [rows["plain-sharegpt"].turns, rows["openai-tools-string"].turns]
+    assert [c.ignored for c in from_parquet] == [(), ()] and from_parquet[1].tools == rows["openai-tools-string"].tools
+
+
+def _openai(*turns, **row) -> dict:
+    return {"messages": [{"role": "user", "content": "q"}, *turns], **row}
+
+
+CALL = {"id": "c1", "function": {"name": "f", "arguments": "{}"}}
+SAID, CALLED = {"from": "human", "value": "q"}, {"from": "gpt", "value": "Let me look."}
+CALLS = {"from": "function_call", "value": '{"name": "f", "arguments": {"x": 1}}'}
+RESULTS = [CALLS, {"from": "observation", "value": "r"}, {"from": "observation", "value": "r"}]
+
+
+def test_a_call_turn_right_after_the_assistants_text_is_that_turns_call():
+    row = {"conversations": [SAID, CALLED, *RESULTS[:2], {"from": "gpt", "value": "done"}]}
+    conv = normalize(row, Source("f", 0, ""))
+    assert [t.role for t in conv.turns] == ["user", "assistant", "tool", "assistant"]
+    assert conv.turns[1] == Turn("assistant", "Let me look.", tool_calls=(ToolCall("f", '{"x": 1}'),))
+    assert conv.turns[2] == Turn("tool", "r", name="f")
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ("broken-orphan-result", "turn 1: a tool result with no assistant turn (no call) before it"),
+        ("broken-arguments", "turn 1: arguments of the call to 'get_weather': not valid JSON"),
+        ("broken-call-id", "turn 2: a tool result for call id 'c9', which no open call has"),
+        ("broken-function-call", "turn 1: a 'function_call' turn: not valid JSON"),
+        ("broken-extra-result", "turn 3: more tool results than the 1 call(s) before them"),
+        ({"system": "S", "conversations": [SAID, CALLED, *RESULTS]},  # the row's numbering, whatever joins
+         "turn 4: more tool results than the 1 call(s) before them"),
+        (_openai({"role": "assistant", "content": "a"}, {"role": "user", "content": "q", "thinking": "t"}),
+         "turn 2: a user turn holds reasoning"),
+        (_openai({"role": "assistant", "content": None, "refusal": "I can't."}),
+         "turn 1: 'refusal' carries content hsx does not render"),
+        ({"system": "S1", "messages": [{"role": "system", "content": "S2"}, {"role": "assistant", "content": "a"}]},
+         "a row-level 'system' and a system turn that differ"),
+        (_openai({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}),
+         "turn 1: the arguments of the call to 'f' are a list, not an object"),
+        (_openai({"role": "assistant", "content": "a"}, tools='{"name": "f"}'), "'tools' is a dict, not a list"),
+        (_openai({"role": "assistant", "content": "a", "reasoning_content": "x", "thinking": "y"}),
+         "turn 1: 'reasoning_content' and 'thinking' hold different reasoning"),
+        (_openai({"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "name": "g", "content": "r"}),
+         "turn 2: a result of 'g', which no open call calls"),
+    ],
+)  # fmt: skip
+def test_really_broken_tool_rows_are_rejected_with_their_reason(row, reason):
+    got = _by_id()[row] if isinstance(row, str) else normalize(row, Source("f", 0, ""))
+    assert isinstance(got, Reject) and got.reason.startswith(reason), got

@@ -1,4 +1,4 @@
-"""Tensor- and expert-parallel extraction (hsx.run.group) on CPU, two ranks over gloo.
+"""Tensor- and expert-parallel extraction (hsx.extract.group) on CPU, two ranks over gloo.
 
 The references are independent: transformers' own ``output_hidden_states`` of one-sample forwards
 of the same checkpoint in one process. Dense models must match every token within 1e-5 (float32).

@@ -340,3 +340,39 @@ def test_a_loaded_model_packed_in_memory_computes_as_its_dequantized_experts():
     with torch.no_grad():
         want = reference(ids, output_hidden_states=True).hidden_states
     assert all(torch.equal(a, b) for a, b in zip(packed, want, strict=True))
+
+
+def test_packed_experts_trace_into_the_decoder_layers_graph():
+    """Under torch.compile a MoE decoder layer with packed experts is one graph, as the same layer
+    with dense experts is: expansion, routing and weighting traced together (dynamo's own count of
+    graph breaks, on the same inputs), and the traced layer computes what it computes eagerly."""
+    import torch._dynamo
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config()).eval()
+    ids = torch.as_tensor(SEQS[0])[None].long()
+    captured = {}
+    layer = model.model.layers[1]
+    hook = layer.register_forward_pre_hook(lambda m, a, k: captured.update(args=a, kwargs=k), with_kwargs=True)
+    with torch.no_grad():
+        model(ids)
+    hook.remove()
+
+    def breaks() -> int:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            return torch._dynamo.explain(layer)(*captured["args"], **captured["kwargs"]).graph_break_count
+
+    dense = breaks()
+    jit.from_dense(model, int4.Int4Experts(32), lambda w: int4.quantize(w, 32))
+    layer = model.model.layers[1]
+    assert isinstance(layer.mlp.experts, jit.StoredExperts)
+    assert breaks() == dense == 0
+    with torch.no_grad():
+        eager = layer(*captured["args"], **captured["kwargs"])
+        torch._dynamo.reset()
+        traced = torch.compile(layer, backend="eager", fullgraph=True)(*captured["args"], **captured["kwargs"])
+    assert torch.equal(
+        eager[0] if isinstance(eager, tuple) else eager, traced[0] if isinstance(traced, tuple) else traced
+    )

@@ -1,4 +1,4 @@
-"""The overlapped resume (run.resume.Verifier): the model loads and extraction runs while digests
+"""The overlapped resume (job.resume.Verifier): the model loads and extraction runs while digests
 are verified; a shard is written only after its own scan is settled; the result is byte for byte
 the uninterrupted run's, and the summary says what verification read and how long extraction
 waited for it."""
@@ -27,8 +27,8 @@ def test_extraction_runs_while_verification_reads_and_never_writes_an_unsettled_
     """Shard 3 is gone, shard 1 lost two files, a bit flipped in shard 0 (only a digest finds it),
     shard 2 is whole. Reading shard 2's digests is held until a sample file of shard 3 exists:
     without the overlap the resume could never get there."""
-    import hsx.run.pipeline as pipeline
-    import hsx.run.resume as resume
+    import hsx.extract.pipeline as pipeline
+    import hsx.job.resume as resume
 
     run = shutil.copytree(finished_run, tmp_path / "run")
     expected = run_files(finished_run)
@@ -87,7 +87,7 @@ def test_extraction_runs_while_verification_reads_and_never_writes_an_unsettled_
 
 
 def test_a_resume_with_every_file_in_place_loads_no_model_unless_a_digest_is_bad(finished_run, tmp_path, monkeypatch):
-    import hsx.run.pipeline as pipeline
+    import hsx.extract.pipeline as pipeline
 
     run = shutil.copytree(finished_run, tmp_path / "run")
     loads: list[str] = []
@@ -107,7 +107,7 @@ def test_a_failure_during_extraction_stops_the_verification_before_the_job_leave
     could still tidy or seal shards once the lock is released."""
     import threading
 
-    import hsx.run.pipeline as pipeline
+    import hsx.extract.pipeline as pipeline
 
     run = shutil.copytree(finished_run, tmp_path / "run")
     shutil.rmtree(layout.shard_dir(run, 0))

@@ -159,13 +159,14 @@ def test_sink_config_travels_as_plain_json_and_offset_norms_are_refused(vllm, tm
 
 
 def test_token_ids_that_are_not_the_plans_stop_the_run(vllm, reference):
-    from hsx.capture.vllm import SAMPLE_KEY, Feeder
+    from hsx.capture.vllm_connector import SAMPLE_KEY
     from hsx.errors import CaptureFailed
+    from hsx.extract.vllm import VllmFeed
     from hsx.progress import Progress
 
     spec = load_spec(reference)
     plan = load_plan(reference, spec)
-    feeder = Feeder(reference, spec, plan, [], Progress(1, 1, 1), None, window=1)
+    feeder = VllmFeed(reference, spec, plan, [], Progress(1, 1, 1), None, window=1)
     feeder.requests.add(3)
     ids = plan.input_ids(3).tolist()
     out = SimpleNamespace(request_id="x", kv_transfer_params={SAMPLE_KEY: 3}, prompt_token_ids=[*ids[:-1], ids[-1] + 1])

@@ -43,7 +43,7 @@ def test_hsx_vocab_equals_the_trainers_builders_and_their_loaders_take_it(finish
     shutil.copytree(finished_run, run)
     shutil.rmtree(run / "shards")  # no hidden state is read
     proc = hsx("vocab", run, "--size", "48")
-    assert "48 of 2048 tokens" in proc.stderr
+    assert "48 of 2048 tokens" in proc.stdout
     out = run / "vocab"
     freq = torch.load(out / "token_freq.pt", weights_only=True)
     d2t, t2d = np.load(out / "d2t-48.npy"), np.load(out / "t2d-48.npy")

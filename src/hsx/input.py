@@ -2,8 +2,13 @@
 
 Accepted files: JSONL (one row per line), JSON (an array of rows) and Parquet. Accepted rows:
 ShareGPT (``conversations`` of ``from``/``value``) and OpenAI (``messages`` of ``role``/``content``),
-each with an optional ``id``. A row that cannot become a sample is never dropped: it becomes a
-``Reject`` carrying its file, row number and the reason, and the run goes on.
+each with an optional ``id``, ``system`` and ``tools``. A turn keeps everything the target's template
+renders: reasoning (``reasoning_content``, or its aliases ``thinking`` and ``reasoning``), tool calls
+(OpenAI ``tool_calls``, or ShareGPT ``function_call`` turns holding a JSON call) and tool results
+(role ``tool``; ShareGPT ``tool`` / ``observation``), each result paired with the call it answers.
+A field hsx does not use is metadata: named in the conversation's ``ignored``, counted in the plan.
+A row that cannot become a sample is never dropped: it becomes a ``Reject`` carrying its file, row
+number and the reason, and the run goes on.
 """
 
 from __future__ import annotations
@@ -24,7 +29,15 @@ ROLES = {
     "chatgpt": "assistant",
     "bard": "assistant",
     "bing": "assistant",
+    "tool": "tool",
+    "observation": "tool",  # LLaMA-Factory's ShareGPT (glaive, ToolACE conversions)
+    "function_response": "tool",
+    "ipython": "tool",  # Llama 3.1's name for a tool's output
 }
+OPENAI_ROLES = ROLES | {"function": "tool"}  # OpenAI's older function result (a ShareGPT "function" is ambiguous)
+CALL_ROLES = ("function_call",)  # ShareGPT turns that hold the assistant's call(s) as JSON
+REASONING = ("reasoning_content", "thinking", "reasoning")  # one turn's reasoning, under any of its names
+UNSUPPORTED = ("refusal", "audio")  # message fields with content hsx has no place for: the row is rejected
 # Image content a conversation may carry: OpenAI content parts, and the field LLaVA-style ShareGPT
 # rows put the picture in. hsx captures the language model's states of text conversations only.
 IMAGE_PARTS = ("image_url", "image", "input_image")
@@ -67,11 +80,13 @@ class Source:
 @dataclass(frozen=True)
 class Conversation:
     """``tools``: the function schemas the row offers the model (OpenAI's ``tools`` list), JSON text
-    per tool, in the row's order; the chat template renders them."""
+    per tool, in the row's order; the chat template renders them. ``ignored``: the row's fields that
+    hold something no template reads (metadata such as ``category``, ``conversations[].weight``)."""
 
     source: Source
     turns: tuple[Turn, ...]
     tools: tuple[str, ...] = ()
+    ignored: tuple[str, ...] = ()
 
 
 def to_message(turn: Turn) -> dict:
@@ -131,6 +146,174 @@ def _text(content: object, where: str) -> str:
     raise ValueError(f"{where}: content is {type(content).__name__}, not text")
 
 
+def _given(value: object) -> bool:
+    """A field holds something (Parquet rows carry every column, absent ones as null)."""
+    return value is not None and value != "" and value != [] and value != {}
+
+
+def _json(value: object, what: str) -> object:
+    """A field given as an object or as the JSON text of one (both forms are common)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"{what}: not valid JSON ({e})") from None
+
+
+def _call(raw: object, where: str) -> ToolCall:
+    """One call, OpenAI's ``{"id", "function": {"name", "arguments"}}`` or the bare ``{"name", "arguments"}``
+    that ShareGPT function-call datasets hold; arguments as an object or its JSON text."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: a tool call is a {type(raw).__name__}, not an object")
+    fn = raw["function"] if isinstance(raw.get("function"), dict) else raw
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: a tool call has no function name")
+    args = fn.get("arguments", fn.get("parameters"))
+    args = {} if args is None else _json(args, f"{where}: arguments of the call to {name!r}")
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}: the arguments of the call to {name!r} are a {type(args).__name__}, not an object")
+    return ToolCall(name, json.dumps(args, ensure_ascii=False), str(raw.get("id") or ""))
+
+
+def _calls(value: object, where: str) -> tuple[ToolCall, ...]:
+    value = _json(value, f"{where}: tool calls")
+    return tuple(_call(c, where) for c in (value if isinstance(value, list) else [value]))
+
+
+def _tools(value: object) -> tuple[str, ...]:
+    """The row's tools as OpenAI's ``{"type": "function", "function": {...}}`` JSON text each (a bare
+    function schema is wrapped: serving passes tools to the template in that form)."""
+    if not _given(value):
+        return ()
+    tools = _json(value, "'tools'")
+    if not isinstance(tools, list):
+        raise ValueError(f"'tools' is a {type(tools).__name__}, not a list")
+    out = []
+    for tool in tools:
+        if not isinstance(tool, dict) or not ("function" in tool or "name" in tool):
+            raise ValueError(f"'tools' holds {str(tool)[:60]!r}, not a function schema")
+        out.append(
+            json.dumps(tool if "function" in tool else {"type": "function", "function": tool}, ensure_ascii=False)
+        )
+    return tuple(out)
+
+
+def _reasoning(turn: dict, where: str) -> str:
+    found = {k: turn[k] for k in REASONING if _given(turn.get(k))}
+    for k, v in found.items():
+        if not isinstance(v, str):
+            raise ValueError(f"{where}: '{k}' is a {type(v).__name__}, not text")
+    if len(set(found.values())) > 1:
+        raise ValueError(f"{where}: {' and '.join(map(repr, found))} hold different reasoning")
+    return next(iter(found.values()), "")
+
+
+def _turn(raw: dict, role: str, text_key: str, where: str) -> Turn:
+    """One message with everything it carries; a field with content hsx cannot place raises."""
+    for k in UNSUPPORTED:
+        if _given(raw.get(k)):
+            raise ValueError(f"{where}: '{k}' carries content hsx does not render")
+    reasoning = _reasoning(raw, where)
+    calls: tuple[ToolCall, ...] = ()
+    if _given(raw.get("tool_calls")):
+        calls = _calls(raw["tool_calls"], where)
+    elif _given(raw.get("function_call")):  # OpenAI's older single-call form
+        calls = (_call(raw["function_call"], where),)
+    if (reasoning or calls) and role != "assistant":
+        raise ValueError(f"{where}: a {role} turn holds {'reasoning' if reasoning else 'tool calls'}")
+    content = raw.get(text_key)
+    if role == "tool" and (isinstance(content, dict) or (isinstance(content, list) and not _parts(content))):
+        content = json.dumps(content, ensure_ascii=False)  # a tool's structured output, as the JSON it is
+    elif content is None and (reasoning or calls):
+        content = ""
+    text = _text(content, where)
+    if role != "tool":
+        return Turn(role, text, reasoning, calls)
+    return Turn(role, text, tool_call_id=str(raw.get("tool_call_id") or ""), name=str(raw.get("name") or ""))
+
+
+def _parts(content: list) -> bool:
+    return all(isinstance(p, dict) and "type" in p for p in content)
+
+
+def _metadata(raw: dict, known: set[str], prefix: str) -> set[str]:
+    """The names of fields that hold something hsx does not use (metadata: counted, never rendered)."""
+    return {prefix + str(k) for k, v in raw.items() if k not in known and _given(v)}
+
+
+def _turns(raw: list, role_key: str, text_key: str, list_key: str) -> tuple[list[Turn], list[int], set[str]]:
+    """The turns, the row's index of each (for reasons: a call turn may join the text before it),
+    and the metadata fields the messages hold."""
+    turns: list[Turn] = []
+    at: list[int] = []
+    ignored: set[str] = set()
+    for i, item in enumerate(raw):
+        where = f"turn {i}"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} is a {type(item).__name__}, not an object")
+        said = str(item.get(role_key, "")).lower()
+        if said in CALL_ROLES:  # ShareGPT function-call datasets: the assistant's call(s) as a JSON turn
+            calls = _calls(_json(item.get(text_key), f"{where}: a '{said}' turn"), where)
+            last = turns[-1] if turns else None
+            if last is not None and last.role == "assistant" and not last.tool_calls:  # its text, then its calls
+                turns[-1] = Turn("assistant", last.content, last.reasoning, calls)
+            else:
+                turns.append(Turn("assistant", "", "", calls))
+                at.append(i)
+            ignored |= _metadata(item, {role_key, text_key}, f"{list_key}[].")
+            continue
+        role = (OPENAI_ROLES if list_key == "messages" else ROLES).get(said)
+        if role is None:
+            raise ValueError(f"{where}: unknown role {item.get(role_key)!r}")
+        turns.append(_turn(item, role, text_key, where))
+        at.append(i)
+        used = {role_key, text_key, *UNSUPPORTED, *REASONING, "tool_calls", "function_call"}
+        if role == "tool":
+            used |= {"tool_call_id", "name"}
+        ignored |= _metadata(item, used, f"{list_key}[].")
+    return turns, at, ignored
+
+
+def _paired(turns: list[Turn], at: list[int]) -> list[Turn]:
+    """Each tool result paired with a call of the assistant turn before it: by id, else by name, else
+    in order; its missing ``name`` / ``tool_call_id`` are the call's (templates render them). Where
+    that turn writes its calls in its text (Hermes, ToolACE datasets), results stay as given."""
+    out: list[Turn] = []
+    caller: Turn | None = None
+    open_calls: list[ToolCall] = []
+    for i, turn in zip(at, turns, strict=True):
+        if turn.role == "assistant":
+            caller, open_calls = turn, list(turn.tool_calls)
+        elif turn.role != "tool":
+            caller, open_calls = None, []
+        elif caller is None:
+            raise ValueError(f"turn {i}: a tool result with no assistant turn (no call) before it")
+        elif caller.tool_calls:
+            call = _match(turn, open_calls, caller.tool_calls, i)
+            open_calls.remove(call)
+            turn = Turn("tool", turn.content, tool_call_id=turn.tool_call_id or call.id, name=turn.name or call.name)
+        out.append(turn)
+    return out
+
+
+def _match(result: Turn, open_calls: list[ToolCall], made: tuple[ToolCall, ...], i: int) -> ToolCall:
+    if result.tool_call_id and any(c.id for c in made):
+        call = next((c for c in open_calls if c.id == result.tool_call_id), None)
+        if call is None:
+            raise ValueError(f"turn {i}: a tool result for call id {result.tool_call_id!r}, which no open call has")
+        return call
+    if not open_calls:
+        raise ValueError(f"turn {i}: more tool results than the {len(made)} call(s) before them")
+    if result.name:
+        call = next((c for c in open_calls if c.name == result.name), None)
+        if call is None:
+            raise ValueError(f"turn {i}: a result of {result.name!r}, which no open call calls")
+        return call
+    return open_calls[0]
+
+
 def normalize(row: object, source: Source) -> Conversation | Reject:
     """One raw row -> a validated conversation, or the reason it cannot be one."""
     if not isinstance(row, dict):
@@ -142,30 +325,34 @@ def normalize(row: object, source: Source) -> Conversation | Reject:
     if image is not None:  # LLaVA-style ShareGPT: the picture beside the turns, "<image>" in their text
         return Reject(source, f"image content ('{image}' field); {TEXT_ONLY}")
     if isinstance(row.get("conversations"), list):
-        raw, role_key, text_key = row["conversations"], "from", "value"
+        list_key, role_key, text_key = "conversations", "from", "value"
     elif isinstance(row.get("messages"), list):
-        raw, role_key, text_key = row["messages"], "role", "content"
+        list_key, role_key, text_key = "messages", "role", "content"
     else:
         keys = ", ".join(sorted(map(str, row))) or "none"
         return Reject(source, f"unknown schema: no 'conversations' or 'messages' list (keys: {keys})")
-    if not raw:
+    if not row[list_key]:
         return Reject(source, "empty conversation")
-    turns = []
     try:
-        for i, turn in enumerate(raw):
-            if not isinstance(turn, dict):
-                raise ValueError(f"turn {i} is a {type(turn).__name__}, not an object")
-            role = ROLES.get(str(turn.get(role_key, "")).lower())
-            if role is None:
-                raise ValueError(f"turn {i}: unknown role {turn.get(role_key)!r}")
-            turns.append(Turn(role, _text(turn.get(text_key), f"turn {i}")))
+        turns, at, ignored = _turns(row[list_key], role_key, text_key, list_key)
+        turns = _paired(turns, at)
+        tools = _tools(row.get("tools") if _given(row.get("tools")) else row.get("functions"))
+        system = row.get("system")
+        if _given(system):  # a row-level system prompt (LLaMA-Factory's ShareGPT, ToolACE)
+            system = _text(system, "'system'")
+            if turns and turns[0].role == "system":
+                if turns[0].content != system:
+                    raise ValueError("a row-level 'system' and a system turn that differ")
+            else:
+                turns.insert(0, Turn("system", system))
     except ValueError as e:
         return Reject(source, str(e))
     if not any(t.role == "assistant" for t in turns):
         return Reject(source, "no assistant turn")
-    if all(not t.content.strip() for t in turns if t.role == "assistant"):
+    if all(not (t.content.strip() or t.reasoning or t.tool_calls) for t in turns if t.role == "assistant"):
         return Reject(source, "every assistant turn is empty")
-    return Conversation(source, tuple(turns))
+    ignored |= _metadata(row, {list_key, "id", "system", "tools", "functions", *IMAGE_FIELDS}, "")
+    return Conversation(source, tuple(turns), tools, tuple(sorted(ignored)))
 
 
 def _rows(path: Path, name: str) -> Iterator[tuple[int, object] | Reject]:

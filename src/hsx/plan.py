@@ -1,12 +1,17 @@
 """Plan stage: conversations -> the frozen, tokenized work list that a run extracts.
 
-The chat template of the target's own tokenizer renders each conversation. The loss mask marks
-every assistant turn's content and its end-of-turn token; it is derived from the rendering alone,
+The chat template of the target's own tokenizer renders each conversation, with its tools, tool
+calls, tool results and reasoning (``input.to_message``). The loss mask marks what the target
+generates: every assistant turn's reasoning, content and call markup and its end-of-turn token;
+never tool results, the tools block, system or user turns. It is derived from the rendering alone,
 by rendering prefixes, so templates without ``{% generation %}`` markers work:
 
-    before = render(turns[:i], add_generation_prompt=True)   # ends where turn i's content starts
+    before = render(turns[:i], add_generation_prompt=True)   # ends where turn i's output starts
     after  = render(turns[:i+1])                              # ends after its end-of-turn marker
     mask the tokens in [len(before), len(after.rstrip()))     # trailing newlines are not the turn's
+
+A turn the template renders otherwise once later turns follow (many drop earlier reasoning) gets a
+sample of its own, the conversation up to it. What a template leaves out is counted (``COUNTS``).
 
 The plan is written once into ``OUT/plan/plan.parquet`` with its fingerprint (a digest of the
 token content, not of the file bytes). Sample id = row index in the plan. Resume reads only this.
@@ -16,8 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +33,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from hsx.errors import PlanError
-from hsx.input import Conversation, Reject
+from hsx.input import Conversation, Reject, ToolCall, to_message, tools_of
 from hsx.store.layout import PLAN_DIR, PLAN_FILE
 
 PLAN_META = "plan.json"
@@ -69,6 +76,62 @@ class Sample:
     source_id: str
 
 
+# What rendering counts beside the samples (PlanInfo.rendering, the spec's plan.rendering): per key,
+# how many assistant turns (tool turns, rows) it concerns and what it means in the plan summary.
+COUNTS = {
+    "reasoning_unrendered": "assistant turns' reasoning the chat template does not render",
+    "content_unrendered": "assistant turns' content the chat template does not render",
+    "calls_unrendered": "assistant turns' tool calls the chat template does not render",
+    "tool_results_unrendered": "tool results the chat template does not render",
+    "tools_unrendered": "rows' tools the chat template does not render",
+    "own_sample_turns": "assistant turns in a sample of their own (the template renders them otherwise later on)",
+    "past_max_length_turns": "assistant turns past --max-length (not extracted)",
+}
+
+
+@dataclass(frozen=True)
+class Notes:
+    """What one conversation's rendering says beside its samples: ``counts`` by ``COUNTS`` key, and
+    the row's metadata fields (``Conversation.ignored``). ``write_plan`` sums them into ``PlanInfo``."""
+
+    counts: dict[str, int]
+    ignored: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    samples: tuple[Sample, ...]
+    notes: Notes
+
+
+def _shown(text: str, rendered: str) -> bool:
+    """``text`` is in ``rendered`` as given or JSON-escaped (templates write tool output with tojson)."""
+    t = text.strip()
+    return not t or any(form in rendered for form in (t, json.dumps(t)[1:-1], json.dumps(t, ensure_ascii=False)[1:-1]))
+
+
+def _call_shown(call: ToolCall, rendered: str) -> bool:
+    return call.name in rendered and all(_shown(str(k), rendered) for k in json.loads(call.arguments))
+
+
+def _prompt_end(prompt: str, text: str) -> int | None:
+    """Where the turn after ``prompt`` starts in ``text``, the rendering up to that turn: exactly
+    where ``prompt`` ends, or else, for templates whose indentation leaks other blanks around a turn
+    than after its generation prompt, at the turn's first non-blank (blanks the template wrote, not
+    the target); None where ``text`` does not extend ``prompt``."""
+    if text.startswith(prompt):
+        return len(prompt)
+    bare = "".join(prompt.split())
+    if not "".join(text.split()).startswith(bare):
+        return None
+    seen = 0
+    for word in re.finditer(r"\S+", text):
+        if seen + len(word.group()) > len(bare):  # the turn starts inside this word or at its start
+            return word.start() + len(bare) - seen
+        seen += len(word.group())
+    return len(text)  # the turn renders to blanks only
+
+
 class Tokenize:
     """Render with the tokenizer's chat template and derive the assistant-token mask."""
 
@@ -90,55 +153,87 @@ class Tokenize:
         """A rendered text's token ids, as the plan tokenizes it (the template writes its own specials)."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """The full rendering and the character spans of each assistant turn (content + end marker)."""
-        full = self.render(messages, False)
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = self.render(messages[:i], True)
-            after = self.render(messages[: i + 1], False)
-            if not (full.startswith(after) and after.startswith(before)):
-                raise TemplateError(f"chat template is not prefix-stable at turn {i}")
-            end = len(after.rstrip())
-            if end > len(before):
-                spans.append((len(before), end))
-        return full, spans
+    def pieces(self, conv: Conversation) -> tuple[list[tuple[str, list[tuple[int, int]]]], Counter]:
+        """The texts to extract, each with the character spans to mask, and what the template left out.
 
-    def __call__(self, conv: Conversation) -> Sample:
-        messages = [{"role": t.role, "content": t.content} for t in conv.turns]
-        text, spans = self.spans(messages)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(enc["input_ids"], dtype=np.int32)
-        starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
-        mask = np.zeros(len(ids), dtype=np.int8)
-        for lo, hi in spans:
-            mask[(starts >= lo) & (starts < hi)] = 1
-        truncated = len(ids) > self.max_length
-        if truncated:
+        The first text is the whole conversation, masking each assistant turn the template renders
+        there as it renders it when that turn is the latest (its prompt, then what the target
+        generated: reasoning, content, calls, end marker). A turn rendered otherwise once later turns
+        follow (templates that drop earlier reasoning) gets a text of its own: the conversation up
+        to it. What a turn held but its own rendering lacks is counted, never silently dropped.
+        """
+        messages, tools = [to_message(t) for t in conv.turns], tools_of(conv)
+        full = self.render(messages, False, tools)
+        spans: list[tuple[int, int]] = []
+        own: list[tuple[str, list[tuple[int, int]]]] = []
+        counts: Counter = Counter()
+        for i, turn in enumerate(conv.turns):
+            if turn.role != "assistant":
+                continue
+            before = self.render(messages[:i], True, tools)
+            after = self.render(messages[: i + 1], False, tools)
+            lo, hi = _prompt_end(before, after), len(after.rstrip())  # trailing newlines are not the turn's
+            if lo is None:
+                raise TemplateError(f"chat template is not prefix-stable at turn {i}: it does not extend its prompt")
+            generated = after[lo:hi]
+            counts["reasoning_unrendered"] += not _shown(turn.reasoning, generated)
+            counts["content_unrendered"] += not _shown(turn.content, generated)
+            counts["calls_unrendered"] += not all(_call_shown(c, generated) for c in turn.tool_calls)
+            if hi <= lo:
+                continue
+            if full.startswith(after[:hi]):
+                spans.append((lo, hi))
+            else:
+                own.append((after, [(lo, hi)]))
+        texts = [full] + [text for text, _ in own]
+        counts["own_sample_turns"] = len(own)
+        counts["tool_results_unrendered"] = sum(
+            not any(_shown(t.content, text) for text in texts) for t in conv.turns if t.role == "tool"
+        )
+        names = [json.loads(t).get("function", {}).get("name", "") for t in conv.tools]
+        counts["tools_unrendered"] = int(not all(n in full for n in names))
+        return ([(full, spans)] if spans else []) + own, counts
+
+    def __call__(self, conv: Conversation) -> Tokenized:
+        pieces, counts = self.pieces(conv)
+        src = conv.source
+        samples, truncated = [], False
+        for text, spans in pieces:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = np.asarray(enc["input_ids"], dtype=np.int32)
+            starts, ends = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2).T
+            mask = np.zeros(len(ids), dtype=np.int8)
+            for lo, hi in spans:  # every token that holds some of the turn (one may begin with blanks before it)
+                mask[(ends > lo) & (starts < hi)] = 1
+                counts["past_max_length_turns"] += int(np.searchsorted(starts, lo)) >= self.max_length
+            cut = len(ids) > self.max_length
             ids, mask = ids[: self.max_length], mask[: self.max_length]
-        if len(ids) == 0:
-            raise TemplateError("renders to no tokens")
-        if not mask.any():
+            truncated |= cut
+            if mask.any():
+                samples.append(Sample(ids, mask, cut, src.file, src.row, src.id))
+        if not samples:
             raise TemplateError(
                 f"no assistant token within the first {self.max_length} tokens"
                 if truncated
                 else "no assistant token after rendering"
             )
-        src = conv.source
-        return Sample(ids, mask, truncated, src.file, src.row, src.id)
+        return Tokenized(tuple(samples), Notes({k: v for k, v in counts.items() if v}, conv.ignored))
 
 
-def tokenize_all(items: Iterable[Conversation | Reject], tokenize: Tokenize) -> Iterator[Sample | Reject]:
+def tokenize_all(items: Iterable[Conversation | Reject], tokenize: Tokenize) -> Iterator[Sample | Reject | Notes]:
+    """Samples (one or more per conversation) and rejects, and each conversation's notes where it has any."""
     for item in items:
         if isinstance(item, Reject):
             yield item
             continue
         try:
-            yield tokenize(item)
+            done = tokenize(item)
         except Exception as e:  # a template error on one row must not stop the run
             yield Reject(item.source, f"tokenization failed: {e}")
+            continue
+        yield from done.samples
+        if done.notes.counts or done.notes.ignored:
+            yield done.notes
 
 
 class PlanBuilder:
@@ -194,6 +289,18 @@ class PlanInfo:
     num_tokens: int
     num_truncated: int
     max_length: int
+    # what rendering left out or split, by ``COUNTS`` key (non-zero only); metadata fields -> rows
+    # holding them. Plans written before hsx counted these have neither.
+    rendering: dict[str, int] = field(default_factory=dict)
+    ignored_fields: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> list[str]:
+        """The plan summary's lines on rendering: nothing a row carried goes without a word."""
+        lines = [f"{n} {COUNTS.get(k, k)}" for k, n in self.rendering.items()]
+        if self.ignored_fields:
+            fields = ", ".join(f"{k} ({n} rows)" for k, n in self.ignored_fields.items())
+            lines.append(f"metadata fields no template reads, not rendered: {fields}")
+        return lines
 
 
 class Plan:
@@ -229,18 +336,25 @@ class Plan:
         return h.hexdigest()
 
 
-def write_plan(run_dir: Path, samples: Iterable[Sample | Reject], max_length: int) -> tuple[PlanInfo, list[Reject]]:
-    """Write the plan once; rejects are returned for the caller to record."""
+def write_plan(
+    run_dir: Path, samples: Iterable[Sample | Reject | Notes], max_length: int
+) -> tuple[PlanInfo, list[Reject]]:
+    """Write the plan once; rejects are returned for the caller to record, notes summed into the info."""
     plan_dir = run_dir / PLAN_DIR
     plan_dir.mkdir(parents=True, exist_ok=True)
     tmp = plan_dir / f".{PLAN_FILE}.tmp-{os.getpid()}"
     builder = PlanBuilder(tmp)
     rejects: list[Reject] = []
     truncated = 0
+    rendering: Counter = Counter()
+    ignored: Counter = Counter()
     try:
         for item in samples:
             if isinstance(item, Reject):
                 rejects.append(item)
+            elif isinstance(item, Notes):
+                rendering.update(item.counts)
+                ignored.update(item.ignored)
             else:
                 builder.add(item)
                 truncated += item.truncated
@@ -254,7 +368,15 @@ def write_plan(run_dir: Path, samples: Iterable[Sample | Reject], max_length: in
     from hsx.store.durable import durable_rename, write_durable
 
     durable_rename(tmp, plan_dir / PLAN_FILE)
-    info = PlanInfo(fingerprint, builder.num_samples, builder.num_tokens, truncated, max_length)
+    info = PlanInfo(
+        fingerprint,
+        builder.num_samples,
+        builder.num_tokens,
+        truncated,
+        max_length,
+        {k: rendering[k] for k in COUNTS if rendering[k]},
+        dict(sorted(ignored.items())),
+    )
     write_durable(plan_dir / PLAN_META, json.dumps(info.__dict__, indent=1).encode())
     return info, rejects
 

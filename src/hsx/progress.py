@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
 
-console = Console(stderr=True, soft_wrap=True)
+# text, never markup: a square bracket in a path or message prints as it is (hsx[ray], convs[v2].jsonl)
+console = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
 
 
 class Progress:
@@ -33,7 +34,7 @@ class Progress:
         # seconds the forward pass stood still because writes were behind; set by this process's
         # extractor (not by a scale-out driver or the vLLM path, which do not measure it)
         self.waited_for_disk: Callable[[], float] | None = None
-        # a resume's verification so far (files, bytes, seconds, extraction's wait): run.resume.Verified
+        # a resume's verification so far (files, bytes, seconds, extraction's wait): job.resume.Verified
         self.verified: Callable[[], dict] | None = None
 
     def start(self, done_samples: int, done_tokens: int) -> None:

@@ -43,7 +43,7 @@ def driver_id(holder: Holder) -> str:
 
 
 class Rank(BaseModel):
-    """One process of a tensor-parallel group (run.group): rank 0 writes, the others compute."""
+    """One process of a tensor-parallel group (extract.group): rank 0 writes, the others compute."""
 
     rank: int
     pid: int

@@ -11,8 +11,9 @@ import datetime as dt
 import getpass
 import json
 import socket
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ValidationError
 
@@ -76,6 +77,10 @@ class PlanIdentity(BaseModel):
     num_tokens: int
     num_truncated: int
     num_rejected: int
+    # what the chat template did not render or rendered in samples of their own, by hsx.plan.COUNTS
+    # key, and metadata fields -> rows holding them; empty in runs made before hsx counted them
+    rendering: dict[str, int] = {}
+    ignored_fields: dict[str, int] = {}
 
 
 class Parallel(BaseModel):
@@ -91,6 +96,40 @@ class Parallel(BaseModel):
 
     def __str__(self) -> str:
         return f"tensor {self.tensor}, expert {self.expert}"
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a run's files take on disk, as the space forecast and the store's scan need it:
+    ``bytes_per_token`` raw; ``codec`` its states are stored with (None: its files hold no states,
+    any codec a scan finds is the file's own); a state value's ``itemsize`` and ``hidden_size``
+    (a codec's ratio depends on them); ``batch_tokens``: the most tokens one batch holds (0: a
+    sample at a time)."""
+
+    bytes_per_token: int
+    codec: Codec | None = None
+    itemsize: int = 0
+    hidden_size: int = 0
+    batch_tokens: int = 0
+
+
+class JobSpec(Protocol):
+    """What the job layer (``hsx.job``: lock, verification, space, model location) reads of a run's
+    spec, whatever the run's kind: an extraction's ``RunSpec``, a generate run's ``GenerateSpec``."""
+
+    @property
+    def model(self) -> ModelIdentity: ...
+    @property
+    def tokenizer(self) -> TokenizerIdentity: ...
+    @property
+    def data(self) -> list[DataFile]: ...
+    @property
+    def max_length(self) -> int: ...
+    @property
+    def shard_size(self) -> int: ...
+    @property
+    def plan(self) -> PlanIdentity: ...
+    def footprint(self) -> Footprint: ...
 
 
 class RunSpec(BaseModel):
@@ -130,6 +169,11 @@ class RunSpec(BaseModel):
         """Bytes of one value of a state in the run's dtype."""
         return {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
 
+    def footprint(self) -> Footprint:
+        return Footprint(
+            self.bytes_per_token, self.codec, self.state_itemsize, self.model.hidden_size, self.batch_tokens
+        )
+
     def save(self, run: Path) -> None:
         write_durable(run / layout.SPEC, self.model_dump_json(indent=2).encode())
 
@@ -157,7 +201,7 @@ class ModelLocation(BaseModel):
     previous: str  # where the run looked for it before
 
 
-def model_location(run: Path, spec: RunSpec) -> str:
+def model_location(run: Path, spec: JobSpec) -> str:
     """Where the run's model is: the last location a resume recorded, else the spec's path."""
     try:
         return ModelLocation.model_validate_json((run / layout.LOCATION).read_bytes()).path
@@ -167,7 +211,7 @@ def model_location(run: Path, spec: RunSpec) -> str:
         raise SpecError(f"{run / layout.LOCATION} is unreadable or damaged: {str(e).splitlines()[0]}") from e
 
 
-def record_location(run: Path, spec: RunSpec, path: str) -> bool:
+def record_location(run: Path, spec: JobSpec, path: str) -> bool:
     """Record ``path`` (its fingerprint already matched) as the model's location; False when it
     is where the run already looks."""
     previous = model_location(run, spec)
@@ -200,7 +244,7 @@ def load_spec(run: Path) -> RunSpec:
         raise SpecError(f"{path} is unreadable or damaged: {str(e).splitlines()[0]}") from e
 
 
-def differences(stored: RunSpec, asked: dict) -> list[str]:
+def differences(stored: JobSpec, asked: dict) -> list[str]:
     """Compare what a resume asks for with the stored spec; one line per difference.
 
     ``asked`` holds only what the operator gave: ``model`` (a ModelIdentity), ``tokenizer``,

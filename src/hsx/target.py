@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hsx.errors import ModelChanged, ModelNotFound, UnsupportedModel
 from hsx.fingerprint import digest_bytes, digest_json, model_fingerprint
-from hsx.spec import ModelIdentity, Quantization, RunSpec, TokenizerIdentity, model_location
+from hsx.spec import JobSpec, ModelIdentity, Quantization, TokenizerIdentity, model_location
 
 
 def resolve(model: str) -> Path:
@@ -230,7 +230,7 @@ def tokenizer_identity(tokenizer) -> TokenizerIdentity:
     )
 
 
-def model_dir_for(run: Path, spec: RunSpec, given: str | None = None, checked: bool = False) -> Path:
+def model_dir_for(run: Path, spec: JobSpec, given: str | None = None, checked: bool = False) -> Path:
     """Where the run's model is now: ``given`` (a --model), else where the run last recorded it
     (``spec.model_location``); refused unless its fingerprint matches the run's (``checked``: the
     caller has just compared it, skip the re-read)."""

@@ -1,7 +1,7 @@
 """The verdict vocabulary shared by every check: ok / warn / fail, and who must act on a fail.
 
-Exit codes follow from it: 0 when nothing is wrong (warnings allowed), 1 when ``hsx extract``
-redoes the damage by itself, 2 when a person must act before resuming.
+Exit codes follow from it (``errors.Exit``): 0 when nothing is wrong (warnings allowed), 1 when
+``hsx extract`` redoes the damage by itself, 2 when a person must act before resuming.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-Level = Literal["ok", "warn", "fail"]
+from hsx.errors import Exit
 
-EXIT_OK, EXIT_REDO, EXIT_ACT = 0, 1, 2
+Level = Literal["ok", "warn", "fail"]
 
 
 @dataclass
@@ -28,8 +28,8 @@ class Check:
     @property
     def exit_code(self) -> int:
         if self.level != "fail":
-            return EXIT_OK
-        return EXIT_REDO if self.redo else EXIT_ACT
+            return Exit.OK
+        return Exit.REDO if self.redo else Exit.ACT
 
     def to_json(self) -> dict:
         return {
@@ -45,21 +45,12 @@ class Check:
 
 
 def exit_code(checks: Iterable[Check]) -> int:
-    return max((c.exit_code for c in checks), default=EXIT_OK)
+    return max((c.exit_code for c in checks), default=Exit.OK)
 
 
 def skipped(name: str, why: str) -> Check:
     """A check that cannot run because something it needs failed; the cause is reported elsewhere."""
     return Check(name, "warn", f"not checked: {why}")
-
-
-def size(n: float) -> str:
-    """Bytes in a human unit (decimal, as disks are sold and df -H prints)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
 
 
 def ranges(ids: Iterable[int], limit: int = 6) -> str:

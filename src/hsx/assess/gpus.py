@@ -20,7 +20,8 @@ from pathlib import Path
 
 import psutil
 
-from hsx.assess.checks import Check, size
+from hsx.assess.checks import Check
+from hsx.units import size
 
 MiB = 1 << 20
 IDLE_V2 = 256 * MiB  # v2 ``used`` (reservation excluded) on an idle card is a few MiB

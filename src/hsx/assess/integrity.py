@@ -15,12 +15,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hsx.assess.checks import Check, size
+from hsx.assess.checks import Check
 from hsx.errors import Damage
 from hsx.progress import Progress
-from hsx.spec import RunSpec
+from hsx.spec import JobSpec
 from hsx.store import layout
 from hsx.store.scan import Problem, ShardScan, scan_run
+from hsx.units import size
 
 # what each kind means for the sample it concerns; all of them are redone by ``hsx extract``
 MEANING = {
@@ -80,7 +81,7 @@ def _seal_problems(run: Path, scan: ShardScan) -> list[Problem]:
     ]
 
 
-def inspect(run: Path, spec: RunSpec, deep: bool, writer_alive: bool, threads: int | None = None) -> Integrity:
+def inspect(run: Path, spec: JobSpec, deep: bool, writer_alive: bool, threads: int | None = None) -> Integrity:
     """``threads``: parallel readers (None: the store's default for this machine)."""
     num_samples, shard_size = spec.plan.num_samples, spec.shard_size
     n = layout.num_shards(num_samples, shard_size)
@@ -88,7 +89,13 @@ def inspect(run: Path, spec: RunSpec, deep: bool, writer_alive: bool, threads: i
     t0 = time.perf_counter()
     with Progress.simple(what, n) as bar:
         scans = scan_run(
-            run, num_samples, shard_size, deep, threads=threads, on_shard=lambda _: bar.advance(), codec=spec.codec
+            run,
+            num_samples,
+            shard_size,
+            deep,
+            threads=threads,
+            on_shard=lambda _: bar.advance(),
+            codec=spec.footprint().codec,
         )
     result = Integrity(deep, scans, seconds=time.perf_counter() - t0)
     for s in scans:

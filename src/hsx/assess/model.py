@@ -13,12 +13,18 @@ import importlib.util
 import itertools
 from pathlib import Path
 
-from hsx.assess.checks import Check, size
+from hsx.assess.checks import Check
+from hsx.extract.backends import BACKENDS
 from hsx.fingerprint import model_fingerprint
 from hsx.spec import RunSpec
 from hsx.target import load_config, relative_note
+from hsx.units import size
 
-BACKENDS = {"transformers": "transformers", "vllm": "vllm"}  # backend name in the spec -> module that must import
+
+def _package(backend: str) -> str | None:
+    """The package that must import for ``backend`` to run (``extract.backends``); None: no backend of hsx's."""
+    found = BACKENDS.get(backend)
+    return found.package if found else None
 
 
 def locate(given: str) -> Path | None:
@@ -83,7 +89,7 @@ def check_capture(spec: RunSpec, model_dir: Path | None, deep: bool = False) -> 
     """Can the spec's backend capture the model? ``deep`` imports the backend; otherwise (seconds
     count for ``hsx status``) its installed package is looked up and the model's class found in
     its source, without importing it."""
-    module = BACKENDS.get(spec.backend)
+    module = _package(spec.backend)
     if module is None:
         return Check(
             "capture", "fail", f"unknown backend {spec.backend!r} in the run spec", data={"backend": spec.backend}
@@ -152,7 +158,7 @@ def check_engine(spec) -> Check:
     (Looked up, not imported; a server backend's engine runs elsewhere, and a resume checks it then.)"""
     engine = spec.engine
     data = {"backend": engine.name, "version": engine.version}
-    module = BACKENDS.get(engine.name)
+    module = _package(engine.name)
     if module is None:
         return Check(
             "capture", "ok", f"engine {engine.name} {engine.version}: checked when a resume connects", data=data

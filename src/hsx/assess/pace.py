@@ -10,8 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from hsx.assess.checks import Check, duration, size
+from hsx.assess.checks import Check, duration
 from hsx.telemetry import Point
+from hsx.units import size
 
 WINDOW = 30 * 60.0  # the recent rate spans (at least) the last half hour of the history
 

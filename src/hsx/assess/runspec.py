@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx.assess.checks import Check, size
+from hsx.assess.checks import Check
 from hsx.generate.plan import GenPlan
 from hsx.generate.spec import KIND, GenerateSpec, kind_of, load_generate_spec
 from hsx.plan import PLAN_DIR, PLAN_FILE, Plan
 from hsx.spec import RunSpec, SpecError, load_spec
 from hsx.store import layout
+from hsx.units import size
 
 
 @dataclass
@@ -97,8 +98,8 @@ def inspect(run: Path) -> RunFiles:
 
 def _never_a_run(run: Path) -> Check | None:
     """A folder where ``hsx extract`` started a run that never came to be (no spec, no shard): why,
-    from its record (``run.folder.record_failed_start``), and the command that starts it again."""
-    from hsx.run.folder import failed_start
+    from its record (``job.folder.record_failed_start``), and the command that starts it again."""
+    from hsx.job.folder import failed_start
 
     record = failed_start(run)
     if record is None and not (run / PLAN_DIR).exists():

@@ -15,16 +15,17 @@ from rich.console import Console
 from rich.markup import escape
 
 from hsx.assess import gpus, integrity, model, pace, runspec, tally, volume, workers
-from hsx.assess.checks import EXIT_ACT, EXIT_REDO, Check, exit_code, skipped
-from hsx.errors import BadFile, SpecError
+from hsx.assess.checks import Check, exit_code, skipped
+from hsx.errors import BadFile, Exit, SpecError
 from hsx.generate.spec import GenerateSpec
+from hsx.job import space
 from hsx.spec import RunSpec, model_location, same_place
 from hsx.store import layout
 from hsx.store.format import read_header
 from hsx.telemetry import read_history
 
 ORDER = ("gpus", "volume", "progress", "pace", "integrity", "model", "capture", "spec", "workers")
-VERDICTS = {0: "ok", EXIT_REDO: "redo", EXIT_ACT: "act"}
+VERDICTS = {Exit.OK: "ok", Exit.REDO: "redo", Exit.ACT: "act"}
 STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 
 
@@ -65,32 +66,27 @@ def resume_command(run: Path, model: str | None = None, command: str = "extract"
     return shlex.join(args)
 
 
-def _projection(run: Path, spec: RunSpec | GenerateSpec, plan, t: tally.Tally, left_tokens: int) -> volume.Projection:
-    """What the rest of the run needs on the volume: an extraction's states at its codec's ratio
-    as the files on disk measure it; a generate run's token ids and texts by its plan's estimate."""
-    if isinstance(spec, GenerateSpec):
-        ratio, basis = 1.0, ""
-        largest = int(plan.lengths.max()) * spec.bytes_per_token if plan else spec.max_length * spec.bytes_per_token
-    else:
-        # the codec's ratio as the files on disk measure it (without a readable plan: unmeasured)
-        measured = volume.Measured()
-        if t.tokens_done is not None:
-            measured = volume.Measured(t.samples_done, t.tokens_done * spec.bytes_per_token, t.bytes_done)
-        ratio, basis = volume.stored_ratio(spec, measured), volume.ratio_basis(spec, measured)
-        longest = int(plan.lengths.max()) if plan else spec.max_length
-        largest = volume.largest_batch_bytes(spec.batch_tokens, longest, spec.bytes_per_token)
-    return volume.project(
+def _projection(run: Path, spec: RunSpec | GenerateSpec, plan, t: tally.Tally, left_tokens: int) -> space.Projection:
+    """What the rest of the run needs on the volume: its tokens at what its files take
+    (``spec.footprint``: an extraction's states at its codec's ratio as the files on disk measure it,
+    a generate run's token ids and texts by its plan's estimate)."""
+    fp = spec.footprint()
+    measured = space.Measured()  # without a readable plan: unmeasured
+    if t.tokens_done is not None:
+        measured = space.Measured(t.samples_done, t.tokens_done * fp.bytes_per_token, t.bytes_done)
+    longest = int(plan.lengths.max()) if plan else spec.max_length
+    return space.project(
         run,
-        spec.bytes_per_token,
+        fp.bytes_per_token,
         spec.plan.num_tokens,
         spec.plan.num_samples,
         left_tokens,
         t.samples_left,
         t.bytes_done,
-        largest,
+        space.largest_batch_bytes(fp.batch_tokens, longest, fp.bytes_per_token),
         new_dirs=len(t.shards["untouched"]),
-        ratio=ratio,
-        basis=basis,
+        ratio=space.stored_ratio(spec, measured),
+        basis=space.ratio_basis(spec, measured),
     )
 
 
@@ -158,7 +154,7 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
 
 
 def _next_steps(report: Report, t: tally.Tally | None, given_model: str | None = None) -> None:
-    act = [c for c in report.checks if c.exit_code == EXIT_ACT]
+    act = [c for c in report.checks if c.exit_code == Exit.ACT]
     start = report.get("spec").data.get("start_command")
     if start is not None:  # a start that never became a run: nothing to resume, only to start again
         report.next = [f"nothing to resume; once the reason above is fixed, start it again: {start}"]
@@ -173,7 +169,7 @@ def _next_steps(report: Report, t: tally.Tally | None, given_model: str | None =
     if model.level == "fail" and model.data.get("found") is False:
         cmd += " --model NEW_PATH"
     report.next = [f"fix first: {c.name}: {c.action or c.figure}" for c in act]
-    redo = report.exit_code == EXIT_REDO
+    redo = report.exit_code == Exit.REDO
     finished = t is not None and t.complete and not t.complete_unsealed
     if finished and not redo:
         report.next.append(f"nothing to resume: all {t.samples_total:,} samples are done and verified")
@@ -193,7 +189,7 @@ def render(report: Report, console: Console) -> None:
     for line in report.next:
         console.print(escape(line), highlight=False)
     if report.resume:
-        label = "then resume" if report.exit_code == EXIT_ACT else "resume"
+        label = "then resume" if report.exit_code == Exit.ACT else "resume"
         console.print(f"[bold]{label}:[/] {escape(report.resume)}", highlight=False)
     verdict = {0: "[green]nothing wrong[/]", 1: "[yellow]hsx extract repairs this[/]", 2: "[red]act first[/]"}
     console.print(f"exit {report.exit_code}: {verdict[report.exit_code]}", highlight=False)

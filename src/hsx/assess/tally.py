@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hsx.assess.checks import Check, ranges, size
+from hsx.assess.checks import Check, ranges
 from hsx.store.scan import ShardScan
+from hsx.units import size
 
 
 @dataclass

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hsx.assess import integrity, runspec, workers
-from hsx.assess.checks import EXIT_ACT, EXIT_OK, EXIT_REDO, Check
-from hsx.errors import RepairRefused
+from hsx.assess.checks import Check
+from hsx.errors import Exit, RepairRefused
 from hsx.generate.spec import GenerateSpec
 from hsx.spec import RunSpec
 from hsx.store import layout
@@ -32,8 +32,8 @@ class VerifyResult:
     def exit_code(self) -> int:
         """0 clean, 1 problems hsx extract redoes (after a repair: the samples it will redo)."""
         if self.result.problems:
-            return EXIT_REDO
-        return EXIT_OK
+            return Exit.REDO
+        return Exit.OK
 
     def to_json(self) -> dict:
         return {
@@ -70,6 +70,3 @@ def verify(run: Path, deep: bool = False, repair: bool = False, threads: int | N
     if repair and moved:
         out.check.details.append(f"{len(moved)} files moved to {layout.QUARANTINE}/ with a .reason each")
     return out
-
-
-EXIT_REFUSED = EXIT_ACT

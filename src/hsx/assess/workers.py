@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hsx import registry
-from hsx.assess.checks import Check, duration, size
+from hsx.assess.checks import Check, duration
 from hsx.lock import LOCK, STALE_AFTER, Holder, read_holder
 from hsx.store.layout import METRICS
+from hsx.units import size
 
 
 @dataclass

@@ -1,16 +1,21 @@
 """Capture stage: run the target and return the chosen layers' states for a batch of samples.
 
-A backend turns a batch of token-id sequences into device tensors: ``aux`` [R, T, L*H] (the hsx
-layer ids, concatenated in the order asked) and ``final`` [R, T, H] (last layer after the final
-norm). Sample i lives at row ``rows[i]``, tokens ``offsets[i] : offsets[i] + lengths[i]``: one
+A backend turns a batch of token-id sequences into device tensors (``Capture``): ``aux`` [R, T, L*H]
+(the hsx layer ids, concatenated in the order asked) and ``final`` [R, T, H] (last layer after the
+final norm). Sample i lives at row ``rows[i]``, tokens ``offsets[i] : offsets[i] + lengths[i]``: one
 sample per row, right-padded (padding is never stored), or all samples packed into one row.
-Backends: ``transformers`` (forward hooks). The store never sees a backend, only these tensors.
+Backends: ``transformers`` (forward hooks); ``vllm`` (its hidden-states drafter, whose KV
+connector hands each finished sample's states to the store from inside vLLM's workers). Feeding,
+sealing and the disk guard are the extraction job's (``extract.backends``); the store never sees
+a backend, only these tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from hsx.errors import OptionError
@@ -29,6 +34,16 @@ class CapturedBatch:
         """Sample i's states, [n, L*H] and [n, H], as views."""
         r, o, n = self.rows[i], self.offsets[i], self.lengths[i]
         return self.aux[r, o : o + n], self.final[r, o : o + n]
+
+
+class Capture(Protocol):
+    """An in-process backend, loaded: the device and dtype its states come in, and the states of
+    one batch of samples (token ids in, tensors out)."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def capture(self, sample_ids: list[int], sequences: list[np.ndarray]) -> CapturedBatch: ...
 
 
 def default_layers(num_layers: int) -> list[int]:

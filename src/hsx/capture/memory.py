@@ -70,7 +70,9 @@ class Module:
 class Layout:
     tensor: int = 1
     expert: int = 1
-    experts: str = "packed"  # packed: quantized weights kept as stored; dequantized: expanded at load; unquantized
+    # packed: quantized weights kept as stored; dequantized: expanded at load; unquantized
+    # (explain() also takes auto: as a load would hold them)
+    experts: str = "packed"
     dtype: str = "bfloat16"
     batch_tokens: int = 16384
     max_length: int = 4096
@@ -467,9 +469,12 @@ def check_run(spec: RunSpec, model_dir: Path, device: str, log: Callable[[str], 
 def explain(model_dir: Path, layout: Layout, device_bytes: int | None, gpus: int | None) -> list[str]:
     """``hsx memory``: the arithmetic of ``layout`` for the model in ``model_dir``, with the verdict
     for ``gpus`` devices of ``device_bytes`` each (this node's where None; none on a machine without
-    GPUs); raises ``LayoutTooLarge`` where it does not fit."""
+    GPUs); raises ``LayoutTooLarge`` where it does not fit. Experts ``auto``: held as a CUDA load
+    of the run's dtype would hold them."""
     import torch
 
+    if layout.experts == "auto":
+        layout = replace(layout, experts=expert_form(model_dir, "cuda", layout.dtype))
     inventory = Inventory.of(model_dir)
     if inventory is None:
         raise LayoutTooLarge(

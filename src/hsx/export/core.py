@@ -174,6 +174,15 @@ class ExportSummary:
     final_state: str
     max_norm_error: float | None
 
+    def lines(self) -> list[str]:
+        err = "" if self.max_norm_error is None else f", max norm error {self.max_norm_error:.1e}"
+        return [
+            f"exported   {self.samples} samples to {self.dest} ({self.to}): {self.written} written now, "
+            f"{self.already_done} already done",
+            f"files      {self.files}, {self.bytes / 1e6:,.1f} MB in {self.seconds:.1f}s; manifest hsx-export.json",
+            f"final      {self.final_state}{err}",
+        ]
+
 
 def export_ids(opts: ExportOptions, spec: RunSpec) -> list[int]:
     """The samples to export: all of the plan's, or (``allow_incomplete``) those with a good file."""

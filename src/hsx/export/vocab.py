@@ -73,6 +73,13 @@ class VocabResult:
     coverage: float  # share of loss-masked tokens the draft vocabulary covers
     files: list[Path]
 
+    def lines(self) -> list[str]:
+        return [
+            f"vocab      {self.size} of {self.vocab_size} tokens ({self.distinct} seen), covering "
+            f"{self.coverage:.2%} of loss-masked tokens",
+            f"wrote      {', '.join(p.name for p in self.files)} in {self.dest}",
+        ]
+
 
 def write_vocab(
     run: Path, size: int, dest: Path | None = None, model: str | None = None, vocab_size: int | None = None

@@ -34,6 +34,12 @@ class Exported:
     missing: int
     bytes: int
 
+    def lines(self) -> list[str]:
+        return [
+            f"{self.conversations} conversations to {self.path} ({self.bytes / 1e6:,.1f} MB); "
+            f"{self.rejected} rejected and {self.missing} not generated left out"
+        ]
+
 
 def openai_message(message: dict) -> dict:
     """A message as the template read it (``input.to_message``: call arguments as objects) -> an

@@ -1,9 +1,10 @@
 """Create a generate run folder (plan, rejects, then the spec, last) or open one, refusing any drift.
 
-The same commit points as an extraction's folder (``run.folder``): the plan and the rejects are
-written durably first, the spec last, so a folder without a spec is an interrupted set-up that the
-next ``hsx generate`` plans again. The spec records the engine's name and version, which are known
-once it is open: a new run opens its engine before writing the spec (under the run's lock).
+The same commit points as an extraction's folder (``extract.folder``; the steps both share:
+``job.folder``): the plan and the rejects are written durably first, the spec last, so a folder
+without a spec is an interrupted set-up that the next ``hsx generate`` plans again. The spec records
+the engine's name and version, which are known once it is open: a new run opens its engine before
+writing the spec (under the run's lock).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from hsx.generate.plan import plan_rows, write_gen_plan
 from hsx.generate.server import CHAT
 from hsx.generate.spec import EngineIdentity, GenerateSpec, SamplingSpec, generate_differences, load_generate_spec
 from hsx.input import Conversation, Reject, read_conversations
+from hsx.job.folder import refuse_drift, refuse_foreign, remove_stray_temps, require_start
 from hsx.plan import NoUsableSamples, Tokenize
-from hsx.run.folder import failed_start, refuse_drift, refuse_foreign, remove_stray_temps
 from hsx.spec import DataFile, PlanIdentity, now, who
 from hsx.store import layout
 from hsx.store.durable import write_durable
@@ -49,16 +50,11 @@ def asked(opts: GenerateOptions) -> dict:
 def open_gen_run(opts: GenerateOptions, log: Callable[[str], None]) -> GenerateSpec | None:
     """An existing run's spec, checked against the options; None when ``opts.out`` is no run yet."""
     if not (opts.out / layout.SPEC).exists():
-        if not opts.model or not opts.data:
-            started = failed_start(opts.out)
-            raise Refused(
-                f"{opts.out} is not a generate run yet: a new run needs --model and --data"
-                + (f"; it was started with: {started['command']}" if started else "")
-            )
+        require_start(opts)
         _check_new(opts)
         return None
     spec = load_generate_spec(opts.out)
-    refuse_drift(opts.out, generate_differences(spec, asked(opts)), "generate")
+    refuse_drift(opts, generate_differences(spec, asked(opts)))
     return spec
 
 

@@ -3,10 +3,9 @@
     hsx generate --model M --data IN --out GEN     new run: plan, engine, spec, then generation
     hsx generate --out GEN                          resume: everything comes from GEN/hsx.json
 
-Under the run's lock (``lock.RunLock``, heartbeat and metrics through ``telemetry``), the job
-verifies what is on disk with the extraction's resume prologue (``run.resume``: headers, then
-digests; stray temp files removed, damaged files redone, complete shards sealed), projects the
-space the rest needs (``assess.volume``), and then feeds the engine: up to ``engine.max_pending``
+Under the run's lock, the job runs the prologue every job runs (``job.prologue``: stray temp files
+removed, headers then digests verified, damaged files redone, complete shards sealed, the space the
+rest needs projected), and then feeds the engine: up to ``engine.max_pending``
 requests are in flight, one per conversation, whose next turn is submitted when its previous one
 came back (its prompt holds that answer). A conversation whose last turn is done is handed to the store's
 writer threads (``store.writer.SampleWriter``: temp, fsync, rename; the folder fsynced before it
@@ -29,8 +28,7 @@ import numpy as np
 import xxhash
 
 from hsx import target
-from hsx.assess import volume
-from hsx.errors import BadFile, CaptureFailed, CleanStop, DiskFull, LowSpace, NotEnoughSpace
+from hsx.errors import BadFile, CaptureFailed, DiskFull
 from hsx.generate import toolcalls
 from hsx.generate.dialogue import Dialogue
 from hsx.generate.engine import Completion, Engine, Request, Sampling
@@ -44,10 +42,10 @@ from hsx.generate.record import ConversationRecord, Source, encode_record, read_
 from hsx.generate.spec import BYTES_PER_TOKEN, GenerateSpec
 from hsx.input import Reject
 from hsx.input import Source as InputSource
-from hsx.lock import RunLock
+from hsx.job.folder import record_failed_start
+from hsx.job.prologue import Prologue, locked
+from hsx.job.space import DiskGuard
 from hsx.plan import Tokenize
-from hsx.run.folder import record_failed_start, record_model, remove_stray_temps
-from hsx.run.resume import Summary, Verifier, scan_all
 from hsx.store import layout
 from hsx.store.durable import write_durable
 from hsx.store.format import read_header
@@ -105,7 +103,7 @@ def request_seed(seed: int, key: str, turn: int) -> int:
     return xxhash.xxh3_64_intdigest(f"{seed}/{key}/{turn}".encode()) & (2**63 - 1)
 
 
-class Feeder:
+class ConversationLoop:
     """Keeps ``engine`` full with the turns of the missing conversations; writes each one whole."""
 
     def __init__(
@@ -129,7 +127,7 @@ class Feeder:
         self.writer.start_threads()
         self.writing: dict[Future, tuple[Dialogue, str | None]] = {}  # files being written -> (conversation, reject)
         # bytes queued for the writers count as spent
-        self.guard = volume.DiskGuard(run, reserve, lambda: self.writer.inflight)
+        self.guard = DiskGuard(run, reserve, lambda: self.writer.inflight)
 
     def run_shards(self, todo: list[ShardScan]) -> None:
         queue: list[int] = []
@@ -246,9 +244,7 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
     run.mkdir(parents=True, exist_ok=True)
     engine: Engine | None = None
     progress = GenProgress(BYTES_PER_TOKEN)
-    telemetry = opts.telemetry(progress.metrics)
-    with telemetry, RunLock(run, command="generate", on_beat=telemetry.beat, warn=log):
-        remove_stray_temps(run)
+    with locked(opts, progress.metrics, log):
         try:
             if spec is None:  # a new run: plan, engine, then the spec, last
                 try:
@@ -264,26 +260,19 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                 except BaseException as e:  # the folder now holds a start that never became a run: say so in it
                     record_failed_start(opts, e)
                     raise
-            record_model(opts, spec, log)  # type: ignore[arg-type]  # a --model that matched, somewhere new
             progress.total_samples, progress.total_tokens = spec.plan.num_samples, spec.plan.num_tokens
             plan = load_gen_plan(run, spec)
             summary = GenerateSummary(run, spec.plan.num_samples)
-            resume = Summary.of(run, spec)  # type: ignore[arg-type]
-            headers = scan_all(run, spec, deep=False)  # type: ignore[arg-type]
-            reserve = _space(opts, spec, plan, headers, log)
+            begun = Prologue.open(opts, spec, plan.lengths, log)
             progress.start(0, 0)
-
-            def done(scan: ShardScan) -> None:
-                progress.add_done(len(scan.good), int(plan.lengths[list(scan.good)].sum()) if scan.good else 0)
-
-            verifier = Verifier(run, spec, headers, opts.deep_verify, resume, done).start()  # type: ignore[arg-type]
+            verifier = begun.verify(progress.add_done)
             try:
                 todo = verifier.rest()
             finally:
                 verifier.stop()
-            summary.already_done, summary.redone = resume.already_done, resume.redone
+            summary.already_done, summary.redone = begun.summary.already_done, begun.summary.redone
             if todo:
-                model_dir = target.model_dir_for(run, spec, opts.model, checked=False)  # type: ignore[arg-type]
+                model_dir = target.model_dir_for(run, spec, opts.model, checked=False)
                 tokenizer = target.load_tokenizer(model_dir, spec.trust_remote_code)
                 stops = stop_ids(model_dir, tokenizer)  # the engine stops where the job ends a turn
                 if engine is None:
@@ -298,12 +287,12 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                 t0 = time.monotonic()
                 progress.clock()
                 try:
-                    Feeder(spec, run, plan, engine, prompter, progress, reserve, summary).run_shards(todo)
+                    ConversationLoop(
+                        spec, run, plan, engine, prompter, progress, begun.space.reserve, summary
+                    ).run_shards(todo)
                 except DiskFull as e:  # the guard's reserve reached, or a real ENOSPC: every file whole or absent
                     left = spec.plan.num_tokens - progress.tokens_done()
-                    needed = volume.projected_bytes(left, summary.total - summary.done, spec.bytes_per_token)
-                    reason = str(e) if isinstance(e, LowSpace) else None
-                    raise CleanStop(summary, needed, e.path, reason, command="generate", unit="conversations") from e
+                    raise begun.clean_stop(e, summary, left, summary.total - summary.done) from e
                 finally:
                     summary.seconds = time.monotonic() - t0
             write_rejects(run, spec)
@@ -325,30 +314,6 @@ def _open(backend: str, settings: EngineSettings, log: Callable[[str], None]) ->
             )
     log(f"engine: {engine.name} {engine.version}")
     return engine
-
-
-def _space(opts: GenerateOptions, spec: GenerateSpec, plan: GenPlan, scans: list[ShardScan], log) -> int:
-    """At start: the projection of what the rest needs, refused when it does not fit (the reserve kept)."""
-    missing = np.asarray([i for s in scans for i in s.missing], dtype=np.int64)
-    written = sum(r.size for s in scans for r in s.good.values())
-    proj = volume.project(
-        opts.out,
-        spec.bytes_per_token,
-        spec.plan.num_tokens,
-        spec.plan.num_samples,
-        int(plan.lengths[missing].sum()),
-        len(missing),
-        written,
-        int(plan.lengths.max()) * spec.bytes_per_token,
-        opts.reserve_bytes,
-        new_dirs=sum(1 for s in scans if not s.good and not s.problems),
-    )
-    log(f"space: {proj.describe()}")
-    if proj.needed_bytes and not proj.fits:
-        if not opts.allow_partial:
-            raise NotEnoughSpace(proj.refusal(opts.out).replace("hsx extract", "hsx generate"))
-        log(f"warning: {proj.shortfall()}; --allow-partial: generating until the volume is too full to go on")
-    return proj.reserve
 
 
 def write_rejects(run, spec: GenerateSpec) -> int:

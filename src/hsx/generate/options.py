@@ -2,24 +2,24 @@
 
 ``None`` means "not given": a new run takes ``DEFAULTS``, a resume takes the spec's value, and a
 value given on a resume must equal the spec's (``spec.generate_differences``). Each option's range
-is declared once (``GENERATE``): the command line enforces it while parsing, and
-``GenerateOptions.__post_init__`` refuses the same values for a Python caller before anything is read.
+is declared once (``GENERATE``, the shared ones in ``job.options.JOB``): the command line enforces
+it while parsing, and ``GenerateOptions.__post_init__`` refuses the same values for a Python caller
+before anything is read.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
 from hsx.generate.engine import Sampling
 from hsx.generate.engines import ENGINES, EngineSettings
 from hsx.generate.toolcalls import PARSERS
-from hsx.run.options import AT_LEAST_ONE, EXTRACT, command_line
-from hsx.telemetry import Telemetry
+from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions
 
 DEFAULTS = {
     "backend": "transformers",
@@ -32,6 +32,7 @@ DEFAULTS = {
 }
 SAMPLING = Sampling()  # its defaults: greedy, 2048 new tokens at most
 GENERATE = Bounds(
+    **JOB.bounds,
     backend=Bound(choices=tuple(ENGINES)),
     turns=Bound(choices=("all", "last")),
     temperature=Bound(min=0.0),
@@ -41,14 +42,10 @@ GENERATE = Bounds(
     samples_per_prompt=Bound(min=1, max=1000),
     seed=Bound(min=0, max=2**63 - 1),
     max_length=Bound(min=2),  # a prompt token and a new one
-    shard_size=AT_LEAST_ONE,
-    dtype=EXTRACT.bounds["dtype"],
-    tensor_parallel_size=AT_LEAST_ONE,
     concurrency=AT_LEAST_ONE,
     server_api=Bound(choices=("openai", "openai-chat", "sglang")),
     tool_parser=Bound(choices=tuple(PARSERS)),
     max_pending=AT_LEAST_ONE,
-    metrics_port=EXTRACT.bounds["metrics_port"],
 )
 
 
@@ -66,10 +63,11 @@ def template_kwargs(text: str | None) -> dict | None:
 
 
 @dataclass
-class GenerateOptions:
-    out: Path
-    model: str | None = None
-    data: list[Path] = field(default_factory=list)
+class GenerateOptions(JobOptions):
+    COMMAND: ClassVar[str] = "generate"
+    UNIT: ClassVar[str] = "conversations"
+    BOUNDS: ClassVar[Bounds] = GENERATE
+
     backend: str | None = None
     turns: str | None = None  # all | last
     temperature: float | None = None
@@ -80,33 +78,12 @@ class GenerateOptions:
     seed: int | None = None
     template_kwargs: dict | None = None
     tool_parser: str | None = None  # generate.toolcalls.PARSERS (None: the tokenizer's response template, if any)
-    max_length: int | None = None
-    shard_size: int | None = None
-    dtype: str | None = None
-    device: str | None = None
-    trust_remote_code: bool = False
-    deep_verify: bool = True
-    allow_partial: bool = False
-    reserve_bytes: int | None = None
     # how this session reaches its engine: not part of the spec
-    tensor_parallel_size: int | None = None
     servers: list[str] = field(default_factory=list)
     concurrency: int | None = None
     server_api: str | None = None  # openai | openai-chat | sglang (None: found out per server)
     server_model: str | None = None  # the served model name (None: the one the server lists)
     max_pending: int | None = None
-    metrics_port: int | None = None
-    metrics_textfile: Path | None = None
-
-    def __post_init__(self) -> None:
-        GENERATE.check(self)
-        if self.out.is_file():
-            raise OptionError(f"--out {self.out} is a file, not a run folder: name a new or empty folder, or a run")
-
-    def command(self) -> str:
-        """The ``hsx generate`` command that asks for exactly these options: what a start that did
-        not become a run prints to start it again."""
-        return command_line("generate", self)
 
     def sampling_given(self) -> dict:
         """The sampling options given on the command line, by the spec's names."""
@@ -160,6 +137,3 @@ class GenerateOptions:
             max_pending=self.max_pending,
             extra={k: v for k, v in (("server_api", self.server_api), ("server_model", self.server_model)) if v},
         )
-
-    def telemetry(self, metrics: Callable[[], dict]) -> Telemetry:
-        return Telemetry(self.out, metrics, self.metrics_port, self.metrics_textfile)

@@ -20,7 +20,7 @@ from hsx import __version__
 from hsx.errors import SpecError
 from hsx.fingerprint import digest_bytes
 from hsx.generate.engine import Sampling
-from hsx.spec import DataFile, ModelIdentity, PlanIdentity, TokenizerIdentity, differences
+from hsx.spec import DataFile, Footprint, ModelIdentity, PlanIdentity, TokenizerIdentity, differences
 from hsx.store import layout
 from hsx.store.durable import write_durable
 
@@ -75,18 +75,9 @@ class GenerateSpec(BaseModel):
     data: list[DataFile]
     plan: PlanIdentity  # num_samples: conversations; num_tokens: the plan's estimate of tokens to store
 
-    @property
-    def backend(self) -> str:
-        return self.engine.name
-
-    @property
-    def codec(self) -> None:
-        """Conversation files store token ids, no states: no storage codec (the store's scan takes any)."""
-        return None
-
-    @property
-    def bytes_per_token(self) -> int:
-        return BYTES_PER_TOKEN
+    def footprint(self) -> Footprint:
+        """Conversation files store token ids and texts, no states: no storage codec."""
+        return Footprint(BYTES_PER_TOKEN)
 
     def digest(self) -> str:
         """What an extraction of this run records: this spec's content."""
@@ -127,8 +118,10 @@ def generate_differences(stored: GenerateSpec, asked: dict) -> list[str]:
     template, data, length, shard size and backend as ``hsx.spec.differences`` says them, then the
     generate settings (``sampling``: the sampling options given, by name; ``seed``, ``turns``, ``samples_per_prompt``,
     ``template_kwargs``, ``tool_parser``, ``engine_version``)."""
-    shared = ("model", "tokenizer", "data", "max_length", "shard_size", "backend")
-    out = differences(stored, {k: asked[k] for k in shared if k in asked})  # type: ignore[arg-type]
+    shared = ("model", "tokenizer", "data", "max_length", "shard_size")
+    out = differences(stored, {k: asked[k] for k in shared if k in asked})
+    if (v := asked.get("backend")) is not None and v != stored.engine.name:
+        out.append(f"backend: run has {stored.engine.name}, asked for {v}")
     for name, want in asked.get("sampling", {}).items():
         have = getattr(stored.sampling, name)
         if want is not None and want != have:

@@ -29,14 +29,15 @@ from pathlib import Path
 import psutil
 
 from hsx import registry
-from hsx.assess import volume
 from hsx.errors import CleanStop, Locked, Refused, WorkerFailed
+from hsx.extract.folder import open_run
+from hsx.extract.options import ExtractOptions
+from hsx.job.prologue import Prologue, locked
+from hsx.job.resume import Summary
+from hsx.job.space import largest_batch_bytes
 from hsx.lock import BEAT_EVERY, Liveness, RunLock, read_holder
 from hsx.plan import load_plan
 from hsx.progress import Progress
-from hsx.run.folder import open_run, record_model, remove_stray_temps
-from hsx.run.options import ExtractOptions
-from hsx.run.resume import Summary, scan_all
 from hsx.scaleout.actor import ShardWorker
 from hsx.scaleout.worker import ShardResult, WorkerTask
 from hsx.spec import RunSpec
@@ -138,15 +139,9 @@ def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print
                     progress.samples, progress.tokens, progress.bytes = registry.totals(opts.out, session["driver"])
             return progress.metrics() | {"workers": opts.workers}
 
-        telemetry = opts.telemetry(metrics)
-        with (
-            telemetry,
-            RunLock(opts.out, command=f"extract --workers {opts.workers}", on_beat=telemetry.beat, warn=log) as lock,
-        ):
+        with locked(opts, metrics, log, command=f"extract --workers {opts.workers}") as lock:
             session["driver"] = registry.driver_id(lock.me)
             registry.settle(opts.out, lock.me, log)
-            remove_stray_temps(opts.out)
-            record_model(opts, spec, log)
             try:
                 return _extract(opts, spec, lock, progress, gpu, log)
             finally:
@@ -163,11 +158,10 @@ def _extract(
 
     run = opts.out
     plan = load_plan(run, spec)
-    summary = Summary.of(run, spec)
-    scans = scan_all(run, spec, deep=False)  # headers only: what to hand out; workers verify and settle
-    space = volume.plan_space(
-        run, spec, plan.lengths, scans, opts.allow_partial, opts.reserve_bytes, log, measure_first=True
-    )  # the workers' guards hold the forecast: an unmeasured zstd run may start and be judged on its first files
+    # headers only: what to hand out, the workers verify and settle; the workers' guards hold the
+    # forecast: an unmeasured zstd run may start and be judged on its first files
+    begun = Prologue.open(opts, spec, plan.lengths, log, measure_first=True)
+    summary, scans, space = begun.summary, begun.headers, begun.space
     todo = [s.shard for s in scans if not s.sealed]
     settled = [s for s in scans if s.sealed]
     if opts.deep_verify:
@@ -181,7 +175,7 @@ def _extract(
     if not todo:
         return summary
     # each worker guards only its own writes in flight: keep room for the others' batches too
-    batch = volume.largest_batch_bytes(spec.batch_tokens, int(plan.lengths.max()), spec.bytes_per_token)
+    batch = largest_batch_bytes(spec.batch_tokens, int(plan.lengths.max()), spec.bytes_per_token)
     task = WorkerTask(
         run=str(run),
         model=opts.model,

@@ -1,15 +1,15 @@
 """A scale-out worker whose model replica is a tensor-parallel group (``--workers K --tensor-parallel N``).
 
     Ray actor (ShardWorker, N GPUs reserved)
-      thread: PyTorch's elastic agent (run.group.run_group), for as long as the actor lives
+      thread: PyTorch's elastic agent (extract.group.run_group), for as long as the actor lives
         rank 0      a ShardRunner with the other ranks as its peers: extracts the shards it is handed
-        rank 1..N-1 follow rank 0 batch by batch (run.group) and write nothing
+        rank 1..N-1 follow rank 0 batch by batch (extract.group) and write nothing
 
 The actor and rank 0 talk over a local socket (``multiprocessing.connection`` with a random
 authkey; JSON, never pickle): the actor sends a shard id, rank 0 answers with its ``ShardResult``.
 A rank that dies takes its group down (the agent stops the others) and the actor with it, so Ray
 restarts the actor and retries the shard on a fresh group, exactly as for a worker of one process;
-when Ray ends the actor, its ranks die with it (run.group sets PR_SET_PDEATHSIG).
+when Ray ends the actor, its ranks die with it (extract.group sets PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pydantic import TypeAdapter
 
 from hsx import errors
 from hsx.errors import HsxError
-from hsx.run.group import Leader, run_group
+from hsx.extract.group import Leader, run_group
 from hsx.scaleout.worker import ShardResult, ShardRunner, Where, WorkerTask
 from hsx.spec import RunSpec
 
@@ -87,7 +87,7 @@ class GroupClient:
 
 
 def serve_shards(leader: Leader, spec: RunSpec, payload: str) -> str:
-    """Rank 0 of a worker's group (a ``run.group`` lead): load, then extract each shard the actor
+    """Rank 0 of a worker's group (a ``extract.group`` lead): load, then extract each shard the actor
     sends until it hangs up."""
     job = GROUP_TASK.validate_json(payload)
     conn = Client(job.address, family="AF_UNIX", authkey=bytes.fromhex(job.authkey))

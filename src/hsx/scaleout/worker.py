@@ -1,6 +1,6 @@
 """A scale-out worker's work: load the target once, then extract whole shards, one per call.
 
-A shard is done exactly as a resume does it (``run.resume.verify_shard``), so a retried shard (its
+A shard is done exactly as a resume does it (``job.resume.verify_shard``), so a retried shard (its
 worker died mid-way) keeps its verified samples and redoes the rest with the single-process
 ``Extractor`` (same batches, same bytes), then seals. Ray's side is scaleout.actor; this module
 never imports Ray.
@@ -20,14 +20,14 @@ from typing import Literal
 import numpy as np
 
 from hsx import registry, target
-from hsx.assess.volume import Forecast, Start
 from hsx.errors import DiskFull, HsxError, ModelChanged, Refused
+from hsx.extract.backends import Peers, Resources
+from hsx.extract.pipeline import Extractor, open_backend
+from hsx.job.resume import Summary, verify_shard
+from hsx.job.space import Forecast, Start
 from hsx.lock import Holder
 from hsx.plan import load_plan
 from hsx.progress import Progress
-from hsx.run.options import Resources
-from hsx.run.pipeline import Extractor, Peers, open_backend
-from hsx.run.resume import Summary, verify_shard
 from hsx.spec import load_spec
 
 ErrorKind = Literal["", "skipped", "disk_full", "failed"]
@@ -43,7 +43,7 @@ class WorkerTask:
     deep_verify: bool
     driver: dict  # the driver's lock Holder, as a dict
     reserve: int  # free bytes this worker keeps, counting the other workers' batches
-    # what the start found (``assess.volume.plan_space``): the files on disk (the codec's measured ratio),
+    # what the start found (``job.space.plan_space``): the files on disk (the codec's measured ratio),
     # and whether a zstd run too large at raw size is still to be judged on its first files
     start: Start = field(default_factory=Start)
 

@@ -107,25 +107,41 @@ class StoredExperts(nn.Module):
         return {key: getattr(self, f"{name}__{key}") for key in self.fmt.stored}
 
     def expand(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up_proj, down_proj) of the local experts in the run's dtype: new tensors each call."""
-        fn = _compiled_expand if self.compiled else _expand
+        """(gate_up_proj, down_proj) of the local experts in the run's dtype: new tensors each call.
+        Inside a compiled layer the expansion is traced into the layer's graph; eager on CUDA it is
+        one compiled pass of its own."""
+        eager_compiled = self.compiled and not torch.compiler.is_compiling()
+        fn = _compiled_expand if eager_compiled else _expand
         return fn(self.fmt, self.stored("gate_up_proj"), self.stored("down_proj"), self.dtype)
 
-    @torch.compiler.disable  # a compiled decoder layer calls out to it: the expansion is compiled on its own
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """Traceable: a compiled decoder layer holds the expansion, routing and weighting in its own
+        graph (no graph break per MoE layer). The experts function reads the expanded weights from
+        an ``Expanded`` view of this module, never from state set on it."""
         if self.ep_size > 1:
             off = (top_k_index // self.num_experts) != self.ep_rank
             top_k_index = torch.where(off, self.num_experts, top_k_index % self.num_experts)
             top_k_weights = top_k_weights.masked_fill(off, 0.0)
         gate_up, down = self.expand()
-        self.__dict__.update(gate_up_proj=gate_up, down_proj=down)  # read as attributes by the experts function
-        try:
-            out = self.experts_class.forward(self, hidden_states, top_k_index, top_k_weights)
-        finally:
-            del self.__dict__["gate_up_proj"], self.__dict__["down_proj"], gate_up, down
+        expanded = Expanded(self, gate_up_proj=gate_up, down_proj=down)
+        out = self.experts_class.forward(expanded, hidden_states, top_k_index, top_k_weights)
         if self.ep_size > 1:
             torch.distributed.all_reduce(out)
         return out
+
+
+class Expanded:
+    """An experts module seen with its weights expanded: what transformers' experts functions read
+    (``gate_up_proj``, ``down_proj``...) from ``weights``, every other attribute the module's own.
+    A plain object, so that the compiler traces it and the module keeps no per-call state."""
+
+    def __init__(self, module: nn.Module, **weights: torch.Tensor):
+        self.module = module
+        for name, weight in weights.items():
+            setattr(self, name, weight)
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
 
 
 def _expand(fmt: ExpertFormat, gate_up: dict, down: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

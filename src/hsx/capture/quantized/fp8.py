@@ -134,8 +134,10 @@ def gemm_operands(values: torch.Tensor, scales: torch.Tensor, weight: torch.Tens
     k_blocks = weight_scale.shape[1]
     if k_blocks % 4:
         weight_scale = F.pad(weight_scale, (0, -k_blocks % 4), value=1.0)
-    scale_a = torch.empty_strided(scales.shape, (1, scales.shape[0]), dtype=scales.dtype, device=scales.device)
-    scale_a.copy_(scales)  # strides (1, M') even for one column block, where .contiguous() would give (1, 1)
+    scale_a = scales
+    if scales.stride() != (1, scales.shape[0]):  # fp8_linear's come so from its quantizing kernel
+        scale_a = torch.empty_strided(scales.shape, (1, scales.shape[0]), dtype=scales.dtype, device=scales.device)
+        scale_a.copy_(scales)  # strides (1, M') even for one column block, where .contiguous() would give (1, 1)
     return values, weight.t(), scale_a, weight_scale.contiguous().t()
 
 
@@ -166,10 +168,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
     weight's zero-padded columns) to [..., N] in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
-    if weight.shape[1] != k:
-        flat = F.pad(flat, (0, weight.shape[1] - k))
+    rows = flat.shape[0]
+    # Padded here (whole column blocks, tokens to a multiple of 16) and the scales written
+    # column-major, so that in a compiled layer the quantizing kernel itself lays the operands out
+    # as cuBLAS reads them and the GEMM op copies nothing around scaled_mm.
+    flat = F.pad(flat, (0, weight.shape[1] - k, 0, -rows % 16))
     values, scales = quantize_activations(flat)
-    out = torch.ops.hsx.fp8_block_mm(values, scales, weight, scale_inv).to(x.dtype)
+    scales = scales.t().contiguous().t()
+    out = torch.ops.hsx.fp8_block_mm(values, scales, weight, scale_inv)[:rows].to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
@@ -268,26 +274,17 @@ def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
 
 
-class _Expanded:
-    """An FP8 experts module seen with its weights expanded: what transformers' experts functions read."""
-
-    def __init__(self, module, weights: dict[str, torch.Tensor]):
-        self._module = module
-        self.__dict__.update(weights)
-
-    def __getattr__(self, name):
-        return getattr(self._module, name)
-
-
-@torch.compiler.disable  # data-dependent routing; one eager call per MoE layer, its weights expanded once
 def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """Traceable: in a compiled layer the expansion, routing and weighting are in its graph."""
     from transformers.integrations.moe import grouped_mm_experts_forward
+
+    from hsx.capture.quantized.experts import Expanded
 
     block = tuple(self.block_size)
     names = _expert_weights(self)
     dtype = hidden_states.dtype
     weights = {n: expand_experts(getattr(self, n), getattr(self, f"{n}_scale_inv"), block, dtype) for n in names}
-    return grouped_mm_experts_forward(_Expanded(self, weights), hidden_states, top_k_index, top_k_weights)
+    return grouped_mm_experts_forward(Expanded(self, **weights), hidden_states, top_k_index, top_k_weights)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

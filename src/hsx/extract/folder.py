@@ -1,4 +1,5 @@
-"""Create a run folder (plan, rejects, then the spec, last) or open one, refusing any drift from its spec.
+"""Create an extraction's run folder (plan, rejects, then the spec, last) or open one, refusing any
+drift from its spec (the steps every job's folder shares: ``job.folder``).
 
 The spec is the only source of truth for a resume: whatever the operator passes again must match
 it, and is listed by name where it does not (invariant 3).
@@ -7,17 +8,13 @@ it, and is listed by name where it does not (invariant 3).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hsx import target
-from hsx.errors import HsxError, InputError, PlanError, Refused
-from hsx.generate.spec import is_generate_run
-from hsx.input import read_conversations
-from hsx.plan import NoUsableSamples, Tokenize, tokenize_all, write_plan
-from hsx.run.options import (
+from hsx.errors import InputError, PlanError
+from hsx.extract import backends
+from hsx.extract.options import (
     DEFAULTS,
     ExtractOptions,
     resolve_compile,
@@ -25,14 +22,14 @@ from hsx.run.options import (
     resolve_parallel,
     resolve_quantized_compute,
 )
-from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, differences, load_spec, now, record_location, who
+from hsx.generate.spec import is_generate_run
+from hsx.input import read_conversations
+from hsx.job.folder import record_failed_start, refuse_drift, refuse_foreign, require_start
+from hsx.plan import NoUsableSamples, Tokenize, tokenize_all, write_plan
+from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, differences, load_spec, now, who
 from hsx.store import layout
 from hsx.store.codec import Codec
-from hsx.store.durable import temp_of, write_durable
-from hsx.store.format import FINAL_STATE
-
-if TYPE_CHECKING:
-    from hsx.generate.options import GenerateOptions
+from hsx.store.durable import write_durable
 
 
 def asked(opts: ExtractOptions) -> dict:
@@ -72,20 +69,6 @@ def _generated_input(opts: ExtractOptions) -> Path | None:
     return runs[0] if runs else None
 
 
-def remove_stray_temps(run: Path) -> int:
-    """Remove the temp files a killed process left beside the run's own files (spec, plan, rejects,
-    lock, metrics); shard folders are tidied by the scan. Returns how many were removed."""
-    removed = 0
-    for folder in (run, run / layout.PLAN_DIR):
-        if folder.is_dir():
-            for p in folder.iterdir():
-                of = temp_of(p.name)  # never this process's own (its heartbeat's)
-                if of is not None and of[1] != os.getpid() and p.is_file():
-                    p.unlink(missing_ok=True)
-                    removed += 1
-    return removed
-
-
 def given(opts: ExtractOptions, name: str):
     """The option as given, or its default where it was not (never where it was: 0 is not "not given")."""
     value = getattr(opts, name)
@@ -96,36 +79,12 @@ def write_rejects(run: Path, rejects: list) -> None:
     write_durable(run / layout.REJECTS, "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode())
 
 
-def record_failed_start(opts: ExtractOptions | GenerateOptions, error: BaseException) -> None:
-    """Why this start did not become a run, and the command that starts it again, for ``hsx status``
-    and the next ``hsx extract --out`` to tell (a start killed outright leaves no record: status
-    tells that case by the missing spec beside an unfinished plan)."""
-    reason = str(error) if isinstance(error, HsxError) else f"{type(error).__name__} {error}".strip()
-    if isinstance(error, KeyboardInterrupt):
-        reason = "interrupted while planning, before the run spec was written"
-    record = {"reason": reason, "command": opts.command(), "at": now(), "by": who()}
-    write_durable(opts.out / layout.FAILED_START, json.dumps(record, indent=1).encode())
-
-
-def failed_start(run: Path) -> dict | None:
-    """The record of a start in ``run`` that never became a run (``record_failed_start``), if any."""
-    try:
-        return json.loads((run / layout.FAILED_START).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     """A new run: read and tokenize the data into the frozen plan, write the rejects, then the spec."""
     from hsx.capture import check_layers, default_layers
     from hsx.capture.transformers import resolve_dtype
 
-    if not opts.model or not opts.data:
-        started = failed_start(opts.out)
-        raise Refused(
-            f"{opts.out} is not a run yet: a new run needs --model and --data"
-            + (f"; it was started with: {started['command']}" if started else "")
-        )
+    require_start(opts)
     refuse_foreign(opts.out)
     generated = _generated_input(opts)
     for path in opts.data:
@@ -139,13 +98,8 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     device = opts.resources().device
     dtype = resolve_dtype(given(opts, "dtype"), device)
     packed = resolve_packing(opts.packing, device, target.load_config(model_dir), dtype, log)
-    backend, final_state = opts.backend or "transformers", FINAL_STATE
-    if backend == "vllm":
-        from hsx.capture.vllm import final_state as vllm_final_state  # vLLM is optional
-
-        final_state = vllm_final_state(model_dir)  # refuses a model whose final norm it cannot apply
-    elif backend != "transformers":
-        raise Refused(f"unknown backend {backend!r}: use transformers or vllm")
+    backend = opts.backend or "transformers"
+    final_state = backends.backend(backend).final_state(model_dir)  # vLLM refuses a final norm it cannot apply
     compiled = resolve_compile(opts.compile, device, backend)
     parallel = resolve_parallel(opts.tensor_parallel, opts.expert_parallel, target.load_config(model_dir), backend)
     compute = resolve_quantized_compute(opts.quantized_compute, model_dir, device, dtype, parallel, log)
@@ -199,6 +153,8 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
             num_tokens=info.num_tokens,
             num_truncated=info.num_truncated,
             num_rejected=len(rejects),
+            rendering=info.rendering,
+            ignored_fields=info.ignored_fields,
         ),
     )
     spec.save(opts.out)  # last: its presence means the run exists
@@ -207,6 +163,8 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
         f"{len(rejects)} rejected (see {layout.REJECTS})"
     )
+    for line in info.summary():
+        log(f"plan: {line}")
     return spec
 
 
@@ -216,39 +174,5 @@ def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     if not (opts.out / layout.SPEC).exists():
         return create_run(opts, log)
     spec = load_spec(opts.out)
-    refuse_drift(opts.out, differences(spec, asked(opts)), "extract")
+    refuse_drift(opts, differences(spec, asked(opts)))
     return spec
-
-
-def refuse_foreign(out: Path) -> None:
-    """A new run's folder holds nothing but what an interrupted set-up left (removed here, rebuilt
-    from the data), or the run is refused before anything is written there."""
-    if out.is_dir():
-        remove_stray_temps(out)
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in layout.SETUP_FILES)
-        if foreign:
-            raise Refused(
-                f"{out} is not empty and holds no run spec ({', '.join(foreign[:5])}"
-                f"{', ...' if len(foreign) > 5 else ''}): choose an empty or new folder"
-            )
-
-
-def refuse_drift(out: Path, diffs: list[str], command: str) -> None:
-    """Invariant 3: a resume that asks for anything other than the spec is refused, each difference named."""
-    if diffs:
-        kind = "a generate run" if command == "generate" else "a run"
-        raise Refused(
-            f"{out} belongs to {kind} with other settings; refusing to resume:\n  - "
-            + "\n  - ".join(diffs)
-            + f"\nResume with the run's own settings: hsx {command} --out {out}"
-        )
-
-
-def record_model(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None]) -> None:
-    """After ``open_run`` matched ``--model`` against the fingerprint, and under the run's lock
-    (a resume refused by a live extractor writes nothing): record it if the model moved."""
-    if opts.model is None:
-        return
-    where = target.location(opts.model)
-    if record_location(opts.out, spec, where):
-        log(f"model: {where} matches the run's fingerprint; recorded in {layout.LOCATION} as its location")

@@ -1,9 +1,10 @@
-"""The one resume prologue: verify what is on disk, tidy what a crash left, settle finished shards.
+"""Verify what is on disk, tidy what a crash left, settle finished shards: the resume of every job.
 
-Used the same way by the local job, the scale-out driver and its workers, and the vLLM path, so
-"done" means the same everywhere: a sample is done only when its file verified (invariant 2);
-stray temp files are removed, misplaced or foreign files are moved aside (never deleted), and a
-shard whose every id verified is sealed. Nothing is written into a shard before its own scan.
+Used the same way by the extraction (its local job, the scale-out driver and its workers, the vLLM
+path) and the generate job, so "done" means the same everywhere: a sample is done only when its file
+verified (invariant 2); stray temp files are removed, misplaced or foreign files are moved aside
+(never deleted), and a shard whose every id verified is sealed. Nothing is written into a shard
+before its own scan.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from pathlib import Path
 
 from hsx.errors import Damage
 from hsx.progress import Progress
-from hsx.spec import RunSpec
+from hsx.spec import JobSpec
 from hsx.store import layout
 from hsx.store.quarantine import quarantine
 from hsx.store.scan import Problem, ShardScan, scan_run, scan_shard
 from hsx.store.writer import seal
+
+# the disk-pace advice of a summary: only for a run this long, whose forward pass waited this share of it
+DISK_ADVICE_RUN_S, DISK_ADVICE_SHARE = 60.0, 0.05
 
 
 @dataclass
@@ -44,7 +48,7 @@ class Summary:
     verified: Verified | None = None  # what the resume's verification read, and whether extraction waited for it
 
     @classmethod
-    def of(cls, run: Path, spec: RunSpec) -> Summary:
+    def of(cls, run: Path, spec: JobSpec) -> Summary:
         return cls(run, spec.plan.num_samples, spec.plan.num_tokens, 0, rejected=spec.plan.num_rejected)
 
     @property
@@ -54,6 +58,37 @@ class Summary:
     @property
     def complete(self) -> bool:
         return self.done == self.total_samples
+
+    def lines(self) -> list[str]:
+        """What the run did, as ``hsx extract`` prints it; the disk-pace advice only where acting
+        on it changes the run's time materially."""
+        rate = f" ({self.tokens_written / self.seconds:,.0f} tok/s)" if self.seconds > 0 and self.tokens_written else ""
+        mb = self.bytes_written / 1e6
+        lines = [
+            f"run        {self.run}  ({'complete' if self.complete else 'incomplete'})",
+            f"samples    {self.done}/{self.total_samples} done, {self.written} written now, "
+            f"{self.already_done} were already verified",
+            f"written    {self.tokens_written:,} tokens, {mb:,.1f} MB in {self.seconds:.1f}s{rate}",
+            f"rejected   {self.rejected} input rows (see {self.run / layout.REJECTS})",
+        ]
+        if self.seconds > DISK_ADVICE_RUN_S and self.waited_for_disk > DISK_ADVICE_SHARE * self.seconds:
+            lines.append(
+                f"disk       the model waited {self.waited_for_disk:.1f}s ({self.waited_for_disk / self.seconds:.0%}) "
+                "for writes to finish: writing, not the forward pass, set the pace (a faster volume or more --writers)"
+            )
+        v = self.verified
+        if v is not None and v.files:
+            waited = f"extraction waited {v.waited:.1f}s for it"
+            then = waited if self.written else "nothing to extract: no model loaded"
+            read = f"{v.bytes / 1e9:,.2f} GB in {v.seconds:.1f}s ({v.rate / 1e9:.2f} GB/s)"
+            lines.append(f"verified   {v.files:,} files, {read}; {then}")
+        if self.redone:
+            lines.append("redone     " + ", ".join(f"{n} {k}" for k, n in sorted(self.redone.items())))
+        if self.stray_removed or self.quarantined:
+            lines.append(
+                f"cleaned    {self.stray_removed} stray temp files removed, {self.quarantined} files quarantined"
+            )
+        return lines
 
     def add(self, other: Summary) -> None:
         """Fold a worker's tally of its shards into the job's."""
@@ -92,14 +127,14 @@ def settle(run: Path, scan: ShardScan, summary: Summary) -> ShardScan:
     return scan
 
 
-def verify_shard(run: Path, spec: RunSpec, shard: int, deep: bool, summary: Summary) -> ShardScan:
+def verify_shard(run: Path, spec: JobSpec, shard: int, deep: bool, summary: Summary) -> ShardScan:
     """Scan and settle one shard (a scale-out worker's first step on each shard it is handed)."""
     ids = layout.shard_ids(shard, spec.shard_size, spec.plan.num_samples)
-    scan = scan_shard(run, shard, ids, deep, codec=spec.codec)
+    scan = scan_shard(run, shard, ids, deep, codec=spec.footprint().codec)
     return settle(run, scan, summary)
 
 
-def scan_all(run: Path, spec: RunSpec, deep: bool) -> list[ShardScan]:
+def scan_all(run: Path, spec: JobSpec, deep: bool) -> list[ShardScan]:
     """Every shard's scan (with a progress bar); an empty run costs no reads at all."""
     n = layout.num_shards(spec.plan.num_samples, spec.shard_size)
     shards_dir = run / layout.SHARDS
@@ -107,7 +142,12 @@ def scan_all(run: Path, spec: RunSpec, deep: bool) -> list[ShardScan]:
         return [ShardScan(s, layout.shard_ids(s, spec.shard_size, spec.plan.num_samples)) for s in range(n)]
     with Progress.simple(f"verifying ({'digests' if deep else 'headers'})", n) as bar:
         return scan_run(
-            run, spec.plan.num_samples, spec.shard_size, deep, on_shard=lambda _: bar.advance(), codec=spec.codec
+            run,
+            spec.plan.num_samples,
+            spec.shard_size,
+            deep,
+            on_shard=lambda _: bar.advance(),
+            codec=spec.footprint().codec,
         )
 
 
@@ -152,7 +192,7 @@ class Verifier:
     def __init__(
         self,
         run: Path,
-        spec: RunSpec,
+        spec: JobSpec,
         first: list[ShardScan],
         deep: bool,
         summary: Summary,
@@ -195,7 +235,7 @@ class Verifier:
                 deep=True,
                 shards=[s.shard for s in order],
                 on_shard=self._settled,
-                codec=self.spec.codec,
+                codec=self.spec.footprint().codec,
             )
         except _Stopped:
             pass

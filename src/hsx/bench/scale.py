@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsx.assess.checks import size
 from hsx.capture import default_layers
 from hsx.plan import Sample, write_plan
 from hsx.spec import PlanIdentity, RunSpec, now, who
@@ -36,6 +35,7 @@ from hsx.store.format import SampleTensors, encode
 from hsx.store.writer import FileRecord, seal
 from hsx.target import identity, load_tokenizer, tokenizer_identity
 from hsx.tinymodel import bundled_path
+from hsx.units import size
 
 
 def build_run(run: Path, samples: int, tokens: int, shard_size: int, threads: int = 8) -> RunSpec:
@@ -205,7 +205,7 @@ def row(t: Timed) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m hsx.bench_scale", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m hsx.bench.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=40000)
     p.add_argument("--tokens", type=int, default=16, help="tokens per sample (the file size follows)")
     p.add_argument("--shard-size", type=int, default=2000)

@@ -1,94 +1,67 @@
-"""What the operator asked for, parsed once: ``ExtractOptions``, their defaults and bounds (``EXTRACT``).
+"""What the operator asked ``hsx extract`` for, parsed once: ``ExtractOptions`` (the job's shared
+fields, ``job.options.JobOptions``, and extraction's own), their defaults and bounds (``EXTRACT``).
 
-Options live at the top of the job; stages below it get resolved values (``Resources``, a model
+Options live at the top of the job; stages below it get resolved values (``backends.Resources``, a model
 folder, a device), never the whole ``ExtractOptions``.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import shlex
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
+from hsx.extract.backends import BACKENDS, Resources
+from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions
 from hsx.spec import Parallel
 from hsx.store.codec import DEFAULT_CODEC, Codec
-from hsx.telemetry import Telemetry
 
 Toggle = Literal["auto", "on", "off"]
-Backend = Literal["transformers", "vllm"]
 DEFAULTS = {"max_length": 4096, "batch_tokens": 16384, "shard_size": 1000, "dtype": "auto", "codec": DEFAULT_CODEC}
-AT_LEAST_ONE = Bound(min=1)
 EXTRACT = Bounds(
+    **JOB.bounds,
     max_length=AT_LEAST_ONE,
     batch_tokens=AT_LEAST_ONE,
-    shard_size=AT_LEAST_ONE,
     writers=AT_LEAST_ONE,
     tensor_parallel=AT_LEAST_ONE,
     expert_parallel=AT_LEAST_ONE,
-    tensor_parallel_size=AT_LEAST_ONE,
     data_parallel_size=AT_LEAST_ONE,
     workers=Bound(min=0),
-    metrics_port=Bound(min=1, max=65535),
-    dtype=Bound(choices=("auto", "bfloat16", "float16", "float32")),
     codec=Bound(choices=tuple(Codec)),
-    backend=Bound(choices=get_args(Backend)),
+    backend=Bound(choices=tuple(BACKENDS)),
     packing=Bound(choices=get_args(Toggle)),
     compile=Bound(choices=get_args(Toggle)),
 )
 
 
-@dataclass(frozen=True)
-class Resources:
-    """What one extracting process may use: its device, writer threads, host memory for writes."""
-
-    device: str
-    writers: int = 8
-    max_inflight_bytes: int = 4 << 30  # host memory for states not yet on disk (pinned staging on CUDA)
-
-
 @dataclass
-class ExtractOptions:
-    out: Path
-    model: str | None = None
-    data: list[Path] = field(default_factory=list)
+class ExtractOptions(JobOptions):
+    COMMAND: ClassVar[str] = "extract"
+    UNIT: ClassVar[str] = "samples"
+    BOUNDS: ClassVar[Bounds] = EXTRACT
+
     layers: list[int] | None = None
-    max_length: int | None = None
     batch_tokens: int | None = None
-    dtype: str | None = None
-    device: str | None = None
-    shard_size: int | None = None
-    trust_remote_code: bool = False
     writers: int = 8
     max_inflight_bytes: int = 4 << 30
-    deep_verify: bool = True
     packing: Toggle = "auto"  # one packed row per batch (no padding computed) or padded rows
     compile: Toggle = "auto"  # torch.compile the decoder layers (auto: on for CUDA)
     codec: str | None = None  # raw | zstd | fp8: how states are stored (a new run's: codec.DEFAULT_CODEC)
-    allow_partial: bool = False  # start even when the projected size exceeds free space
     allow_incomplete: bool = False  # --data is a generate run not finished yet: extract what it holds
-    reserve_bytes: int | None = None  # kept free while running; None: max(1% of volume, 2x largest batch)
     backend: str | None = None  # transformers | vllm; a new run's default is transformers
     tensor_parallel: int | None = None  # transformers backend: one replica over this many devices (spec)
     expert_parallel: int | None = None  # ... with its routed experts split over this many (1 or the TP size)
-    tensor_parallel_size: int | None = None  # vllm backend only; not part of the spec
     data_parallel_size: int | None = None  # vllm backend only; not part of the spec
     workers: int = 0  # scale-out: this many Ray workers, each on 1 GPU or a TP group (0: this process alone)
     ray_address: str | None = None  # join this Ray cluster; None: start a local one for the run
-    metrics_port: int | None = None  # serve Prometheus' text format on this port while running
-    metrics_textfile: Path | None = None  # keep this file in Prometheus' text format (node_exporter)
     quantized_compute: str | None = None  # FP8 checkpoints: fp8 | dequantized (a new run's default: fp8 where it can)
 
     def __post_init__(self) -> None:
-        """Refuse what cannot be meant, before anything is read or written."""
-        EXTRACT.check(self)
-        if self.out.is_file():
-            raise OptionError(f"--out {self.out} is a file, not a run folder: name a new or empty folder, or a run")
+        super().__post_init__()
         seen: dict[Path, Path] = {}
         for path in map(Path, self.data):
             first = seen.setdefault(path.resolve(), path)
@@ -96,46 +69,8 @@ class ExtractOptions:
                 also = "" if path == first else f" (also as {path})"
                 raise OptionError(f"--data names {first} twice{also}: give each file once")
 
-    def command(self) -> str:
-        """The ``hsx extract`` command that asks for exactly these options (local paths made
-        absolute): what a start that did not become a run prints to start it again."""
-        return command_line("extract", self)
-
-    def telemetry(self, metrics: Callable[[], dict]) -> Telemetry:
-        return Telemetry(self.out, metrics, self.metrics_port, self.metrics_textfile)
-
     def resources(self, device: str | None = None) -> Resources:
         return Resources(device or self.device or default_device(), self.writers, self.max_inflight_bytes)
-
-
-NOT_FLAGS = frozenset({"max_inflight_bytes", "reserve_bytes"})  # the Python API's alone
-FLAG_NAMES = {"servers": "--server", "deep_verify": "--fast-verify"}  # fields whose flag is not their name
-
-
-def command_line(verb: str, opts) -> str:
-    """The ``hsx VERB`` command that asks for exactly the options of ``opts`` (a dataclass of a
-    command's options; local paths made absolute): what a start that did not become a run prints
-    to start it again."""
-    args = ["hsx", verb]
-    for f in fields(opts):
-        value = getattr(opts, f.name)
-        if f.name in NOT_FLAGS or value == f.default or (f.default_factory is not MISSING and not value):
-            continue
-        flag = FLAG_NAMES.get(f.name, Bounds.flag(f.name))
-        if value is True or f.name == "deep_verify":  # flags take no value (--fast-verify: deep_verify off)
-            args.append(flag)
-        elif f.name == "layers":
-            args += [flag, ",".join(map(str, value))]
-        elif isinstance(value, dict):
-            args += [flag, json.dumps(value)]
-        elif isinstance(value, list):
-            for item in value:
-                args += [flag, str(Path(item).absolute()) if f.name == "data" else item]
-        elif f.name == "model" and Path(value).expanduser().exists():
-            args += [flag, str(Path(value).expanduser().absolute())]
-        else:
-            args += [flag, str(value.absolute() if isinstance(value, Path) else value)]
-    return shlex.join(args)
 
 
 def check_device(device: str) -> None:

@@ -39,13 +39,14 @@ import numpy as np
 import psutil
 import torch
 
+from hsx.bench.codec import CodecResult, measure_states
 from hsx.capture import varlen
 from hsx.capture.transformers import TransformersBackend
+from hsx.extract.options import Toggle, check_device, default_device
 from hsx.fingerprint import ModelFingerprint, digest_json
 from hsx.plan import Sample, batches_for
 from hsx.spec import ModelIdentity, PlanIdentity, RunSpec, TokenizerIdentity, now, who
 from hsx.store.codec import Codec
-from hsx.store.codec_bench import CodecResult, measure_states
 from hsx.store.format import SampleTensors
 
 LLAMA_8B = dict(
@@ -242,7 +243,7 @@ def disk_probe(folder: Path, file_bytes: int, files: int, threads: int) -> tuple
 
 def run_bench(
     model: str | None,
-    device: str,
+    device: str | None,
     samples: int,
     mean_len: int,
     min_len: int,
@@ -251,25 +252,28 @@ def run_bench(
     naive_samples: int,
     writers: int,
     workdir: Path | None,
-    compile: bool | None = None,
+    compile: Toggle = "auto",
     log: Callable[[str], None] = print,
     codecs: tuple[Codec, ...] = tuple(Codec),
     int4_experts: bool = False,
     fp8: bool = False,
 ) -> list[Result]:
-    """``compile``: also measure the packed layout with compiled layers (None: on CUDA only).
+    """``device``: checked as extraction checks it (None: CUDA where there is one).
+    ``compile``: also measure the packed layout with compiled layers (auto: on CUDA only).
     ``codecs``: the storage codecs measured on the last layout next to raw (raw alone: none).
     ``int4_experts``: a MoE model's last layout again with its routed experts INT4-packed
     (compressed-tensors pack-quantized, group 32, from its own weights), expanded per layer.
     ``fp8``: then the same model as a block-FP8 checkpoint, on the last layout (not with
     ``int4_experts``: each rebuilds the model)."""
+    from hsx.extract.backends import Resources
+    from hsx.extract.pipeline import Extractor
     from hsx.progress import Progress
-    from hsx.run.options import Resources
-    from hsx.run.pipeline import Extractor
     from hsx.store import layout
     from hsx.store.scan import ShardScan
 
-    dev = torch.device(device)
+    if device is not None:
+        check_device(device)
+    dev = torch.device(device or default_device())
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     if fp8:
@@ -334,8 +338,8 @@ def run_bench(
         return synthetic_run(run, net, name, layers, dtype_name, lengths, batch_tokens, packed, compiled)
 
     try:
-        compile = dev.type == "cuda" if compile is None else compile
-        variants = [(False, False)] + ([(True, False)] + ([(True, True)] if compile else []) if can_pack else [])
+        compiled_too = dev.type == "cuda" if compile == "auto" else compile == "on"
+        variants = [(False, False)] + ([(True, False)] + ([(True, True)] if compiled_too else []) if can_pack else [])
         for packed, compiled in variants:
             backend.set_packed(packed)
             backend.set_compiled(compiled)
@@ -571,4 +575,28 @@ def table(results: list[Result]) -> str:
                 f"{e.encode_mbs:>15,.0f} {e.encode_mbs_n:>15,.0f} {e.encode_mbs_n / n:>8,.0f} {e.decode_mbs:>9,.0f} "
                 f"{r.encoded_on or '-':>10}"
             )
+        rows.append(pick(coded))
     return "\n".join(rows)
+
+
+KEEPS_PACE = 0.97  # a codec worth its bytes here writes at >= this fraction of raw's tok/s
+
+
+def pick(coded: list[Result]) -> str:
+    """Which codec to choose on this machine, from the codec rows of one run: the fewest bytes among
+    the lossless codecs that keep pace with raw (``KEEPS_PACE``), and fp8 beside it where it keeps
+    pace too (lossy: its error bound must suit the trainer)."""
+    raw = next(r for r in coded if r.codec is Codec.RAW)
+    pace = [r for r in coded if r.codec is Codec.RAW or r.rate >= KEEPS_PACE * raw.rate]
+    lossless = min((r for r in pace if r.codec is not Codec.FP8), key=lambda r: r.stored_ratio)
+    text = f"pick here: --codec {lossless.codec} (lossless"
+    if lossless is not raw:
+        text += f", {lossless.stored_ratio:.3f}x raw's bytes at {lossless.rate / raw.rate:.3f}x its tok/s"
+    text += ")"
+    slow = [f"{r.codec} {r.rate / raw.rate:.3f}x" for r in coded if r not in pace]
+    if slow:
+        text += f"; under {KEEPS_PACE}x raw's tok/s: {', '.join(slow)}"
+    fp8 = next((r for r in pace if r.codec is Codec.FP8), None)
+    if fp8 is not None:
+        text += f"; lossy: --codec fp8 keeps pace at {fp8.stored_ratio:.3f}x the bytes"
+    return text

@@ -1,4 +1,5 @@
-"""One process's capture -> store pipeline: backend -> staging (device-to-host) -> writer threads.
+"""One process's capture -> store pipeline: backend -> staging (device-to-host) -> writer threads;
+the transformers backend's side of the extraction (``extract.backends``: ``final_state``, ``run``).
 
 The same ``Extractor`` serves the local job and every scale-out worker, so every process writes a
 shard the same way: the plan fixes the batches, a redone sample is computed in the same batch as
@@ -9,22 +10,23 @@ before each batch is captured, counting the writer's queued bytes as already spe
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
-from hsx.assess.volume import DiskGuard, Forecast
-from hsx.capture import CapturedBatch
+from hsx.capture import Capture
+from hsx.capture.memory import check_run
 from hsx.capture.transformers import TransformersBackend
+from hsx.extract.backends import Peers, Resources, Session
+from hsx.job.space import DiskGuard, Forecast
 from hsx.plan import Plan, batches_for
 from hsx.progress import Progress
-from hsx.run.options import Resources
 from hsx.spec import RunSpec
 from hsx.staging import Staging, staging_for
 from hsx.store.codec import Codec
-from hsx.store.format import SampleTensors
+from hsx.store.format import FINAL_STATE, SampleTensors
 from hsx.store.scan import ShardScan
 from hsx.store.writer import FileRecord, SampleWriter, seal
 
@@ -47,14 +49,6 @@ def open_backend(spec: RunSpec, model_dir: Path, device: str) -> TransformersBac
     )
 
 
-class Peers(Protocol):
-    """The other ranks of a tensor-parallel group, as the writing rank sees them (run.group)."""
-
-    def load(self) -> None: ...  # they load their share of the model, now
-    def batch(self, ids: list[int]) -> None: ...  # they capture the same batch, now
-    def agree(self, captured: CapturedBatch) -> None: ...  # their capture equals ours
-
-
 class Extractor:
     """Captures a shard's missing samples batch by batch and hands them to the writer.
 
@@ -62,7 +56,7 @@ class Extractor:
     (the benchmark reuses one across variants); by default one is made for the backend's device and
     the run's codec (fp8: encoded on the device, before the copy).
     ``peers``: the other ranks of a tensor-parallel group, which compute every batch with us.
-    ``forecast``: the start's space forecast (``assess.volume.plan_space``) for the disk guard; it is
+    ``forecast``: the start's space forecast (``job.space.plan_space``) for the disk guard; it is
     bound to ``progress`` here, so its ratio counts this session's files."""
 
     def __init__(
@@ -70,7 +64,7 @@ class Extractor:
         run: Path,
         spec: RunSpec,
         plan: Plan,
-        backend: TransformersBackend,
+        backend: Capture,
         resources: Resources,
         progress: Progress,
         reserve: int | None = None,
@@ -165,3 +159,27 @@ class Extractor:
         self.staging.close()
         self.writer.close()
         self.writer.sync()
+
+
+def final_state(model_dir: Path) -> str:
+    """The transformers backend's final state: ``last_hidden_state``, after the model's own norm."""
+    return FINAL_STATE
+
+
+def run(session: Session, todo: Iterable[ShardScan]) -> None:
+    """Every missing sample of ``todo``, shard by shard as verification settles them: the layout
+    checked against the devices' memory before any rank loads a weight, then the model loaded
+    (with the group's other ranks) and extracted through ``Extractor``."""
+    s = session
+    check_run(s.spec, s.model_dir, s.resources.device, s.log)
+    if s.peers is not None:
+        s.peers.load()
+    backend = open_backend(s.spec, s.model_dir, s.resources.device)
+    extractor = Extractor(
+        s.run, s.spec, s.plan, backend, s.resources, s.progress, s.space.reserve, peers=s.peers,
+        forecast=s.space.forecast,
+    )  # fmt: skip
+    try:
+        extractor.run_shards(todo)
+    finally:
+        extractor.close()

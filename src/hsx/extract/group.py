@@ -38,11 +38,11 @@ from pydantic import TypeAdapter
 from hsx import errors, registry, target
 from hsx.capture import CapturedBatch
 from hsx.errors import CleanStop, HsxError, OptionError, WorkerFailed
+from hsx.extract.local import extract_local
+from hsx.extract.options import ExtractOptions
+from hsx.extract.pipeline import open_backend
+from hsx.job.resume import Summary
 from hsx.plan import load_plan
-from hsx.run.local import extract_local
-from hsx.run.options import ExtractOptions
-from hsx.run.pipeline import open_backend
-from hsx.run.resume import Summary
 from hsx.spec import RunSpec
 from hsx.store.format import digest_text
 

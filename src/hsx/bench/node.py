@@ -1,0 +1,253 @@
+"""One node's extraction rate for a model larger than one GPU, timed on one GPU: one rank of a
+tensor + expert parallel replica, built at that rank's shapes with random weights.
+
+At TP = EP = N over a node of N GPUs, every rank runs the same tokens; the node's rate is one rank's
+forward plus the collectives. A rank holds ``heads / N`` attention heads, ``1 / N`` of the dense and
+shared-expert MLPs' intermediate size and of the vocabulary, and ``experts / N`` routed experts (INT4
+packed as released, or block FP8), of which a token meets ``top_k / N`` on average: the rank is built
+as that model (routing top ``top_k / N`` of its own experts). Each rank's forward is timed on packed,
+compiled layers (as ``hsx extract`` runs on CUDA) over batches of the given sample length
+distribution; the all-reduces it would do (after attention, the shared experts and the routed
+experts of each layer) are added serially from a stated bus bandwidth, none overlapped. With
+``--layers`` below the model's count, the first layers are built and the time is scaled by the
+ratio of layer counts (the dense first layer counted as one of them).
+
+    python -m hsx.bench.node --model bench/kimi-k25-shape --ranks 8 --layers 16 --allreduce-gbps 361
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+AUX_STATES = 4  # the story's sample files: three aux layers and the final state, bf16
+
+
+@dataclass
+class NodeEstimate:
+    layers_built: int
+    layers: int
+    tokens: int
+    seconds: float  # the rank's forward over ``tokens``, scaled to every layer
+    collective_seconds: float  # the all-reduces over ``tokens``, added
+    mean_len: float
+    hidden: int
+    weight_bytes: int
+    peak_bytes: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / (self.seconds + self.collective_seconds)
+
+    def hours(self, samples: int) -> float:
+        return samples * self.mean_len / self.tok_s / 3600
+
+    def storage_gb_per_hour(self) -> float:
+        return self.tok_s * AUX_STATES * self.hidden * 2 * 3600 / 1e9
+
+
+def rank_config(text: dict, ranks: int, layers: int):
+    """The text model's config at one rank's shapes (see the module notes)."""
+    from transformers import DeepseekV3Config
+
+    cfg = {k: v for k, v in text.items() if k not in ("auto_map", "architectures", "quantization_config")}
+    heads, routed, top_k = cfg["num_attention_heads"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    for key, whole in (("num_attention_heads", heads), ("n_routed_experts", routed), ("num_experts_per_tok", top_k)):
+        if whole % ranks:
+            raise ValueError(f"{key} {whole} does not split over {ranks} ranks")
+    cfg.update(
+        num_attention_heads=heads // ranks,
+        num_key_value_heads=heads // ranks,
+        intermediate_size=cfg["intermediate_size"] // ranks,
+        vocab_size=cfg["vocab_size"] // ranks,
+        n_routed_experts=routed // ranks,
+        num_experts_per_tok=top_k // ranks,
+        n_group=1,
+        topk_group=1,
+        num_hidden_layers=layers,
+    )
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "model_type"):
+        cfg.pop(key, None)
+    config = DeepseekV3Config(**cfg)
+    config.shared_intermediate = cfg["moe_intermediate_size"] * cfg.get("n_shared_experts", 1) // ranks
+    return config
+
+
+def build_rank(config, experts: str, device: torch.device):
+    """The rank's model, random weights, its routed experts INT4-packed (one layer quantized, copied to
+    every layer: the same bytes and work) or block FP8 (``to_block_fp8``)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MLP
+
+    from hsx.capture.quantized import experts as jit
+    from hsx.capture.quantized import int4
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    if experts == "int4":
+        fmt = int4.Int4Experts(32)
+        with jit.swapped(DeepseekV3ForCausalLM, fmt, dtype), torch.device(device):
+            model = DeepseekV3ForCausalLM._from_config(config, dtype=dtype)
+        E, inter, hidden = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        stored = {
+            "gate_up_proj": int4.quantize(torch.randn(E, 2 * inter, hidden, device=device, dtype=dtype) * 0.02),
+            "down_proj": int4.quantize(torch.randn(E, hidden, inter, device=device, dtype=dtype) * 0.02),
+        }
+        for _, module in jit.stored_modules(model):
+            module.compiled = device.type == "cuda"
+            for name, tensors in stored.items():
+                module.set_stored(name, {k: tensors[k].clone() for k in fmt.stored})
+    else:
+        with torch.device(device):
+            model = DeepseekV3ForCausalLM._from_config(config, dtype=dtype)
+    for layer in model.model.layers:
+        shared = getattr(layer.mlp, "shared_experts", None)
+        if shared is not None:
+            with torch.device(device):
+                layer.mlp.shared_experts = DeepseekV3MLP(config, intermediate_size=config.shared_intermediate).to(dtype)
+    if experts == "fp8":
+        from hsx.bench.extract import to_block_fp8
+
+        to_block_fp8(model)  # built bf16 first: a subset of layers (--layers) keeps that within one GPU
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return model.eval()
+
+
+def batches(lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
+    """Samples sorted by length, packed greedily into rows of at most ``batch_tokens`` tokens."""
+    out, cur, used = [], [], 0
+    for n in sorted(lengths.tolist(), reverse=True):
+        if cur and used + n > batch_tokens:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(int(n))
+        used += n
+    return out + ([cur] if cur else [])
+
+
+def allreduce_seconds(tokens: int, hidden: int, layers: int, dense_layers: int, ranks: int, busbw: float) -> float:
+    """Serial all-reduces of bf16 [tokens, hidden]: 2 per dense layer (attention, MLP), 3 per MoE
+    layer (attention, shared experts, routed experts), 1 for the vocabulary-parallel embedding; a
+    ring's time is bytes x 2(n-1)/n over the bus bandwidth."""
+    count = 1 + 2 * dense_layers + 3 * (layers - dense_layers)
+    return count * tokens * hidden * 2 * 2 * (ranks - 1) / ranks / busbw
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(args) -> NodeEstimate:
+    from hsx.bench.extract import lognormal_lengths
+    from hsx.capture import default_layers, varlen
+    from hsx.capture.transformers import TransformersBackend
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    raw = json.loads((Path(args.model) / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    layers = int(text["num_hidden_layers"])
+    built = min(args.layers or layers, layers)
+    config = rank_config(text, args.ranks, built)
+    t0 = time.perf_counter()
+    model = build_rank(config, args.experts, device)
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    print(
+        f"rank model: {built} of {layers} layers, experts {args.experts}, {weight_bytes / 1e9:.1f} GB, built in "
+        f"{time.perf_counter() - t0:.0f} s",
+        flush=True,
+    )
+    backend = TransformersBackend(model, default_layers(built), compiled=cuda)
+    backend.set_packed(True)  # one padding-free row per batch, on the varlen attention kernel
+    lengths = lognormal_lengths(args.samples, args.mean_len, args.min_len, args.max_len, seed=1)
+    rng = np.random.default_rng(0)
+    rows = [[rng.integers(0, config.vocab_size, n) for n in b] for b in batches(lengths, args.batch_tokens)]
+    t0 = time.perf_counter()
+    for row in rows[: args.warm_up]:
+        backend.forward(backend.inputs(row))
+    sync(device)
+    print(f"warm-up ({args.warm_up} batches, compiling) {time.perf_counter() - t0:.0f} s", flush=True)
+    calls = dict(varlen.CALLS)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    timed = rows[args.warm_up :]
+    t0 = time.perf_counter()
+    for row in timed:
+        backend.forward(backend.inputs(row))
+    sync(device)
+    seconds = time.perf_counter() - t0
+    kernel, single = (varlen.CALLS[k] - calls[k] for k in ("kernel", "per_sample"))
+    print(f"timed: {len(timed)} batches; packed attention ran {kernel} varlen-kernel and {single} per-sample calls")
+    tokens = sum(len(s) for row in timed for s in row)
+    dense = int(text.get("first_k_dense_replace", 0))
+    scale = layers / built
+    est = NodeEstimate(
+        layers_built=built,
+        layers=layers,
+        tokens=tokens,
+        seconds=seconds * scale,
+        collective_seconds=allreduce_seconds(
+            tokens, config.hidden_size, layers, dense, args.ranks, args.allreduce_gbps * 1e9
+        ),
+        mean_len=float(lengths.mean()),
+        hidden=config.hidden_size,
+        weight_bytes=weight_bytes,
+        peak_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
+    )
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for row in timed[:2]:
+                backend.forward(backend.inputs(row))
+            sync(device)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        Path(args.profile).write_text(table)
+        print(table)
+    return est
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m hsx.bench.node", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a folder with the model's config.json (weights are random)")
+    p.add_argument("--device", default="cuda", help="cuda (timed figures) or cpu (a check of the arithmetic)")
+    p.add_argument("--ranks", type=int, default=8, help="GPUs of the node: TP = EP = ranks")
+    p.add_argument("--layers", type=int, default=0, help="build this many layers and scale (0: all)")
+    p.add_argument("--experts", choices=("int4", "fp8"), default="int4")
+    p.add_argument("--samples", type=int, default=64, help="samples timed (warm-up batches excluded)")
+    p.add_argument("--mean-len", type=int, default=2200)
+    p.add_argument("--min-len", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=8192)
+    p.add_argument("--batch-tokens", type=int, default=32768)
+    p.add_argument("--warm-up", type=int, default=2, help="batches run first, untimed (compiling)")
+    p.add_argument(
+        "--allreduce-gbps", type=float, required=True, help="all-reduce bus bandwidth, GB/s (state its source)"
+    )
+    p.add_argument("--job-samples", type=int, default=37312, help="samples of the job whose hours are printed")
+    p.add_argument("--profile", type=Path, help="write a profile of two batches of the rank's forward here")
+    args = p.parse_args(argv)
+    est = run(args)
+    print(
+        f"rank forward {est.tokens:,} tokens in {est.seconds:.2f} s scaled to {est.layers} layers "
+        f"(measured on {est.layers_built}), all-reduces {est.collective_seconds:.2f} s "
+        f"at {args.allreduce_gbps:g} GB/s; "
+        f"weights {est.weight_bytes / 1e9:.1f} GB, peak {est.peak_bytes / 1e9:.1f} GB on "
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"
+    )
+    print(
+        f"node ({args.ranks} GPUs, one TP{args.ranks}+EP{args.ranks} replica): {est.tok_s:,.0f} tok/s, "
+        f"{est.tok_s / est.mean_len:.2f} samples/s (mean {est.mean_len:.0f} tokens); {args.job_samples:,} samples in "
+        f"{est.hours(args.job_samples):.2f} h; stores {est.storage_gb_per_hour():,.0f} GB/h raw "
+        f"({AUX_STATES} states x {est.hidden} x bf16 a token)"
+    )
+
+
+if __name__ == "__main__":
+    main()

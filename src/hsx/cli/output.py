@@ -1,0 +1,64 @@
+"""Where the command line prints, and the one place errors become exit codes.
+
+Results go to stdout (``hsx memory ... > plan.txt`` holds the plan); progress, warnings and errors
+to stderr. Both print text as it is: a square bracket in a path or a message is text, never console
+markup (``pip install 'hsx[ray]'``, a data file ``convs[v2].jsonl``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from hsx.errors import CleanStop, DiskFull, Exit, HsxError
+from hsx.progress import console
+
+# status's and verify's checklist on stdout: its colours are markup, its text escaped (assess.status)
+checklist = Console(highlight=False, soft_wrap=True)
+
+
+def log(message: str) -> None:
+    """A job's progress and warnings, on stderr."""
+    console.print(message)
+
+
+def print_summary(result) -> None:
+    """What a command did (anything with ``lines()``), on stdout."""
+    print(*result.lines(), sep="\n")
+
+
+def fail(message: str, code: int) -> typer.Exit:
+    console.print(Text.assemble(("error:", "bold red"), " ", message))
+    return typer.Exit(code)
+
+
+@contextmanager
+def failures(interrupted: Callable[[], str] | None = None) -> Iterator[None]:
+    """hsx's own errors print their message and exit with their code (``hsx.errors``); anything
+    else is a bug and surfaces as a traceback (exit 1). ``interrupted``: what to say after a
+    Ctrl-C, asked when it comes (what exists by then); without it a Ctrl-C is not caught."""
+    try:
+        yield
+    except CleanStop as e:
+        from hsx.assess.status import resume_command
+        from hsx.units import size
+
+        s = e.summary
+        raise fail(
+            f"{e}.\nStopped cleanly: {s.done}/{s.total_samples} {e.unit} are done and verified; "
+            f"about {size(e.needed_bytes)} more are needed to finish.\n"
+            f"Free space, then resume: {resume_command(s.run, None, e.command)}",
+            e.exit_code,
+        ) from None
+    except DiskFull as e:
+        raise fail(f"{e}; free space and rerun the same command: it continues", e.exit_code) from None
+    except HsxError as e:
+        raise fail(str(e), e.exit_code) from None
+    except KeyboardInterrupt:
+        if interrupted is None:
+            raise
+        raise fail(f"interrupted; {interrupted()}", Exit.INTERRUPTED) from None

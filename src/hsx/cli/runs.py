@@ -1,0 +1,109 @@
+"""The commands that read a run: ``status``, ``verify``, ``export``, ``vocab``, ``generate-export``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hsx.cli.options import RUN, TO, AllowIncomplete, Deep, Json, MovedModel, RunFolder, TargetVocab, Threads
+from hsx.cli.output import checklist, failures, log, print_summary
+
+
+def status(
+    out: RunFolder, deep: Deep = False, json_out: Json = False, threads: Threads = 8, model: MovedModel = None
+) -> None:
+    """Is it safe to resume? One line per item: GPUs, volume, progress, pace, integrity, model, capture, spec, workers.
+
+    Exit 0: nothing wrong; 1: damage that hsx extract redoes by itself; 2: a person must act first.
+    """
+    from hsx.assess.status import assess, render
+
+    with failures():
+        report = assess(out, deep=deep, threads=threads, given_model=model)
+    if json_out:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        render(report, checklist)
+    raise typer.Exit(report.exit_code)
+
+
+def verify(
+    out: RunFolder,
+    deep: Deep = False,
+    repair: Annotated[
+        bool, typer.Option("--repair", help="Move bad files to OUT/quarantine/ (with a reason) for a redo.")
+    ] = False,
+    json_out: Json = False,
+    threads: Threads = 8,
+) -> None:
+    """Check every sample file of a run. Exit 0: all good; 1: problems (hsx extract redoes them); 2: refused."""
+    from hsx.assess.status import render_check, resume_command
+    from hsx.assess.verify import verify as run_verify
+
+    with failures():
+        result = run_verify(out, deep=deep, repair=repair, threads=threads)
+    if json_out:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        render_check(result.check, checklist)
+        if result.moved:
+            n = len(result.redo_ids())
+            print(f"next: {resume_command(out, command=result.command)}  # redoes {n} samples")
+    raise typer.Exit(result.exit_code)
+
+
+def export(
+    out: RunFolder,
+    dest: Annotated[Path, typer.Argument(help="Export folder (created; rerun the same command to resume).")],
+    to: Annotated[str, TO.option("to", "--to", help="The trainer's format.")],
+    model: MovedModel = None,
+    prenorm: Annotated[
+        bool, typer.Option("--prenorm", help="modelopt: export the pre-norm final state (flagged).")
+    ] = False,
+    draft_vocab: Annotated[
+        int | None, RUN.option("draft_vocab", help="Also write a draft-vocab map of this size.")
+    ] = None,
+    target_vocab: TargetVocab = None,
+    allow_incomplete: AllowIncomplete = False,
+    pace: Annotated[float, typer.Option(hidden=True, min=0.0, help="Seconds to sleep after each sample.")] = 0.0,
+) -> None:
+    """Write OUT's samples in a trainer's own format, verifying each source file; resumable."""
+    from hsx.export import ExportOptions, run_export
+
+    opts = ExportOptions(out, dest, to, model, prenorm, allow_incomplete, draft_vocab, target_vocab, pace)
+    with failures(lambda: f"every file exported so far is complete and kept; continue with: {opts.command()}"):
+        print_summary(run_export(opts, log=log))
+
+
+def vocab(
+    out: RunFolder,
+    size: Annotated[int, RUN.option("size", help="Draft vocabulary size.")] = 32000,
+    dest: Annotated[Path | None, typer.Option(help="Where to write.", show_default="OUT/vocab")] = None,
+    model: MovedModel = None,
+    target_vocab: TargetVocab = None,
+) -> None:
+    """Draft-vocab map (d2t/t2d) from loss-masked token counts of the plan; no hidden states read."""
+    from hsx.export.vocab import write_vocab
+
+    with failures():
+        print_summary(write_vocab(out, size, dest, model, target_vocab))
+
+
+def generate_export(
+    run: Annotated[Path, typer.Argument(metavar="GEN", help="Generate run folder.", show_default=False)],
+    dest: Annotated[
+        Path,
+        typer.Argument(
+            metavar="DEST", help="JSONL file to write: messages and token ids per conversation.", show_default=False
+        ),
+    ],
+    allow_incomplete: AllowIncomplete = False,
+) -> None:
+    """Write a generate run's conversations as JSONL (messages plus the exact token ids) for other trainers."""
+    from hsx.generate.export import export_jsonl
+
+    with failures():
+        print_summary(export_jsonl(run, dest, allow_incomplete))

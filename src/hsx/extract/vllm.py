@@ -1,0 +1,156 @@
+"""The vLLM backend's side of the extraction (``extract.backends``): the job feeds vLLM the plan's
+token ids as prompts, shard by shard within a window of tokens in flight (the disk guard before each
+batch is enqueued), checks that vLLM ran the plan's ids and that each sample file its connector
+wrote has a sound header, counts progress, and seals each shard whose ids are all done. vLLM
+itself, its drafter and the connector are ``capture.vllm``.
+
+Importing this module imports vLLM.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import vllm
+
+from hsx.capture.vllm import close_llm, final_state, open_llm
+from hsx.capture.vllm_connector import SAMPLE_KEY
+from hsx.errors import BadFile, CaptureFailed, DiskFull
+from hsx.extract.backends import Session
+from hsx.job.space import DiskGuard
+from hsx.plan import Plan, batches_for
+from hsx.progress import Progress
+from hsx.spec import RunSpec
+from hsx.store import layout
+from hsx.store.format import check
+from hsx.store.scan import ShardScan
+from hsx.store.writer import FileRecord, seal
+
+__all__ = ["VllmFeed", "final_state", "run"]
+
+
+class VllmFeed:
+    """The prompts vLLM is fed: keeps it supplied with the missing samples, shard by shard, and
+    seals shards as they finish.
+
+    ``todo``: the scans of the shards with missing samples; ``guard`` is called with a batch's
+    bytes before it is enqueued (the disk guard), ``window`` bounds the tokens in flight."""
+
+    def __init__(
+        self,
+        run: Path,
+        spec: RunSpec,
+        plan: Plan,
+        todo: Iterable[ShardScan],
+        progress: Progress,
+        guard: Callable[[int], None] | None,
+        window: int,
+    ):
+        self.run, self.spec, self.plan, self.progress, self.guard = run, spec, plan, progress, guard
+        self.window = window  # tokens enqueued and not yet finished, at most
+        self.batches: deque[list[int]] = deque()
+        self.left: dict[int, set[int]] = {}
+        self.records: dict[int, list[FileRecord]] = {}
+        for scan in todo:
+            self.left[scan.shard] = set(scan.missing)
+            self.records[scan.shard] = list(scan.good.values())
+            for b in batches_for(scan.missing, plan.lengths, spec.batch_tokens, packed=True):
+                self.batches.append(list(b.ids))
+        self.requests: set[int] = set()  # sample ids enqueued and not finished
+        self.inflight = 0  # tokens
+
+    def inflight_bytes(self) -> int:
+        """Bytes of the samples enqueued and not yet finished: the disk guard counts them as used."""
+        return self.inflight * self.spec.bytes_per_token
+
+    def feed(self, llm: vllm.LLM) -> None:
+        """Enqueue batches until the window of tokens in flight is full."""
+        from vllm import SamplingParams
+
+        while self.batches and (self.inflight == 0 or self.inflight < self.window):
+            ids = self.batches.popleft()
+            tokens = int(sum(int(self.plan.lengths[i]) for i in ids))
+            if self.guard is not None:
+                self.guard(tokens * self.spec.bytes_per_token)
+            prompts = [{"prompt_token_ids": self.plan.input_ids(i).tolist()} for i in ids]
+            params = [
+                SamplingParams(
+                    max_tokens=1, temperature=0.0, detokenize=False, extra_args={"kv_transfer_params": {SAMPLE_KEY: i}}
+                )
+                for i in ids
+            ]
+            llm.enqueue(prompts, params, use_tqdm=False)
+            self.requests.update(ids)
+            self.inflight += tokens
+
+    def finished(self, out: vllm.RequestOutput) -> None:
+        """One request's output: its sample id comes back from the connector on kv_transfer_params."""
+        sid = int((out.kv_transfer_params or {}).get(SAMPLE_KEY, -1))
+        if sid not in self.requests:
+            raise CaptureFailed(f"vLLM finished request {out.request_id} that carries no sample id of this run")
+        self.requests.discard(sid)
+        token_ids = out.prompt_token_ids
+        want = self.plan.input_ids(sid)
+        n = len(want)
+        self.inflight -= n
+        if token_ids is None or not np.array_equal(np.asarray(token_ids, dtype=np.int64), want):
+            raise CaptureFailed(
+                f"sample {sid}: vLLM ran {len(token_ids or [])} token ids that are not the plan's {n}; "
+                "nothing was written for it"
+            )
+        path = layout.sample_path(self.run, sid, self.spec.shard_size)
+        try:
+            header = check(path, sid, deep=False)
+        except (BadFile, OSError) as e:
+            need = 2 * n * self.spec.bytes_per_token
+            if shutil.disk_usage(self.run).free < need:
+                raise DiskFull(path) from e
+            raise CaptureFailed(
+                f"sample {sid}: vLLM finished it but its file is not there ({e}); see vLLM's log"
+            ) from e
+        record = FileRecord(sid, path.stat().st_size, header.digest)
+        done: Future = Future()
+        done.set_result(record)
+        self.progress.on_written(n)(done)
+        shard = layout.shard_of(sid, self.spec.shard_size)
+        self.records[shard].append(record)
+        self.left[shard].discard(sid)
+        if not self.left[shard]:  # every id of the shard has a durable, checked file
+            seal(self.run, shard, self.records.pop(shard))
+            del self.left[shard]
+
+    def run_engine(self, llm: vllm.LLM) -> None:
+        """Step the engine until every sample is back; refuse when vLLM dropped any."""
+        engine = llm.llm_engine
+        while True:
+            self.feed(llm)
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                if out.finished:
+                    self.finished(out)
+        if self.left:
+            raise CaptureFailed(f"shards {sorted(self.left)} still have samples vLLM never returned")
+
+
+def run(session: Session, todo: Iterable[ShardScan]) -> None:
+    """The vLLM counterpart of ``extract.pipeline.run``: capture every missing sample of ``todo``
+    (scans already settled by ``job.resume``), keeping the start's reserve free, the bytes in
+    flight scaled by the codec's ratio (the start's forecast, bound here to this session's files)."""
+    s = session
+    window = max(4 * s.spec.batch_tokens, int(s.plan.lengths.max()))
+    feed = VllmFeed(s.run, s.spec, s.plan, todo, s.progress, None, window=window)
+    forecast = s.space.forecast
+    forecast.session = s.progress.session
+    feed.guard = DiskGuard(s.run, s.space.reserve, in_flight=feed.inflight_bytes, forecast=forecast)
+    llm = open_llm(s.run, s.model_dir, s.spec, int(s.plan.lengths.max()), s.tensor_parallel_size, s.data_parallel_size)
+    try:
+        with s.progress.live():
+            feed.run_engine(llm)
+    finally:
+        close_llm(llm)

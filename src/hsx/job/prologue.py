@@ -1,0 +1,88 @@
+"""The resume prologue, written once for every job (an extraction in one process, its scale-out
+driver, a generate run): under the run's lock (``locked``: heartbeat and metrics through
+telemetry), ``Prologue.open`` removes what a killed process left beside the run's files, records a
+``--model`` that matched somewhere new, scans every shard's headers and judges the space the rest
+needs (refused when it does not fit); ``verify`` then checks the digests beside the model load and
+the work (``job.resume.Verifier``), and ``clean_stop`` turns a full disk into the clean stop that
+says how much is done, how much space the rest needs, and the command that resumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from hsx.errors import CleanStop, DiskFull, LowSpace
+from hsx.job.folder import record_model, remove_stray_temps
+from hsx.job.options import JobOptions
+from hsx.job.resume import Summary, Verifier, scan_all
+from hsx.job.space import Space, plan_space
+from hsx.lock import RunLock
+from hsx.spec import JobSpec
+from hsx.store.scan import ShardScan
+
+
+@contextmanager
+def locked(
+    opts: JobOptions, metrics: Callable[[], dict], log: Callable[[str], None], command: str | None = None
+) -> Iterator[RunLock]:
+    """The run's lock (``command``: what its holder is doing, the job's own by default), its
+    heartbeat writing the job's ``metrics`` (``telemetry``)."""
+    telemetry = opts.telemetry(metrics)
+    with telemetry, RunLock(opts.out, command=command or opts.COMMAND, on_beat=telemetry.beat, warn=log) as lock:
+        yield lock
+
+
+@dataclass
+class Prologue:
+    """What the prologue found: the job's tally (``summary``), every shard's header scan
+    (``headers``: what the space counts, and which shards hold nothing good yet) and the space
+    verdict (``space``: the reserve and the forecast the job's disk guard uses)."""
+
+    opts: JobOptions
+    spec: JobSpec
+    lengths: np.ndarray  # the plan's tokens per sample
+    summary: Summary
+    headers: list[ShardScan]
+    space: Space
+
+    @classmethod
+    def open(
+        cls,
+        opts: JobOptions,
+        spec: JobSpec,
+        lengths: np.ndarray,
+        log: Callable[[str], None],
+        measure_first: bool = False,
+    ) -> Prologue:
+        """Under the run's lock. ``measure_first``: the job's guard holds the forecast, so an
+        unmeasured zstd run that does not fit at raw size starts (``job.space.plan_space``)."""
+        run = opts.out
+        remove_stray_temps(run)
+        record_model(opts, spec, log)  # a --model that matched, somewhere new
+        summary = Summary.of(run, spec)
+        headers = scan_all(run, spec, deep=False)  # seconds: sealed shards are trusted by their listing
+        space = plan_space(
+            run, spec, lengths, headers, opts.allow_partial, opts.reserve_bytes, log, measure_first, opts.COMMAND
+        )
+        return cls(opts, spec, lengths, summary, headers, space)
+
+    def verify(self, add_done: Callable[[int, int], None]) -> Verifier:
+        """The digests (or, with ``--fast-verify``, the headers) checked on a thread of their own;
+        ``add_done`` is told each shard's good files and their tokens (the progress count)."""
+        lengths = self.lengths
+
+        def done(scan: ShardScan) -> None:
+            add_done(len(scan.good), int(lengths[list(scan.good)].sum()) if scan.good else 0)
+
+        return Verifier(self.opts.out, self.spec, self.headers, self.opts.deep_verify, self.summary, done).start()
+
+    def clean_stop(self, e: DiskFull, summary: object, left_tokens: int, left_files: int = 0) -> CleanStop:
+        """The clean stop of a full disk (the guard's reserve reached, or a real ENOSPC): ``summary``
+        the job's, and the space ``left_files`` files of ``left_tokens`` tokens still need."""
+        reason = str(e) if isinstance(e, LowSpace) else None
+        needed = self.space.forecast.needed(left_tokens, left_files)
+        return CleanStop(summary, needed, e.path, reason, command=self.opts.COMMAND, unit=self.opts.UNIT)
