@@ -2,7 +2,8 @@
 by tool name in order, and the conversation ended (kept, with its reason) where a call cannot be paired.
 
 The target is scripted (an ``Engine`` answering by the prompt's text, tokenized by the real
-tokenizer), so the calls it makes are known; everything else is the real job: the plan, the chat
+tokenizer), so the calls it makes are known; everything else is the real job: OpenAI rows read by
+the input stage, the plan, the chat
 template (a Qwen3-like tool template), the hermes/Qwen3 parser, the files, resume, extraction and
 export. References are the tokenizer's own ``apply_chat_template`` and ``decode``.
 """
@@ -18,10 +19,11 @@ import pytest
 
 from conftest import TINY, run_files, write_jsonl
 from hsx.generate.engine import Completion, Engine, Request
+from hsx.generate.export import openai_message
 from hsx.generate.job import generate
 from hsx.generate.options import GenerateOptions
 from hsx.generate.record import read_record
-from hsx.input import Conversation, Source, ToolCall, Turn
+from hsx.input import ToolCall, Turn, to_message
 from hsx.store import layout
 
 TEMPLATE = (  # Qwen3's layout of tools, reasoning, calls and results, written small
@@ -163,13 +165,20 @@ def model(tmp_path_factory) -> Path:
     return path
 
 
+def openai_rows() -> list[dict]:
+    """``ROWS`` as OpenAI rows (calls' arguments as JSON text, results as ``role: tool``)."""
+    return [
+        {"id": f"r{i}", "messages": [openai_message(to_message(t)) for t in turns]}
+        | ({"tools": [json.loads(t) for t in tools]} if tools else {})
+        for i, (turns, tools) in enumerate(ROWS)
+    ]
+
+
 def _generate(out: Path, model: Path, monkeypatch, crash_after: int | None = None, parser="qwen3", **kw):
-    """``hsx generate`` with the scripted target, on ``ROWS`` as the input stage gives them."""
+    """``hsx generate`` with the scripted target on ``ROWS``, read from a JSONL file by the input stage."""
     data = model.parent / "tools.jsonl"  # one data file for every run: the files name their source
     if not data.exists():
-        write_jsonl(data, [{"row": i} for i in range(len(ROWS))])  # the file the spec fingerprints
-    convs = [Conversation(Source(str(data), i, f"r{i}"), tuple(t), tools) for i, (t, tools) in enumerate(ROWS)]
-    monkeypatch.setattr("hsx.generate.folder.read_conversations", lambda paths: iter(convs))
+        write_jsonl(data, openai_rows())
     monkeypatch.setattr("hsx.generate.job.open_engine", lambda name, settings: Scripted(model, crash_after))
     opts = GenerateOptions(out=out, model=str(model), data=[data], tool_parser=parser, shard_size=2, **kw)
     return generate(opts, log=lambda m: None)

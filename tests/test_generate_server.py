@@ -341,11 +341,12 @@ def test_chat_completions_let_the_servers_own_parsers_read_the_calls(fakes, tmp_
 
     from transformers import AutoTokenizer
 
+    from hsx.generate.export import openai_message
     from hsx.generate.job import generate
     from hsx.generate.options import GenerateOptions
     from hsx.generate.record import read_record
     from hsx.generate.spec import load_generate_spec
-    from hsx.input import Conversation, Source, ToolCall, Turn
+    from hsx.input import ToolCall, Turn, to_message
     from hsx.store import layout
     from test_dialogue import TEMPLATE, TOOLS
 
@@ -386,9 +387,8 @@ def test_chat_completions_let_the_servers_own_parsers_read_the_calls(fakes, tmp_
         Turn("tool", "RESULT-PARIS", tool_call_id="a"),
         Turn("assistant", "Sunny there."),
     )
-    data = write_jsonl(tmp_path / "c.jsonl", [{"row": 0}])
-    conv = Conversation(Source(str(data), 0, "w"), turns, TOOLS)
-    monkeypatch.setattr("hsx.generate.folder.read_conversations", lambda paths: iter([conv]))
+    row = {"messages": [openai_message(to_message(t)) for t in turns], "tools": [json.loads(t) for t in TOOLS]}
+    data = write_jsonl(tmp_path / "c.jsonl", [row])
     out = tmp_path / "gen"
     opts = GenerateOptions(
         out=out, model=str(model), data=[data], backend="server", servers=[fake.url], server_api="openai-chat",
