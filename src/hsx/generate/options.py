@@ -19,7 +19,7 @@ from hsx.errors import OptionError
 from hsx.generate.engine import Sampling
 from hsx.generate.engines import ENGINES, EngineSettings
 from hsx.generate.toolcalls import PARSERS
-from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions
+from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm
 
 DEFAULTS = {
     "backend": "transformers",
@@ -47,6 +47,7 @@ GENERATE = Bounds(
     tool_parser=Bound(choices=tuple(PARSERS)),
     max_pending=AT_LEAST_ONE,
 )
+DROPS = ("empty", "length")  # --drop: answers rejected rather than kept (an empty one; one cut at the length limit)
 
 
 def template_kwargs(text: str | None) -> dict | None:
@@ -68,6 +69,7 @@ class GenerateOptions(JobOptions):
     UNIT: ClassVar[str] = "conversations"
     BOUNDS: ClassVar[Bounds] = GENERATE
 
+    drop: list[str] | None = None  # of DROPS: such answers reject their conversation, with the reason (spec)
     backend: str | None = None
     turns: str | None = None  # all | last
     temperature: float | None = None
@@ -84,6 +86,15 @@ class GenerateOptions(JobOptions):
     server_api: str | None = None  # openai | openai-chat | sglang (None: found out per server)
     server_model: str | None = None  # the served model name (None: the one the server lists)
     max_pending: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if unknown := [d for d in self.drop or [] if d not in DROPS]:
+            raise OptionError(f"--drop takes {', '.join(DROPS)} (comma-separated), not {', '.join(unknown)}")
+        if self.device is not None:
+            check_device(self.device)
+        if self.backend == "vllm":
+            check_vllm("--backend vllm")
 
     def sampling_given(self) -> dict:
         """The sampling options given on the command line, by the spec's names."""
@@ -128,6 +139,7 @@ class GenerateOptions(JobOptions):
             trust_remote_code=trust_remote_code,
             dtype=dtype,
             device=self.device,
+            threads=self.threads,
             seed=seed,
             max_length=max_length,
             stop_ids=stop_ids,
