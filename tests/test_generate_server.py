@@ -32,6 +32,7 @@ class Fake:
         self.script, self.prompt_edit, self.echo = list(script), prompt_edit, echo
         self.stalled = threading.Event() if stall else None  # set: accept every request, never answer
         self.fail_from: int | None = None  # answer HTTP 503 to every request after this many
+        self.chat = None  # body -> answer of /v1/chat/completions (None: no such route)
         self.posts: list[tuple[float, dict]] = []
         self.headers: list[dict] = []
         self.lock = threading.Lock()
@@ -79,6 +80,8 @@ class Fake:
                     ids = answer_ids(prompt, body["max_tokens"])
                     choice = {"text": "x", "token_ids": ids, "prompt_token_ids": ran, "finish_reason": "length"}
                     self.reply(200, {"choices": [choice]})
+                elif self.path == "/v1/chat/completions" and fake.chat is not None:
+                    self.reply(200, fake.chat(body))
                 elif self.path == "/generate":
                     prompt = body["input_ids"]
                     ran = fake.prompt_edit(prompt) if fake.prompt_edit else prompt
@@ -369,5 +372,92 @@ def test_an_unreachable_server_at_start_is_a_clean_stop(fakes):
 def test_options_are_checked():
     with pytest.raises(OptionError, match="at least one --server"):
         ServerEngine(ServerOptions(urls=()))
-    with pytest.raises(OptionError, match="openai or sglang"):
+    with pytest.raises(OptionError, match="openai-chat, openai or sglang"):
         ServerEngine(ServerOptions(urls=("http://127.0.0.1:1",), api="tgi"))
+
+
+def test_chat_completions_let_the_servers_own_parsers_read_the_calls(fakes, tmp_path, monkeypatch):
+    """--server-api openai-chat: the server renders the conversation (tools, the target's calls as
+    OpenAI messages, the results) and parses its answer; the job keeps the prompt ids it ran and its
+    parsed calls, and answers them with the dataset's results."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from hsx.generate.export import openai_message
+    from hsx.generate.job import generate
+    from hsx.generate.options import GenerateOptions
+    from hsx.generate.record import read_record
+    from hsx.generate.spec import load_generate_spec
+    from hsx.input import ToolCall, Turn, to_message
+    from hsx.store import layout
+    from test_dialogue import TEMPLATE, TOOLS
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = tmp_path / "model"
+    shutil.copytree(TINY, model)
+    (model / "chat_template.jinja").write_text(TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(model)
+    call = {
+        "id": "chatcmpl-tool-7",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    ran = []
+
+    def chat(body):  # what vLLM answers with --tool-call-parser and --reasoning-parser
+        text = tok.apply_chat_template(
+            body["messages"], tools=body.get("tools"), add_generation_prompt=True, tokenize=False
+        )
+        ran.append((body, tok(text, add_special_tokens=False)["input_ids"]))
+        if body["messages"][-1]["role"] == "user":
+            message = {"role": "assistant", "content": None, "reasoning_content": "Paris.", "tool_calls": [call]}
+            return {
+                "prompt_token_ids": ran[-1][1],
+                "choices": [{"message": message, "token_ids": [5, 6, tok.eos_token_id], "finish_reason": "tool_calls"}],
+            }
+        message = {"role": "assistant", "content": "Sunny.", "tool_calls": []}
+        return {
+            "prompt_token_ids": ran[-1][1],
+            "choices": [{"message": message, "token_ids": [8, tok.eos_token_id], "finish_reason": "stop"}],
+        }
+
+    fake = fakes()
+    fake.chat = chat
+    turns = (
+        Turn("user", "Weather in Paris?"),
+        Turn("assistant", "", tool_calls=(ToolCall("get_weather", '{"city": "Paris"}', "a"),)),
+        Turn("tool", "RESULT-PARIS", tool_call_id="a"),
+        Turn("assistant", "Sunny there."),
+    )
+    row = {"messages": [openai_message(to_message(t)) for t in turns], "tools": [json.loads(t) for t in TOOLS]}
+    data = write_jsonl(tmp_path / "c.jsonl", [row])
+    out = tmp_path / "gen"
+    opts = GenerateOptions(
+        out=out, model=str(model), data=[data], backend="server", servers=[fake.url], server_api="openai-chat",
+        concurrency=1, max_new_tokens=5,
+    )  # fmt: skip
+    assert generate(opts, log=lambda m: None).complete
+    spec = load_generate_spec(out)
+    assert spec.tool_parser == "engine" and spec.engine.version == "openai-chat vllm-1.0"
+    rec = read_record(layout.sample_path(out, 0, spec.shard_size), 0)
+    assert rec.ok and rec.ended is None
+    assert [t.prompt_ids.tolist() for t in rec.turns] == [p for _, p in ran]  # what the server ran
+    assert [t.completion_ids.tolist() for t in rec.turns] == [[5, 6, tok.eos_token_id], [8, tok.eos_token_id]]
+    (parsed,) = rec.messages[1]["tool_calls"]
+    assert parsed == {
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+        "id": "chatcmpl-tool-7",
+    }
+    assert rec.messages[1]["reasoning_content"] == "Paris."
+    assert rec.messages[2] == {
+        "role": "tool",
+        "content": "RESULT-PARIS",
+        "tool_call_id": "chatcmpl-tool-7",
+        "name": "get_weather",
+    }
+    assert rec.messages[3] == {"role": "assistant", "content": "Sunny."}
+    second = ran[1][0]
+    assert second["tools"] == [json.loads(t) for t in TOOLS] and second["return_token_ids"] is True
+    assert second["messages"][1]["tool_calls"] == [call] and second["messages"][2]["tool_call_id"] == "chatcmpl-tool-7"

@@ -145,8 +145,9 @@ def _outcomes(progress: Check, run: Path, spec: GenerateSpec) -> None:
     progress.data["conversations"] = {k: n[k] for k in ("ok", "ended", "rejected")}
     if n["ended"] or n["rejected"]:
         progress.details.append(
-            f"conversations: {n['ok']:,} whole, {n['ended']:,} ended early (a later prompt reached --max-length: "
-            f"the turns before it kept), {n['rejected']:,} rejected (see {layout.REJECTS})"
+            f"conversations: {n['ok']:,} whole, {n['ended']:,} ended early (the turns before kept: a later prompt "
+            f"reached --max-length, or a tool call had no result to pair), {n['rejected']:,} rejected "
+            f"(see {layout.REJECTS})"
         )
 
 

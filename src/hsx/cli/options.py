@@ -108,10 +108,12 @@ FLAGS = {
     "template_kwargs": Flag(
         "JSON for the chat template, e.g. '{\"enable_thinking\": false}'.", "JSON", "none", str, template_kwargs
     ),
+    "tool_parser": Flag("How the target's tool calls are read.", default="the tokenizer's response template"),
     "servers": Flag("server backend: an OpenAI-compatible base URL; repeatable.", "URL", "none"),
     "concurrency": Flag("server backend: requests in flight per server.", default="64"),
     "server_api": Flag(
-        "server backend: openai (/v1/completions) or sglang (/generate).", default="found out per server"
+        "server backend: openai (/v1/completions), openai-chat (/v1/chat/completions) or sglang (/generate).",
+        default="found out per server",
     ),
     "server_model": Flag("server backend: the served model's name.", "NAME", "its only one"),
     "max_pending": Flag("Requests kept submitted to the engine.", default="the engine's own choice"),

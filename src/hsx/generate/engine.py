@@ -35,6 +35,8 @@ class Request:
     prompt_ids: tuple[int, ...]
     sampling: Sampling
     seed: int
+    # for an engine that renders (``Engine.renders``): JSON of {"messages", "tools", "template_kwargs"}
+    chat: str | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Completion:
     prompt_ids: tuple[int, ...]  # as the engine ran them: must equal the request's
     completion_ids: tuple[int, ...]
     finish_reason: FinishReason
+    message: dict | None = None  # an engine that renders: the answer as its reasoning and tool parsers read it
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,10 @@ class Engine(ABC):
     name: str
     version: str
     max_pending: int = 1
+    # True: the engine renders each prompt from ``Request.chat`` with its own template and parses the
+    # answer with its own parsers (``Completion.message``); the prompt ids it reports having run are
+    # the turn's, whatever hsx's rendering of the same messages gave
+    renders: bool = False
 
     @abstractmethod
     def submit(self, request: Request) -> None:

@@ -1,7 +1,10 @@
 """``hsx generate-export GEN DEST.jsonl``: the regenerated conversations for other trainers' pipelines.
 
 One JSON line per conversation, in conversation id order, read from verified files only: its key,
-source, sample, the messages (the target's answers in place) and, per generated turn, the prompt
+source, sample, the messages as OpenAI rows (the target's answers in place, with its
+``reasoning_content`` and ``tool_calls``, arguments as JSON text; the dataset's results spliced in as
+``role: tool`` turns with ``tool_call_id`` and ``name``), the ``tools`` offered, ``ended`` where the
+conversation stopped at a call the dataset has no result for, and, per generated turn, the prompt
 and completion token ids exactly as the engine ran and produced them, the finish reason and the
 text. A trainer that tokenizes the messages itself may get other ids than the target produced; one
 that reads ``prompt_ids`` + ``completion_ids`` gets exactly the target's. Rejected conversations
@@ -38,12 +41,35 @@ class Exported:
         ]
 
 
+def openai_message(message: dict) -> dict:
+    """A message as the template read it (``input.to_message``: call arguments as objects) -> an
+    OpenAI chat message (arguments as JSON text)."""
+    out = dict(message)
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {
+                "id": c.get("id", ""),
+                "type": "function",
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": a
+                    if isinstance(a := c["function"]["arguments"], str)
+                    else json.dumps(a, ensure_ascii=False),
+                },
+            }
+            for c in message["tool_calls"]
+        ]
+    return out
+
+
 def line(rec: ConversationRecord) -> bytes:
     body = {
         "key": rec.key,
         "source": rec.source.__dict__,
         "sample": rec.sample,
-        "messages": rec.messages,
+        "messages": [openai_message(m) for m in rec.messages],
+        **({"tools": rec.tools} if rec.tools else {}),
+        **({"ended": rec.ended} if rec.ended else {}),
         "turns": [
             {
                 "message": t.message,

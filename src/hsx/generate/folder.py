@@ -13,10 +13,12 @@ import json
 from collections.abc import Callable, Iterator
 
 from hsx import target
-from hsx.errors import PlanError, Refused
+from hsx.errors import OptionError, PlanError, Refused
+from hsx.generate import toolcalls
 from hsx.generate.engine import Engine
 from hsx.generate.options import GenerateOptions
 from hsx.generate.plan import plan_rows, write_gen_plan
+from hsx.generate.server import CHAT
 from hsx.generate.spec import EngineIdentity, GenerateSpec, SamplingSpec, generate_differences, load_generate_spec
 from hsx.input import Conversation, Reject, check_source, read_conversations
 from hsx.job.folder import refuse_drift, refuse_foreign, remove_stray_temps, require_start
@@ -37,7 +39,9 @@ def asked(opts: GenerateOptions) -> dict:
         out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
     if opts.data:
         out["data"] = [DataFile.of(p, opts.split, opts.limit) for p in opts.data]
-    for key in ("max_length", "shard_size", "backend", "seed", "turns", "samples_per_prompt", "template_kwargs"):
+    for key in (
+        "max_length", "shard_size", "backend", "seed", "turns", "samples_per_prompt", "template_kwargs", "tool_parser"
+    ):  # fmt: skip
         out[key] = getattr(opts, key)
     out["drop"] = sorted(opts.drop) if opts.drop is not None else None
     return out
@@ -71,6 +75,17 @@ def _numbered(opts: GenerateOptions) -> Iterator[tuple[int, Conversation | Rejec
         yield number[item.source.file], item
 
 
+def _without_tools(items: Iterator[tuple[int, Conversation | Reject]]) -> Iterator[tuple[int, Conversation | Reject]]:
+    """The rows, refused at the first that offers or calls tools: the target's calls could not be read."""
+    for file_no, item in items:
+        if isinstance(item, Conversation) and (item.tools or any(t.role == "tool" for t in item.turns)):
+            raise OptionError(
+                f"{item.source.file} row {item.source.row} has tools, and the tokenizer has no response template to "
+                f"read the target's calls with: name their format with --tool-parser ({', '.join(toolcalls.PARSERS)})"
+            )
+        yield file_no, item
+
+
 def _check_new(opts: GenerateOptions) -> None:
     """Refuse a new run's folder, model, data or sampling before anything is written there."""
     refuse_foreign(opts.out)
@@ -88,8 +103,9 @@ def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
     tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
     tokenize = Tokenize(tokenizer, opts.get("max_length"), opts.template_kwargs)
     log(f"planning {len(opts.data)} data file(s) with the model's chat template")
+    items = _numbered(opts)
     rows = plan_rows(
-        _numbered(opts),
+        items if opts.server_api == CHAT or toolcalls.choose(tokenizer, opts.tool_parser) else _without_tools(items),
         tokenize,
         opts.get("turns"),
         opts.get("samples_per_prompt"),
@@ -121,12 +137,14 @@ def _jsonl(rejects: list[Reject]) -> bytes:
 def create_spec(opts: GenerateOptions, plan: PlanIdentity, engine: Engine) -> GenerateSpec:
     """The spec of a new run, saved last: from now on the folder is a run."""
     model_dir = target.resolve(opts.model)
+    tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
     spec = GenerateSpec(
         created=now(),
         created_by=who(),
         model=target.identity(opts.model, model_dir),
-        tokenizer=target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code)),
+        tokenizer=target.tokenizer_identity(tokenizer),
         template_kwargs=opts.template_kwargs or {},
+        tool_parser=toolcalls.ENGINE if engine.renders else toolcalls.choose(tokenizer, opts.tool_parser),
         engine=EngineIdentity(name=engine.name, version=engine.version),
         sampling=SamplingSpec.of(opts.sampling()),
         seed=opts.get("seed"),

@@ -29,13 +29,15 @@ import xxhash
 
 from hsx import target
 from hsx.errors import BadFile, CaptureFailed, DiskFull
+from hsx.generate import toolcalls
+from hsx.generate.dialogue import Dialogue
 from hsx.generate.engine import Completion, Engine, Request, Sampling
 from hsx.generate.engines import EngineSettings, open_engine
 from hsx.generate.folder import PLAN_REJECTS, check_engine, create_spec, open_gen_run, plan_run
 from hsx.generate.options import GenerateOptions
 from hsx.generate.plan import GenPlan, load_gen_plan, too_long
 from hsx.generate.progress import GenProgress
-from hsx.generate.prompts import Dialogue, Prompter, stop_ids
+from hsx.generate.prompts import Prompter, stop_ids
 from hsx.generate.record import ConversationRecord, GeneratedTurn, Source, encode_record, read_record, statuses
 from hsx.generate.spec import BYTES_PER_TOKEN, GenerateSpec
 from hsx.input import Reject
@@ -63,7 +65,7 @@ class GenerateSummary:
     already_done: int = 0
     written: int = 0
     rejected_now: int = 0  # conversations this session rejected (prompt over the limit, engine failure)
-    ended_now: int = 0  # conversations this session kept up to the last turn that fit (a later prompt did not)
+    ended_now: int = 0  # conversations this session kept up to where they ended (a prompt too long, a call unpaired)
     turns: int = 0
     new_tokens: int = 0
     seconds: float = 0.0
@@ -153,7 +155,7 @@ class ConversationLoop:
 
     def start(self, cid: int) -> None:
         row = self.plan.row(cid)
-        self.advance(Dialogue(cid, row.messages, row.targets))
+        self.advance(Dialogue(cid, row.messages, row.targets, row.tools))
 
     def advance(self, d: Dialogue) -> None:
         """Submit ``d``'s next turn, or write it when it has none left (or cannot go on)."""
@@ -169,19 +171,27 @@ class ConversationLoop:
         sampling = Sampling(s.temperature, s.top_p, s.top_k, min(s.max_new_tokens, room))
         seed = request_seed(self.spec.seed, self.plan.row(d.id).key, len(d.done))
         self.active[key] = (d, prompt)
-        self.engine.submit(Request(key, tuple(int(i) for i in prompt), sampling, seed))
+        chat = None
+        if self.engine.renders:  # it renders the messages itself: they go with the request
+            chat = json.dumps(
+                {"messages": d.messages, "tools": d.tools, "template_kwargs": self.spec.template_kwargs},
+                ensure_ascii=False,
+            )
+        self.engine.submit(Request(key, tuple(int(i) for i in prompt), sampling, seed, chat))
 
     def outcome(self, outcome) -> None:
         d, prompt = self.active.pop(outcome.key)
         if not isinstance(outcome, Completion):
             return self.write(d, f"engine failed on turn {d.next_message}: {outcome.reason}")
-        if tuple(outcome.prompt_ids) != tuple(int(i) for i in prompt):
+        if self.engine.renders:  # what it rendered and ran is the turn's prompt
+            prompt = np.asarray(outcome.prompt_ids, dtype=np.int32)
+        elif tuple(outcome.prompt_ids) != tuple(int(i) for i in prompt):
             raise CaptureFailed(
                 f"the {self.engine.name} engine ran other prompt ids than asked for request {outcome.key} "
                 f"({len(outcome.prompt_ids)} ids, asked {len(prompt)}): refusing to keep a sample it did not see"
             )
         completion = np.asarray(outcome.completion_ids, dtype=np.int32)
-        self.prompter.answer(d, prompt, completion, outcome.finish_reason)
+        self.prompter.answer(d, prompt, completion, outcome.finish_reason, outcome.message)
         self.summary.turns += 1
         self.summary.new_tokens += len(completion)
         if why := dropped(d.done[-1], self.spec.drop):
@@ -193,6 +203,7 @@ class ConversationLoop:
         rejected; ``ended``: kept up to its last generated answer, the messages after it dropped."""
         row = self.plan.row(d.id)
         messages = d.messages[: d.done[-1].message + 1] if ended else d.messages
+        d.ended = d.ended or ended
         rec = ConversationRecord(
             d.id,
             row.key,
@@ -201,14 +212,14 @@ class ConversationLoop:
             messages,
             d.done,
             reason,
-            ended,
+            d.ended,
+            d.tools,
         )
         if reason is not None:
             self.progress.note_error(f"conversation {row.key} rejected: {reason}")
         parts, digest = encode_record(rec)
         self.guard(sum(memoryview(p).nbytes for p in parts))
         self.writing[self.writer.submit_encoded(d.id, parts, digest)] = (d, reason)
-        self.summary.ended_now += ended is not None
 
     def collect(self, wait: bool) -> None:
         """Count the files written since (all of them when ``wait``): their folders fsynced first, each
@@ -228,6 +239,7 @@ class ConversationLoop:
                 seal(self.run, shard, list(self.shards[shard].values()))
             self.summary.written += 1
             self.summary.rejected_now += reason is not None
+            self.summary.ended_now += d.ended is not None and reason is None
             new_tokens = sum(len(t.completion_ids) for t in d.done)
             self.progress.add_conversation(int(self.plan.lengths[d.id]), len(d.done), new_tokens, record.size)
 
@@ -286,7 +298,9 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                     )
                     engine = _open(spec.engine.name, settings, log, progress)
                 check_engine(spec, engine)
-                prompter = Prompter(Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stops)
+                parses = spec.tool_parser not in (None, toolcalls.ENGINE)
+                recognize = toolcalls.Recognizer(tokenizer, spec.tool_parser) if parses else None
+                prompter = Prompter(Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stops, recognize)
                 t0 = time.monotonic()
                 progress.clock()
                 try:

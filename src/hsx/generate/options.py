@@ -18,6 +18,7 @@ from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
 from hsx.generate.engine import Sampling
 from hsx.generate.engines import ENGINES, EngineSettings
+from hsx.generate.toolcalls import PARSERS
 from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm
 
 DEFAULTS = {
@@ -42,7 +43,8 @@ GENERATE = Bounds(
     seed=Bound(min=0, max=2**63 - 1),
     max_length=Bound(min=2),  # a prompt token and a new one
     concurrency=AT_LEAST_ONE,
-    server_api=Bound(choices=("openai", "sglang")),
+    server_api=Bound(choices=("openai", "openai-chat", "sglang")),
+    tool_parser=Bound(choices=tuple(PARSERS)),
     max_pending=AT_LEAST_ONE,
     server_timeout=Bound(min=0.0, min_open=True),
     server_retries=AT_LEAST_ONE,
@@ -80,10 +82,11 @@ class GenerateOptions(JobOptions):
     samples_per_prompt: int | None = None
     seed: int | None = None
     template_kwargs: dict | None = None
+    tool_parser: str | None = None  # generate.toolcalls.PARSERS (None: the tokenizer's response template, if any)
     # how this session reaches its engine: not part of the spec
     servers: list[str] = field(default_factory=list)
     concurrency: int | None = None
-    server_api: str | None = None  # openai | sglang (None: found out per server)
+    server_api: str | None = None  # openai | openai-chat | sglang (None: found out per server)
     server_model: str | None = None  # the served model name (None: the one the server lists)
     max_pending: int | None = None
     server_timeout: float | None = None  # seconds one request may take (None: the server backend's default)

@@ -1,14 +1,15 @@
 """A generate run's frozen input plan: which conversations to regenerate, each under a key of its own.
 
 One row per (input conversation, sample): its key (``<data file>:<row>#<sample>``, unique in the
-run), its source, the messages as the dataset has them (up to its last assistant turn: nothing
-after it is generated), the assistant turns to regenerate and an estimate of the tokens its file
+run), its source, the messages as the dataset has them (as a chat template reads them, up to its
+last assistant turn and the tool results after it: nothing later is generated), the tools it
+offers, the episodes to regenerate (``generate.dialogue``) and an estimate of the tokens its file
 will hold. The row index is the conversation id, which names its file (``store.layout``). The plan
 is built once (reading and rendering the data), written like an extraction's plan (temp, fsync,
 rename) into ``GEN/plan/``, fingerprinted over its content; a resume reads only this.
 
-Planning rejects what cannot be regenerated: what the input stage rejects (tool calls, images,
-unknown roles...), conversations the chat template cannot render, and those whose first prompt
+Planning rejects what cannot be regenerated: what the input stage rejects (images, unknown
+roles...), conversations the chat template cannot render, and those whose first prompt
 already reaches ``max_length``. A later turn's prompt grows with the target's own answers, so its
 length is checked when it is generated (``generate.job``).
 """
@@ -27,7 +28,8 @@ import pyarrow.parquet as pq
 import xxhash
 
 from hsx.errors import PlanError
-from hsx.input import Conversation, Reject
+from hsx.generate.dialogue import episode_end, episode_starts
+from hsx.input import Conversation, Reject, to_message, tools_of
 from hsx.plan import PLAN_META, NoUsableSamples, Tokenize
 from hsx.store.durable import durable_rename, write_durable
 from hsx.store.layout import PLAN_DIR, PLAN_FILE
@@ -39,8 +41,9 @@ SCHEMA = pa.schema(
         ("source_row", pa.int64()),
         ("source_id", pa.string()),
         ("sample", pa.int32()),
-        ("messages", pa.string()),  # JSON list of {role, content}
-        ("targets", pa.list_(pa.int32())),  # indices of the assistant messages to regenerate
+        ("messages", pa.string()),  # JSON list of messages as a chat template reads them (input.to_message)
+        ("tools", pa.string()),  # JSON: the tools the row offers (the template's tools=), or null
+        ("targets", pa.list_(pa.int32())),  # the first message of each episode to regenerate (generate.dialogue)
         ("estimate", pa.int64()),  # tokens its file is expected to hold (space and pace)
     ]
 )
@@ -54,6 +57,7 @@ class Planned:
     source_id: str
     sample: int
     messages: list[dict]
+    tools: list[dict] | None
     targets: list[int]
     estimate: int
 
@@ -64,8 +68,8 @@ def too_long(message: int, tokens: int, limit: int) -> str:
 
 
 def targets_of(messages: list[dict], turns: str) -> list[int]:
-    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    return assistant if turns == "all" else assistant[-1:]
+    starts = episode_starts(messages)
+    return starts if turns == "all" else starts[-1:]
 
 
 def plan_rows(
@@ -81,16 +85,17 @@ def plan_rows(
             yield item
             continue
         src = item.source
-        messages = [{"role": t.role, "content": t.content} for t in item.turns]
+        messages = [to_message(t) for t in item.turns]
+        tools = tools_of(item)
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        messages = messages[: last + 1]
+        messages = messages[: episode_end(messages, last)]  # its results stay: the target may call for them
         targets = targets_of(messages, turns)
         try:
-            first = len(tokenize.ids(tokenize.render(messages[: targets[0]], True)))
-            # each regenerated turn: its prompt (the dataset's prefix stands in for the answers to
-            # come) and its completion, at most the length limit
+            first = len(tokenize.ids(tokenize.render(messages[: targets[0]], True, tools)))
+            # each regenerated episode: its prompt (the dataset's prefix stands in for the answers
+            # to come) and its completion, at most the length limit
             estimate = sum(
-                min(len(tokenize.ids(tokenize.render(messages[:i], True))) + max_new_tokens, tokenize.max_length)
+                min(len(tokenize.ids(tokenize.render(messages[:i], True, tools))) + max_new_tokens, tokenize.max_length)
                 for i in targets
             )
         except Exception as e:  # a template error on one row must not stop the run
@@ -102,11 +107,13 @@ def plan_rows(
             )
             continue
         for s in range(samples):
-            yield Planned(f"{file_no}:{src.row}#{s}", src.file, src.row, src.id, s, messages, targets, estimate)
+            key = f"{file_no}:{src.row}#{s}"
+            yield Planned(key, src.file, src.row, src.id, s, messages, tools, targets, estimate)
 
 
 def _row_digest(cid: int, row: Planned) -> bytes:
-    body = json.dumps([row.key, row.sample, row.messages, row.targets], separators=(",", ":")).encode()
+    fields = [row.key, row.sample, row.messages, row.targets] + ([row.tools] if row.tools else [])
+    body = json.dumps(fields, separators=(",", ":")).encode()
     return cid.to_bytes(8, "little") + len(body).to_bytes(8, "little") + body
 
 
@@ -135,8 +142,9 @@ def write_gen_plan(run: Path, rows: Iterable[Planned | Reject], max_length: int)
             planned.append(item)
     if not planned:
         raise NoUsableSamples(rejects)  # its caller writes the rejects where its refusal says
-    cols = {name: [getattr(r, name) for r in planned] for name in SCHEMA.names if name != "messages"}
+    cols = {name: [getattr(r, name) for r in planned] for name in SCHEMA.names if name not in ("messages", "tools")}
     cols["messages"] = [json.dumps(r.messages, ensure_ascii=False) for r in planned]
+    cols["tools"] = [json.dumps(r.tools, ensure_ascii=False) for r in planned]
     try:
         pq.write_table(pa.table(cols, schema=SCHEMA), tmp, compression="zstd")
         durable_rename(tmp, plan_dir / PLAN_FILE)
@@ -170,6 +178,7 @@ class GenPlan:
             r["source_id"],
             r["sample"],
             json.loads(r["messages"]),
+            json.loads(r["tools"]),
             list(r["targets"]),
             r["estimate"],
         )

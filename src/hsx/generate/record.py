@@ -3,8 +3,9 @@
     prompt_ids      int32 [sum of the turns' prompt lengths]       each turn's prompt, as the engine ran it
     completion_ids  int32 [sum of the turns' completion lengths]   each turn's completion, as it produced it
     record          uint8 [n]   UTF-8 JSON: key, source, sample, status (ok | ended | rejected) and why,
-                                the final messages (generated assistant turns in place), and per turn
-                                its message index, prompt and completion lengths, finish reason, text
+                                the tools offered, the final messages (the target's turns, with their
+                                reasoning and calls, and the results spliced in), and per turn its
+                                message index, prompt and completion lengths, finish reason, text
 
 A conversation whose next prompt no longer fits ``--max-length`` after some turns were generated
 ends there and is kept (status ``ended``, with why): its messages stop at its last generated answer.
@@ -15,7 +16,9 @@ the store's checks (``store.format.check``, ``store.scan``) verify it as they ve
 The texts and messages are in the data section, not the header: a safetensors header is capped
 (``format.MAX_HEADER``) and a long conversation would not fit; the digest covers them all the same.
 A rejected conversation (a later turn's prompt over the length limit, the engine giving up) is a
-file too: it is done exactly once, and the run's rejects list is rebuilt from these files.
+file too: it is done exactly once, and the run's rejects list is rebuilt from these files. One that
+ended at an unpaired call is ``ok`` (every turn in it is the target's own) with ``ended`` set, also in
+``__metadata__``, so ``hsx status`` counts them from the headers.
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ class ConversationRecord:
     key: str
     source: Source
     sample: int  # which of the samples per prompt
-    messages: list[dict]  # role, content; generated turns in place
+    messages: list[dict]  # as a chat template reads them (input.to_message); generated turns in place
     turns: list[GeneratedTurn] = field(default_factory=list)
     reason: str | None = None  # set: the conversation is rejected, with why
-    ended: str | None = None  # set: kept, but ended before its last target turn (a later prompt did not fit), why
+    ended: str | None = None  # set: kept, but ended before its last target turn (a later prompt did not fit,
+    # or a call the dataset has no result for), with why
+    tools: list[dict] | None = None  # the tools the row offered the target
 
     @property
     def ok(self) -> bool:
@@ -80,6 +85,7 @@ def encode_record(rec: ConversationRecord) -> tuple[list, str]:
         "status": rec.status,
         "reason": rec.reason,
         "ended": rec.ended,
+        "tools": rec.tools,
         "messages": rec.messages,
         "turns": [
             {
@@ -105,7 +111,7 @@ def encode_record(rec: ConversationRecord) -> tuple[list, str]:
         "status": body["status"],
         "num_turns": str(len(rec.turns)),
         "num_tokens": str(rec.num_tokens),
-    }
+    } | ({"ended": "true"} if rec.ended else {})
     return pack(views, metadata)
 
 
@@ -137,6 +143,7 @@ def read_record(path: Path, conversation_id: int) -> ConversationRecord:
             turns,
             body["reason"],
             body.get("ended"),
+            body.get("tools"),
         )
     except (SafetensorError, KeyError, TypeError, ValueError) as e:
         raise BadFile(Damage.CORRUPT, f"not a conversation file ({e!r})") from e

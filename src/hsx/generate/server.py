@@ -5,6 +5,11 @@ The servers are spoken to through their token-id interfaces, so that nothing is 
 - ``openai``: ``POST /v1/completions`` with ``prompt`` as a list of token ids and
   ``return_token_ids: true`` (vLLM >= 0.10.2); the answer gives back ``prompt_token_ids`` and
   ``token_ids``.
+- ``openai-chat``: ``POST /v1/chat/completions`` with the conversation's messages and tools and
+  ``return_token_ids: true`` (vLLM >= 0.10.2): the server renders the prompt with its own template
+  and reads the answer with its own reasoning and tool parsers (``vllm serve --tool-call-parser ...
+  --reasoning-parser ...``); the answer gives back ``prompt_token_ids`` (what it ran: the turn's
+  prompt) and the choice's ``token_ids`` and parsed ``message``.
 - ``sglang``: SGLang's native ``POST /generate`` with ``input_ids``; the answer gives back
   ``output_ids`` and, where the server returns them (``--return-token-ids``), ``input_ids``;
   otherwise only the prompt's length (``meta_info.prompt_tokens``) can be compared.
@@ -41,8 +46,11 @@ from typing import Literal
 from hsx.errors import EngineUnavailable, OptionError
 from hsx.generate.engine import Completion, Engine, Failure, Outcome, Request
 from hsx.generate.engines import EngineSettings
+from hsx.generate.export import openai_message
 
-Api = Literal["openai", "sglang"]
+Api = Literal["openai", "openai-chat", "sglang"]
+CHAT = "openai-chat"
+FINISHED = {"stop": "stop", "length": "length", "tool_calls": "stop"}  # a chat answer that calls tools stopped
 RETRIED = frozenset({408, 409, 425, 429})  # and every 5xx
 REQUEST_FAULT = frozenset({400, 413, 422})  # this request is wrong (too long, bad value): a reject
 TRANSIENT_ERRORS = (ConnectionError, TimeoutError, http.client.HTTPException, urllib.error.URLError)
@@ -95,12 +103,13 @@ class ServerEngine(Engine):
             raise OptionError("the server backend needs at least one --server URL")
         if options.concurrency < 1 or options.retries < 1 or options.max_failures < 1:
             raise OptionError("the server backend's concurrency, retries and max failures must be at least 1")
-        if options.api not in (None, "openai", "sglang"):
-            raise OptionError(f"--server-api must be openai or sglang, not {options.api!r}")
+        if options.api not in (None, "openai", CHAT, "sglang"):
+            raise OptionError(f"--server-api must be {CHAT}, openai or sglang, not {options.api!r}")
         self.options = options
         self.urls = [base_url(u) for u in options.urls]
         self.apis = {url: options.api or self._detect(url) for url in self.urls}
-        openai = [u for u in self.urls if self.apis[u] == "openai"]
+        openai = [u for u in self.urls if self.apis[u] in ("openai", CHAT)]
+        self.renders = options.api == CHAT
         self.model = options.model or (self._served_model(openai[0]) if openai else None)
         self.version = ", ".join(sorted({f"{self.apis[u]} {self._server_version(u)}" for u in self.urls}))
         self.max_pending = options.concurrency * len(self.urls) * 2  # a queue that keeps every thread busy
@@ -224,6 +233,8 @@ class ServerEngine(Engine):
             try:
                 if self.apis[url] == "openai":
                     return self._openai(url, request)
+                if self.apis[url] == CHAT:
+                    return self._chat(url, request)
                 return self._sglang(url, request)
             except _RequestFault as e:
                 return Failure(request.key, f"{url}: {e}")
@@ -317,6 +328,47 @@ class ServerEngine(Engine):
                 "(vLLM >= 0.10.2), or use --server-api sglang"
             )
         return _outcome(request, prompt, ids, choice.get("finish_reason"))
+
+    def _chat(self, url: str, request: Request) -> Outcome:
+        s = request.sampling
+        chat = json.loads(request.chat or "{}")
+        body = {
+            "model": self.model,
+            "messages": [openai_message(m) for m in chat.get("messages", [])],
+            **({"tools": chat["tools"]} if chat.get("tools") else {}),
+            "chat_template_kwargs": chat.get("template_kwargs") or {},
+            "add_generation_prompt": True,
+            "max_tokens": s.max_new_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k or -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "seed": request.seed,
+            "n": 1,
+            "stream": False,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        answer = self._post(url, "/v1/chat/completions", body)
+        choice = (answer.get("choices") or [{}])[0]
+        ids, prompt = choice.get("token_ids"), answer.get("prompt_token_ids")
+        if ids is None or prompt is None:
+            raise _SetupFault(
+                f"{url}/v1/chat/completions returned no token ids: the server must support return_token_ids "
+                "(vLLM >= 0.10.2)"
+            )
+        reason = FINISHED.get(choice.get("finish_reason"))
+        if reason is None:
+            return Failure(request.key, f"the server finished with {choice.get('finish_reason')!r}, not stop or length")
+        message = choice.get("message")
+        try:
+            prompt, ids = tuple(int(t) for t in prompt), tuple(int(t) for t in ids)
+        except (TypeError, ValueError):
+            raise _SetupFault(f"{url}/v1/chat/completions returned token ids that are not integers") from None
+        if not isinstance(message, dict):
+            raise _SetupFault(f"{url}/v1/chat/completions returned no message")
+        return Completion(request.key, prompt, ids, reason, message)
 
     def _sglang(self, url: str, request: Request) -> Outcome:
         s = request.sampling

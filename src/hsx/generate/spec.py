@@ -69,6 +69,9 @@ class GenerateSpec(BaseModel):
     shard_size: int
     dtype: str
     trust_remote_code: bool = False
+    # how the target's reasoning and tool calls are read from its completions: a parser's name
+    # (generate.toolcalls), "response_template" (the tokenizer's own), or None (content only)
+    tool_parser: str | None = None
     data: list[DataFile]
     plan: PlanIdentity  # num_samples: conversations; num_tokens: the plan's estimate of tokens to store
     drop: list[str] = []  # --drop: answers that reject their conversation (empty, length)
@@ -120,7 +123,7 @@ def generate_differences(stored: GenerateSpec, asked: dict) -> list[str]:
     """One line per setting a resume asks for that the run does not have: the model, tokenizer,
     template, data, length, shard size and backend as ``hsx.spec.differences`` says them, then the
     generate settings (``sampling``: the sampling options given, by name; ``seed``, ``turns``, ``samples_per_prompt``,
-    ``template_kwargs``, ``engine_version``)."""
+    ``template_kwargs``, ``tool_parser``, ``engine_version``)."""
     shared = ("model", "tokenizer", "data", "max_length", "shard_size")
     out = differences(stored, {k: asked[k] for k in shared if k in asked})
     if (v := asked.get("backend")) is not None and v != stored.engine.name:
@@ -129,7 +132,7 @@ def generate_differences(stored: GenerateSpec, asked: dict) -> list[str]:
         have = getattr(stored.sampling, name)
         if want is not None and want != have:
             out.append(f"sampling: {name.replace('_', ' ')}: run has {have}, asked for {want}")
-    for key in ("seed", "turns", "samples_per_prompt", "template_kwargs", "drop"):
+    for key in ("seed", "turns", "samples_per_prompt", "template_kwargs", "drop", "tool_parser"):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
     if (v := asked.get("engine_version")) is not None and v != stored.engine.version:

@@ -1,0 +1,197 @@
+"""Tool-call recognition: a completion's text -> the target's reasoning, content and calls.
+
+Regeneration must put the target's own turn back into the conversation as a serving stack would
+(``input.to_message``: reasoning as ``reasoning_content``, calls as ``tool_calls``), so that the
+next prompt renders it through the chat template and the calls can be answered with the
+dataset's results. The model's own means come first: a response template in the tokenizer's
+config (transformers' ``parse_response``) is used where the tokenizer has one; otherwise the
+parser named by ``--tool-parser`` (it changes the output, so the run spec records it):
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, repeated for parallel
+  calls; the content is the text before the first call.
+- ``qwen3``: hermes' calls, with the reasoning in ``<think>...</think>`` (the template may have
+  written the opening tag in the prompt).
+- ``kimi_k2`` (Kimi-K2, Kimi-K2.5): ``<|tool_calls_section_begin|>`` then per call
+  ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>``, then
+  ``<|tool_calls_section_end|>``; the call id is ``functions.NAME:IDX``; reasoning in ``<think>``.
+- ``deepseek_v3``: ``<｜tool▁calls▁begin｜>`` then per call ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME``
+  and the arguments in a ```` ```json ```` fence, ``<｜tool▁call▁end｜>`` (V3.1's
+  ``NAME<｜tool▁sep｜>{json}`` too); reasoning in ``<think>``.
+
+A call whose markup is there but does not parse is ``Malformed``: the conversation ends there, with
+the reason, rather than going on with a call the target did not make.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hsx.input import ToolCall
+
+RESPONSE_TEMPLATE = "response_template"  # what the spec records when the tokenizer's own template parses
+ENGINE = "engine"  # what it records when the engine parses (a server's chat completions)
+
+
+class Malformed(ValueError):
+    """Call markup the parser cannot read: the text says a call, but not which or with what."""
+
+
+@dataclass(frozen=True)
+class Parsed:
+    reasoning: str
+    content: str
+    calls: tuple[ToolCall, ...]
+
+
+def _arguments(value: object) -> str:
+    """Arguments as JSON text (``ToolCall``'s form), from an object or from JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise Malformed(f"arguments are not JSON: {value[:80]!r}") from e
+    if not isinstance(value, dict):
+        raise Malformed(f"arguments are a {type(value).__name__}, not an object")
+    return json.dumps(value, ensure_ascii=False)
+
+
+def split_think(text: str) -> tuple[str, str]:
+    """(reasoning, rest): the text up to ``</think>`` (without a leading ``<think>``, which the
+    prompt may have written), newlines around it dropped as the templates render them. A
+    completion cut inside its reasoning is all reasoning."""
+    end = text.find("</think>")
+    head = text if end < 0 else text[:end]
+    stripped = head.lstrip()
+    opened = stripped.startswith("<think>")
+    if end < 0 and not opened:
+        return "", text
+    if opened:
+        head = stripped[len("<think>") :]
+    rest = "" if end < 0 else text[end + len("</think>") :]
+    return head.strip("\n"), rest.lstrip("\n")
+
+
+def _json_call(body: str, where: str) -> ToolCall:
+    try:
+        call = json.loads(body)
+    except ValueError as e:
+        raise Malformed(f"{where} is not JSON: {body.strip()[:80]!r}") from e
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise Malformed(f"{where} has no function name: {body.strip()[:80]!r}")
+    return ToolCall(call["name"], _arguments(call.get("arguments", call.get("parameters", {}))))
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def hermes(text: str) -> Parsed:
+    start = text.find("<tool_call>")
+    if start < 0:
+        return Parsed("", text, ())
+    calls = tuple(_json_call(m.group(1), "a <tool_call>") for m in _HERMES.finditer(text, start))
+    return Parsed("", text[:start].rstrip("\n"), calls)
+
+
+def qwen3(text: str) -> Parsed:
+    reasoning, rest = split_think(text)
+    calls = hermes(rest)
+    return Parsed(reasoning, calls.content, calls.calls)
+
+
+_KIMI_SECTION = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+_KIMI_CALL = re.compile(
+    r"<\|tool_call_begin\|>\s*(?P<id>[^<]+?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)\s*<\|tool_call_end\|>",
+    re.DOTALL,
+)
+
+
+def kimi_k2(text: str) -> Parsed:
+    reasoning, rest = split_think(text)
+    start = min((i for i in (rest.find(s) for s in _KIMI_SECTION) if i >= 0), default=-1)
+    if start < 0:
+        return Parsed(reasoning, rest, ())
+    calls = []
+    for m in _KIMI_CALL.finditer(rest, start):
+        call_id = m.group("id")
+        name = call_id.split(":", 1)[0].split(".", 1)[-1]  # functions.NAME:IDX
+        if not name:
+            raise Malformed(f"a Kimi tool call id without a function name: {call_id!r}")
+        calls.append(ToolCall(name, _arguments(m.group("args")), call_id))
+    if not calls:
+        raise Malformed("a Kimi tool-calls section without a complete call")
+    return Parsed(reasoning, rest[:start], tuple(calls))
+
+
+_DS_BEGIN = "<｜tool▁calls▁begin｜>"
+_DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<head>.*?)<｜tool▁sep｜>(?P<body>.*?)<｜tool▁call▁end｜>", re.DOTALL)
+_DS_FENCE = re.compile(r"^(?P<name>[^\n`]*)\s*```(?:json)?\s*(?P<args>.*?)\s*```\s*$", re.DOTALL)
+
+
+def deepseek_v3(text: str) -> Parsed:
+    reasoning, rest = split_think(text)
+    start = rest.find(_DS_BEGIN)
+    if start < 0:
+        return Parsed(reasoning, rest, ())
+    calls = []
+    for m in _DS_CALL.finditer(rest, start):
+        head, body = m.group("head").strip(), m.group("body")
+        fenced = _DS_FENCE.match(body)
+        if head == "function" and fenced:  # V3: function<sep>NAME ```json {...} ```
+            calls.append(ToolCall(fenced.group("name").strip(), _arguments(fenced.group("args"))))
+        elif head:  # V3.1: NAME<sep>{...}
+            calls.append(ToolCall(head, _arguments(body.strip())))
+        else:
+            raise Malformed(f"a DeepSeek tool call without a function name: {m.group(0)[:80]!r}")
+    if not calls:
+        raise Malformed("a DeepSeek tool-calls block without a complete call")
+    return Parsed(reasoning, rest[:start], tuple(calls))
+
+
+PARSERS: dict[str, Callable[[str], Parsed]] = {
+    "hermes": hermes,
+    "qwen3": qwen3,
+    "kimi_k2": kimi_k2,
+    "deepseek_v3": deepseek_v3,
+}
+
+
+def from_message(message: dict) -> Parsed:
+    """A parsed message (transformers' ``parse_response``, an engine's chat completion) as a ``Parsed``."""
+    calls = []
+    for c in message.get("tool_calls") or []:
+        f = c.get("function", c) if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise Malformed(f"a parsed call without a name: {c!r}")
+        calls.append(ToolCall(f["name"], _arguments(f.get("arguments", {})), str(c.get("id") or "")))
+    reasoning = message.get("reasoning_content") or message.get("thinking") or message.get("reasoning") or ""
+    return Parsed(str(reasoning), str(message.get("content") or ""), tuple(calls))
+
+
+class Recognizer:
+    """Parses the target's completions by ``how``: ``RESPONSE_TEMPLATE`` (the tokenizer's own) or a
+    name in ``PARSERS``."""
+
+    def __init__(self, tokenizer, how: str):
+        if how != RESPONSE_TEMPLATE and how not in PARSERS:
+            raise ValueError(f"--tool-parser takes {', '.join(PARSERS)}, not {how!r}")
+        self.tokenizer, self.how = tokenizer, how
+
+    def __call__(self, text: str, prompt_ids: list[int], body_ids: list[int], tools: list[dict] | None) -> Parsed:
+        if self.how != RESPONSE_TEMPLATE:
+            return PARSERS[self.how](text)
+        try:
+            message = self.tokenizer.parse_response(body_ids, prefix=prompt_ids, tools=tools)
+        except (KeyError, TypeError, ValueError) as e:
+            raise Malformed(f"the tokenizer's response template cannot parse it ({e})") from e
+        return from_message(message)
+
+
+def choose(tokenizer, named: str | None) -> str | None:
+    """How a new run recognises calls: the parser named, else the tokenizer's response template
+    where it has one, else none (completions are content only, as before tools)."""
+    if named is not None:
+        return named
+    return RESPONSE_TEMPLATE if getattr(tokenizer, "response_template", None) else None
