@@ -180,6 +180,57 @@ def test_a_device_this_machine_lacks_is_refused_before_the_run_folder(tmp_path, 
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
 
 
+KIMI_FP8 = Path(__file__).parent.parent / "bench" / "kimi-k2-fp8-shape"  # 64 heads, 64 KV heads, 384 experts
+NO_VLLM = "needs vLLM, which is not installed here: pip install vllm"
+NEW = ("--model", TINY, "--data", "DATA", "--out", "OUT")
+REFUSED = [
+    (("extract", *NEW, "--device", "tpu"), "--device takes cpu, cuda or cuda:N, not 'tpu'"),
+    (("generate", *NEW, "--device", "tpu"), "--device takes cpu, cuda or cuda:N, not 'tpu'"),
+    (("generate", *NEW, "--device", "mps"), "--device takes cpu, cuda or cuda:N, not 'mps'"),
+    (("bench", "--device", "tpu"), "--device takes cpu, cuda or cuda:N, not 'tpu'"),
+    (("extract", *NEW, "--device", "cuda"), "--device cuda: "),
+    (("generate", *NEW, "--device", "cuda"), "--device cuda: "),
+    (("bench", "--device", "cuda"), "--device cuda: "),
+    (("extract", *NEW, "--backend", "vllm"), f"--backend vllm {NO_VLLM}"),
+    (("generate", *NEW, "--backend", "vllm"), f"--backend vllm {NO_VLLM}"),
+    (("bench", "--generate"), f"hsx bench --generate {NO_VLLM}"),
+    (("generate", *NEW, "--samples-per-prompt", "2"), "--samples-per-prompt above 1 needs --temperature above 0"),
+    (("generate", "--model", "OUT/nope", "--data", "DATA", "--out", "OUT"), "OUT/nope: no such model folder"),
+    (("extract", "--model", "OUT/nope", "--data", "DATA", "--out", "OUT"), "OUT/nope: no such model folder"),
+    (("generate", *NEW, "--drop", "empty,short"), "--drop takes empty, length (comma-separated), not short"),
+    (("generate", *NEW, "--split", "train"), "--split train applies to a Hugging Face dataset, not to a data file"),
+    (("memory", "--model", KIMI_FP8, "--tensor-parallel", "16", "--gpus", "8"), "laid over 16 GPUs"),
+    (("memory", "--model", KIMI_FP8, "--tensor-parallel", "7"), "num_attention_heads = 64 does not split over 7"),
+    (
+        ("memory", "--model", KIMI_FP8, "--tensor-parallel", "8", "--expert-parallel", "4"),
+        "the expert-parallel size must be 1 or the tensor-parallel size (8), not 4",
+    ),
+    (("memory", "--model", TINY, "--tensor-parallel", "2"), "num_key_value_heads = 1 does not split over 2"),
+]
+
+
+@pytest.mark.parametrize(("args", "said"), REFUSED, ids=[" ".join(map(str, a[:1] + a[-2:])) for a, _ in REFUSED])
+def test_device_backend_and_option_errors_are_refused_with_exit_2_before_anything_is_written(tmp_path, args, said):
+    """Every command: a refusal by name (no traceback), and no folder made. The same layout checks
+    in ``hsx memory`` as in an extraction (``run.options.resolve_parallel``, ``check_gpus``)."""
+    import importlib.util
+
+    import torch
+
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    if "vllm" in said and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(2))
+    out = tmp_path / "out"
+    args = [str(out / a[4:]) if str(a).startswith("OUT/") else a for a in args]
+    args = [{"DATA": data, "OUT": out}.get(a, a) if isinstance(a, str) else a for a in args]
+    code, text = cli(*args)
+    said = said.replace("OUT/", f"{out}/")
+    assert code == 2 and said in " ".join(text.split()), text
+    assert not out.exists()
+
+
 # ---------------------------------------------------------------- 5 and 6: failed starts, printed commands
 
 

@@ -82,8 +82,8 @@ def reference(model):
 
     @torch.no_grad()
     def forward(input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        m(input_ids=input_ids[None])
-        return dict(seen) | {"norm": m.model.norm, "head": m.lm_head}
+        states = m(input_ids=input_ids[None], output_hidden_states=True).hidden_states
+        return dict(seen) | {"norm": m.model.norm, "head": m.lm_head, "states": [h[0] for h in states]}
 
     return forward
 
@@ -151,14 +151,19 @@ def specforge_read(dest: Path, lengths: list[int]) -> dict[int, dict[str, torch.
     return out
 
 
-def test_specforge_reads_the_export_with_its_own_reader(runs, tmp_path):
+def test_specforge_reads_a_custom_layer_float32_export_and_its_bf16_head_computes_on_it(runs, model, tmp_path):
+    """A float32 run with --layers 1,3,7: the states reach SpecForge's reader in bfloat16, the dtype
+    its target head runs in (float32 fails there), and the export names the layers for its config."""
     require("specforge")
+    from specforge.modeling.target.target_head import TargetHead
     from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
 
     dest = tmp_path / "sf"
-    export(runs["run"], dest, "--to", "specforge", "--draft-vocab", "64")
-    manifest_ok(dest, 20)
-    src = hsx_samples(runs["run"])
+    out = export(runs["last"], dest, "--to", "specforge", "--draft-vocab", "64")
+    assert "model.aux_hidden_state_layer_ids: [1, 3, 7]" in out
+    m = manifest_ok(dest, 20)
+    assert m["source"]["dtype"] == "float32" and "bfloat16" in m["final_state"]
+    src = hsx_samples(runs["last"])
     assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*.ckpt"))[:2] == [
         "rows_0-2000/data_0.ckpt",
         "rows_0-2000/data_1.ckpt",
@@ -168,13 +173,27 @@ def test_specforge_reads_the_export_with_its_own_reader(runs, tmp_path):
     for idx, s in enumerate(src):
         t = got[idx]
         assert torch.equal(t["input_ids"], s["input_ids"])
-        assert torch.equal(t["hidden_state"], s["aux_hidden_states"])  # the draft's input
-        assert torch.equal(t["target"], s["hidden_states"])  # post-norm target
+        assert torch.equal(t["hidden_state"], s["aux_hidden_states"].to(torch.bfloat16))  # the draft's input
+        assert torch.equal(t["target"], s["hidden_states"].to(torch.bfloat16))  # post-norm target
         mask = s["loss_mask"].clone()
         mask[-1] = 0  # SpecForge's normalizer drops the last position (no next token)
         assert torch.equal(t["loss_mask"], mask)
     mapping = torch.load(dest / "vocab_mapping-64.pt", weights_only=True)
     assert mapping["d2t"].shape == (64,) and mapping["t2d"].shape == (2048,) and mapping["t2d"].sum() == 64
+
+    head_dir = tmp_path / "head"  # its loader wants an index file, which the tiny model has no need of
+    head_dir.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (head_dir / name).symlink_to(model / name)
+    index = {"weight_map": {"lm_head.weight": "model.safetensors"}}
+    (head_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    head = TargetHead.from_pretrained(str(head_dir))
+    with torch.no_grad():
+        logits = head(got[0]["target"])
+        with pytest.raises(RuntimeError, match="dtype"):
+            head(src[0]["hidden_states"])  # what a float32 export would have given it
+    full = torch.nn.functional.linear(src[0]["hidden_states"], load_file(model / "model.safetensors")["lm_head.weight"])
+    assert float(((logits.float() - full).norm(dim=-1) / full.norm(dim=-1)).max()) < TOLERANCE["bfloat16"]
 
 
 def test_specforge_refuses_a_run_without_three_aux_layers():
@@ -241,11 +260,31 @@ def test_speculators_reads_the_export_and_its_norm_gives_back_the_reference(runs
     assert np.array_equal(np.load(dest / "t2d-64.npy"), t2d.numpy())
 
 
-def test_speculators_pre_norm_is_exact_when_the_run_holds_the_last_layer(runs, reference, tmp_path):
+def test_speculators_exports_a_custom_layer_run_without_datasets_and_names_its_layers(
+    runs, reference, tmp_path, monkeypatch
+):
+    """--layers 1,3,7 (7: the last layer's raw output, so the pre-norm state is exact), float32,
+    exported with ``datasets`` not importable; its loader reads it, and the printed training command
+    passes --target-layer-ids in its own ids: transformers' hidden_states[id] is each exported slot."""
     dest = tmp_path / "sp"
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     out = export(runs["last"], dest, "--to", "speculators")
+    monkeypatch.undo()
     assert "exact" in out
     check_speculators(dest, runs["last"], reference, exact=True)
+    (command,) = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("train ")]
+    args = shlex.split(command)
+    assert args[:2] == ["speculators", "train"] and args[args.index("--data-path") + 1] == str(dest.absolute())
+    at = args.index("--target-layer-ids")
+    ids = [int(a) for a in args[at + 1 : at + 4]]
+    assert json.loads((dest / MANIFEST).read_text())["train"] == command
+    s = hsx_samples(runs["last"])[0]
+    exported = load_file(dest / "hidden_states" / "hs_0.safetensors")["hidden_states"]
+    ref = reference(s["input_ids"])
+    states = [*ref["states"][:-1], ref["pre"]]  # transformers' last entry is after the final norm
+    assert ids == [2, 4, 8]
+    for slot, k in enumerate(ids):
+        assert torch.allclose(exported[:, slot], states[k], atol=1e-5), (slot, k)
 
 
 def test_pre_norm_needs_the_runs_model_and_a_readable_norm(runs, model, tmp_path):
@@ -286,7 +325,8 @@ def test_modelopt_reads_post_and_pre_norm_exports_with_its_own_dataset(runs, ref
     src = hsx_samples(runs["run"])
     for prenorm in (False, True):
         dest = tmp_path / f"mo-{prenorm}"
-        export(runs["run"], dest, "--to", "modelopt", "--draft-vocab", "64", *(["--prenorm"] * prenorm))
+        out = export(runs["run"], dest, "--to", "modelopt", "--draft-vocab", "64", *(["--prenorm"] * prenorm))
+        assert "eagle_aux_hidden_state_layer_ids: [1, 3, 4]" in out and "base model in float32" in out
         manifest_ok(dest, 20)
         files = sorted(str(p) for p in dest.rglob("*.pt"))  # what its example script globs
         assert len(files) == 20
@@ -548,6 +588,10 @@ def test_every_codec_round_trips_through_every_export(runs, model, tmp_path):
         assert len(got) == len(ref) == 20
         for g, r, s, a in zip(got, ref, fp8, raw, strict=True):
             assert torch.equal(g["input_ids"], r["input_ids"]) and torch.equal(g["loss_mask"], r["loss_mask"])
+            if kind == "specforge":  # in bfloat16, its head's dtype: what the fp8 run decodes to, rounded
+                assert torch.equal(g["aux"], s["aux_hidden_states"].to(torch.bfloat16))
+                assert torch.equal(g["final"], s["hidden_states"].to(torch.bfloat16))
+                continue
             assert torch.equal(g["aux"], s["aux_hidden_states"])  # what the fp8 run decodes to
             assert 0 < rel_error(r["aux"], g["aux"], 3) <= bound  # and within fp8's bound of raw
             if kind not in PRENORM:

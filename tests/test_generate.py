@@ -6,6 +6,7 @@ ids, and the tokenizer's ``apply_chat_template`` on the dataset's and the genera
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -28,6 +29,7 @@ from conftest import (
     flip_byte,
     hsx,
     kill_after_new_files,
+    require,
     run_files,
     save_tiny,
     verified_files,
@@ -369,6 +371,19 @@ def test_status_and_verify_assess_a_generate_run_and_a_resume_redoes_the_damage(
     assert result.exit_code == 1 and result.redo_ids() == [5]
     report = assess(gen, deep=True)
     assert report.exit_code == 1 and report.resume == f"hsx generate --out {gen}"
+    said = " ".join(CliRunner().invoke(app, ["status", str(gen), "--deep"]).output.split())
+    assert "hsx generate repairs this" in said and "hsx generate redoes these samples" in said, said
+    assert "no hsx generate process running" in said and "hsx extract" not in said and "extractor" not in said
+    r = CliRunner().invoke(app, ["generate-export", str(gen), str(tmp_path / "e.jsonl")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and f"conversation file {bad} (conversation 5) is damaged (corrupt" in said, said
+    assert f"hsx verify {gen} --repair, then hsx generate --out {gen}, then this export again" in said
+    assert not (tmp_path / "e.jsonl").exists() and not list(tmp_path.glob(".e.jsonl*"))
+    from hsx.errors import Locked
+    from hsx.lock import RunLock
+
+    with RunLock(gen, "generate", warn=lambda m: None), pytest.raises(Locked, match="another hsx generate process"):
+        generate(_opts(gen), log=lambda m: None)
     summary = generate(_opts(gen), log=lambda m: None)
     assert summary.written == 1 and summary.redone == {"corrupt": 1}
     assert run_files(gen) == run_files(gen_run[1])
@@ -495,3 +510,42 @@ def test_generate_export_prints_its_result_on_stdout(gen_run, tmp_path):
     assert r.exit_code == 0 and not r.stderr, r.output
     assert r.stdout.startswith(f"{CONVS} conversations to {dest} (") and "0 not generated left out" in r.stdout
     assert len(dest.read_text().splitlines()) == CONVS
+
+
+def test_a_datasets_folder_split_limit_drop_and_threads(tmp_path, one_thread):
+    """--data a save_to_disk folder with --split and --limit 3: the first 3 rows only, recorded in the
+    spec (a resume asking for another limit is refused); --drop length rejects each conversation at
+    its first answer cut by the length limit, with that reason; --threads sets torch's threads."""
+    from hsx.generate.record import GeneratedTurn
+
+    datasets = require("datasets")
+    folder = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(conversations(5))}).save_to_disk(str(folder))
+    out = tmp_path / "gen"
+    torch.set_num_threads(2)
+    opts = _opts(out, model=str(TINY), data=[folder], split="train", limit=3, drop=["length"], max_new_tokens=3)
+    summary = generate(dataclasses.replace(opts, threads=1), log=lambda m: None)
+    assert torch.get_num_threads() == 1
+    records = _records(out)
+    assert [r.source.row for r in records] == [0, 1, 2]
+    for rec in records:
+        cut = [t for t in rec.turns if t.finish_reason == "length"]
+        assert rec.ok == (not cut)
+        if cut:  # generation stopped there: the cut answer is the last one
+            (t,) = cut
+            assert rec.turns[-1].message == t.message
+            assert rec.reason == f"turn {t.message}: the generated answer was cut at the length limit (--drop length)"
+    assert summary.rejected_now == sum(not r.ok for r in records) > 0
+    rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert sorted(r["reason"] for r in rejects) == sorted(r.reason for r in records if not r.ok)
+    (data,) = json.loads((out / "hsx.json").read_text())["data"]
+    assert (data["split"], data["limit"]) == ("train", 3)
+    assert json.loads((out / "hsx.json").read_text())["drop"] == ["length"]
+    with pytest.raises(Refused, match="content, order, split or limit"):
+        generate(dataclasses.replace(opts, limit=4), log=lambda m: None)
+
+    from hsx.generate.job import dropped
+
+    empty = GeneratedTurn(3, np.zeros(1, np.int32), np.zeros(1, np.int32), "stop", " \n")
+    assert dropped(empty, ["empty"]) == "turn 3: the generated answer is empty (--drop empty)"
+    assert dropped(empty, ["length"]) is None and dropped(empty, []) is None

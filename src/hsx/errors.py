@@ -87,7 +87,7 @@ class Locked(Refused):
     """Another live process holds the run; ``holder`` says who (anything with ``describe()``)."""
 
     def __init__(self, holder):
-        super().__init__(f"another extractor holds this run: {holder.describe()}")
+        super().__init__(f"another {getattr(holder, 'noun', 'extractor')} holds this run: {holder.describe()}")
         self.holder = holder
 
 

@@ -1,6 +1,7 @@
 """Input stage: read conversation files and normalise every row to a ``Conversation`` or a ``Reject``.
 
-Accepted files: JSONL (one row per line), JSON (an array of rows) and Parquet. Accepted rows:
+Accepted files: JSONL (one row per line), JSON (an array of rows) and Parquet; a Hugging Face dataset
+(a ``save_to_disk`` folder, or a name in the local cache: ``hsx.hfdatasets``). Accepted rows:
 ShareGPT (``conversations`` of ``from``/``value``) and OpenAI (``messages`` of ``role``/``content``),
 each with an optional ``id``, ``system`` and ``tools``. A turn keeps everything the target's template
 renders: reasoning (``reasoning_content``, or its aliases ``thinking`` and ``reasoning``), tool calls
@@ -355,7 +356,14 @@ def normalize(row: object, source: Source) -> Conversation | Reject:
     return Conversation(source, tuple(turns), tools, tuple(sorted(ignored)))
 
 
-def _rows(path: Path, name: str) -> Iterator[tuple[int, object] | Reject]:
+def _rows(path: Path, name: str, split: str | None = None) -> Iterator[tuple[int, object] | Reject]:
+    from hsx import hfdatasets
+
+    if hfdatasets.is_source(path):
+        yield from hfdatasets.rows(path, split)
+        return
+    if split is not None:
+        raise InputError(f"{name}: --split {split} applies to a Hugging Face dataset, not to a data file")
     suffix = path.suffix.lower()
     try:
         if suffix in (".jsonl", ".ndjson"):
@@ -395,13 +403,35 @@ def _rows(path: Path, name: str) -> Iterator[tuple[int, object] | Reject]:
         raise InputError(f"{name}: cannot read ({e.strerror or e})") from e
 
 
-def read_conversations(paths: list[Path]) -> Iterator[Conversation | Reject]:
-    """Every row of every file, in order, as a ``Conversation`` or a ``Reject``."""
+def check_source(path: Path, split: str | None = None) -> None:
+    """Refuse a ``--data`` that names nothing readable (a dataset: not cached, no such split), before
+    anything is written."""
+    from hsx import hfdatasets
+
+    if hfdatasets.is_source(path):
+        hfdatasets.load(path, split)
+    elif not path.is_file():
+        raise InputError(f"{path}: no such data file")
+    elif split is not None:
+        raise InputError(f"{path}: --split {split} applies to a Hugging Face dataset, not to a data file")
+
+
+def read_conversations(
+    paths: list[Path], split: str | None = None, limit: int | None = None
+) -> Iterator[Conversation | Reject]:
+    """Every row of every source, in order, as a ``Conversation`` or a ``Reject``; ``split``: of the
+    Hugging Face datasets among them; ``limit``: the first rows only, counted over all sources."""
+    from hsx import hfdatasets
+
+    count = 0
     for path in paths:
-        if not path.is_file():
+        if not path.is_file() and not hfdatasets.is_source(path):
             raise InputError(f"{path}: no such data file")
         name = str(path)
-        for item in _rows(path, name):
+        for item in _rows(path, name, split):
+            if limit is not None and count >= limit:
+                return
+            count += 1
             if isinstance(item, Reject):
                 yield item
             else:

@@ -70,6 +70,16 @@ class Holder(BaseModel):
     def describe(self) -> str:
         return f"pid {self.pid} on {self.host}, heartbeat {time.time() - self.heartbeat:.0f}s ago"
 
+    @property
+    def noun(self) -> str:
+        return writer_noun(self.command)
+
+
+def writer_noun(command: str) -> str:
+    """What messages call the process that writes a run: an extractor, or for a generate run an
+    hsx generate process (its repairs and resumes are ``hsx generate``'s, not ``hsx extract``'s)."""
+    return "hsx generate process" if command == "generate" else "extractor"
+
 
 def read_holder(run: Path) -> Holder | None:
     try:
@@ -133,7 +143,7 @@ class RunLock:
                 raise Locked(holder)
             self.path.unlink(missing_ok=True)
             what = f"{holder.describe()}, {holder.state()}" if holder else "unreadable"
-            self.warn(f"taking over a lock left by a dead extractor ({what})")
+            self.warn(f"taking over a lock left by a dead {self.me.noun} ({what})")
             if not self._create(self.me.model_dump_json().encode()):
                 raise RuntimeError("could not acquire the run lock (another lock appeared during take-over)")
         finally:

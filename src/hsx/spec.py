@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, model_serializer
 
 from hsx import __version__
 from hsx.errors import SpecError
@@ -62,13 +62,35 @@ class TokenizerIdentity(BaseModel):
 
 
 class DataFile(BaseModel):
+    """One ``--data`` source as read: a file (its bytes), or a Hugging Face dataset (the Arrow files of
+    its split; ``name`` the dataset's name as given, or the folder), with the run's ``--limit``."""
+
     name: str  # absolute (runs made before hsx resolved it: as typed); the identity is size and digest
     size: int
     digest: str
+    split: str | None = None  # a Hugging Face dataset's split read
+    limit: int | None = None  # the run's row limit (the first rows over all sources), if any
 
     @classmethod
-    def of(cls, path: Path) -> DataFile:
-        return cls(name=str(path.expanduser().resolve()), size=path.stat().st_size, digest=digest_file(path))
+    def of(cls, path: Path, split: str | None = None, limit: int | None = None) -> DataFile:
+        from hsx import hfdatasets
+
+        if path.is_file():
+            size, digest = path.stat().st_size, digest_file(path)
+        else:
+            size, digest = hfdatasets.identity(path, split)
+        name = str(path) if hfdatasets.is_name(path) else str(path.expanduser().resolve())
+        return cls(name=name, size=size, digest=digest, split=split, limit=limit)
+
+    def key(self) -> tuple:
+        """What must match on a resume: the content, and what of it was read."""
+        return self.size, self.digest, self.split, self.limit
+
+    @model_serializer(mode="wrap")
+    def _given_only(self, handler) -> dict:
+        """``split`` and ``limit`` only where given: a source read whole is written as before, so a
+        digest over a spec (an extraction records its generate run's) stays what it was."""
+        return {k: v for k, v in handler(self).items() if k not in ("split", "limit") or v is not None}
 
 
 class PlanIdentity(BaseModel):
@@ -277,11 +299,8 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
     ):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
-    if (data := asked.get("data")) is not None:
-        mine = [(d.size, d.digest) for d in stored.data]
-        theirs = [(d.size, d.digest) for d in data]
-        if mine != theirs:
-            names = ", ".join(d.name for d in data)
-            have = ", ".join(d.name for d in stored.data)
-            out.append(f"data: {names} differ from the run's data ({have}) in content or order")
+    if (data := asked.get("data")) is not None and [d.key() for d in stored.data] != [d.key() for d in data]:
+        names = ", ".join(d.name for d in data)
+        have = ", ".join(d.name for d in stored.data)
+        out.append(f"data: {names} differ from the run's data ({have}) in content, order, split or limit")
     return out

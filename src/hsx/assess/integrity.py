@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hsx.assess.checks import Check
 from hsx.errors import Damage
+from hsx.lock import writer_noun
 from hsx.progress import Progress
 from hsx.spec import JobSpec
 from hsx.store import layout
@@ -121,8 +122,9 @@ def _outside_shards(run: Path, num_samples: int, shard_size: int) -> list[Proble
     return out
 
 
-def check(result: Integrity, limit: int = 8) -> Check:
-    """The integrity line; every problem is listed in --json, the first ``limit`` of each kind in text."""
+def check(result: Integrity, limit: int = 8, command: str = "extract") -> Check:
+    """The integrity line; every problem is listed in --json, the first ``limit`` of each kind in text.
+    ``command``: what redoes them (``generate`` for a generate run)."""
     if result.deep:
         mode = (
             f"digests verified: {size(result.bytes_read)} read in {result.seconds:.1f} s "
@@ -151,7 +153,7 @@ def check(result: Integrity, limit: int = 8) -> Check:
     }
     details = []
     if result.in_flight:
-        details.append(f"{len(result.in_flight)} temp files are writes in flight of the live extractor")
+        details.append(f"{len(result.in_flight)} temp files are writes in flight of the live {writer_noun(command)}")
     if not counts:
         return Check("integrity", "ok", f"{result.files_good:,} files good, {mode}", details=details, data=data)
     for kind in counts:
@@ -166,7 +168,7 @@ def check(result: Integrity, limit: int = 8) -> Check:
         "fail",
         f"{summary}; {result.files_good:,} files good, {mode}",
         details=details,
-        action="hsx extract redoes these samples by itself (hsx verify --repair first moves bad files aside)",
+        action=f"hsx {command} redoes these samples by itself (hsx verify --repair first moves bad files aside)",
         redo=True,
         data=data,
     )

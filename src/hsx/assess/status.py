@@ -95,7 +95,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
     files = runspec.inspect(run)
     worker = workers.inspect(run)
     spec, plan = files.spec, files.plan
-    checks = {"spec": files.check, "workers": workers.check(worker)}
+    command = "generate" if isinstance(spec, GenerateSpec) else "extract"
+    checks = {"spec": files.check, "workers": workers.check(worker, command)}
     local = worker.alive and worker.holder is not None and worker.holder.host == socket.gethostname()
     launcher = worker.group.launcher if worker.group is not None and worker.group.launcher_alive() else None
     checks["gpus"] = gpus.check(worker.pid if local else None, launcher)  # its own GPU use is not foreign
@@ -106,8 +107,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
     else:
         result = integrity.inspect(run, spec, deep, worker.alive, threads)
         t = tally.tally(result.scans, spec.plan.num_samples, spec.plan.num_tokens, plan.lengths if plan else None)
-        checks["integrity"] = integrity.check(result)
-        checks["progress"] = tally.check(t)
+        checks["integrity"] = integrity.check(result, command=command)
+        checks["progress"] = tally.check(t, command)
         checks["pace"] = pace.check(pace.pace(read_history(run)), t.complete)
         left_tokens = t.tokens_left
         if t.tokens_done is None:  # plan unreadable: assume average-length samples are left
@@ -167,7 +168,8 @@ def render(report: Report, console: Console) -> None:
     if report.resume:
         label = "then resume" if report.exit_code == Exit.ACT else "resume"
         console.print(f"[bold]{label}:[/] {escape(report.resume)}", highlight=False)
-    verdict = {0: "[green]nothing wrong[/]", 1: "[yellow]hsx extract repairs this[/]", 2: "[red]act first[/]"}
+    command = "generate" if report.generate else "extract"
+    verdict = {0: "[green]nothing wrong[/]", 1: f"[yellow]hsx {command} repairs this[/]", 2: "[red]act first[/]"}
     console.print(f"exit {report.exit_code}: {verdict[report.exit_code]}", highlight=False)
 
 

@@ -59,7 +59,7 @@ def tally(scans: list[ShardScan], samples_total: int, tokens_total: int, lengths
     return t
 
 
-def check(t: Tally) -> Check:
+def check(t: Tally, command: str = "extract") -> Check:
     """The progress line. Incomplete is a fact, not a fault: the level stays ok."""
     tokens = f"{t.tokens_done:,}/{t.tokens_total:,} tokens" if t.tokens_done is not None else "tokens unknown"
     pct = 100 * t.samples_done / t.samples_total if t.samples_total else 100.0
@@ -72,7 +72,7 @@ def check(t: Tally) -> Check:
     if sh["partial"]:
         details.append(f"partial shards: {ranges(sh['partial'])}")
     if t.complete_unsealed:
-        details.append(f"complete but not sealed yet (hsx extract seals them): {ranges(t.complete_unsealed)}")
+        details.append(f"complete but not sealed yet (hsx {command} seals them): {ranges(t.complete_unsealed)}")
     if sh["untouched"] and sh["sealed"]:
         details.append(f"untouched shards: {ranges(sh['untouched'])}")
     data = {

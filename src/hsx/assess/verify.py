@@ -59,14 +59,15 @@ def verify(run: Path, deep: bool = False, repair: bool = False, threads: int | N
     worker = workers.inspect(run)
     if repair and worker.alive:
         h = worker.holder
-        raise RepairRefused(f"an extractor is running on this run (pid {h.pid} on {h.host}): repair after it stops")
+        raise RepairRefused(f"an {h.noun} is running on this run (pid {h.pid} on {h.host}): repair after it stops")
     result = integrity.inspect(run, spec, deep, worker.alive, threads)
+    command = "generate" if isinstance(spec, GenerateSpec) else "extract"
     moved = []
     if repair:
         for p in result.problems:
             if (m := quarantine(run, p)) is not None:
                 moved.append(m)
-    out = VerifyResult(run, spec, result, integrity.check(result), moved)
+    out = VerifyResult(run, spec, result, integrity.check(result, command=command), moved)
     if repair and moved:
         out.check.details.append(f"{len(moved)} files moved to {layout.QUARANTINE}/ with a .reason each")
     return out

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hsx import registry
 from hsx.assess.checks import Check, duration
-from hsx.lock import LOCK, STALE_AFTER, Holder, read_holder
+from hsx.lock import LOCK, STALE_AFTER, Holder, read_holder, writer_noun
 from hsx.store.layout import METRICS
 from hsx.units import size
 
@@ -72,23 +72,24 @@ def _pace(m: dict | None) -> str:
     )
 
 
-def check(w: Worker) -> Check:
-    return add_group(add_fleet(_check_lock(w), w.fleet, w.alive), w.group)
+def check(w: Worker, command: str = "extract") -> Check:
+    """``command``: the run's (``generate`` for a generate run), which takes a dead lock over."""
+    return add_group(add_fleet(_check_lock(w, command), w.fleet, w.alive), w.group)
 
 
-def _check_lock(w: Worker) -> Check:
+def _check_lock(w: Worker, command: str) -> Check:
     data: dict = {"state": w.state, "metrics": w.metrics}
     h = w.holder
     if h is not None:
         data |= {"host": h.host, "pid": h.pid, "started": h.started, "heartbeat_age_s": time.time() - h.heartbeat}
     if w.state == "none":
-        return Check("workers", "ok", "no extractor running", data=data)
+        return Check("workers", "ok", f"no {writer_noun(command)} running", data=data)
     if w.state == "unreadable":
         return Check(
             "workers",
             "warn",
-            f"{LOCK} is unreadable; hsx extract replaces it",
-            action="check no extractor runs",
+            f"{LOCK} is unreadable; hsx {command} replaces it",
+            action=f"check no {writer_noun(command)} runs",
             data=data,
         )
     assert h is not None
@@ -98,14 +99,14 @@ def _check_lock(w: Worker) -> Check:
             "workers",
             "fail",
             f"alive: {who}, running {duration(time.time() - h.started)}{_pace(w.metrics)}",
-            action=f"an extractor is running: wait for it, or stop it (pid {h.pid} on {h.host}) before resuming",
+            action=f"an {h.noun} is running: wait for it, or stop it (pid {h.pid} on {h.host}) before resuming",
             data=data,
         )
     why = "its process is gone" if w.state == "dead" else f"no heartbeat for over {duration(STALE_AFTER)}"
     return Check(
         "workers",
         "warn",
-        f"{w.state} lock: {who}; {why}; hsx extract takes it over{_pace(w.metrics)}",
+        f"{w.state} lock: {who}; {why}; hsx {h.command} takes it over{_pace(w.metrics)}",
         data=data,
     )
 

@@ -51,7 +51,14 @@ class Flag:
 FLAGS = {
     "out": Flag("Run folder (created, or resumed if it holds hsx.json).", "DIR"),
     "model": Flag("Model folder or hub id (new run; or its new path on resume).", "PATH"),
-    "data": Flag("Conversations: .jsonl, .json or .parquet; repeatable, each file once.", "FILE"),
+    "data": Flag(
+        "Conversations: .jsonl, .json or .parquet, a datasets folder or a cached Hugging Face dataset name; "
+        "repeatable, each once.",
+        "FILE",
+    ),
+    "split": Flag("The split of a Hugging Face dataset --data.", "NAME", "its only one"),
+    "limit": Flag("Only the first N rows of the data.", default="all"),
+    "threads": Flag("CPU: torch threads.", default="torch's"),
     "layers": Flag("hsx layer ids, e.g. 1,15,28.", "IDS", "EAGLE-3's: 1, N/2-1, N-4", str, layer_ids),
     "max_length": Flag("Truncate samples to this many tokens."),
     "batch_tokens": Flag("Padded tokens per forward pass."),
@@ -90,6 +97,12 @@ FLAGS = {
     "top_p": Flag("Nucleus sampling (1: off)."),
     "top_k": Flag("Top-k sampling (0: off)."),
     "max_new_tokens": Flag("New tokens per turn at most."),
+    "drop": Flag(
+        "Reject conversations with an empty or length-cut answer (comma-separated).",
+        "empty,length",
+        "none",
+        parse=lambda v: [x for s in v or [] for x in s.split(",") if x] or None,
+    ),
     "samples_per_prompt": Flag("Conversations generated per input row."),
     "seed": Flag("The run's seed; each request's derives from it."),
     "template_kwargs": Flag(

@@ -60,8 +60,10 @@ def bench(
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     if generate:
         from hsx.bench.generate import generate_table, run_generate_bench
+        from hsx.job.options import check_vllm
 
         with failures():
+            check_vllm("hsx bench --generate")
             results, same = run_generate_bench(
                 model, samples, max_new_tokens, tensor_parallel_size=tensor_parallel_size, workdir=workdir, log=noop
             )
@@ -109,14 +111,25 @@ def memory(
     max_length: Annotated[int, MEMORY.option("max_length", help="Longest sample.")] = 4096,
     gpus: Annotated[int | None, MEMORY.option("gpus", help="GPUs on the node.", show_default="this node's")] = None,
     gpu_memory: Annotated[
-        float | None, MEMORY.option("gpu_memory", help="GB of memory per GPU.", show_default="this node's")
+        float | None,
+        MEMORY.option(
+            "gpu_memory", help="GB (10^9 bytes) per GPU: an H200 is 150.7 (143,771 MiB).", show_default="this node's"
+        ),
     ] = None,
 ) -> None:
     """Per-GPU memory of a parallel layout, from config.json and the safetensors headers (no weight read)."""
+    import torch
+
     from hsx import target
     from hsx.capture import memory as mem
+    from hsx.extract.options import check_gpus, resolve_parallel
 
     with failures():
+        model_dir = target.resolve(model)
+        # the layout checks an extraction makes (heads, experts, GPUs of the node), before any arithmetic
+        parallel = resolve_parallel(tensor_parallel, expert_parallel, target.load_config(model_dir), "transformers")
+        if node := gpus if gpus is not None else torch.cuda.device_count():  # unknown on a machine without GPUs
+            check_gpus(parallel, node)
         layout = mem.Layout(tensor_parallel, expert_parallel, experts, dtype, batch_tokens, max_length)
         device = None if gpu_memory is None else int(gpu_memory * mem.GB)
-        print(*mem.explain(target.resolve(model), layout, device, gpus), sep="\n")
+        print(*mem.explain(model_dir, layout, device, gpus), sep="\n")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from hsx.errors import BadFile, ExportRefused, OptionError
 from hsx.export.modelopt import ModelOpt
 from hsx.export.specforge import SpecForge
 from hsx.export.speculators import Speculators
-from hsx.export.trainer import TMP_DIR_MARK, Context, ExportOptions, TrainerFormat, Written
+from hsx.export.trainer import Context, ExportOptions, TrainerFormat, Written
 from hsx.export.vocab import draft_map, target_vocab_size, token_counts
 from hsx.plan import load_plan
 from hsx.progress import Progress
@@ -51,13 +50,9 @@ FORMATS: dict[str, type[TrainerFormat]] = {f.name: f for f in (SpecForge, Specul
 
 
 def _clean(dest: Path) -> int:
-    """Remove temp files and temp folders an interrupted export left."""
+    """Remove the temp files an interrupted export left."""
     n = 0
-    for root, dirs, files in os.walk(dest):
-        for d in [d for d in dirs if d.startswith(TMP_DIR_MARK)]:
-            shutil.rmtree(Path(root) / d)
-            dirs.remove(d)
-            n += 1
+    for root, _dirs, files in os.walk(dest):
         for name in files:
             if is_temp(name):
                 (Path(root) / name).unlink()
@@ -173,6 +168,7 @@ class ExportSummary:
     seconds: float
     final_state: str
     max_norm_error: float | None
+    train: str  # what the trainer must be told (its command, or the setting) for the run's layers
 
     def lines(self) -> list[str]:
         err = "" if self.max_norm_error is None else f", max norm error {self.max_norm_error:.1e}"
@@ -181,6 +177,7 @@ class ExportSummary:
             f"{self.already_done} already done",
             f"files      {self.files}, {self.bytes / 1e6:,.1f} MB in {self.seconds:.1f}s; manifest hsx-export.json",
             f"final      {self.final_state}{err}",
+            f"train      {self.train}",
         ]
 
 
@@ -283,6 +280,7 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
             "dtype": spec.dtype,
         },
         "final_state": fmt.final_state(),
+        "train": fmt.train_hint(),
         "max_norm_error": ctx.max_norm_error if fmt.needs_prenorm else None,
         "samples": [{"index": i, "sample_id": sid} for i, sid in enumerate(ids)],
         "files": [w.to_json() for w in files],
@@ -299,4 +297,5 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
         seconds=time.monotonic() - t0,
         final_state=fmt.final_state(),
         max_norm_error=ctx.max_norm_error if fmt.needs_prenorm else None,
+        train=fmt.train_hint(),
     )

@@ -40,6 +40,12 @@ class ModelOpt(TrainerFormat):
             return f"pre-norm, flagged hidden_states_prenorm ({self.ctx.prenorm_source})"
         return super().final_state()
 
+    def train_hint(self) -> str:
+        return (
+            f"in the eagle config: eagle_aux_hidden_state_layer_ids: {self.ctx.spec.layers} (its ids are hsx's); "
+            f"load the base model in {self.ctx.spec.dtype}, the states' dtype"
+        )
+
     def sample(self, index: int, sid: int, t: dict[str, torch.Tensor]) -> list[Written]:
         final = self.ctx.prenorm(sid, t) if self.ctx.opts.prenorm else t["hidden_states"]
         record = {

@@ -1,22 +1,61 @@
 """speculators 0.9 offline data: a ``datasets`` folder plus ``hidden_states/hs_{i}.safetensors``.
 
-DEST is a ``Dataset.save_to_disk`` folder saved after ``set_format("torch")`` (its loader compares
+DEST is what ``Dataset.save_to_disk`` writes after ``set_format("torch")`` (its loader compares
 each file's ``token_ids`` with the row's ``input_ids`` through ``torch.equal``, which needs
 tensors; a mismatch silently drops the sample), columns ``input_ids``, ``loss_mask`` (0/1) and
-``seq_len``. File i holds ``hidden_states`` [T, L+1, H] (the aux layers, then the final state
-BEFORE the norm, which the trainer applies itself) and ``token_ids`` [T] int64. The dataset is
-written last, through a temp folder, so a folder that loads has every hidden-state file.
+``seq_len``, written here with pyarrow alone (one Arrow stream file, ``dataset_info.json``,
+``state.json``), so the export needs no ``datasets``. File i holds ``hidden_states`` [T, L+1, H]
+(the aux layers, then the final state BEFORE the norm, which the trainer applies itself) and
+``token_ids`` [T] int64. The dataset is written last, ``state.json`` (what ``load_from_disk`` opens)
+at its very end, so a folder that loads has every hidden-state file.
+
+speculators reads no layer ids from its data: its trainer assumes EAGLE-3's default layers unless
+``--target-layer-ids`` is passed (vLLM's ids, hsx id + 1), so the export prints its training command.
 """
 
 from __future__ import annotations
 
+import json
+import shlex
+
 import numpy as np
+import pyarrow as pa
 import torch
 from safetensors.torch import save
 
 from hsx.export.serialize import npy_bytes, torch_bytes
-from hsx.export.trainer import TMP_DIR_MARK, TrainerFormat, Written, move_folder_contents, put
+from hsx.export.trainer import TrainerFormat, Written, put
 from hsx.store.format import digest
+
+ARROW = "data-00000-of-00001.arrow"
+TOKENS = {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "List"}
+FEATURES = {"input_ids": TOKENS, "loss_mask": TOKENS, "seq_len": {"dtype": "int64", "_type": "Value"}}
+
+
+def dataset_files(columns: dict[str, list]) -> list[tuple[str, bytes]]:
+    """The files of a ``save_to_disk`` folder (format torch) holding ``columns``, in writing order."""
+    tokens = pa.list_(pa.int64())
+    schema = pa.schema(
+        [("input_ids", tokens), ("loss_mask", tokens), ("seq_len", pa.int64())],
+        metadata={"huggingface": json.dumps({"info": {"features": FEATURES}})},
+    )
+    table = pa.table({k: pa.array(columns[k], type=schema.field(k).type) for k in schema.names}, schema=schema)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_table(table)
+    data = sink.getvalue().to_pybytes()
+    info = {"citation": "", "description": "", "features": FEATURES, "homepage": "", "license": ""}
+    state = {
+        "_data_files": [{"filename": ARROW}],
+        "_fingerprint": digest(data).rsplit(":", 1)[-1][:16],
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": "torch",
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    as_json = lambda obj: json.dumps(obj, indent=2).encode()  # noqa: E731
+    return [(ARROW, data), ("dataset_info.json", as_json(info)), ("state.json", as_json(state))]
 
 
 class Speculators(TrainerFormat):
@@ -40,12 +79,15 @@ class Speculators(TrainerFormat):
         data = save({"hidden_states": states, "token_ids": ids})
         return [put(self.ctx.dest, f"hidden_states/hs_{index}.safetensors", data)]
 
+    def train_hint(self) -> str:
+        ctx = self.ctx
+        args = ["speculators", "train", "--speculator-type", "eagle3"]
+        args += ["--verifier-name-or-path", ctx.model_dir, "--data-path", ctx.dest.absolute()]
+        args += ["--target-layer-ids", *(k + 1 for k in ctx.spec.layers)]  # vLLM's aux ids: hsx id + 1
+        args += ["--draft-vocab-size", ctx.opts.draft_vocab] if ctx.opts.draft_vocab is not None else []
+        return shlex.join(map(str, args))
+
     def finish(self, vocab) -> list[Written]:
-        import datasets
-        from datasets import Dataset
-
-        datasets.disable_progress_bars()
-
         ctx, dest = self.ctx, self.ctx.dest
         out: list[Written] = []
         if vocab is not None:
@@ -54,17 +96,9 @@ class Speculators(TrainerFormat):
             out.append(put(dest, "token_freq.pt", torch_bytes(freq)))
             out.append(put(dest, f"d2t-{k}.npy", npy_bytes(d2t.numpy())))
             out.append(put(dest, f"t2d-{k}.npy", npy_bytes(t2d.numpy())))
-        rows = {
+        columns = {
             "input_ids": [ctx.plan.input_ids(i).astype(np.int64) for i in ctx.ids],
             "loss_mask": [ctx.plan.loss_mask(i).astype(np.int64) for i in ctx.ids],
             "seq_len": [int(ctx.plan.lengths[i]) for i in ctx.ids],
         }
-        ds = Dataset.from_dict(rows)
-        ds.set_format("torch")
-        tmp = dest / f"{TMP_DIR_MARK}dataset"
-        ds.save_to_disk(str(tmp))
-        names = move_folder_contents(tmp, dest, last=("dataset_info.json", "state.json"))
-        for name in names:
-            data = (dest / name).read_bytes()
-            out.append(Written(name, len(data), digest(data)))
-        return out
+        return out + [put(dest, name, data) for name, data in dataset_files(columns)]

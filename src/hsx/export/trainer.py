@@ -6,9 +6,7 @@ Each trainer module subclasses ``TrainerFormat``; ``core`` drives them through a
 
 from __future__ import annotations
 
-import os
 import shlex
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +18,9 @@ from hsx.finalnorm import FinalNorm
 from hsx.plan import Plan
 from hsx.spec import RunSpec
 from hsx.store.codec import is_lossless
-from hsx.store.durable import durable_rename, fsync_dir, write_durable
+from hsx.store.durable import write_durable
 from hsx.store.format import digest
 from hsx.target import location, model_dir_for
-
-TMP_DIR_MARK = ".hsx-tmp-"  # a folder written whole, then moved into DEST; removed when a kill left it
 
 
 @dataclass
@@ -176,12 +172,6 @@ class TrainerFormat:
     def final_state(self) -> str:
         return "post-norm (hsx's stored state)"
 
-
-def move_folder_contents(src: Path, dest: Path, last: tuple[str, ...] = ()) -> list[str]:
-    """Durably move every file of ``src`` (flat) into ``dest``, the names in ``last`` at the end."""
-    names = sorted(os.listdir(src), key=lambda n: (n in last, last.index(n) if n in last else 0, n))
-    for name in names:
-        durable_rename(src / name, dest / name)
-    shutil.rmtree(src)
-    fsync_dir(dest)
-    return names
+    def train_hint(self) -> str:
+        """What the trainer must be told that its files cannot say (the run's layers, in its ids)."""
+        return ""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from hsx.errors import CleanStop, Refused
 from hsx.extract.folder import open_run
 from hsx.extract.local import extract_local
-from hsx.extract.options import ExtractOptions, check_device
+from hsx.extract.options import ExtractOptions
 from hsx.job.resume import Summary
 
 __all__ = ["CleanStop", "ExtractOptions", "Refused", "Summary", "extract"]
@@ -34,8 +34,6 @@ def extract(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary
 
     Raises a ``Refused`` (exit 2) when it cannot start as asked, ``CleanStop`` (exit 3) when the
     volume filled; returns the summary otherwise."""
-    if opts.device is not None and not opts.workers:  # Ray workers' devices are theirs, not this machine's
-        check_device(opts.device)
     if opts.workers:
         from hsx.scaleout.driver import extract_distributed
 

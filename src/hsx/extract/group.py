@@ -37,9 +37,9 @@ from pydantic import TypeAdapter
 
 from hsx import errors, registry, target
 from hsx.capture import CapturedBatch
-from hsx.errors import CleanStop, HsxError, OptionError, WorkerFailed
+from hsx.errors import CleanStop, HsxError, WorkerFailed
 from hsx.extract.local import extract_local
-from hsx.extract.options import ExtractOptions
+from hsx.extract.options import ExtractOptions, check_gpus
 from hsx.extract.pipeline import open_backend
 from hsx.job.resume import Summary
 from hsx.plan import load_plan
@@ -73,10 +73,8 @@ def run_group(spec: RunSpec, device: str, run: Path, model: str | None, lead: Le
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     n = spec.parallel.ranks
-    if device.startswith("cuda") and torch.cuda.device_count() < n:
-        raise OptionError(
-            f"the run is laid over {n} GPUs ({spec.parallel}); this machine has {torch.cuda.device_count()}"
-        )
+    if device.startswith("cuda"):
+        check_gpus(spec.parallel, torch.cuda.device_count())
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -15,6 +15,7 @@ from hsx.errors import DiskFull
 from hsx.extract.backends import Session, backend, entry
 from hsx.extract.folder import open_run
 from hsx.extract.options import ExtractOptions
+from hsx.job.options import set_threads
 from hsx.job.prologue import Prologue, locked
 from hsx.job.resume import Summary, Verifier
 from hsx.plan import load_plan
@@ -54,8 +55,10 @@ def extract_local(
                 work = bool(todo)
             if work:
                 model_dir = target.model_dir_for(run, spec, opts.model, checked=opts.model is not None)
+                resources = opts.resources()
+                set_threads(opts.threads, resources.device)
                 session = Session(
-                    run, spec, plan, model_dir, opts.resources(), progress, begun.space, log,
+                    run, spec, plan, model_dir, resources, progress, begun.space, log,
                     opts.tensor_parallel_size or 1, opts.data_parallel_size or 1, peers,
                 )  # fmt: skip
                 backend(spec.backend).run(session, todo)  # torch or vLLM: imported only when there is work

@@ -16,7 +16,7 @@ from typing import ClassVar, Literal, get_args
 from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
 from hsx.extract.backends import BACKENDS, Resources
-from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions
+from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm, default_device
 from hsx.spec import Parallel
 from hsx.store.codec import DEFAULT_CODEC, Codec
 
@@ -62,6 +62,10 @@ class ExtractOptions(JobOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.device is not None and not self.workers:  # Ray workers' devices are theirs, not this machine's
+            check_device(self.device)
+        if self.backend == "vllm":
+            check_vllm("--backend vllm")
         seen: dict[Path, Path] = {}
         for path in map(Path, self.data):
             first = seen.setdefault(path.resolve(), path)
@@ -71,30 +75,6 @@ class ExtractOptions(JobOptions):
 
     def resources(self, device: str | None = None) -> Resources:
         return Resources(device or self.device or default_device(), self.writers, self.max_inflight_bytes)
-
-
-def check_device(device: str) -> None:
-    """A device this machine has; refused before a run folder is made or a dtype chosen for it."""
-    import torch
-
-    try:
-        d = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise OptionError(f"--device takes cpu, cuda or cuda:N, not {device!r}") from None
-    if d.type != "cuda":
-        return
-    if not torch.cuda.is_available():
-        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-        raise OptionError(f"--device {device}: {why}; use --device cpu")
-    n = torch.cuda.device_count()
-    if d.index is not None and d.index >= n:
-        raise OptionError(f"--device {device}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
-
-
-def default_device() -> str:
-    import torch  # here, not at import: a resume with nothing to do never loads torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def resolve_packing(packing: Toggle, device: str, config: dict, dtype: str, log: Callable[[str], None]) -> bool:
@@ -142,6 +122,12 @@ def resolve_parallel(tensor: int | None, expert: int | None, config: dict, backe
     if refusal is not None:
         raise OptionError(f"cannot lay the model over {parallel}: {refusal}")
     return parallel
+
+
+def check_gpus(parallel: Parallel, gpus: int) -> None:
+    """One GPU per rank of a replica, on one node: refused where the node has fewer."""
+    if gpus < parallel.ranks:
+        raise OptionError(f"the run is laid over {parallel.ranks} GPUs ({parallel}); the node has {gpus}")
 
 
 def resolve_quantized_compute(

@@ -32,6 +32,7 @@ class EngineSettings:
     trust_remote_code: bool = False
     dtype: str = "auto"  # torch dtype name or auto (the checkpoint's)
     device: str | None = None  # transformers: cpu, cuda, cuda:1 (None: cuda if present)
+    threads: int | None = None  # transformers on CPU: torch's threads (None: torch's own choice)
     seed: int = 0  # the run's seed (each request carries its own, derived from it)
     max_length: int | None = None  # prompt + completion of a turn at most (vllm: its max_model_len)
     stop_ids: frozenset[int] = frozenset()  # the tokens that end a turn, as the job reads them (prompts.stop_ids)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx.errors import ExportRefused
+from hsx.errors import BadFile, ExportRefused
 from hsx.generate.record import ConversationRecord, read_record
 from hsx.generate.samples import generated
 from hsx.store import layout
@@ -70,7 +70,15 @@ def export_jsonl(run: Path, dest: Path, allow_incomplete: bool = False) -> Expor
 
     def lines() -> Iterator[bytes]:
         for cid in files:
-            rec = read_record(layout.sample_path(run, cid, spec.shard_size), cid)
+            path = layout.sample_path(run, cid, spec.shard_size)
+            try:
+                rec = read_record(path, cid)
+            except (BadFile, FileNotFoundError) as e:
+                what = "missing" if isinstance(e, FileNotFoundError) else f"damaged ({e})"
+                raise ExportRefused(
+                    f"conversation file {path} (conversation {cid}) is {what}; nothing was exported. Repair the run: "
+                    f"hsx verify {run} --repair, then hsx generate --out {run}, then this export again"
+                ) from None
             counts["ok" if rec.ok else "rejected"] += 1
             if rec.ok:
                 yield line(rec)

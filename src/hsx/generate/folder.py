@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from hsx import target
-from hsx.errors import InputError, PlanError, Refused
+from hsx.errors import PlanError, Refused
 from hsx.generate.engine import Engine
 from hsx.generate.options import GenerateOptions
 from hsx.generate.plan import plan_rows, write_gen_plan
 from hsx.generate.spec import EngineIdentity, GenerateSpec, SamplingSpec, generate_differences, load_generate_spec
-from hsx.input import Conversation, Reject, read_conversations
+from hsx.input import Conversation, Reject, check_source, read_conversations
 from hsx.job.folder import refuse_drift, refuse_foreign, remove_stray_temps, require_start
 from hsx.plan import NoUsableSamples, Tokenize
 from hsx.spec import DataFile, PlanIdentity, now, who
@@ -37,9 +36,10 @@ def asked(opts: GenerateOptions) -> dict:
         out["model"] = target.identity(opts.model, model_dir)
         out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
     if opts.data:
-        out["data"] = [DataFile.of(p) for p in opts.data]
+        out["data"] = [DataFile.of(p, opts.split, opts.limit) for p in opts.data]
     for key in ("max_length", "shard_size", "backend", "seed", "turns", "samples_per_prompt", "template_kwargs"):
         out[key] = getattr(opts, key)
+    out["drop"] = sorted(opts.drop) if opts.drop is not None else None
     return out
 
 
@@ -64,18 +64,20 @@ def check_engine(spec: GenerateSpec, engine: Engine) -> None:
         )
 
 
-def _numbered(paths: list[Path]) -> Iterator[tuple[int, Conversation | Reject]]:
-    for file_no, path in enumerate(paths):
-        for item in read_conversations([path]):
-            yield file_no, item
+def _numbered(opts: GenerateOptions) -> Iterator[tuple[int, Conversation | Reject]]:
+    """Each row read, with the number of its source among ``--data``."""
+    number = {str(p): i for i, p in enumerate(opts.data)}
+    for item in read_conversations(opts.data, opts.split, opts.limit):
+        yield number[item.source.file], item
 
 
 def _check_new(opts: GenerateOptions) -> None:
-    """Refuse a new run's folder or data before anything is written there."""
+    """Refuse a new run's folder, model, data or sampling before anything is written there."""
     refuse_foreign(opts.out)
+    target.resolve(opts.model)
+    opts.sampling()  # refuses what cannot be sampled (several samples per prompt, greedy)
     for path in opts.data:
-        if not path.is_file():
-            raise InputError(f"{path}: no such data file")
+        check_source(path, opts.split)
 
 
 def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
@@ -87,7 +89,7 @@ def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
     tokenize = Tokenize(tokenizer, opts.get("max_length"), opts.template_kwargs)
     log(f"planning {len(opts.data)} data file(s) with the model's chat template")
     rows = plan_rows(
-        _numbered(opts.data),
+        _numbered(opts),
         tokenize,
         opts.get("turns"),
         opts.get("samples_per_prompt"),
@@ -134,8 +136,9 @@ def create_spec(opts: GenerateOptions, plan: PlanIdentity, engine: Engine) -> Ge
         shard_size=opts.get("shard_size"),
         dtype=opts.get("dtype"),
         trust_remote_code=opts.trust_remote_code,
-        data=[DataFile.of(p) for p in opts.data],
+        data=[DataFile.of(p, opts.split, opts.limit) for p in opts.data],
         plan=plan,
+        drop=sorted(set(opts.drop or [])),
     )
     spec.save(opts.out)  # last: its presence means the run exists
     (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder

@@ -36,7 +36,7 @@ from hsx.generate.options import GenerateOptions
 from hsx.generate.plan import GenPlan, load_gen_plan, too_long
 from hsx.generate.progress import GenProgress
 from hsx.generate.prompts import Dialogue, Prompter, stop_ids
-from hsx.generate.record import ConversationRecord, Source, encode_record, read_record
+from hsx.generate.record import ConversationRecord, GeneratedTurn, Source, encode_record, read_record
 from hsx.generate.spec import BYTES_PER_TOKEN, GenerateSpec
 from hsx.input import Reject
 from hsx.input import Source as InputSource
@@ -182,6 +182,8 @@ class ConversationLoop:
         self.prompter.answer(d, prompt, completion, outcome.finish_reason)
         self.summary.turns += 1
         self.summary.new_tokens += len(completion)
+        if why := dropped(d.done[-1], self.spec.drop):
+            return self.write(d, why)
         self.advance(d)
 
     def write(self, d: Dialogue, reason: str | None = None) -> None:
@@ -220,6 +222,16 @@ class ConversationLoop:
             self.summary.rejected_now += reason is not None
             new_tokens = sum(len(t.completion_ids) for t in d.done)
             self.progress.add_conversation(int(self.plan.lengths[d.id]), len(d.done), new_tokens, record.size)
+
+
+def dropped(turn: GeneratedTurn, drop: list[str]) -> str | None:
+    """Why ``--drop`` rejects a conversation at this answer, or None: an answer with no text, or one
+    the length limit cut (``--max-new-tokens``, or the room ``--max-length`` left it)."""
+    if "empty" in drop and not turn.text.strip():
+        return f"turn {turn.message}: the generated answer is empty (--drop empty)"
+    if "length" in drop and turn.finish_reason == "length":
+        return f"turn {turn.message}: the generated answer was cut at the length limit (--drop length)"
+    return None
 
 
 def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> GenerateSummary:

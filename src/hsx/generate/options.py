@@ -18,7 +18,7 @@ from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
 from hsx.generate.engine import Sampling
 from hsx.generate.engines import ENGINES, EngineSettings
-from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions
+from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm
 
 DEFAULTS = {
     "backend": "transformers",
@@ -45,6 +45,7 @@ GENERATE = Bounds(
     server_api=Bound(choices=("openai", "sglang")),
     max_pending=AT_LEAST_ONE,
 )
+DROPS = ("empty", "length")  # --drop: answers rejected rather than kept (an empty one; one cut at the length limit)
 
 
 def template_kwargs(text: str | None) -> dict | None:
@@ -66,6 +67,7 @@ class GenerateOptions(JobOptions):
     UNIT: ClassVar[str] = "conversations"
     BOUNDS: ClassVar[Bounds] = GENERATE
 
+    drop: list[str] | None = None  # of DROPS: such answers reject their conversation, with the reason (spec)
     backend: str | None = None
     turns: str | None = None  # all | last
     temperature: float | None = None
@@ -81,6 +83,15 @@ class GenerateOptions(JobOptions):
     server_api: str | None = None  # openai | sglang (None: found out per server)
     server_model: str | None = None  # the served model name (None: the one the server lists)
     max_pending: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if unknown := [d for d in self.drop or [] if d not in DROPS]:
+            raise OptionError(f"--drop takes {', '.join(DROPS)} (comma-separated), not {', '.join(unknown)}")
+        if self.device is not None:
+            check_device(self.device)
+        if self.backend == "vllm":
+            check_vllm("--backend vllm")
 
     def sampling_given(self) -> dict:
         """The sampling options given on the command line, by the spec's names."""
@@ -125,6 +136,7 @@ class GenerateOptions(JobOptions):
             trust_remote_code=trust_remote_code,
             dtype=dtype,
             device=self.device,
+            threads=self.threads,
             seed=seed,
             max_length=max_length,
             stop_ids=stop_ids,

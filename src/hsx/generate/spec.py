@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, model_serializer
 
 from hsx import __version__
 from hsx.errors import SpecError
@@ -71,6 +71,12 @@ class GenerateSpec(BaseModel):
     trust_remote_code: bool = False
     data: list[DataFile]
     plan: PlanIdentity  # num_samples: conversations; num_tokens: the plan's estimate of tokens to store
+    drop: list[str] = []  # --drop: answers that reject their conversation (empty, length)
+
+    @model_serializer(mode="wrap")
+    def _given_only(self, handler) -> dict:
+        """``drop`` only where given: the spec of a run without it reads (and digests) as before."""
+        return {k: v for k, v in handler(self).items() if k != "drop" or v}
 
     def footprint(self) -> Footprint:
         """Conversation files store token ids and texts, no states: no storage codec."""
@@ -123,7 +129,7 @@ def generate_differences(stored: GenerateSpec, asked: dict) -> list[str]:
         have = getattr(stored.sampling, name)
         if want is not None and want != have:
             out.append(f"sampling: {name.replace('_', ' ')}: run has {have}, asked for {want}")
-    for key in ("seed", "turns", "samples_per_prompt", "template_kwargs"):
+    for key in ("seed", "turns", "samples_per_prompt", "template_kwargs", "drop"):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
     if (v := asked.get("engine_version")) is not None and v != stored.engine.version:

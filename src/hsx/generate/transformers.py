@@ -26,7 +26,10 @@ class TransformersEngine(Engine):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.version = f"{transformers.__version__} (torch {torch.__version__})"
+        from hsx.job.options import set_threads
+
         self.device = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        set_threads(settings.threads, self.device)
         dtype = "auto" if settings.dtype == "auto" else getattr(torch, settings.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(
             settings.model_dir, dtype=dtype, trust_remote_code=settings.trust_remote_code

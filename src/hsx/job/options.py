@@ -9,6 +9,7 @@ the job layer prints uses: a refusal, a clean stop, a failed start.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 from collections.abc import Callable
@@ -26,6 +27,8 @@ JOB = Bounds(
     dtype=Bound(choices=("auto", "bfloat16", "float16", "float32")),
     tensor_parallel_size=AT_LEAST_ONE,
     metrics_port=Bound(min=1, max=65535),
+    limit=AT_LEAST_ONE,
+    threads=AT_LEAST_ONE,
 )
 NOT_FLAGS = frozenset({"max_inflight_bytes", "reserve_bytes"})  # the Python API's alone
 FLAG_NAMES = {"servers": "--server", "deep_verify": "--fast-verify"}  # fields whose flag is not their name
@@ -42,6 +45,9 @@ class JobOptions:
     out: Path
     model: str | None = None
     data: list[Path] = field(default_factory=list)
+    split: str | None = None  # of the Hugging Face datasets among data (a new run's; part of the spec)
+    limit: int | None = None  # only the first rows of the data, over all sources (a new run's; in the spec)
+    threads: int | None = None  # CPU: torch's threads (None: torch's own choice)
     max_length: int | None = None
     shard_size: int | None = None
     dtype: str | None = None
@@ -86,9 +92,51 @@ def command_line(verb: str, opts) -> str:
             args += [flag, json.dumps(value)]
         elif isinstance(value, list):
             for item in value:
-                args += [flag, str(Path(item).absolute()) if f.name == "data" else item]
+                local = f.name == "data" and Path(item).exists()  # a dataset's name stays as given
+                args += [flag, str(Path(item).absolute()) if local else item]
         elif f.name == "model" and Path(value).expanduser().exists():
             args += [flag, str(Path(value).expanduser().absolute())]
         else:
             args += [flag, str(value.absolute() if isinstance(value, Path) else value)]
     return shlex.join(args)
+
+
+def check_device(device: str) -> None:
+    """A device this machine has; refused before a run folder is made or a dtype chosen for it."""
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError):
+        d = None
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise OptionError(f"--device takes cpu, cuda or cuda:N, not {device!r}")
+    if d.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise OptionError(f"--device {device}: {why}; use --device cpu")
+    n = torch.cuda.device_count()
+    if d.index is not None and d.index >= n:
+        raise OptionError(f"--device {device}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+
+
+def check_vllm(what: str) -> None:
+    """vLLM is installed, or ``what`` is refused by name before anything is written."""
+    if importlib.util.find_spec("vllm") is None:
+        raise OptionError(f"{what} needs vLLM, which is not installed here: pip install vllm (see docs/vllm.md)")
+
+
+def set_threads(threads: int | None, device: str) -> None:
+    """``--threads``: torch's CPU threads for this process's model (on a shared machine torch's default,
+    one per core, can run many times slower than one); None keeps torch's choice."""
+    if threads is not None and device == "cpu":
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def default_device() -> str:
+    import torch  # here, not at import: a resume with nothing to do never loads torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
