@@ -96,7 +96,7 @@ def command_line(verb: str, opts) -> str:
         elif isinstance(value, list):
             for item in value:
                 local = f.name == "data" and Path(item).exists()  # a dataset's name stays as given
-                args += [flag, str(Path(item).absolute()) if local else item]
+                args += [flag, str(Path(item).absolute()) if local else str(item)]
         elif f.name == "model" and Path(value).expanduser().exists():
             args += [flag, str(Path(value).expanduser().absolute())]
         else:
