@@ -385,8 +385,7 @@ def test_fp8_checkpoint_extraction_resumes_after_kill9_byte_identically(tmp_path
     import subprocess
     import sys
 
-    from conftest import conversations, write_jsonl
-    from test_crash import _kill_after
+    from conftest import conversations, kill_after_new_files, write_jsonl
 
     if (blocker := _fp8_blocker()) is not None:
         pytest.skip(FP8_GEMM.format(blocker))
@@ -402,7 +401,7 @@ def test_fp8_checkpoint_extraction_resumes_after_kill9_byte_identically(tmp_path
     for _ in range(2):
         cmd = [sys.executable, "-m", "hsx", *map(str, args), "--out", str(out)]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _kill_after(proc, out, 8, seed=0)
+        kill_after_new_files(proc, out, 8, seed=0)
         assert proc.returncode == -signal.SIGKILL and len(run_files(out)) < 60
     refused = hsx("extract", "--out", out, "--quantized-compute", "dequantized", check=False)
     assert (

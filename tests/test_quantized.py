@@ -283,7 +283,7 @@ def test_tp2_and_tp2_ep2_of_the_packed_model_equal_one_process_but_for_near_ties
 def test_kill9_of_a_packed_run_at_progress_points_then_resume_is_byte_identical(models, tmp_path):
     """Two kills, each after k new sample files (k seeded, the seed printed), then a resume:
     the files equal an uninterrupted run's byte for byte, and none is rewritten once verified."""
-    from test_crash import _kill_after
+    from conftest import kill_after_new_files
 
     data = write_jsonl(tmp_path / "convs.jsonl", conversations(24, start=300))
 
@@ -305,7 +305,7 @@ def test_kill9_of_a_packed_run_at_progress_points_then_resume_is_byte_identical(
         proc = subprocess.Popen(
             [sys.executable, "-m", "hsx", *map(str, args(out))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        _kill_after(proc, out, rng.randint(1, 6), seed)
+        kill_after_new_files(proc, out, rng.randint(1, 6), seed)
         assert proc.returncode == -signal.SIGKILL, f"seed {seed}: kill {i} did not land mid-run"
         assert len(run_files(out)) < 24, f"seed {seed}: kill {i} came after the run had finished"
         now = verified_files(out)

@@ -134,10 +134,8 @@ def gemm_operands(values: torch.Tensor, scales: torch.Tensor, weight: torch.Tens
     k_blocks = weight_scale.shape[1]
     if k_blocks % 4:
         weight_scale = F.pad(weight_scale, (0, -k_blocks % 4), value=1.0)
-    scale_a = scales
-    if scales.stride() != (1, scales.shape[0]):  # fp8_linear's come so from its quantizing kernel
-        scale_a = torch.empty_strided(scales.shape, (1, scales.shape[0]), dtype=scales.dtype, device=scales.device)
-        scale_a.copy_(scales)  # strides (1, M') even for one column block, where .contiguous() would give (1, 1)
+    scale_a = torch.empty_strided(scales.shape, (1, scales.shape[0]), dtype=scales.dtype, device=scales.device)
+    scale_a.copy_(scales)  # strides (1, M') even for one column block, where .contiguous() would give (1, 1)
     return values, weight.t(), scale_a, weight_scale.contiguous().t()
 
 
@@ -168,14 +166,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
     weight's zero-padded columns) to [..., N] in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
-    rows = flat.shape[0]
-    # Padded here (whole column blocks, tokens to a multiple of 16) and the scales written
-    # column-major, so that in a compiled layer the quantizing kernel itself lays the operands out
-    # as cuBLAS reads them and the GEMM op copies nothing around scaled_mm.
-    flat = F.pad(flat, (0, weight.shape[1] - k, 0, -rows % 16))
+    if weight.shape[1] != k:
+        flat = F.pad(flat, (0, weight.shape[1] - k))
     values, scales = quantize_activations(flat)
-    scales = scales.t().contiguous().t()
-    out = torch.ops.hsx.fp8_block_mm(values, scales, weight, scale_inv)[:rows].to(x.dtype)
+    out = torch.ops.hsx.fp8_block_mm(values, scales, weight, scale_inv).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
