@@ -21,7 +21,7 @@ TOL = 1e-5
 def samples():
     tok = load_tokenizer(TINY, False)
     tokenize = Tokenize(tok, 4096)
-    return [tokenize(normalize(r, Source("f", i, ""))) for i, r in enumerate(conversations(12, start=100))]
+    return [tokenize(normalize(r, Source("f", i, ""))).samples[0] for i, r in enumerate(conversations(12, start=100))]
 
 
 @pytest.fixture(scope="module")

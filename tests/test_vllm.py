@@ -174,6 +174,8 @@ def test_token_ids_that_are_not_the_plans_stop_the_run(vllm, reference):
         feeder.finished(out)
 
 
-def test_resume_with_another_backend_is_refused(reference):
+def test_resume_with_another_backend_is_refused(vllm, reference):
+    """Where vLLM is installed the run's spec refuses it; where it is not, the options do first
+    (tests/test_cli.py's refusals)."""
     with pytest.raises(Refused, match="backend: run has transformers, asked for vllm"):
         extract(ExtractOptions(out=reference, backend="vllm"), log=lambda m: None)

@@ -63,7 +63,7 @@ def pace(points: list[Point], window: float = WINDOW) -> Pace | None:
 
 def check(p: Pace | None, complete: bool, now: float | None = None) -> Check:
     if p is None:
-        return Check("pace", "ok", "no metrics history yet (a running extractor adds a line a minute)")
+        return Check("pace", "ok", "no metrics history yet (a running job adds a line a minute)")
     now = time.time() if now is None else now
     age = duration(now - p.last.time)
     data = {
