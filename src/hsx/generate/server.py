@@ -304,22 +304,7 @@ class ServerEngine(Engine):
         return models[0]
 
     def _openai(self, url: str, request: Request) -> Outcome:
-        s = request.sampling
-        body = {
-            "model": self.model,
-            "prompt": list(request.prompt_ids),
-            "max_tokens": s.max_new_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k or -1,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "seed": request.seed,
-            "n": 1,
-            "stream": False,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-        }
+        body = {"model": self.model, "prompt": list(request.prompt_ids), **_sampling(request)}
         choice = (self._post(url, "/v1/completions", body).get("choices") or [{}])[0]
         ids, prompt = choice.get("token_ids"), choice.get("prompt_token_ids")
         if ids is None or prompt is None:
@@ -330,7 +315,6 @@ class ServerEngine(Engine):
         return _outcome(request, prompt, ids, choice.get("finish_reason"))
 
     def _chat(self, url: str, request: Request) -> Outcome:
-        s = request.sampling
         chat = json.loads(request.chat or "{}")
         body = {
             "model": self.model,
@@ -338,17 +322,7 @@ class ServerEngine(Engine):
             **({"tools": chat["tools"]} if chat.get("tools") else {}),
             "chat_template_kwargs": chat.get("template_kwargs") or {},
             "add_generation_prompt": True,
-            "max_tokens": s.max_new_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k or -1,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "seed": request.seed,
-            "n": 1,
-            "stream": False,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
+            **_sampling(request),
         }
         answer = self._post(url, "/v1/chat/completions", body)
         choice = (answer.get("choices") or [{}])[0]
@@ -437,3 +411,22 @@ def open(settings: EngineSettings) -> ServerEngine:
     if settings.max_pending:
         engine.max_pending = settings.max_pending
     return engine
+
+
+def _sampling(request: Request) -> dict:
+    """What vLLM's completion and chat endpoints both take: the request's sampling, exactly one
+    choice, and the token ids of prompt and completion."""
+    s = request.sampling
+    return {
+        "max_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k or -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "seed": request.seed,
+        "n": 1,
+        "stream": False,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
