@@ -104,6 +104,19 @@ class PlanIdentity(BaseModel):
     rendering: dict[str, int] = {}
     ignored_fields: dict[str, int] = {}
 
+    @classmethod
+    def of(cls, info, rejected: int) -> PlanIdentity:
+        """The identity of a plan just written (``hsx.plan.PlanInfo``) and the rows it rejected."""
+        return cls(
+            fingerprint=info.fingerprint,
+            num_samples=info.num_samples,
+            num_tokens=info.num_tokens,
+            num_truncated=info.num_truncated,
+            num_rejected=rejected,
+            rendering=info.rendering,
+            ignored_fields=info.ignored_fields,
+        )
+
 
 class Parallel(BaseModel):
     """How one model replica is laid over the devices of a node. Part of the spec, since the

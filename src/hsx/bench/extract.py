@@ -191,13 +191,7 @@ def synthetic_run(
         compiled=compiled,
         codec=codec,
         data=[],
-        plan=PlanIdentity(
-            fingerprint=info.fingerprint,
-            num_samples=info.num_samples,
-            num_tokens=info.num_tokens,
-            num_truncated=0,
-            num_rejected=0,
-        ),
+        plan=PlanIdentity.of(info, 0),
     )
     spec.save(run)
     return spec, Plan(run)

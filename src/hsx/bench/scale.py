@@ -59,13 +59,7 @@ def build_run(run: Path, samples: int, tokens: int, shard_size: int, threads: in
         batch_tokens=max(tokens, 4096),
         shard_size=shard_size,
         data=[],
-        plan=PlanIdentity(
-            fingerprint=info.fingerprint,
-            num_samples=info.num_samples,
-            num_tokens=info.num_tokens,
-            num_truncated=0,
-            num_rejected=0,
-        ),
+        plan=PlanIdentity.of(info, 0),
     )
     h = model.hidden_size
     # one pool of random states; each sample is a contiguous window of it at its own offset

@@ -149,15 +149,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         quantized_compute=compute,
         data=data_files(opts.data, opts.split, opts.limit),
         generate_spec=source_spec,
-        plan=PlanIdentity(
-            fingerprint=info.fingerprint,
-            num_samples=info.num_samples,
-            num_tokens=info.num_tokens,
-            num_truncated=info.num_truncated,
-            num_rejected=len(rejects),
-            rendering=info.rendering,
-            ignored_fields=info.ignored_fields,
-        ),
+        plan=PlanIdentity.of(info, len(rejects)),
     )
     spec.save(opts.out)  # last: its presence means the run exists
     (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
