@@ -31,6 +31,7 @@ import psutil
 from hsx import registry
 from hsx.errors import CleanStop, Locked, Refused, WorkerFailed
 from hsx.extract.folder import open_run
+from hsx.extract.follow import unchanged
 from hsx.extract.options import ExtractOptions
 from hsx.job.prologue import Prologue, locked
 from hsx.job.resume import Summary
@@ -140,6 +141,7 @@ def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print
             return progress.metrics() | {"workers": opts.workers}
 
         with locked(opts, metrics, log, command=f"extract --workers {opts.workers}") as lock:
+            unchanged(opts.out, spec)
             session["driver"] = registry.driver_id(lock.me)
             registry.settle(opts.out, lock.me, log)
             try:
