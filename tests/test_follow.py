@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import TINY, conversations, write_jsonl
+from conftest import TINY, conversations, hsx, write_jsonl
 from hsx.assess.status import assess
 from hsx.data import HsxDataset
 from hsx.errors import Refused
@@ -26,6 +26,7 @@ from hsx.generate.samples import NOT_GENERATED
 from hsx.plan import load_plan
 from hsx.spec import load_spec
 from hsx.store import layout
+from test_export import export, manifest_ok
 
 GEN_SHARD = 2  # conversation files per shard of the generate run
 SHARD = 3  # samples per shard of the extraction: the first growth lands in a sealed, partial shard
@@ -78,6 +79,9 @@ def test_a_resume_plans_what_the_generate_run_finished_since(finished, tmp_path)
     assert (layout.shard_dir(out, 1) / layout.SEALED).exists()  # sample 3 alone, sealed
     assert sorted(r["row"] for r in _rejects(out)) == [2, 5]
     spec_bytes, before = (out / layout.SPEC).read_bytes(), _files(out)
+    dest = tmp_path / "mo"  # an export of what there is; the grown run continues it below
+    export(out, dest, "--to", "modelopt")
+    assert len(manifest_ok(dest, 4)["samples"]) == 4
 
     # conversation 2 is generated since: the next resume (no option given) plans it as sample 4
     shutil.copy2(layout.sample_path(finished, 2, GEN_SHARD), layout.sample_path(gen, 2, GEN_SHARD))
@@ -118,13 +122,15 @@ def test_a_resume_plans_what_the_generate_run_finished_since(finished, tmp_path)
         _resume(out, data=[gen])
     shutil.move(moved, layout.sample_path(gen, 0, GEN_SHARD))
 
-    # back as it was, and named on the resume: conversation 5 becomes sample 5, no reject is left
+    # back as it was, and named on the real command line: conversation 5 becomes sample 5, no reject is left
     stale = (out / layout.REJECTS).read_bytes()
-    summary, logged = _resume(out, data=[gen])
-    assert summary.complete and summary.written == 1, logged
+    proc = hsx("extract", "--out", out, "--data", gen, "--threads", 1)
+    assert "plan grew: 1 conversations" in proc.stderr and "0 still wait" in proc.stderr, proc.stderr
     assert load_spec(out).plan.num_samples == 6 and _rejects(out) == []
     assert len(HsxDataset(out)) == 6
     assert assess(out).get("progress").data["not_generated"] == 0
+    export(out, dest, "--to", "modelopt")  # the same export, continued: the samples it had keep their index
+    assert [m["sample_id"] for m in manifest_ok(dest, 6)["samples"]] == list(range(6))
 
     # a crash after the growth was recorded, before the rejects were rewritten: the next resume
     # rewrites them, and plans nothing twice

@@ -103,14 +103,21 @@ class PlanIdentity(BaseModel):
     # key, and metadata fields -> rows holding them; empty in runs made before hsx counted them
     rendering: dict[str, int] = {}
     ignored_fields: dict[str, int] = {}
-    # files under plan/ appended after plan.parquet, in order (``PlanGrowth``); empty until the plan grew
+    # files under plan/ appended after plan.parquet, in order, and the fingerprint of the plan as the
+    # spec recorded it (``PlanGrowth``); empty until the plan grew
     parts: list[str] = []
+    grown_from: str | None = None
+
+    @property
+    def origin(self) -> str:
+        """The fingerprint of the plan as first written: what a grown plan still is the growth of."""
+        return self.grown_from or self.fingerprint
 
     @model_serializer(mode="wrap")
-    def _parts_once_grown(self, handler) -> dict:
-        """``parts`` only once there are some: a plan that never grew is written as before, so a
-        digest over a spec (an extraction records its generate run's) stays what it was."""
-        return {k: v for k, v in handler(self).items() if k != "parts" or v}
+    def _growth_once_grown(self, handler) -> dict:
+        """``parts`` and ``grown_from`` only once the plan grew: one that never did is written as
+        before, so a digest over a spec (an extraction records its generate run's) stays what it was."""
+        return {k: v for k, v in handler(self).items() if k not in ("parts", "grown_from") or v}
 
     @classmethod
     def of(cls, info, rejected: int) -> PlanIdentity:

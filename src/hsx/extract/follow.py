@@ -114,6 +114,7 @@ def _grow(
             "num_truncated": spec.plan.num_truncated + part.num_truncated,
             "num_rejected": rejected,
             "parts": parts,
+            "grown_from": spec.plan.origin,
         }
     )
     record = PlanGrowth(extensions=extensions, waiting=left, plan=identity, data=[gen.identity(skip=set(left))])

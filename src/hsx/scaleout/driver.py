@@ -35,7 +35,7 @@ from hsx.extract.follow import unchanged
 from hsx.extract.options import ExtractOptions
 from hsx.job.prologue import Prologue, locked
 from hsx.job.resume import Summary
-from hsx.job.space import largest_batch_bytes
+from hsx.job.space import Measured, largest_batch_bytes, projected_bytes, stored_ratio
 from hsx.lock import BEAT_EVERY, Liveness, RunLock, read_holder
 from hsx.plan import load_plan
 from hsx.progress import Progress
@@ -260,8 +260,9 @@ def _extract(
             done = {i for s in scans for i in s.good}
             summary.already_done = len(done) - summary.written
             left = int(plan.lengths.sum()) - int(sum(int(plan.lengths[i]) for i in done))
-            path = layout.shard_dir(run, stopped.shard)
-            raise CleanStop(summary, left * spec.bytes_per_token, path, stopped.error)
+            ratio = stored_ratio(spec, Measured.on_disk(spec, plan.lengths, scans))  # the codec's, as measured
+            needed = projected_bytes(left, len(plan) - len(done), spec.bytes_per_token, ratio)
+            raise CleanStop(summary, needed, layout.shard_dir(run, stopped.shard), stopped.error)
         raise WorkerFailed(
             f"worker pid {stopped.pid} on {stopped.host} failed on shard {stopped.shard}: "
             f"{stopped.error}\nVerified work is kept; fix the cause, then resume: "
