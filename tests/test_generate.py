@@ -327,7 +327,8 @@ def test_extract_takes_the_generated_ids_as_they_are(gen_run, tmp_path):
 
 def test_an_unfinished_generate_run_is_extracted_only_when_asked(gen_run, tmp_path):
     from hsx.extract import ExtractOptions, extract
-    from hsx.plan import Plan
+    from hsx.plan import Plan, load_plan
+    from hsx.spec import load_spec
 
     gen = tmp_path / "gen"
     shutil.copytree(gen_run[1], gen)
@@ -346,12 +347,19 @@ def test_an_unfinished_generate_run_is_extracted_only_when_asked(gen_run, tmp_pa
     assert (progress.data["not_generated"], progress.data["generated_since"]) == (1, 0)
     assert "1 still wait for generation" in " ".join(progress.details)
     shutil.copy2(layout.sample_path(gen_run[1], 4, 3), layout.sample_path(gen, 4, 3))  # generated since
-    progress = assess(tmp_path / "y").get("progress")
+    report = assess(tmp_path / "y")
+    progress = report.get("progress")
     assert (progress.data["not_generated"], progress.data["generated_since"]) == (1, 1)
-    with pytest.raises(Refused) as refused:  # the same path is named once, with what changed
-        extract(ExtractOptions(out=tmp_path / "y", data=[gen], allow_incomplete=True), log=lambda m: None)
+    assert report.resume and any("a resume plans them" in line for line in report.next), report.next
+    extract(ExtractOptions(out=tmp_path / "y", data=[gen]), log=lambda m: None)  # the resume takes it (test_follow)
+    assert len(load_plan(tmp_path / "y", load_spec(tmp_path / "y"))) == CONVS
+    progress = assess(tmp_path / "y").get("progress")
+    assert (progress.data["not_generated"], progress.data["generated_since"]) == (0, 0)
+    layout.sample_path(gen, 0, 3).unlink()  # a conversation it planned is gone: named once, with what changed
+    with pytest.raises(Refused) as refused:
+        extract(ExtractOptions(out=tmp_path / "y", data=[gen]), log=lambda m: None)
     (diff,) = [line for line in str(refused.value).splitlines() if line.startswith("  - data:")]
-    assert diff.count(str(gen.resolve())) == 1 and "7 conversation files then, 8 now" in diff, diff
+    assert diff.count(str(gen.resolve())) == 1 and "8 files then, 7 of them now" in diff, diff
 
 
 def test_a_template_that_rewrites_history_gives_one_sample_per_turn(tmp_path):

@@ -131,7 +131,7 @@ class HsxDataset(Dataset):
     ):
         self.run = Path(run)
         self.spec = load_spec(self.run)
-        self.plan = Plan(self.run)
+        self.plan = Plan(self.run, self.spec.plan.parts)
         self.verify = verify
         self.keep_fp8 = keep_fp8
         self.layers = list(self.spec.layers)

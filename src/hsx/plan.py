@@ -15,10 +15,14 @@ sample of its own, the conversation up to it. What a template leaves out is coun
 
 The plan is written once into ``OUT/plan/plan.parquet`` with its fingerprint (a digest of the
 token content, not of the file bytes). Sample id = row index in the plan. Resume reads only this.
+An extraction of an unfinished generate run may grow its plan later: samples are appended in parts
+(``write_part``, ``extract.follow``), never changed, and each part is batched on its own, so the
+samples planned before are computed in the same batches as ever (invariant 7).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -34,7 +38,7 @@ import xxhash
 
 from hsx.errors import PlanError
 from hsx.input import Conversation, Reject, ToolCall, to_message, tools_of
-from hsx.store.layout import PLAN_DIR, PLAN_FILE
+from hsx.store.layout import PLAN_DIR, PLAN_FILE, part_name
 
 PLAN_META = "plan.json"
 
@@ -237,19 +241,21 @@ def tokenize_all(items: Iterable[Conversation | Reject], tokenize: Tokenize) -> 
 
 
 class PlanBuilder:
-    """Streams samples into a Parquet file and computes the plan fingerprint on the way."""
+    """Streams samples into a Parquet file and computes the plan fingerprint on the way (``first_id``:
+    the id of the first sample, where the file is a part appended to a plan)."""
 
-    def __init__(self, path: Path, rows_per_group: int = 4096):
+    def __init__(self, path: Path, rows_per_group: int = 4096, first_id: int = 0):
         self.path = path
         self.writer = pq.ParquetWriter(path, SCHEMA, compression="zstd")
         self.rows: list[Sample] = []
         self.rows_per_group = rows_per_group
         self.hash = xxhash.xxh3_128()
+        self.first_id = first_id
         self.num_samples = 0
         self.num_tokens = 0
 
     def add(self, sample: Sample) -> None:
-        self.hash.update(_sample_digest_input(self.num_samples, sample.input_ids, sample.loss_mask))
+        self.hash.update(_sample_digest_input(self.first_id + self.num_samples, sample.input_ids, sample.loss_mask))
         self.num_samples += 1
         self.num_tokens += len(sample.input_ids)
         self.rows.append(sample)
@@ -304,12 +310,15 @@ class PlanInfo:
 
 
 class Plan:
-    """The frozen plan of a run, held in memory (ids and masks are small next to hidden states)."""
+    """The frozen plan of a run, held in memory (ids and masks are small next to hidden states):
+    ``plan.parquet`` and the ``parts`` appended since (the spec's ``plan.parts``), in order."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, parts: Iterable[str] = ()):
         self.dir = run_dir / PLAN_DIR
-        table = pq.read_table(self.dir / PLAN_FILE)
+        tables = [pq.read_table(self.dir / name) for name in (PLAN_FILE, *parts)]
         self.info = PlanInfo(**json.loads((self.dir / PLAN_META).read_text()))
+        self.bounds = np.cumsum([0] + [t.num_rows for t in tables])  # part k holds ids bounds[k]..bounds[k+1]-1
+        table = pa.concat_tables(tables)
         self._ids = table.column("input_ids").combine_chunks()
         self._mask = table.column("loss_mask").combine_chunks()
         self.truncated = table.column("truncated").to_numpy(zero_copy_only=False)
@@ -335,50 +344,98 @@ class Plan:
             h.update(_sample_digest_input(i, self.input_ids(i), self.loss_mask(i)))
         return h.hexdigest()
 
+    def batches(self, ids: Iterable[int], budget: int, packed: bool) -> list[Batch]:
+        """``batches_for`` each part's share of ``ids`` (one shard's) apart: a part appended later never
+        changes the batches of the samples planned before it."""
+        ids = sorted(ids)
+        cuts = [0, *np.searchsorted(ids, self.bounds[1:-1]).tolist(), len(ids)]
+        return [b for lo, hi in itertools.pairwise(cuts) for b in batches_for(ids[lo:hi], self.lengths, budget, packed)]
+
+
+@dataclass
+class Written:
+    """What streaming samples into one Parquet file of a plan gave (``_stream``)."""
+
+    builder: PlanBuilder
+    fingerprint: str
+    truncated: int
+    rejects: list[Reject]
+    rendering: Counter
+    ignored: Counter
+
+
+def _stream(path: Path, items: Iterable[Sample | Reject | Notes], first_id: int, allow_empty: bool) -> Written:
+    """Write the samples of ``items`` durably to ``path`` (a temp file first: never half a file under
+    its name), keeping the rejects and summing the notes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    builder = PlanBuilder(tmp, first_id=first_id)
+    out = Written(builder, "", 0, [], Counter(), Counter())
+    try:
+        for item in items:
+            if isinstance(item, Reject):
+                out.rejects.append(item)
+            elif isinstance(item, Notes):
+                out.rendering.update(item.counts)
+                out.ignored.update(item.ignored)
+            else:
+                builder.add(item)
+                out.truncated += item.truncated
+        out.fingerprint = builder.close()
+        if builder.num_samples == 0 and not allow_empty:
+            raise NoUsableSamples(out.rejects)
+    except BaseException:  # an unreadable file, no usable row, Ctrl-C: no half-written plan stays behind
+        builder.writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    from hsx.store.durable import durable_rename
+
+    durable_rename(tmp, path)
+    return out
+
 
 def write_plan(
     run_dir: Path, samples: Iterable[Sample | Reject | Notes], max_length: int
 ) -> tuple[PlanInfo, list[Reject]]:
     """Write the plan once; rejects are returned for the caller to record, notes summed into the info."""
-    plan_dir = run_dir / PLAN_DIR
-    plan_dir.mkdir(parents=True, exist_ok=True)
-    tmp = plan_dir / f".{PLAN_FILE}.tmp-{os.getpid()}"
-    builder = PlanBuilder(tmp)
-    rejects: list[Reject] = []
-    truncated = 0
-    rendering: Counter = Counter()
-    ignored: Counter = Counter()
-    try:
-        for item in samples:
-            if isinstance(item, Reject):
-                rejects.append(item)
-            elif isinstance(item, Notes):
-                rendering.update(item.counts)
-                ignored.update(item.ignored)
-            else:
-                builder.add(item)
-                truncated += item.truncated
-        fingerprint = builder.close()
-        if builder.num_samples == 0:
-            raise NoUsableSamples(rejects)
-    except BaseException:  # an unreadable file, no usable row, Ctrl-C: no half-written plan stays behind
-        builder.writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    from hsx.store.durable import durable_rename, write_durable
+    from hsx.store.durable import write_durable
 
-    durable_rename(tmp, plan_dir / PLAN_FILE)
+    w = _stream(run_dir / PLAN_DIR / PLAN_FILE, samples, 0, allow_empty=False)
     info = PlanInfo(
-        fingerprint,
-        builder.num_samples,
-        builder.num_tokens,
-        truncated,
+        w.fingerprint,
+        w.builder.num_samples,
+        w.builder.num_tokens,
+        w.truncated,
         max_length,
-        {k: rendering[k] for k in COUNTS if rendering[k]},
-        dict(sorted(ignored.items())),
+        {k: w.rendering[k] for k in COUNTS if w.rendering[k]},
+        dict(sorted(w.ignored.items())),
     )
-    write_durable(plan_dir / PLAN_META, json.dumps(info.__dict__, indent=1).encode())
-    return info, rejects
+    write_durable(run_dir / PLAN_DIR / PLAN_META, json.dumps(info.__dict__, indent=1).encode())
+    return info, w.rejects
+
+
+@dataclass(frozen=True)
+class Part:
+    """Samples appended to a plan (``write_part``): its file (None when every item was a reject)."""
+
+    name: str | None
+    first_id: int
+    num_samples: int
+    num_tokens: int
+    num_truncated: int
+    rejects: list[Reject]
+
+
+def write_part(run_dir: Path, n: int, items: Iterable[Sample | Reject], first_id: int) -> Part:
+    """Append the samples of ``items`` to the run's plan as its ``n``-th part, ids from ``first_id``.
+    The part counts only once the caller records it (``spec.PlanGrowth``): until then it is a file
+    no reader opens, and the next growth writes it again."""
+    path = run_dir / PLAN_DIR / part_name(n)
+    w = _stream(path, items, first_id, allow_empty=True)
+    b = w.builder
+    if b.num_samples == 0:
+        path.unlink()
+    return Part(path.name if b.num_samples else None, first_id, b.num_samples, b.num_tokens, w.truncated, w.rejects)
 
 
 @dataclass(frozen=True)
@@ -424,7 +481,7 @@ def batches_for(ids: Iterable[int], lengths: np.ndarray, budget: int, packed: bo
 def load_plan(run: Path, spec) -> Plan:
     """The run's plan, refused unless it matches the spec's fingerprint (ids and masks come from it)."""
     try:
-        plan = Plan(run)
+        plan = Plan(run, spec.plan.parts)
     except (OSError, ValueError) as e:
         raise PlanError(f"the plan in {run / PLAN_DIR} is unreadable ({e})") from e
     if len(plan) != spec.plan.num_samples or plan.fingerprint() != spec.plan.fingerprint:

@@ -103,6 +103,21 @@ class PlanIdentity(BaseModel):
     # key, and metadata fields -> rows holding them; empty in runs made before hsx counted them
     rendering: dict[str, int] = {}
     ignored_fields: dict[str, int] = {}
+    # files under plan/ appended after plan.parquet, in order, and the fingerprint of the plan as the
+    # spec recorded it (``PlanGrowth``); empty until the plan grew
+    parts: list[str] = []
+    grown_from: str | None = None
+
+    @property
+    def origin(self) -> str:
+        """The fingerprint of the plan as first written: what a grown plan still is the growth of."""
+        return self.grown_from or self.fingerprint
+
+    @model_serializer(mode="wrap")
+    def _growth_once_grown(self, handler) -> dict:
+        """``parts`` and ``grown_from`` only once the plan grew: one that never did is written as
+        before, so a digest over a spec (an extraction records its generate run's) stays what it was."""
+        return {k: v for k, v in handler(self).items() if k not in ("parts", "grown_from") or v}
 
     @classmethod
     def of(cls, info, rejected: int) -> PlanIdentity:
@@ -265,18 +280,56 @@ def same_place(a: str, b: str) -> bool:
     return a == b
 
 
+class Extension(BaseModel):
+    """One growth of a plan: the samples of conversations its generate run finished since."""
+
+    part: str | None  # the file under plan/ holding the samples; None when they all became rejects
+    first_id: int  # the first sample id it added
+    num_samples: int
+    conversations: list[int]  # the generate run's conversation ids it took
+    rejects: list[dict]  # those of them not planned, with the reason (lines of rejects.jsonl)
+    recorded: str  # when (UTC, ISO 8601)
+    by: str  # user@host
+
+
+class PlanGrowth(BaseModel):
+    """``OUT/plan/growth.json``: an extraction of an unfinished generate run, grown as the generate run
+    finished conversations. Replaced whole (atomically) at each growth, by a resume under the run's
+    lock; the spec and every sample id already planned stay as they were. ``load_spec`` reads the run's
+    plan and data from it, so every reader sees the grown plan."""
+
+    extensions: list[Extension]
+    waiting: list[int]  # the generate run's conversation ids still not generated
+    plan: PlanIdentity  # the whole plan now
+    data: list[DataFile]  # the generate run as last read (its planned conversations)
+
+
+def plan_growth(run: Path) -> PlanGrowth | None:
+    """The run's growth record, or None when its plan never grew."""
+    path = run / layout.PLAN_DIR / layout.GROWTH
+    try:
+        return PlanGrowth.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (ValidationError, ValueError) as e:
+        raise SpecError(f"{path} is unreadable or damaged: {str(e).splitlines()[0]}") from e
+
+
 def load_spec(run: Path) -> RunSpec:
+    """The run's spec, with its plan and data as grown since (``PlanGrowth``), if they grew."""
     path = run / layout.SPEC
     try:
         raw = path.read_bytes()
         body = json.loads(raw)
         if isinstance(body, dict) and body.get("kind") == "generate":  # hsx.generate.spec's run
             raise SpecError(f"{run} is a generate run (hsx generate), not an extraction: extract it with --data {run}")
-        return RunSpec.model_validate_json(raw)
+        spec = RunSpec.model_validate_json(raw)
     except FileNotFoundError as e:
         raise SpecError(f"{run} has no run spec ({layout.SPEC}): not an hsx run folder") from e
     except (ValidationError, ValueError, json.JSONDecodeError) as e:
         raise SpecError(f"{path} is unreadable or damaged: {str(e).splitlines()[0]}") from e
+    growth = plan_growth(run)
+    return spec if growth is None else spec.model_copy(update={"plan": growth.plan, "data": growth.data})
 
 
 def differences(stored: JobSpec, asked: dict) -> list[str]:
@@ -319,11 +372,12 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
             out.append(f"data: {names} differ from the run's data ({have}) in content, order, split or limit")
         elif (
             getattr(stored, "generate_spec", None) is not None
-        ):  # the same generate run, which wrote or lost files since
+        ):  # the same generate run, which lost or rewrote a conversation this run planned
             then, now = stored.data[0].size, data[0].size
             out.append(
-                f"data: the generate run {have} changed since this run was planned ({then} conversation "
-                f"files then, {now} now); an extraction takes a generate run as it was: extract it into a new run"
+                f"data: the conversations of the generate run {have} that this run planned changed since "
+                f"({then} files then, {now} of them now, or their bytes differ); an extraction keeps what it "
+                "planned as it was: extract the generate run into a new run"
             )
         else:
             out.append(f"data: {have} is not what the run read: it differs in content, order, split or limit")

@@ -53,7 +53,7 @@ def inspect(run: Path) -> RunFiles:
         "plan_ok": False,
     }
     try:
-        plan = GenPlan(run) if isinstance(spec, GenerateSpec) else Plan(run)
+        plan = GenPlan(run) if isinstance(spec, GenerateSpec) else Plan(run, spec.plan.parts)
     except (OSError, ValueError, KeyError, TypeError) as e:
         return RunFiles(
             Check(
@@ -81,7 +81,7 @@ def inspect(run: Path) -> RunFiles:
             None,
         )
     data["plan_ok"] = True
-    plan_bytes = (run / PLAN_DIR / PLAN_FILE).stat().st_size
+    plan_bytes = sum((run / PLAN_DIR / f).stat().st_size for f in (PLAN_FILE, *spec.plan.parts))
     return RunFiles(
         Check(
             "spec",

@@ -161,8 +161,8 @@ def _waiting(progress: Check, run: Path, gen: Path) -> None:
     if missing:
         progress.details.append(
             f"{missing:,} conversations of {gen} were not generated when this run was planned, "
-            f"{missing - since:,} still wait for generation; {since:,} generated since are not in this run "
-            "(extract the finished generate run into a new run to take them)"
+            f"{missing - since:,} still wait for generation; {since:,} generated since, which the next resume "
+            "plans as new samples"
         )
 
 
@@ -184,9 +184,12 @@ def _next_steps(report: Report, t: tally.Tally | None, given_model: str | None =
     report.next = [f"fix first: {c.name}: {c.action or c.figure}" for c in act]
     redo = report.exit_code == Exit.REDO
     finished = t is not None and t.complete and not t.complete_unsealed
-    if finished and not redo:
+    since = report.get("progress").data.get("generated_since", 0)  # an extraction following its generate run
+    if finished and not redo and not since:
         report.next.append(f"nothing to resume: all {t.samples_total:,} samples are done and verified")
         return
+    if since:
+        report.next.append(f"{since:,} conversations its generate run finished since wait: a resume plans them")
     report.resume = cmd
     if not act and redo:
         report.next.append(

@@ -116,8 +116,9 @@ class Sink:
     def plan(self):
         if self._plan is None:  # loaded on first use, only in the process that writes
             from hsx.plan import Plan
+            from hsx.spec import load_spec
 
-            self._plan = Plan(self.cfg.run)
+            self._plan = Plan(self.cfg.run, load_spec(self.cfg.run).plan.parts)
         return self._plan
 
     def write(self, prompts: list[Prompt], cache: torch.Tensor, block_size: int) -> None:

@@ -221,7 +221,7 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
         "format": EXPORT_FORMAT,
         "to": opts.to,
         "options": fmt.job() | {"draft_vocab": opts.draft_vocab, "target_vocab": vocab_size},
-        "source_plan": spec.plan.fingerprint,
+        "source_plan": spec.plan.origin,  # a plan grown since (extract.follow) is the same export's source
         "source_model": spec.model.fingerprint.config,
         "source_layers": spec.layers,
     }

@@ -14,6 +14,7 @@ from pathlib import Path
 from hsx import target
 from hsx.errors import InputError, PlanError
 from hsx.extract import backends
+from hsx.extract.follow import follow
 from hsx.extract.options import (
     DEFAULTS,
     ExtractOptions,
@@ -40,7 +41,7 @@ def asked(opts: ExtractOptions) -> dict:
         out["model"] = target.identity(opts.model, model_dir)
         out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
     if opts.data:
-        out["data"] = data_files(opts.data, opts.split, opts.limit)
+        out["data"] = data_files(opts.data, opts.split, opts.limit, opts.out)
     for key in ("layers", "max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute"):
         out[key] = getattr(opts, key)
     if opts.dtype not in (None, "auto"):
@@ -53,12 +54,17 @@ def asked(opts: ExtractOptions) -> dict:
     return out
 
 
-def data_files(paths: list[Path], split: str | None = None, limit: int | None = None) -> list[DataFile]:
-    """What the spec records of each data path: a file's size and digest, a Hugging Face dataset's,
-    or a generate run's (``generate.samples.data_file``)."""
-    from hsx.generate.samples import data_file
+def data_files(paths: list[Path], split: str | None, limit: int | None, run: Path) -> list[DataFile]:
+    """What the spec of ``run`` records of each data path: a file's size and digest, a Hugging Face
+    dataset's, or a generate run's (its conversations the run planned: ``GeneratedRun.identity``)."""
+    from hsx.generate.samples import GeneratedRun, not_generated
 
-    return [data_file(p) if is_generate_run(p) else DataFile.of(p, split, limit) for p in paths]
+    def one(p: Path) -> DataFile:
+        if is_generate_run(p):
+            return GeneratedRun.read(p).identity(skip=set(not_generated(run)))
+        return DataFile.of(p, split, limit)
+
+    return [one(p) for p in paths]
 
 
 def _generated_input(opts: ExtractOptions) -> Path | None:
@@ -106,14 +112,14 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     compute = resolve_quantized_compute(opts.quantized_compute, model_dir, device, dtype, parallel, log)
     max_length, codec = given(opts, "max_length"), Codec(given(opts, "codec"))
     opts.out.mkdir(parents=True, exist_ok=True)
-    source_spec = None
+    source_spec, data = None, None
     try:
         if generated is not None:  # the target's own token ids, as generated: nothing is rendered again
             from hsx.generate.samples import plan_samples
 
             digest = target.tokenizer_identity(tokenizer).digest
             gen, samples = plan_samples(generated, digest, max_length, opts.allow_incomplete, log)
-            source_spec = gen.digest()
+            source_spec, data = gen.spec.digest(), [gen.identity()]  # of the listing it planned from
             log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
         else:
             log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
@@ -147,7 +153,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         codec=codec,
         parallel=parallel,
         quantized_compute=compute,
-        data=data_files(opts.data, opts.split, opts.limit),
+        data=data or data_files(opts.data, opts.split, opts.limit, opts.out),
         generate_spec=source_spec,
         plan=PlanIdentity.of(info, len(rejects)),
     )
@@ -164,9 +170,10 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
 
 def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     """The run's spec: created for a new run, checked against the options for an existing one
-    (a ``--model`` must match the fingerprint: ``record_model`` keeps where it now is)."""
+    (a ``--model`` must match the fingerprint: ``record_model`` keeps where it now is), and grown
+    by what its generate run finished since, if it follows one (``extract.follow``)."""
     if not (opts.out / layout.SPEC).exists():
         return create_run(opts, log)
     spec = load_spec(opts.out)
     refuse_drift(opts, differences(spec, asked(opts)))
-    return spec
+    return follow(opts.out, spec, log)

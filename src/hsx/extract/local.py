@@ -14,6 +14,7 @@ from hsx import registry, target
 from hsx.errors import DiskFull
 from hsx.extract.backends import Session, backend, entry
 from hsx.extract.folder import open_run
+from hsx.extract.follow import unchanged
 from hsx.extract.options import ExtractOptions
 from hsx.job.options import set_threads
 from hsx.job.prologue import Prologue, locked
@@ -38,6 +39,7 @@ def extract_local(
     run = opts.out
     progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token, opts.out, opts.log_every)
     with locked(opts, progress.metrics, log) as lock:
+        unchanged(run, spec)
         registry.settle(run, lock.me, log)  # workers of a crashed scale-out driver: gone first
         plan = load_plan(run, spec)
         begun = Prologue.open(opts, spec, plan.lengths, log, measure_first=True)

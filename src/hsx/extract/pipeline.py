@@ -21,7 +21,7 @@ from hsx.capture.memory import check_run
 from hsx.capture.transformers import TransformersBackend
 from hsx.extract.backends import Peers, Resources, Session
 from hsx.job.space import DiskGuard, Forecast
-from hsx.plan import Plan, batches_for
+from hsx.plan import Plan
 from hsx.progress import Progress
 from hsx.spec import RunSpec
 from hsx.staging import Staging, staging_for
@@ -107,7 +107,7 @@ class Extractor:
         """Capture and submit every missing sample of one shard; returns the futures to wait on."""
         missing = set(scan.missing)
         futures: list[Future] = []
-        for batch in batches_for(scan.expected, self.plan.lengths, self.spec.batch_tokens, self.spec.packed):
+        for batch in self.plan.batches(scan.expected, self.spec.batch_tokens, self.spec.packed):
             if missing.isdisjoint(batch.ids):
                 continue
             if self.guard is not None:

@@ -23,7 +23,7 @@ from hsx.capture.vllm_connector import SAMPLE_KEY
 from hsx.errors import BadFile, CaptureFailed, DiskFull
 from hsx.extract.backends import Session
 from hsx.job.space import DiskGuard
-from hsx.plan import Plan, batches_for
+from hsx.plan import Plan
 from hsx.progress import Progress
 from hsx.spec import RunSpec
 from hsx.store import layout
@@ -59,7 +59,7 @@ class VllmFeed:
         for scan in todo:
             self.left[scan.shard] = set(scan.missing)
             self.records[scan.shard] = list(scan.good.values())
-            for b in batches_for(scan.missing, plan.lengths, spec.batch_tokens, packed=True):
+            for b in plan.batches(scan.missing, spec.batch_tokens, packed=True):
                 self.batches.append(list(b.ids))
         self.requests: set[int] = set()  # sample ids enqueued and not finished
         self.inflight = 0  # tokens

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hsx.errors import BadFile, ExportRefused
 from hsx.generate.record import ConversationRecord, read_record
-from hsx.generate.samples import generated
+from hsx.generate.samples import GeneratedRun
 from hsx.store import layout
 from hsx.store.durable import write_parts
 
@@ -85,7 +85,8 @@ def line(rec: ConversationRecord) -> bytes:
 
 
 def export_jsonl(run: Path, dest: Path, allow_incomplete: bool = False) -> Exported:
-    spec, files = generated(run)
+    gen = GeneratedRun.read(run)
+    spec, files = gen.spec, gen.files
     missing = spec.plan.num_samples - len(files)
     if missing and not allow_incomplete:
         raise ExportRefused(

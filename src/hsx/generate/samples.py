@@ -10,12 +10,15 @@ conversation id order. The loss mask is exactly the completion tokens: the targe
   the stop token the target emitted), one sample per turn: its prompt + completion.
 
 A rejected conversation (the generate run said why) and, in an unfinished run, one not generated
-yet become the extraction's rejects, with the reason; nothing is dropped silently.
+yet become the extraction's rejects, with the reason; nothing is dropped silently. A resume of the
+extraction plans those generated since (``extract.follow``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +29,7 @@ from hsx.generate.record import ConversationRecord, read_record
 from hsx.generate.spec import GenerateSpec, load_generate_spec
 from hsx.input import Reject, Source
 from hsx.plan import Sample
-from hsx.spec import DataFile
+from hsx.spec import DataFile, plan_growth
 from hsx.store import layout
 from hsx.store.scan import scan_run
 
@@ -79,71 +82,89 @@ def samples_of(rec: ConversationRecord, run: Path, max_length: int) -> Iterator[
         yield _sample(ids, [(len(t.prompt_ids), len(ids))], max_length, turn_src)
 
 
-def generated(run: Path) -> tuple[GenerateSpec, dict[int, str]]:
-    """The generate run's spec and its verified conversation files (id -> digest), headers checked."""
-    spec = load_generate_spec(run)
-    scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False)
-    return spec, {cid: rec.digest for s in scans for cid, rec in sorted(s.good.items())}
+@dataclass(frozen=True)
+class GeneratedRun:
+    """A generate run as extraction reads it: its spec and its verified conversation files (id ->
+    digest), listed once, so what is planned and what is recorded of it come from one listing."""
 
+    path: Path
+    spec: GenerateSpec
+    files: dict[int, str]
 
-def data_file(run: Path) -> DataFile:
-    """A generate run as the extraction spec records a data file: its path, its number of
-    conversation files, and a digest of its spec and of every file's digest (a resume of the
-    extraction against a generate run that changed since is refused by the drift check)."""
-    spec, files = generated(run)
-    h = xxhash.xxh3_128(spec.digest().encode())
-    for cid, digest in files.items():
-        h.update(f"{cid}:{digest}\n".encode())
-    return DataFile(name=str(run.expanduser().resolve()), size=len(files), digest=h.hexdigest())
+    @classmethod
+    def read(cls, run: Path) -> GeneratedRun:
+        spec = load_generate_spec(run)
+        scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False)
+        return cls(run, spec, {cid: rec.digest for s in scans for cid, rec in sorted(s.good.items())})
+
+    def identity(self, skip: Collection[int] = ()) -> DataFile:
+        """The generate run as the extraction spec records a data file: its path, its number of
+        conversation files, and a digest of its spec and of every file's digest; ``skip``: the
+        conversations an extraction found not generated (it follows them, ``extract.follow``), so a
+        resume is refused only when a conversation it planned changed."""
+        files = {cid: d for cid, d in self.files.items() if cid not in skip}
+        h = xxhash.xxh3_128(self.spec.digest().encode())
+        for cid, digest in files.items():
+            h.update(f"{cid}:{digest}\n".encode())
+        return DataFile(name=str(self.path.expanduser().resolve()), size=len(files), digest=h.hexdigest())
+
+    def samples(self, cids: Iterable[int], max_length: int) -> Iterator[Sample | Reject]:
+        """The samples of conversations ``cids``, in order; one not generated yet is a reject."""
+        for cid in cids:
+            if cid not in self.files:
+                yield Reject(Source(str(self.path), cid, ""), NOT_GENERATED)
+                continue
+            try:
+                rec = read_record(layout.sample_path(self.path, cid, self.spec.shard_size), cid)
+            except (OSError, BadFile) as e:
+                yield Reject(Source(str(self.path), cid, ""), f"conversation file unreadable: {e}")
+                continue
+            yield from samples_of(rec, self.path, max_length)
 
 
 def plan_samples(
     run: Path, tokenizer_digest: str, max_length: int, allow_incomplete: bool, log
-) -> tuple[GenerateSpec, Iterator[Sample | Reject]]:
+) -> tuple[GeneratedRun, Iterator[Sample | Reject]]:
     """The samples of a generate run, refused when its tokenizer is not the extraction model's or
     (unless ``allow_incomplete``) when it is not finished."""
-    spec, files = generated(run)
-    if spec.tokenizer.digest != tokenizer_digest:
+    gen = GeneratedRun.read(run)
+    if gen.spec.tokenizer.digest != tokenizer_digest:
         raise Refused(f"{run} was generated with another tokenizer than this model's: its token ids mean other text")
-    total = spec.plan.num_samples
-    if len(files) < total:
+    total = gen.spec.plan.num_samples
+    if len(gen.files) < total:
         if not allow_incomplete:
             raise Refused(
-                f"{run} is an unfinished generate run ({len(files)} of {total} conversations): finish it "
+                f"{run} is an unfinished generate run ({len(gen.files)} of {total} conversations): finish it "
                 f"(hsx generate --out {run}) or extract what is there with --allow-incomplete"
             )
-        log(f"extracting an unfinished generate run: {len(files)} of {total} conversations")
-
-    def items() -> Iterator[Sample | Reject]:
-        for cid in range(total):
-            path = layout.sample_path(run, cid, spec.shard_size)
-            if cid not in files:
-                yield Reject(Source(str(run), cid, ""), NOT_GENERATED)
-                continue
-            try:
-                rec = read_record(path, cid)
-            except (OSError, BadFile) as e:
-                yield Reject(Source(str(run), cid, ""), f"conversation file unreadable: {e}")
-                continue
-            yield from samples_of(rec, run, max_length)
-
-    return spec, items()
+        log(
+            f"extracting an unfinished generate run: {len(gen.files)} of {total} conversations "
+            "(a resume of this extraction plans the rest as they are generated)"
+        )
+    return gen, gen.samples(range(total), max_length)
 
 
-def waiting(extraction: Path, gen: Path) -> tuple[int, int]:
-    """Of the conversations an extraction of the unfinished generate run ``gen`` found not generated
-    (its rejects): how many there were, and how many ``gen`` holds by now."""
-    import json
-
+def not_generated(extraction: Path) -> list[int]:
+    """The conversations of its generate run an extraction is still waiting for: its growth record's
+    (``spec.PlanGrowth``), or before any growth the rows its rejects say were not generated."""
+    growth = plan_growth(extraction)
+    if growth is not None:
+        return growth.waiting
     try:
         lines = (extraction / layout.REJECTS).read_text().splitlines()
     except OSError:
-        return 0, 0
-    ids = {r["row"] for r in map(json.loads, lines) if r.get("reason") == NOT_GENERATED}
+        return []
+    return sorted({r["row"] for r in map(json.loads, lines) if r.get("reason") == NOT_GENERATED})
+
+
+def waiting(extraction: Path, gen: Path) -> tuple[int, int]:
+    """Of the conversations an extraction of the unfinished generate run ``gen`` still waits for: how
+    many there are, and how many ``gen`` holds by now (the next resume plans them)."""
+    ids = set(not_generated(extraction))
     if not ids:
         return 0, 0
     try:
-        _, files = generated(gen)
+        files = GeneratedRun.read(gen).files
     except HsxError:  # the generate run is gone or unreadable: none can be counted as there
         return len(ids), 0
     return len(ids), len(ids & files.keys())

@@ -31,10 +31,11 @@ import psutil
 from hsx import registry
 from hsx.errors import CleanStop, Locked, Refused, WorkerFailed
 from hsx.extract.folder import open_run
+from hsx.extract.follow import unchanged
 from hsx.extract.options import ExtractOptions
 from hsx.job.prologue import Prologue, locked
 from hsx.job.resume import Summary
-from hsx.job.space import largest_batch_bytes
+from hsx.job.space import Measured, largest_batch_bytes, projected_bytes, stored_ratio
 from hsx.lock import BEAT_EVERY, Liveness, RunLock, read_holder
 from hsx.plan import load_plan
 from hsx.progress import Progress
@@ -140,6 +141,7 @@ def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print
             return progress.metrics() | {"workers": opts.workers}
 
         with locked(opts, metrics, log, command=f"extract --workers {opts.workers}") as lock:
+            unchanged(opts.out, spec)
             session["driver"] = registry.driver_id(lock.me)
             registry.settle(opts.out, lock.me, log)
             try:
@@ -258,8 +260,9 @@ def _extract(
             done = {i for s in scans for i in s.good}
             summary.already_done = len(done) - summary.written
             left = int(plan.lengths.sum()) - int(sum(int(plan.lengths[i]) for i in done))
-            path = layout.shard_dir(run, stopped.shard)
-            raise CleanStop(summary, left * spec.bytes_per_token, path, stopped.error)
+            ratio = stored_ratio(spec, Measured.on_disk(spec, plan.lengths, scans))  # the codec's, as measured
+            needed = projected_bytes(left, len(plan) - len(done), spec.bytes_per_token, ratio)
+            raise CleanStop(summary, needed, layout.shard_dir(run, stopped.shard), stopped.error)
         raise WorkerFailed(
             f"worker pid {stopped.pid} on {stopped.host} failed on shard {stopped.shard}: "
             f"{stopped.error}\nVerified work is kept; fix the cause, then resume: "

@@ -4,6 +4,8 @@ OUT/
   hsx.json                 SPEC: the run spec, written once, last of the set-up
   model-location.json      LOCATION: where the model lives now (beside the spec, which never changes)
   plan/plan.parquet        PLAN_DIR / PLAN_FILE: the frozen, tokenized work list
+  plan/growth.json         GROWTH: samples appended since (an extraction following its generate run),
+  plan/part-000001.parquet   and the files holding them (part_name)
   rejects.jsonl            REJECTS: every input row not in the plan, with its reason
   shards/000012/000012345.safetensors, shards/000012/SEALED
   quarantine/              QUARANTINE: files moved aside (never deleted) with the reason
@@ -20,6 +22,7 @@ SPEC = "hsx.json"
 LOCATION = "model-location.json"
 PLAN_DIR = "plan"
 PLAN_FILE = "plan.parquet"
+GROWTH = "growth.json"
 REJECTS = "rejects.jsonl"
 SHARDS = "shards"
 SEALED = "SEALED"
@@ -36,6 +39,11 @@ STOP = "STOP"  # in WORKERS: written by a driver that stops handing out work (di
 
 # what a run folder may hold before its spec exists (an interrupted set-up, or a lock taken early)
 SETUP_FILES = frozenset({PLAN_DIR, REJECTS, LOCK, GUARD, METRICS, HISTORY, GROUP, FAILED_START})
+
+
+def part_name(n: int) -> str:
+    """The ``n``-th file of samples appended to a plan (1-based)."""
+    return f"part-{n:06d}.parquet"
 
 
 def shard_of(sample_id: int, shard_size: int) -> int:
