@@ -196,6 +196,48 @@ def test_kill9_then_sigterm_at_progress_points_then_resume_is_byte_identical(gen
     assert (out / "rejects.jsonl").read_bytes() == (reference / "rejects.jsonl").read_bytes()
 
 
+def test_a_second_generate_on_a_running_run_is_refused_naming_the_first(gen_run, tmp_path):
+    """Invariant 4, two real processes: a second hsx generate on a run that another one is writing is
+    refused (exit 2) naming its pid, whether it repeats the command or only names --out; the first,
+    held still (SIGSTOP) once it holds the lock and has written a conversation, then finishes with the
+    bytes of an uninterrupted run."""
+    import socket
+
+    from conftest import HANG_GUARD_S
+    from hsx.lock import read_holder
+
+    data, reference = gen_run
+    out = tmp_path / "gen"
+    command = [sys.executable, "-m", "hsx", *map(str, _args(data, out))]
+    first = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ | ENV
+    )
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S  # a hang, not a pace: what the loop waits for is a file
+        while (h := read_holder(out)) is None or h.pid != first.pid or not verified_files(out):
+            assert first.poll() is None, f"the first ended (rc {first.returncode}) before a conversation was written"
+            assert time.monotonic() < deadline, f"no conversation written in {HANG_GUARD_S} s"
+            time.sleep(0.005)
+        first.send_signal(signal.SIGSTOP)  # alive and holding the lock for as long as the test needs
+        held = read_holder(out)
+        assert held is not None and held.pid == first.pid, "the first finished before it could be held"
+        written = verified_files(out)
+        for again in (command[3:], ["generate", "--out", out]):
+            second = hsx(*again, check=False, env=ENV)
+            assert second.returncode == 2, second.stderr
+            said = f"another hsx generate process holds this run: pid {first.pid} on {socket.gethostname()}"
+            assert said in second.stderr, second.stderr
+        assert read_holder(out) == held and verified_files(out) == written  # the second touched nothing
+    finally:
+        first.send_signal(signal.SIGCONT)
+        _, err = first.communicate(timeout=HANG_GUARD_S)
+    assert first.returncode == 0, err
+    assert read_holder(out) is None  # released on exit
+    status = hsx("status", out, "--deep", check=False)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert run_files(out) == run_files(reference)  # no conversation lost, duplicated or changed
+
+
 def test_a_resume_with_other_settings_is_refused_by_name(gen_run, tmp_path):
     _, out = gen_run
     cases = [

@@ -16,6 +16,7 @@ from hsx.errors import EngineUnavailable, OptionError
 from hsx.generate.engine import Completion, Failure, Request, Sampling
 from hsx.generate.server import ServerEngine, ServerOptions
 
+BOUND = 60  # seconds: only a safety net that fails a test whose engine hangs, never what a test waits for
 SAMPLING = Sampling(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=5)
 
 
@@ -33,6 +34,7 @@ class Fake:
         self.stalled = threading.Event() if stall else None  # set: accept every request, never answer
         self.fail_from: int | None = None  # answer HTTP 503 to every request after this many
         self.chat = None  # body -> answer of /v1/chat/completions (None: no such route)
+        self.spoil = None  # (body, answer) -> what it answers instead of a good answer (HTTP 200)
         self.posts: list[tuple[float, dict]] = []
         self.headers: list[dict] = []
         self.lock = threading.Lock()
@@ -51,6 +53,9 @@ class Fake:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def answer(self, body, good):
+                self.reply(200, fake.spoil(body, good) if fake.spoil else good)
 
             def do_GET(self):
                 routes = {"/v1/models": {"data": [{"id": "tiny-served"}]}, "/version": {"version": f"{kind}-1.0"}}
@@ -79,16 +84,16 @@ class Fake:
                     ran = fake.prompt_edit(prompt) if fake.prompt_edit else prompt
                     ids = answer_ids(prompt, body["max_tokens"])
                     choice = {"text": "x", "token_ids": ids, "prompt_token_ids": ran, "finish_reason": "length"}
-                    self.reply(200, {"choices": [choice]})
+                    self.answer(body, {"choices": [choice]})
                 elif self.path == "/v1/chat/completions" and fake.chat is not None:
-                    self.reply(200, fake.chat(body))
+                    self.answer(body, fake.chat(body))
                 elif self.path == "/generate":
                     prompt = body["input_ids"]
                     ran = fake.prompt_edit(prompt) if fake.prompt_edit else prompt
                     ids = answer_ids(prompt, body["sampling_params"]["max_new_tokens"])
                     meta = {"prompt_tokens": len(ran), "finish_reason": {"type": "length", "length": len(ids)}}
                     echoed = {"input_ids": ran} if fake.echo else {}
-                    self.reply(200, {"text": "x", "output_ids": ids, "meta_info": meta} | echoed)
+                    self.answer(body, {"text": "x", "output_ids": ids, "meta_info": meta} | echoed)
                 else:
                     self.reply(404, {"error": "no such route"})
 
@@ -130,8 +135,9 @@ def run_all(eng: ServerEngine, requests: list[Request]) -> dict[str, object]:
         eng.submit(r)
     got = {}
     while len(got) < len(requests):
-        for o in eng.poll(timeout=30):
-            got[o.key] = o
+        out = eng.poll(timeout=BOUND)
+        assert out, f"no outcome in {BOUND} s: {len(requests) - len(got)} requests left unanswered"
+        got |= {o.key: o for o in out}
     assert eng.poll(timeout=0) == []
     return got
 
@@ -256,6 +262,143 @@ def test_a_wrong_route_stops_at_once(fakes):
     finally:
         eng.close()
     assert len(fake.posts) == 1
+
+
+def chat_answer(body):
+    """A well-formed chat completion (what vLLM answers with return_token_ids)."""
+    message = {"role": "assistant", "content": "x"}
+    return {
+        "prompt_token_ids": [1, 2, 3],
+        "choices": [{"message": message, "token_ids": [5, 6], "finish_reason": "stop"}],
+    }
+
+
+def strings(ids):
+    return [str(t) for t in ids]
+
+
+# api, what the server answers instead of a good answer, what the logged cause says
+MALFORMED = {
+    "no-choices": ("openai", lambda a: {"object": "text_completion"}, "answered without a choice"),
+    "choices-a-string": ("openai", lambda a: {"choices": "x"}, "answered without a choice"),
+    "a-list": ("openai", lambda a: [a], "answered list, not an object"),
+    "ids-strings": (
+        "openai",
+        lambda a: {"choices": [a["choices"][0] | {"token_ids": strings(a["choices"][0]["token_ids"])}]},
+        "token_ids that are not a list of integers",
+    ),
+    "prompt-ids-floats": (
+        "openai",
+        lambda a: {
+            "choices": [a["choices"][0] | {"prompt_token_ids": [float(t) for t in a["choices"][0]["prompt_token_ids"]]}]
+        },
+        "prompt_token_ids that are not a list of integers",
+    ),
+    "chat-no-message": (
+        "openai-chat",
+        lambda a: a | {"choices": [{k: v for k, v in a["choices"][0].items() if k != "message"}]},
+        "a choice without a message",
+    ),
+    "chat-ids-strings": (
+        "openai-chat",
+        lambda a: a | {"prompt_token_ids": strings(a["prompt_token_ids"])},
+        "prompt_token_ids that are not a list of integers",
+    ),
+    "chat-choices-a-string": ("openai-chat", lambda a: a | {"choices": "x"}, "answered without a choice"),
+    "sglang-ids-strings": ("sglang", lambda a: a | {"output_ids": strings(a["output_ids"])}, "output_ids that are not"),
+    "sglang-meta-a-list": ("sglang", lambda a: a | {"meta_info": [1]}, "meta_info that is not an object"),
+    "sglang-a-string": ("sglang", lambda a: "ok", "answered str, not an object"),
+}
+
+
+def served(fakes, api):
+    fake = fakes(kind="sglang" if api == "sglang" else "vllm")
+    fake.chat = chat_answer
+    return fake
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_answer_is_a_failed_try_and_the_run_stops_after_max_failures(fakes, case):
+    """An answer that parses but is not what the API promises is a failed try, its cause logged; every
+    answer so stops the run after retries x max_failures tries, where a worker thread that died on it
+    would leave poll waiting forever."""
+    api, spoil, cause = MALFORMED[case]
+    fake = served(fakes, api)
+    fake.spoil = lambda body, good: spoil(good)
+    logs = []
+    eng = engine(fake.url, api=api, model="m", retries=2, max_failures=2, log=logs.append)
+    eng.submit(request(0))
+    try:
+        with pytest.raises(EngineUnavailable, match=f"2 requests in a row failed after 2 tries each; last: .*{cause}"):
+            assert eng.poll(timeout=BOUND) == []  # raises once the engine stops: no wait on a guessed time
+    finally:
+        eng.close()
+    assert len(fake.posts) == 2 * 2  # the request's two rounds of two tries, then the stop
+    retried = [line for line in logs if "try 1/2 failed" in line]
+    assert len(retried) == 2 and all(cause in line for line in retried), logs
+
+
+def test_a_malformed_answer_to_one_request_makes_it_a_failure_and_the_rest_goes_on(fakes):
+    """The server answers one prompt malformed, every time: that request ends as a Failure naming the cause
+    after max_failures rounds (the others succeed between them), the others complete."""
+    fake = served(fakes, "openai")
+    bad = request(0)
+    fake.spoil = lambda body, good: {"choices": []} if body["prompt"] == list(bad.prompt_ids) else good
+    eng = engine(fake.url, model="m", retries=2, max_failures=3)
+    reqs = [bad, request(1), request(2)]
+    try:
+        got = run_all(eng, reqs)
+    finally:
+        eng.close()
+    assert isinstance(got[bad.key], Failure) and "failed 3 times on the servers" in got[bad.key].reason
+    assert "answered without a choice" in got[bad.key].reason
+    for r in reqs[1:]:
+        assert_completion(got[r.key], r)
+    assert sum(body["prompt"] == list(bad.prompt_ids) for _, body in fake.posts) == 3 * 2
+
+
+def test_a_malformed_answer_once_is_retried_and_the_request_completes(fakes):
+    fake = served(fakes, "sglang")
+    spoiled = []
+
+    def once(body, good):
+        spoiled.append(good)
+        return good if len(spoiled) > 1 else good | {"output_ids": "abc"}
+
+    fake.spoil = once
+    logs = []
+    eng = engine(fake.url, log=logs.append)
+    req = request(4)
+    try:
+        got = run_all(eng, [req])
+    finally:
+        eng.close()
+    assert_completion(got[req.key], req)
+    assert len(fake.posts) == 2 and "output_ids that are not a list of integers" in logs[0], logs
+
+
+def test_a_bug_in_a_worker_thread_stops_the_job_naming_it(fakes, monkeypatch):
+    """Anything else a worker thread meets is a bug of hsx: poll raises it with the request and the
+    original error chained (exit 1, a traceback), where the thread's death would have left it waiting."""
+    import hsx.generate.server as server_module
+
+    def broken(*args):
+        raise KeyError("finish_reason")
+
+    monkeypatch.setattr(server_module, "_outcome", broken)
+    fake = fakes()
+    eng = engine(fake.url, model="m")
+    for i in range(3):
+        eng.submit(request(i))
+    try:
+        with pytest.raises(RuntimeError, match=r"failed on request conv0/0/0: KeyError: 'finish_reason' \(a bug") as e:
+            assert eng.poll(timeout=BOUND) == []
+    finally:
+        eng.close()
+    assert isinstance(e.value.__cause__, KeyError)
+    assert len(fake.posts) == 1  # no retry of a bug, nor a next request
+    with pytest.raises(RuntimeError):  # still stopped at the next poll
+        eng.poll(timeout=0)
 
 
 def test_several_servers_share_the_requests(fakes):

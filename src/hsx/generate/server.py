@@ -26,7 +26,10 @@ counts as one failure. After
 ``poll`` raises ``EngineUnavailable`` and the job stops cleanly, leaving the run resumable; the
 requests in flight are simply redone by the resume. Faults of the setup (a wrong URL or model
 name, an unauthorized key, a server that returns no token ids) stop it at once: retrying them
-would reject every conversation for the same reason.
+would reject every conversation for the same reason. An answer that parses but is not what the API
+promises (a field missing or of another type, token ids that are not integers) is a failed try, its
+cause logged, under the same retries and ``max_failures``. Anything else a worker thread meets is a
+bug of hsx: ``poll`` raises it, naming the request, rather than leave that request unanswered.
 """
 
 from __future__ import annotations
@@ -79,6 +82,12 @@ class _Transient(Exception):
         self.wait = wait
 
 
+class _Malformed(_Transient):
+    """An answer that parses but lacks a field or holds another type: a try that failed, since a proxy or
+    a server's bug may answer one request so and the next one right; the same answer to every request
+    still stops the run, after ``max_failures``."""
+
+
 class _SetupFault(Exception):
     """The same answer would come for every request: stop instead of rejecting them all."""
 
@@ -118,7 +127,7 @@ class ServerEngine(Engine):
         self._lock = threading.Lock()
         self._pending = 0  # submitted, not yet returned by poll
         self._failures = 0  # requests in a row that spent their tries
-        self._stopped: EngineUnavailable | None = None
+        self._stopped: Exception | None = None  # EngineUnavailable, or the bug a worker thread met
         self._closing = threading.Event()
         self._threads = [
             threading.Thread(target=self._serve, args=(url,), name=f"hsx-server-{i}-{k}", daemon=True)
@@ -179,16 +188,36 @@ class ServerEngine(Engine):
             except queue.Empty:
                 continue
             try:
-                outcome = self._try(url, request)
-            except _Transient as e:
-                self._failed(request, spent + 1, f"{url}: {e}")
-                continue
-            except _SetupFault as e:
-                self._stop(f"a generation server answers as no request can succeed: {url}: {e}; fix that, then")
-                continue
-            with self._lock:
-                self._failures = 0
-            self._done.put(outcome)
+                self._answer(url, request, spent)
+            except Exception as e:  # a bug of hsx: a thread that dies here would leave poll waiting forever
+                self._crash(request, e)
+
+    def _answer(self, url: str, request: Request, spent: int) -> None:
+        try:
+            outcome = self._try(url, request)
+        except _Transient as e:
+            self._failed(request, spent + 1, f"{url}: {e}")
+            return
+        except _SetupFault as e:
+            self._stop(f"a generation server answers as no request can succeed: {url}: {e}; fix that, then")
+            return
+        with self._lock:
+            self._failures = 0
+        self._done.put(outcome)
+
+    def _crash(self, request: Request, error: Exception) -> None:
+        """The job stops with the bug (``poll`` raises it), the original traceback chained."""
+        bug = RuntimeError(
+            f"the server engine's thread {threading.current_thread().name} failed on request {request.key}: "
+            f"{type(error).__name__}: {error} (a bug of hsx; what is written is kept, the same command resumes)"
+        )
+        bug.__cause__ = error
+        with self._lock:
+            first = self._stopped is None
+            if first:
+                self._stopped = bug
+        if first:
+            self._log(f"server: the run stops: {bug}")
 
     def _log(self, message: str) -> None:
         if self.options.log is not None:
@@ -262,7 +291,10 @@ class ServerEngine(Engine):
             with urllib.request.urlopen(req, timeout=self.options.timeout) as r:
                 text = r.read()
         except urllib.error.HTTPError as e:
-            detail = e.read()[:300].decode(errors="replace")
+            try:
+                detail = e.read()[:300].decode(errors="replace")
+            except TRANSIENT_ERRORS:  # the connection dropped while the error's body was read
+                detail = ""
             message = f"HTTP {e.code}: {detail}"
             if e.code in RETRIED or e.code >= 500:
                 retry_after = e.headers.get("Retry-After", "")
@@ -305,14 +337,16 @@ class ServerEngine(Engine):
 
     def _openai(self, url: str, request: Request) -> Outcome:
         body = {"model": self.model, "prompt": list(request.prompt_ids), **_sampling(request)}
-        choice = (self._post(url, "/v1/completions", body).get("choices") or [{}])[0]
+        where = f"{url}/v1/completions"
+        choice = _choice(self._post(url, "/v1/completions", body), where)
         ids, prompt = choice.get("token_ids"), choice.get("prompt_token_ids")
         if ids is None or prompt is None:
             raise _SetupFault(
-                f"{url}/v1/completions returned no token ids: the server must support return_token_ids "
+                f"{where} returned no token ids: the server must support return_token_ids "
                 "(vLLM >= 0.10.2), or use --server-api sglang"
             )
-        return _outcome(request, prompt, ids, choice.get("finish_reason"))
+        reason = choice.get("finish_reason")
+        return _outcome(request, _ids(prompt, where, "prompt_token_ids"), _ids(ids, where, "token_ids"), reason)
 
     def _chat(self, url: str, request: Request) -> Outcome:
         chat = json.loads(request.chat or "{}")
@@ -324,24 +358,22 @@ class ServerEngine(Engine):
             "add_generation_prompt": True,
             **_sampling(request),
         }
-        answer = self._post(url, "/v1/chat/completions", body)
-        choice = (answer.get("choices") or [{}])[0]
+        where = f"{url}/v1/chat/completions"
+        answer = _object(self._post(url, "/v1/chat/completions", body), where)
+        choice = _choice(answer, where)
         ids, prompt = choice.get("token_ids"), answer.get("prompt_token_ids")
         if ids is None or prompt is None:
             raise _SetupFault(
-                f"{url}/v1/chat/completions returned no token ids: the server must support return_token_ids "
-                "(vLLM >= 0.10.2)"
+                f"{where} returned no token ids: the server must support return_token_ids (vLLM >= 0.10.2)"
             )
-        reason = FINISHED.get(choice.get("finish_reason"))
+        prompt, ids = _ids(prompt, where, "prompt_token_ids"), _ids(ids, where, "token_ids")
+        finish = choice.get("finish_reason")
+        reason = FINISHED.get(finish) if isinstance(finish, str) else None
         if reason is None:
-            return Failure(request.key, f"the server finished with {choice.get('finish_reason')!r}, not stop or length")
+            return Failure(request.key, f"the server finished with {finish!r}, not stop or length")
         message = choice.get("message")
-        try:
-            prompt, ids = tuple(int(t) for t in prompt), tuple(int(t) for t in ids)
-        except (TypeError, ValueError):
-            raise _SetupFault(f"{url}/v1/chat/completions returned token ids that are not integers") from None
         if not isinstance(message, dict):
-            raise _SetupFault(f"{url}/v1/chat/completions returned no message")
+            raise _Malformed(f"{where} answered a choice without a message: {_excerpt(choice)}")
         return Completion(request.key, prompt, ids, reason, message)
 
     def _sglang(self, url: str, request: Request) -> Outcome:
@@ -360,24 +392,55 @@ class ServerEngine(Engine):
             },
             "stream": False,
         }
-        answer = self._post(url, "/generate", body)
+        where = f"{url}/generate"
+        answer = _object(self._post(url, "/generate", body), where)
         meta = answer.get("meta_info") or {}
+        if not isinstance(meta, dict):
+            raise _Malformed(f"{where} answered a meta_info that is not an object: {_excerpt(meta)}")
         ids = answer.get("output_ids", answer.get("token_ids"))
         if ids is None:
-            raise _SetupFault(f"{url}/generate returned no output_ids")
-        prompt = answer.get("input_ids")
-        if prompt is None:  # this server does not echo the prompt: compare what it reports, its length
+            raise _SetupFault(f"{where} returned no output_ids")
+        if answer.get("input_ids") is not None:
+            prompt = _ids(answer["input_ids"], where, "input_ids")
+        else:  # this server does not echo the prompt: compare what it reports, its length
             n, want = meta.get("prompt_tokens"), len(request.prompt_ids)
             if n != want:
                 return Failure(request.key, f"{url} ran a prompt of {n} tokens, the request has {want}")
             prompt = request.prompt_ids
         reason = meta.get("finish_reason")
-        return _outcome(request, prompt, ids, reason.get("type") if isinstance(reason, dict) else reason)
+        reason = reason.get("type") if isinstance(reason, dict) else reason
+        return _outcome(request, prompt, _ids(ids, where, "output_ids"), reason)
 
 
-def _outcome(request: Request, prompt: list[int], ids: list[int], reason: str | None) -> Outcome:
+def _object(answer: object, where: str) -> dict:
+    if not isinstance(answer, dict):
+        raise _Malformed(f"{where} answered {type(answer).__name__}, not an object: {_excerpt(answer)}")
+    return answer
+
+
+def _choice(answer: object, where: str) -> dict:
+    """The one choice of an OpenAI API answer."""
+    choices = _object(answer, where).get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise _Malformed(f"{where} answered without a choice: {_excerpt(answer)}")
+    return choices[0]
+
+
+def _ids(value: object, where: str, field: str) -> tuple[int, ...]:
+    """Token ids as JSON integers, strictly: a string, float or bool is no token id of the model's."""
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
+        raise _Malformed(f"{where} answered {field} that are not a list of integers: {_excerpt(value)}")
+    return tuple(value)
+
+
+def _excerpt(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _outcome(request: Request, prompt: tuple[int, ...], ids: tuple[int, ...], reason: object) -> Outcome:
     """The completion, once the server is shown to have run exactly the request's prompt."""
-    if tuple(prompt) != request.prompt_ids:
+    if prompt != request.prompt_ids:
         first = next((i for i, (a, b) in enumerate(zip(prompt, request.prompt_ids, strict=False)) if a != b), None)
         at = f"first difference at position {first}" if first is not None else "one is a prefix of the other"
         return Failure(
@@ -387,7 +450,7 @@ def _outcome(request: Request, prompt: list[int], ids: list[int], reason: str | 
         )
     if reason not in ("stop", "length"):
         return Failure(request.key, f"the server finished with {reason!r}, not stop or length")
-    return Completion(request.key, request.prompt_ids, tuple(int(t) for t in ids), reason)
+    return Completion(request.key, request.prompt_ids, ids, reason)
 
 
 def open(settings: EngineSettings) -> ServerEngine:
