@@ -158,6 +158,41 @@ def test_the_same_data_file_twice_is_refused(tmp_path, convs, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
+def test_column_names_the_field_of_the_turns_and_a_resume_asking_another_is_refused_by_name(tmp_path):
+    """A run read with --column records it; a resume naming another column (with its --data or
+    without) or none is refused by name; a generate run as --data takes no --column."""
+    rows = [{"id": r["id"], "dialog": r["conversations"]} for r in conversations(3)] + [{"id": "x", "chat": []}]
+    data = write_jsonl(tmp_path / "dialogs.jsonl", rows)
+    out = tmp_path / "run"
+    code, said = cli("extract", "--model", TINY, "--data", data, "--out", out, "--column", "dialog", *SMALL_RUN)
+    assert code == 0, said
+    assert json.loads((out / layout.SPEC).read_text())["data"][0]["column"] == "dialog"
+    (reject,) = [json.loads(line) for line in (out / layout.REJECTS).read_text().splitlines()]
+    assert (reject["row"], reject["id"]) == (3, "x") and "no 'dialog' field, which --column dialog names" in reject[
+        "reason"
+    ]
+    run = "data: the run read each row's turns from the column 'dialog' (--column dialog); asked for"
+    for again, asked in (
+        (["--data", data, "--column", "chat"], "the column 'chat' (--column chat)"),
+        (["--column", "chat"], "the column 'chat' (--column chat)"),
+        (["--data", data], "'conversations' or 'messages' (no --column)"),
+    ):
+        code, said = cli("extract", "--out", out, *again)
+        assert code == 2 and f"{run} {asked}" in " ".join(said.split()), said
+    code, said = cli("extract", "--out", out, "--data", data, "--column", "dialog")  # the same: resumes
+    assert code == 0, said
+
+    generated = tmp_path / "generated"  # what extract knows a generate run by: its spec's kind
+    generated.mkdir()
+    (generated / layout.SPEC).write_text(json.dumps({"kind": "generate"}))
+    code, said = cli("extract", "--model", TINY, "--data", generated, "--out", tmp_path / "x", "--column", "dialog")
+    said = " ".join(said.split())
+    assert (
+        code == 2 and "--split, --limit and --column select rows of files and datasets, not of a generate run" in said
+    )
+    assert not (tmp_path / "x").exists()
+
+
 # ---------------------------------------------------------------- 4: a user's mistake is a refusal, never a traceback
 
 
@@ -199,6 +234,14 @@ REFUSED = [
     (("extract", "--model", "OUT/nope", "--data", "DATA", "--out", "OUT"), "OUT/nope: no such model folder"),
     (("generate", *NEW, "--drop", "empty,short"), "--drop takes empty, length (comma-separated), not short"),
     (("generate", *NEW, "--split", "train"), "--split train applies to a Hugging Face dataset, not to a data file"),
+    (
+        ("extract", *NEW, "--column", "chat"),
+        "no row has a column 'chat' (--column chat); its rows have: conversations, id",
+    ),
+    (
+        ("generate", *NEW, "--column", "chat"),
+        "no row has a column 'chat' (--column chat); its rows have: conversations, id",
+    ),
     (("memory", "--model", KIMI_FP8, "--tensor-parallel", "16", "--gpus", "8"), "laid over 16 GPUs"),
     (("memory", "--model", KIMI_FP8, "--tensor-parallel", "7"), "num_attention_heads = 64 does not split over 7"),
     (

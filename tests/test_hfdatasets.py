@@ -133,3 +133,44 @@ def test_extract_plans_the_first_rows_of_a_datasets_split(folder, tmp_path):
     spec = json.loads((out / "hsx.json").read_text())
     assert spec["plan"]["num_samples"] == 1 and spec["plan"]["num_rejected"] == 0
     assert (spec["data"][0]["split"], spec["data"][0]["limit"]) == ("test", 1)
+
+
+def test_column_reads_a_datasets_own_field_and_one_it_lacks_is_refused_by_name(rows, tmp_path):
+    """A dataset whose turns sit under another name (``dialog``, OpenAI turns) reads as the same
+    conversations; a column it does not have is refused, naming those it has; the spec records it."""
+    datasets = require("datasets")
+    from hsx.input import normalize
+    from hsx.spec import differences
+
+    dialog = [
+        {"id": r["id"], "dialog": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
+        for r in rows
+    ]
+    folder = tmp_path / "dialog"
+    datasets.Dataset.from_list(dialog).save_to_disk(str(folder))
+    got = list(read_conversations([folder], column="dialog", limit=3))
+    assert turns(got) == [normalize(dialog[0], got[0].source, "dialog").turns] * 3
+    assert [c.source.id for c in got] == ["identity_0", "identity_1", "identity_2"]
+    check_source(folder, column="dialog")
+    with pytest.raises(
+        InputError, match=r"no row has a column 'messages' \(--column messages\); its rows have: dialog, id$"
+    ):
+        check_source(folder, column="messages")
+    (reject,) = read_conversations([folder], limit=1)  # without --column: as before, no known field
+    assert reject.reason.startswith("unknown schema: no 'conversations' or 'messages' list")
+
+    read = DataFile.of(folder, column="dialog")
+    assert read.model_dump()["column"] == "dialog" and "column" not in DataFile.of(folder).model_dump()
+    assert read.key() == DataFile.of(folder).key()  # the column is compared apart, and named
+    stored = type("Stored", (), {"data": [read]})()
+    said = "data: the run read each row's turns from the column 'dialog' (--column dialog); asked for"
+    assert differences(stored, {"data": [DataFile.of(folder, column="chat")]}) == [
+        f"{said} the column 'chat' (--column chat)"
+    ]
+    assert differences(stored, {"column": "chat"}) == [
+        f"{said} the column 'chat' (--column chat)"
+    ]  # without --data too
+    assert differences(stored, {"data": [DataFile.of(folder)]}) == [
+        f"{said} 'conversations' or 'messages' (no --column)"
+    ]
+    assert differences(stored, {"data": [read], "column": "dialog"}) == differences(stored, {}) == []

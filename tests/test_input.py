@@ -254,3 +254,87 @@ def test_a_call_turn_right_after_the_assistants_text_is_that_turns_call():
 def test_really_broken_tool_rows_are_rejected_with_their_reason(row, reason):
     got = _by_id()[row] if isinstance(row, str) else normalize(row, Source("f", 0, ""))
     assert isinstance(got, Reject) and got.reason.startswith(reason), got
+
+
+def _chat(*turns, **fields) -> dict:
+    return {"chat": list(turns), **fields}
+
+
+def _parquet(path: Path, rows: list[dict]) -> None:
+    """Rows with different fields in one table: each field a column, null where a row lacks it."""
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows]), path)
+
+
+USER, ASSISTANT = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}
+HUMAN, GPT = {"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_column_reads_every_rows_turns_from_that_field_and_a_row_without_it_is_a_reject(tmp_path, suffix):
+    """--column: OpenAI or ShareGPT turns under any name, in every file type; a row that lacks the
+    field (absent, or null as Parquet writes it) is a reject that names it, never skipped."""
+    rows = [
+        _chat(USER, ASSISTANT, id="openai"),
+        _chat(HUMAN, GPT, id="sharegpt", system="S"),
+        {"id": "standard", "conversations": [HUMAN, GPT]},  # the standard field, which --column does not read
+        _chat(id="empty"),
+        {"id": "string", "chat": "Q A"},
+        _chat({"speaker": "user", "text": "Q"}, id="no-role"),
+    ]
+    path = tmp_path / f"rows{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:  # a column holds one type: not the string's row, nor the one whose turns have other fields
+        _parquet(path, rows[:4])
+    got = {c.source.id: c for c in read_conversations([path], column="chat")}
+    openai, share = got["openai"], got["sharegpt"]
+    assert isinstance(openai, Conversation) and [(t.role, t.content) for t in openai.turns] == [
+        ("user", "Q"),
+        ("assistant", "A"),
+    ]
+    assert isinstance(share, Conversation) and share.turns == (Turn("system", "S"), *openai.turns)
+    assert got["standard"] == Reject(
+        Source(str(path), 2, "standard"), "no 'chat' field, which --column chat names (keys: conversations, id)"
+    )
+    assert got["empty"].reason == "empty conversation"
+    if suffix != ".parquet":
+        assert got["string"].reason == "'chat' is a str, not a list of turns"
+        assert (
+            got["no-role"].reason
+            == "'chat' turns have neither 'role' (OpenAI) nor 'from' (ShareGPT) (keys: speaker, text)"
+        )
+    without = {c.source.id: c for c in read_conversations([path])}  # no --column: as before, chat is unknown
+    assert isinstance(without["standard"], Conversation) and without["standard"].turns == openai.turns
+    assert without["openai"].reason.startswith("unknown schema: no 'conversations' or 'messages' list")
+
+
+def test_column_may_name_a_standard_field_holding_the_other_kind_of_turns():
+    """``conversations`` of role/content turns (common on the Hub): unreadable without --column."""
+    row = {"conversations": [USER, ASSISTANT], "messages": "ignored"}
+    assert normalize(row, Source("f", 0, "")).reason == "turn 0: unknown role None"
+    got = normalize(row, Source("f", 0, ""), "conversations")
+    assert isinstance(got, Conversation) and [t.role for t in got.turns] == ["user", "assistant"]
+    assert got.ignored == ("messages",)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_a_column_no_row_has_is_refused_naming_the_columns_there(tmp_path, suffix):
+    from hsx.input import check_source
+
+    rows = [{"id": "a", "conversations": [HUMAN, GPT]}, {"id": "b", "chat": [USER, ASSISTANT], "turns": 2}]
+    path = tmp_path / f"rows{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json\n")
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        _parquet(path, rows)
+    check_source(path, column="chat")  # one row has it: the others are rejects, not a refusal
+    with pytest.raises(InputError) as refused:
+        check_source(path, column="dialog")
+    assert str(refused.value) == (
+        f"{path}: no row has a column 'dialog' (--column dialog); its rows have: chat, conversations, id, turns"
+    )

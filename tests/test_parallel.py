@@ -362,6 +362,41 @@ def test_a_tp_worker_refused_at_load_stops_the_driver_with_that_refusal(models, 
         driver.kill_all()
 
 
+def test_threads_given_reach_every_rank_and_a_rank_without_them_takes_its_share_of_the_cores(tmp_path, monkeypatch):
+    """``--threads`` crosses from the options to the launched ranks (what ``extract_group`` hands the
+    elastic launcher) and is what each rank's set-up gives torch; without it, the cores shared out."""
+    from types import SimpleNamespace
+
+    import torch.distributed.launcher.api as launcher
+
+    from hsx.errors import Refused
+    from hsx.extract import group
+    from hsx.extract.options import ExtractOptions
+    from hsx.spec import Parallel
+
+    handed: list[tuple] = []
+
+    def launch(config, entry):
+        assert entry is group.rank_main and config.nproc_per_node == 2
+        return lambda *args: handed.append(args) or {0: json.dumps({"error": "Refused", "message": "launched"})}
+
+    monkeypatch.setattr(launcher, "elastic_launch", launch)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    spec = SimpleNamespace(parallel=Parallel(tensor=2), model_dump_json=lambda: "{}")
+    before = torch.get_num_threads()
+    try:
+        for threads, want in ((before + 1, before + 1), (None, 8 // 2)):
+            opts = ExtractOptions(out=tmp_path / "run", device="cpu", threads=threads)
+            with pytest.raises(Refused, match="launched"):
+                group.extract_group(opts, spec, log=lambda m: None)
+            on = group.RESOURCES.validate_json(handed[-1][3])  # rank_main's ``resources``
+            assert on.threads == threads
+            torch.set_num_threads(before)
+            assert group.rank_device(on, 1, 2) == "cpu" and torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_fp8_expert_parallel_is_refused_where_transformers_ep_plan_fails():
     """FP8 routed experts are split by transformers' own EP plan, which fails under inference mode on
     the lowest transformers the pin admits: there the layout is refused by name before anything loads

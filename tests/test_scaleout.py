@@ -306,3 +306,32 @@ def test_the_driver_watch_wakes_a_main_thread_blocked_without_timeout(tmp_path):
         hang.cancel()
         watch.stop()
     assert watch.lost is not None and watch.lost.pid == os.getpid()
+
+
+def test_a_worker_runs_the_model_on_the_threads_given(finished_run, tmp_path, monkeypatch):
+    """``--threads`` reaches a scale-out worker: its task carries the options' resources (as the
+    driver makes it), and the worker's set-up gives torch those threads."""
+    import torch
+
+    from hsx import registry
+    from hsx.lock import RunLock
+    from hsx.scaleout.worker import ShardRunner, Where, WorkerTask
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    monkeypatch.setattr(
+        registry.Heartbeat, "start", registry.Heartbeat.update
+    )  # no beat thread: it would outlive the lock
+    before = torch.get_num_threads()
+    opts = ExtractOptions(out=run, device="cpu", threads=before + 1, writers=1)
+    try:
+        with RunLock(run, warn=lambda m: None) as lock:
+            driver = lock.me.model_dump()
+            task = WorkerTask(str(run), None, opts.resources(), deep_verify=False, driver=driver, reserve=0)
+            runner = ShardRunner(task, Where(node="node", gpus=[], restarted=False))
+            try:
+                assert torch.get_num_threads() == before + 1
+            finally:
+                runner.extractor.close()
+    finally:
+        torch.set_num_threads(before)

@@ -3,10 +3,12 @@
 Accepted files: JSONL (one row per line), JSON (an array of rows) and Parquet; a Hugging Face dataset
 (a ``save_to_disk`` folder, or a name in the local cache: ``hsx.hfdatasets``). Accepted rows:
 ShareGPT (``conversations`` of ``from``/``value``) and OpenAI (``messages`` of ``role``/``content``),
-each with an optional ``id``, ``system`` and ``tools``. A turn keeps everything the target's template
-renders: reasoning (``reasoning_content``, or its aliases ``thinking`` and ``reasoning``), tool calls
-(OpenAI ``tool_calls``, or ShareGPT ``function_call`` turns holding a JSON call) and tool results
-(role ``tool``; ShareGPT ``tool`` / ``observation``), each result paired with the call it answers.
+each with an optional ``id``, ``system`` and ``tools``; ``--column NAME`` reads every row's turns from
+that field instead (either kind of turn, told apart by their keys). A turn keeps everything the
+target's template renders: reasoning (``reasoning_content``, or its aliases ``thinking`` and
+``reasoning``), tool calls (OpenAI ``tool_calls``, or ShareGPT ``function_call`` turns holding a JSON
+call) and tool results (role ``tool``; ShareGPT ``tool`` / ``observation``), each result paired with
+the call it answers.
 A field hsx does not use is metadata: named in the conversation's ``ignored``, counted in the plan.
 A row that cannot become a sample is never dropped: it becomes a ``Reject`` carrying its file, row
 number and the reason, and the run goes on.
@@ -265,7 +267,7 @@ def _turns(raw: list, role_key: str, text_key: str, list_key: str) -> tuple[list
                 at.append(i)
             ignored |= _metadata(item, {role_key, text_key}, f"{list_key}[].")
             continue
-        role = (OPENAI_ROLES if list_key == "messages" else ROLES).get(said)
+        role = (OPENAI_ROLES if role_key == "role" else ROLES).get(said)
         if role is None:
             raise ValueError(f"{where}: unknown role {item.get(role_key)!r}")
         turns.append(_turn(item, role, text_key, where))
@@ -315,8 +317,24 @@ def _match(result: Turn, open_calls: list[ToolCall], made: tuple[ToolCall, ...],
     return open_calls[0]
 
 
-def normalize(row: object, source: Source) -> Conversation | Reject:
-    """One raw row -> a validated conversation, or the reason it cannot be one."""
+def _keys(turns: list, column: str) -> tuple[str, str]:
+    """The role and text keys of a ``--column``'s turns, OpenAI's or ShareGPT's: a column of any
+    name may hold either (a ``conversations`` of ``role``/``content`` is common). A key held null is
+    absent (Parquet and Arrow give every struct field to every turn)."""
+    first = next((t for t in turns if isinstance(t, dict)), {})
+    for keys in (("role", "content"), ("from", "value")):
+        if first.get(keys[0]) is not None:
+            return keys
+    raise ValueError(f"'{column}' turns have neither 'role' (OpenAI) nor 'from' (ShareGPT) (keys: {_names(first)})")
+
+
+def _names(row: dict) -> str:
+    return ", ".join(sorted(str(k) for k, v in row.items() if v is not None)) or "none"
+
+
+def normalize(row: object, source: Source, column: str | None = None) -> Conversation | Reject:
+    """One raw row -> a validated conversation, or the reason it cannot be one; ``column``: the
+    field that holds its turns (``--column``), else ``conversations`` or ``messages``."""
     if not isinstance(row, dict):
         return Reject(source, f"row is a {type(row).__name__}, not an object")
     row_id = row.get("id")
@@ -325,7 +343,14 @@ def normalize(row: object, source: Source) -> Conversation | Reject:
     image = next((k for k in IMAGE_FIELDS if row.get(k)), None)
     if image is not None:  # LLaVA-style ShareGPT: the picture beside the turns, "<image>" in their text
         return Reject(source, f"image content ('{image}' field); {TEXT_ONLY}")
-    if isinstance(row.get("conversations"), list):
+    if column is not None:
+        held = row.get(column)  # None: absent (a Parquet or Arrow row holds every column, null where absent)
+        if held is None:
+            return Reject(source, f"no '{column}' field, which --column {column} names (keys: {_names(row)})")
+        if not isinstance(held, list):
+            return Reject(source, f"'{column}' is a {type(held).__name__}, not a list of turns")
+        list_key = column
+    elif isinstance(row.get("conversations"), list):
         list_key, role_key, text_key = "conversations", "from", "value"
     elif isinstance(row.get("messages"), list):
         list_key, role_key, text_key = "messages", "role", "content"
@@ -335,6 +360,8 @@ def normalize(row: object, source: Source) -> Conversation | Reject:
     if not row[list_key]:
         return Reject(source, "empty conversation")
     try:
+        if column is not None:
+            role_key, text_key = _keys(row[column], column)
         turns, at, ignored = _turns(row[list_key], role_key, text_key, list_key)
         turns = _paired(turns, at)
         tools = _tools(row.get("tools") if _given(row.get("tools")) else row.get("functions"))
@@ -403,9 +430,9 @@ def _rows(path: Path, name: str, split: str | None = None) -> Iterator[tuple[int
         raise InputError(f"{name}: cannot read ({e.strerror or e})") from e
 
 
-def check_source(path: Path, split: str | None = None) -> None:
-    """Refuse a ``--data`` that names nothing readable (a dataset: not cached, no such split), before
-    anything is written."""
+def check_source(path: Path, split: str | None = None, column: str | None = None) -> None:
+    """Refuse a ``--data`` that names nothing readable (a dataset: not cached, no such split), or
+    whose rows lack the ``--column`` altogether, before anything is written."""
     from hsx import hfdatasets
 
     if hfdatasets.is_source(path):
@@ -414,13 +441,40 @@ def check_source(path: Path, split: str | None = None) -> None:
         raise InputError(f"{path}: no such data file")
     elif split is not None:
         raise InputError(f"{path}: --split {split} applies to a Hugging Face dataset, not to a data file")
+    if column is not None and (have := _columns(path, split, column)) is not None:
+        raise InputError(
+            f"{path}: no row has a column {column!r} (--column {column}); its rows have: {', '.join(have) or 'none'}"
+        )
+
+
+def _columns(path: Path, split: str | None, column: str) -> list[str] | None:
+    """None where the source has ``column``; else the columns its rows do have. A table's are its
+    schema's; a JSON file's rows are read until one has it (all of them where none has)."""
+    from hsx import hfdatasets
+
+    if hfdatasets.is_source(path):
+        names = hfdatasets.load(path, split).column_names
+    elif path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        names = pq.read_schema(path).names
+    else:
+        seen: dict[str, None] = {}
+        for item in _rows(path, str(path)):
+            if not isinstance(item, Reject) and isinstance(item[1], dict):
+                if column in item[1]:
+                    return None
+                seen |= dict.fromkeys(map(str, item[1]))
+        names = list(seen)
+    return None if column in names else sorted(names)
 
 
 def read_conversations(
-    paths: list[Path], split: str | None = None, limit: int | None = None
+    paths: list[Path], split: str | None = None, limit: int | None = None, column: str | None = None
 ) -> Iterator[Conversation | Reject]:
     """Every row of every source, in order, as a ``Conversation`` or a ``Reject``; ``split``: of the
-    Hugging Face datasets among them; ``limit``: the first rows only, counted over all sources."""
+    Hugging Face datasets among them; ``limit``: the first rows only, counted over all sources;
+    ``column``: the field every row's turns are read from (``normalize``)."""
     from hsx import hfdatasets
 
     count = 0
@@ -436,4 +490,4 @@ def read_conversations(
                 yield item
             else:
                 row, raw = item
-                yield normalize(raw, Source(name, row, ""))
+                yield normalize(raw, Source(name, row, ""), column)

@@ -61,18 +61,23 @@ class TokenizerIdentity(BaseModel):
     chat_template: str  # digest of the template text
 
 
+OPTIONAL_DATA = ("split", "limit", "column")  # a DataFile's fields written only where given
+
+
 class DataFile(BaseModel):
     """One ``--data`` source as read: a file (its bytes), or a Hugging Face dataset (the Arrow files of
-    its split; ``name`` the dataset's name as given, or the folder), with the run's ``--limit``."""
+    its split; ``name`` the dataset's name as given, or the folder), with the run's ``--limit`` and
+    ``--column``."""
 
     name: str  # absolute (runs made before hsx resolved it: as typed); the identity is size and digest
     size: int
     digest: str
     split: str | None = None  # a Hugging Face dataset's split read
     limit: int | None = None  # the run's row limit (the first rows over all sources), if any
+    column: str | None = None  # the field the turns were read from (--column), if one was named
 
     @classmethod
-    def of(cls, path: Path, split: str | None = None, limit: int | None = None) -> DataFile:
+    def of(cls, path: Path, split: str | None = None, limit: int | None = None, column: str | None = None) -> DataFile:
         from hsx import hfdatasets
 
         if path.is_file():
@@ -80,17 +85,18 @@ class DataFile(BaseModel):
         else:
             size, digest = hfdatasets.identity(path, split)
         name = str(path) if hfdatasets.is_name(path) else str(path.expanduser().resolve())
-        return cls(name=name, size=size, digest=digest, split=split, limit=limit)
+        return cls(name=name, size=size, digest=digest, split=split, limit=limit, column=column)
 
     def key(self) -> tuple:
-        """What must match on a resume: the content, and what of it was read."""
+        """What must match on a resume, but for the column (``differences`` names it apart): the
+        content, and what of it was read."""
         return self.size, self.digest, self.split, self.limit
 
     @model_serializer(mode="wrap")
     def _given_only(self, handler) -> dict:
-        """``split`` and ``limit`` only where given: a source read whole is written as before, so a
-        digest over a spec (an extraction records its generate run's) stays what it was."""
-        return {k: v for k, v in handler(self).items() if k not in ("split", "limit") or v is not None}
+        """``split``, ``limit`` and ``column`` only where given: a source read whole is written as
+        before, so a digest over a spec (an extraction records its generate run's) stays what it was."""
+        return {k: v for k, v in handler(self).items() if k not in OPTIONAL_DATA or v is not None}
 
 
 class PlanIdentity(BaseModel):
@@ -337,7 +343,8 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
 
     ``asked`` holds only what the operator gave: ``model`` (a ModelIdentity), ``tokenizer``,
     ``layers``, ``dtype``, ``max_length``, ``batch_tokens``, ``shard_size``, ``data`` (DataFiles),
-    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``.
+    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``, ``column``
+    (the ``--column`` asked without ``data``; with it, the data's own).
     """
     out = []
     if (m := asked.get("model")) is not None:
@@ -365,6 +372,11 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
     ):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
+    column = _named(asked["data"]) if "data" in asked else asked.get("column")
+    if ("data" in asked or column is not None) and column != _named(stored.data):
+        out.append(
+            f"data: the run read each row's turns from {_column(_named(stored.data))}; asked for {_column(column)}"
+        )
     if (data := asked.get("data")) is not None and [d.key() for d in stored.data] != [d.key() for d in data]:
         names = ", ".join(d.name for d in data)
         have = ", ".join(d.name for d in stored.data)
@@ -382,3 +394,13 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
         else:
             out.append(f"data: {have} is not what the run read: it differs in content, order, split or limit")
     return out
+
+
+def _named(data: list[DataFile]) -> str | None:
+    """The ``--column`` the data is read with (one for all its sources)."""
+    return next((d.column for d in data if d.column is not None), None)
+
+
+def _column(name: str | None) -> str:
+    """Where the turns of rows are read from, in words."""
+    return "'conversations' or 'messages' (no --column)" if name is None else f"the column {name!r} (--column {name})"

@@ -58,6 +58,7 @@ FLAGS = {
     ),
     "split": Flag("The split of a Hugging Face dataset --data.", "NAME", "its only one"),
     "limit": Flag("Only the first N rows of the data.", default="all"),
+    "column": Flag("The field of each row that holds its turns.", "NAME", "conversations or messages"),
     "threads": Flag("CPU: torch threads.", default="torch's"),
     "layers": Flag("hsx layer ids, e.g. 1,15,28.", "IDS", "EAGLE-3's: 1, N/2-1, N-4", str, layer_ids),
     "max_length": Flag("Truncate samples to this many tokens."),

@@ -44,11 +44,14 @@ BACKENDS = {
 
 @dataclass(frozen=True)
 class Resources:
-    """What one extracting process may use: its device, writer threads, host memory for writes."""
+    """What one extracting process may use: its device, writer threads, host memory for writes, and
+    on CPU torch's threads. Every process that runs the model gets it: a tensor-parallel group's
+    ranks, a scale-out worker (``WorkerTask``)."""
 
     device: str
     writers: int = 8
     max_inflight_bytes: int = 4 << 30  # host memory for states not yet on disk (pinned staging on CUDA)
+    threads: int | None = None  # CPU: torch's threads (--threads); None: the process's default
 
 
 class Peers(Protocol):

@@ -41,7 +41,9 @@ def asked(opts: ExtractOptions) -> dict:
         out["model"] = target.identity(opts.model, model_dir)
         out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
     if opts.data:
-        out["data"] = data_files(opts.data, opts.split, opts.limit, opts.out)
+        out["data"] = data_files(opts.data, opts.split, opts.limit, opts.column, opts.out)
+    if opts.column is not None:
+        out["column"] = opts.column
     for key in ("layers", "max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute"):
         out[key] = getattr(opts, key)
     if opts.dtype not in (None, "auto"):
@@ -54,7 +56,9 @@ def asked(opts: ExtractOptions) -> dict:
     return out
 
 
-def data_files(paths: list[Path], split: str | None, limit: int | None, run: Path) -> list[DataFile]:
+def data_files(
+    paths: list[Path], split: str | None, limit: int | None, column: str | None, run: Path
+) -> list[DataFile]:
     """What the spec of ``run`` records of each data path: a file's size and digest, a Hugging Face
     dataset's, or a generate run's (its conversations the run planned: ``GeneratedRun.identity``)."""
     from hsx.generate.samples import GeneratedRun, not_generated
@@ -62,7 +66,7 @@ def data_files(paths: list[Path], split: str | None, limit: int | None, run: Pat
     def one(p: Path) -> DataFile:
         if is_generate_run(p):
             return GeneratedRun.read(p).identity(skip=set(not_generated(run)))
-        return DataFile.of(p, split, limit)
+        return DataFile.of(p, split, limit, column)
 
     return [one(p) for p in paths]
 
@@ -72,8 +76,10 @@ def _generated_input(opts: ExtractOptions) -> Path | None:
     runs = [p for p in opts.data if is_generate_run(p)]
     if runs and len(opts.data) > 1:
         raise InputError("a generate run is extracted alone: give it as the only --data")
-    if runs and (opts.split is not None or opts.limit is not None):
-        raise InputError(f"--split and --limit select rows of files and datasets, not of a generate run ({runs[0]})")
+    if runs and (opts.split is not None or opts.limit is not None or opts.column is not None):
+        raise InputError(
+            f"--split, --limit and --column select rows of files and datasets, not of a generate run ({runs[0]})"
+        )
     return runs[0] if runs else None
 
 
@@ -96,7 +102,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     refuse_foreign(opts.out)
     generated = _generated_input(opts)
     for path in opts.data if generated is None else []:
-        check_source(path, opts.split)
+        check_source(path, opts.split, opts.column)
     model_dir = target.resolve(opts.model)
     tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
     model = target.identity(opts.model, model_dir)
@@ -123,7 +129,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
             log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
         else:
             log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
-            rows = read_conversations(opts.data, opts.split, opts.limit)
+            rows = read_conversations(opts.data, opts.split, opts.limit, opts.column)
             samples = tokenize_all(rows, Tokenize(tokenizer, max_length))
         try:
             info, rejects = write_plan(opts.out, samples, max_length)
@@ -153,7 +159,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         codec=codec,
         parallel=parallel,
         quantized_compute=compute,
-        data=data or data_files(opts.data, opts.split, opts.limit, opts.out),
+        data=data or data_files(opts.data, opts.split, opts.limit, opts.column, opts.out),
         generate_spec=source_spec,
         plan=PlanIdentity.of(info, len(rejects)),
     )

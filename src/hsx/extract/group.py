@@ -38,6 +38,7 @@ from pydantic import TypeAdapter
 from hsx import errors, registry, target
 from hsx.capture import CapturedBatch
 from hsx.errors import CleanStop, HsxError, WorkerFailed
+from hsx.extract.backends import Resources
 from hsx.extract.local import extract_local
 from hsx.extract.options import ExtractOptions, check_gpus
 from hsx.extract.pipeline import open_backend
@@ -50,30 +51,31 @@ WAIT = dt.timedelta(days=7)  # the others wait on rank 0 through a whole verific
 STOP, LOAD, BATCH = 0, 1, 2
 OPTIONS = TypeAdapter(ExtractOptions)
 SUMMARY = TypeAdapter(Summary)
+RESOURCES = TypeAdapter(Resources)
 
 
 def extract_group(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None] = print) -> Summary:
     """Run the job on ``spec.parallel.ranks`` ranks of this node; returns rank 0's summary, or
     raises its refusal or clean stop as if it had happened here."""
-    device = opts.resources().device
-    log(f"starting {spec.parallel.ranks} ranks ({spec.parallel}) on {device}")
-    result = run_group(spec, device, opts.out, opts.model, _lead_local, OPTIONS.dump_json(opts).decode())
+    resources = opts.resources()
+    log(f"starting {spec.parallel.ranks} ranks ({spec.parallel}) on {resources.device}")
+    result = run_group(spec, resources, opts.out, opts.model, _lead_local, OPTIONS.dump_json(opts).decode())
     return _outcome(result)
 
 
 Lead = Callable[["Leader", RunSpec, str], str]  # rank 0's job: (its peers, the spec, its payload) -> its outcome
 
 
-def run_group(spec: RunSpec, device: str, run: Path, model: str | None, lead: Lead, payload: str) -> str:
+def run_group(spec: RunSpec, resources: Resources, run: Path, model: str | None, lead: Lead, payload: str) -> str:
     """Launch ``spec.parallel.ranks`` ranks under PyTorch's elastic agent in this thread, until
-    they end. Rank 0 runs ``lead(leader, spec, payload)`` (a module-level function: it crosses to the
-    spawned ranks by name) and its return value is returned here; the others follow it. Raises
-    ``WorkerFailed`` naming the ranks that failed."""
+    they end, each on ``resources`` (``rank_device``). Rank 0 runs ``lead(leader, spec, payload)`` (a
+    module-level function: it crosses to the spawned ranks by name) and its return value is returned
+    here; the others follow it. Raises ``WorkerFailed`` naming the ranks that failed."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     n = spec.parallel.ranks
-    if device.startswith("cuda"):
+    if resources.device.startswith("cuda"):
         check_gpus(spec.parallel, torch.cuda.device_count())
     config = LaunchConfig(
         min_nodes=1,
@@ -88,23 +90,22 @@ def run_group(spec: RunSpec, device: str, run: Path, model: str | None, lead: Le
     )
     try:
         entry = elastic_launch(config, rank_main)
-        results = entry(lead, str(run), model, device, spec.model_dump_json(), payload, os.getpid())
+        on = RESOURCES.dump_json(resources).decode()
+        results = entry(lead, str(run), model, on, spec.model_dump_json(), payload, os.getpid())
     except ChildFailedError as e:
         raise WorkerFailed(f"the tensor-parallel group failed: {_failures(e)}") from None
     return results[0]
 
 
-def rank_main(lead: Lead, run: str, model: str | None, device: str, run_spec: str, payload: str, launcher: int) -> str:
+def rank_main(
+    lead: Lead, run: str, model: str | None, resources: str, run_spec: str, payload: str, launcher: int
+) -> str:
     """One rank's life (the agent's entry point); returns rank 0's outcome."""
     _die_with(launcher)
     spec = RunSpec.model_validate_json(run_spec)
     rank, local, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    device = rank_device(RESOURCES.validate_json(resources), local, world)
     cuda = device.startswith("cuda")
-    if cuda:
-        device = f"cuda:{local}"
-        torch.cuda.set_device(local)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=WAIT, device_id=torch.device(device) if cuda else None)
     control = dist.new_group(backend="gloo", timeout=WAIT)
     try:
@@ -119,6 +120,17 @@ def rank_main(lead: Lead, run: str, model: str | None, device: str, run_spec: st
         return ""
     finally:
         dist.destroy_process_group()
+
+
+def rank_device(resources: Resources, local: int, world: int) -> str:
+    """This rank's device, made current. On CPU it sets the rank's torch threads: ``--threads`` where
+    given, else a share of the cores (``world`` ranks each on torch's default, a thread per core,
+    would oversubscribe them ``world`` times)."""
+    if resources.device.startswith("cuda"):
+        torch.cuda.set_device(local)
+        return f"cuda:{local}"
+    torch.set_num_threads(resources.threads or max(1, (os.cpu_count() or 1) // world))
+    return resources.device
 
 
 class Leader:

@@ -58,7 +58,7 @@ def extract_local(
             if work:
                 model_dir = target.model_dir_for(run, spec, opts.model, checked=opts.model is not None)
                 resources = opts.resources()
-                set_threads(opts.threads, resources.device)
+                set_threads(resources.threads, resources.device)
                 session = Session(
                     run, spec, plan, model_dir, resources, progress, begun.space, log,
                     opts.tensor_parallel_size or 1, opts.data_parallel_size or 1, peers,

@@ -74,7 +74,7 @@ class ExtractOptions(JobOptions):
                 raise OptionError(f"--data names {first} twice{also}: give each file once")
 
     def resources(self, device: str | None = None) -> Resources:
-        return Resources(device or self.device or default_device(), self.writers, self.max_inflight_bytes)
+        return Resources(device or self.device or default_device(), self.writers, self.max_inflight_bytes, self.threads)
 
 
 def resolve_packing(packing: Toggle, device: str, config: dict, dtype: str, log: Callable[[str], None]) -> bool:

@@ -38,7 +38,9 @@ def asked(opts: GenerateOptions) -> dict:
         out["model"] = target.identity(opts.model, model_dir)
         out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
     if opts.data:
-        out["data"] = [DataFile.of(p, opts.split, opts.limit) for p in opts.data]
+        out["data"] = [DataFile.of(p, opts.split, opts.limit, opts.column) for p in opts.data]
+    if opts.column is not None:
+        out["column"] = opts.column
     for key in (
         "max_length", "shard_size", "backend", "seed", "turns", "samples_per_prompt", "template_kwargs", "tool_parser"
     ):  # fmt: skip
@@ -71,7 +73,7 @@ def check_engine(spec: GenerateSpec, engine: Engine) -> None:
 def _numbered(opts: GenerateOptions) -> Iterator[tuple[int, Conversation | Reject]]:
     """Each row read, with the number of its source among ``--data``."""
     number = {str(p): i for i, p in enumerate(opts.data)}
-    for item in read_conversations(opts.data, opts.split, opts.limit):
+    for item in read_conversations(opts.data, opts.split, opts.limit, opts.column):
         yield number[item.source.file], item
 
 
@@ -92,7 +94,7 @@ def _check_new(opts: GenerateOptions) -> None:
     target.resolve(opts.model)
     opts.sampling()  # refuses what cannot be sampled (several samples per prompt, greedy)
     for path in opts.data:
-        check_source(path, opts.split)
+        check_source(path, opts.split, opts.column)
 
 
 def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
@@ -154,7 +156,7 @@ def create_spec(opts: GenerateOptions, plan: PlanIdentity, engine: Engine) -> Ge
         shard_size=opts.get("shard_size"),
         dtype=opts.get("dtype"),
         trust_remote_code=opts.trust_remote_code,
-        data=[DataFile.of(p, opts.split, opts.limit) for p in opts.data],
+        data=[DataFile.of(p, opts.split, opts.limit, opts.column) for p in opts.data],
         plan=plan,
         drop=sorted(set(opts.drop or [])),
     )

@@ -49,6 +49,7 @@ class JobOptions:
     data: list[Path] = field(default_factory=list)
     split: str | None = None  # of the Hugging Face datasets among data (a new run's; part of the spec)
     limit: int | None = None  # only the first rows of the data, over all sources (a new run's; in the spec)
+    column: str | None = None  # the field of every row that holds its turns (None: conversations or messages)
     threads: int | None = None  # CPU: torch's threads (None: torch's own choice)
     max_length: int | None = None
     shard_size: int | None = None

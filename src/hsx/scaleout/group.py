@@ -69,7 +69,7 @@ class GroupClient:
     @staticmethod
     def _launch(task: WorkerTask, spec: RunSpec, payload: str) -> None:
         try:
-            run_group(spec, task.resources.device, Path(task.run), task.model, serve_shards, payload)
+            run_group(spec, task.resources, Path(task.run), task.model, serve_shards, payload)
         except Exception as e:  # a rank failed (WorkerFailed), or the group could not start at all
             print(f"hsx worker pid {os.getpid()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             os._exit(GROUP_FAILED)  # the actor waits on rank 0's socket: only ending it ends the wait

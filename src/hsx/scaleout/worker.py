@@ -23,6 +23,7 @@ from hsx import registry, target
 from hsx.errors import DiskFull, HsxError, ModelChanged, Refused
 from hsx.extract.backends import Peers, Resources
 from hsx.extract.pipeline import Extractor, open_backend
+from hsx.job.options import set_threads
 from hsx.job.resume import Summary, verify_shard
 from hsx.job.space import Forecast, Start
 from hsx.lock import Holder
@@ -130,6 +131,7 @@ class ShardRunner:
         self.progress = Progress(self.spec.plan.num_samples, self.spec.plan.num_tokens, self.spec.bytes_per_token)
         if peers is not None:
             peers.load()
+        set_threads(task.resources.threads, task.resources.device)  # rank 0 of a group: as its rank set up
         backend = open_backend(self.spec, model_dir, task.resources.device)
         # the start's forecast, with this worker's own files as it writes them (``Extractor`` binds them). An
         # undecided run is judged by each worker on its own first files against the whole rest of the run,
