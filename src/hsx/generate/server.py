@@ -233,7 +233,9 @@ class ServerEngine(Engine):
             f"server: request {request.key} failed {self.options.retries} tries ({reason}); "
             f"{failures} of {self.options.max_failures} failures in a row before the run stops"
         )
-        if failures >= self.options.max_failures:
+        if failures > self.options.max_failures:
+            return  # the run is stopping (another thread reached the bound first): the resume redoes it
+        if failures == self.options.max_failures:  # one thread alone, so the stop names the bound reached
             self._stop(
                 f"the generation servers stopped answering: {failures} requests in a row failed after "
                 f"{self.options.retries} tries each; last: {reason}; once they answer,"
