@@ -82,17 +82,28 @@ SMALL_RUN = ("--shard-size", "10", "--batch-tokens", "512", "--writers", "2", "-
 
 
 def extract_args(data: Path, out: Path, *extra: str) -> list:
-    """``hsx extract`` of a new small run: 10 samples a shard, small batches, CPU."""
-    return ["extract", "--model", TINY, "--data", data, "--out", out, *SMALL_RUN, *extra]
+    """``hsx extract`` of a new small run: 10 samples a shard, small batches, CPU, raw unless a
+    ``--codec`` is given (the byte-identity, disk and resume tests compare with ``finished_run``)."""
+    codec = () if "--codec" in extra else ("--codec", "raw")
+    return ["extract", "--model", TINY, "--data", data, "--out", out, *SMALL_RUN, *codec, *extra]
 
 
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory) -> Path:
-    """A complete run of the first 40 conversations (4 sealed shards). Copy it before changing it."""
+    """A complete raw run of the first 40 conversations (4 sealed shards): the states as the model
+    gave them, which the codec tests encode and the readers' tests load as they are. Copy it before
+    changing it."""
     root = tmp_path_factory.mktemp("finished")
     data = write_jsonl(root / "convs.jsonl", conversations(40))
     hsx(*extract_args(data, root / "run"))
     return root / "run"
+
+
+def load_states(path: Path) -> dict:
+    """A sample file's tensors as a raw file holds them, whatever its codec (new runs store zstd)."""
+    from hsx.store.format import decode
+
+    return decode(Path(path).read_bytes())
 
 
 def flip_byte(path: Path, offset: int) -> None:

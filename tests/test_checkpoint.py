@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY, conversations, save_random, write_jsonl
+from conftest import TINY, conversations, load_states, save_random, write_jsonl
 from hsx import target
 from hsx.capture import checkpoint
 from hsx.capture.quantized import fp8
@@ -366,7 +366,7 @@ def test_kimi_k2_fp8_checkpoint_extracts_end_to_end(models, tmp_path, caplog):
     spec = json.loads((out / layout.SPEC).read_text())
     assert spec["model"]["quantization"]["method"] == "fp8"
     assert spec["model"]["fingerprint"]["weights"][0]["scales"]
-    files = [load_file(layout.sample_path(out, i, 4)) for i in range(4)]
+    files = [load_states(layout.sample_path(out, i, 4)) for i in range(4)]
     refs = hidden_states(models["reference"], [f["input_ids"] for f in files])
     for f, ref in zip(files, refs, strict=True):
         for j, k in enumerate(LAYERS):

@@ -22,6 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from conftest import (
+    SMALL_RUN,
+    TINY,
     conversations,
     extract_args,
     flip_byte,
@@ -640,3 +642,22 @@ def test_kill_9_and_damage_then_resume_with_a_codec_is_byte_identical(finished_r
         a = HsxDataset(finished_run, ids=[sid], verify=True)[0]
         b = HsxDataset(out, ids=[sid], verify=True)[0]
         assert all(torch.equal(_bits(a[key]), _bits(b[key])) for key in a if key != "sample_id")
+
+
+def test_a_new_run_stores_zstd_unless_asked_and_decodes_to_the_raw_runs_bits(finished_run, tmp_path):
+    """The default codec (zstd, decided by the GPU measurement in docs/benchmarks.md): a run started
+    with no --codec records zstd, stores zstd files, and each decodes to the raw run's tensors, bit
+    for bit, in fewer bytes."""
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40))
+    out = tmp_path / "run"
+    args = ["extract", "--model", TINY, "--data", data, "--out", out, *SMALL_RUN]  # no --codec
+    hsx(*args)
+    assert load_spec(out).codec is Codec.ZSTD
+    raw = sorted((finished_run / "shards").rglob("*.safetensors"))
+    files = sorted((out / "shards").rglob("*.safetensors"))
+    assert [p.relative_to(out) for p in files] == [p.relative_to(finished_run) for p in raw]
+    for mine, theirs in zip(files, raw, strict=True):
+        assert read_header(mine).codec is Codec.ZSTD
+        got, want = read_verified(mine, layout.parse_sample_name(mine.name)), load_file(theirs)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert sum(p.stat().st_size for p in files) < sum(p.stat().st_size for p in raw)

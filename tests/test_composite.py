@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import conversations, write_jsonl
+from conftest import conversations, load_states, write_jsonl
 from hsx import finalnorm, target
 from hsx.capture import checkpoint, default_layers
 from hsx.capture.transformers import TransformersBackend
@@ -254,9 +254,8 @@ def test_kimi_k25_extracts_end_to_end_text_rows_only(models, tmp_path, caplog):
     check = check_capture(load_spec(out), models["kimi-bf16"])
     assert (check.level, check.data["num_layers"]) == ("ok", 3), check
     assert "(DeepseekV3ForCausalLM)" in check.figure
-    from safetensors.torch import load_file
 
-    files = [load_file(layout.sample_path(out, i, 4)) for i in range(3)]
+    files = [load_states(layout.sample_path(out, i, 4)) for i in range(3)]
     refs = hidden_states(models["reference"], [f["input_ids"] for f in files])
     layers = spec["layers"]
     for f, ref in zip(files, refs, strict=True):

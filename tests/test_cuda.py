@@ -12,9 +12,8 @@ the host encoder's files.
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import TINY, conversations, convs, hsx, run_files, write_jsonl  # noqa: F401  (fixture)
+from conftest import TINY, conversations, convs, hsx, load_states, run_files, write_jsonl  # noqa: F401  (fixture)
 from hsx.capture import varlen
 from hsx.capture.transformers import TransformersBackend, varlen_blocker
 from hsx.extract import ExtractOptions, extract
@@ -106,8 +105,8 @@ def test_gpu_extraction_matches_cpu_float32(tmp_path, convs, packing, compile): 
     extract(gpu_opts, log=lambda m: None)
     extract(ExtractOptions(out=cpu, device="cpu", dtype="float32", packing="off", **common), log=lambda m: None)
     for sid in range(40):
-        g = load_file(layout.sample_path(gpu, sid, 10))
-        c = load_file(layout.sample_path(cpu, sid, 10))
+        g = load_states(layout.sample_path(gpu, sid, 10))
+        c = load_states(layout.sample_path(cpu, sid, 10))
         assert torch.equal(g["input_ids"], c["input_ids"]) and torch.equal(g["loss_mask"], c["loss_mask"])
         for key in ("aux_hidden_states", "hidden_states"):
             assert (g[key] - c[key]).abs().max().item() < 1e-3, (sid, key)
@@ -349,7 +348,7 @@ def test_fp8_run_killed_and_resumed_on_the_gpu_is_the_host_encoders_bytes(tmp_pa
     args = ("--model", TINY, "--data", data, "--shard-size", "10", "--batch-tokens", "1024", "--writers", "2")
     args += ("--device", "cuda", "--compile", "off")
     raw, out = tmp_path / "raw", tmp_path / "fp8"
-    hsx("extract", *args, "--out", raw)
+    hsx("extract", *args, "--out", raw, "--codec", "raw")
     seed = int(os.environ.get("HSX_CRASH_SEED", time.time_ns() % 10_000))
     print(f"HSX_CRASH_SEED={seed}")
     k = random.Random(seed).randint(4, 12)
@@ -487,8 +486,8 @@ def test_int4_checkpoint_extracts_on_cuda_as_its_dequantized_model(tmp_path):
         )
         assert extract(opts, log=lambda m: None).complete
     assert '"compiled": true' in (runs["packed"] / "hsx.json").read_text()
-    files = [load_file(layout.sample_path(runs["packed"], i, 8)) for i in range(8)]
-    dequantized = [load_file(layout.sample_path(runs["reference"], i, 8)) for i in range(8)]
+    files = [load_states(layout.sample_path(runs["packed"], i, 8)) for i in range(8)]
+    dequantized = [load_states(layout.sample_path(runs["reference"], i, 8)) for i in range(8)]
     refs = reference_states(tmp_path / "reference", [f["input_ids"].numpy() for f in files])
     float32 = [{"aux_hidden_states": torch.cat(r[1:3], dim=-1), "hidden_states": r[-1]} for r in refs]
     for against in (dequantized, float32):

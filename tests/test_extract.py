@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import TINY, conversations, hsx, run_files, write_jsonl
+from conftest import TINY, conversations, hsx, load_states, run_files, write_jsonl
 from hsx.extract import ExtractOptions, Refused, extract
 from hsx.store import layout
 
@@ -28,7 +27,7 @@ def test_written_files_equal_transformers_reference(tmp_path, convs, packing):
     assert summary.complete and summary.written == 40
     model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
     for sid in (0, 17, 39):
-        t = load_file(layout.sample_path(out, sid, 10))
+        t = load_states(layout.sample_path(out, sid, 10))
         with torch.no_grad():
             ref = model(t["input_ids"][None], output_hidden_states=True).hidden_states
         for j, k in enumerate([0, 2, 5]):
@@ -85,7 +84,7 @@ def test_compiled_layers_equal_reference_and_a_fresh_compile_redoes_them_byte_id
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the layers really were compiled
     model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
     for sid in (0, 21, 39):
-        t = load_file(layout.sample_path(out, sid, 10))
+        t = load_states(layout.sample_path(out, sid, 10))
         with torch.no_grad():
             ref = model(t["input_ids"][None], output_hidden_states=True).hidden_states
         # fused float32 kernels sum in another order than eager: equal to rounding, not bit for bit
@@ -255,6 +254,6 @@ def test_a_mix_of_chat_reasoning_and_tool_rows_extracts_rejecting_only_broken_ro
     assert any(line.startswith("plan: metadata fields no template reads") for line in said)
     plan = Plan(out)
     for sid in range(spec["num_samples"]):
-        t = load_file(layout.sample_path(out, sid, 10))
+        t = load_states(layout.sample_path(out, sid, 10))
         assert t["input_ids"].tolist() == plan.input_ids(sid).tolist()
         assert t["loss_mask"].tolist() == plan.loss_mask(sid).tolist()

@@ -19,9 +19,8 @@ from unittest import mock
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import TINY, conversations, hsx, write_jsonl
+from conftest import TINY, conversations, hsx, load_states, write_jsonl
 from hsx.capture.quantized import fp8
 from hsx.errors import OptionError, Refused
 from hsx.extract import ExtractOptions, extract
@@ -259,7 +258,7 @@ def test_quantized_compute_is_recorded_defaulted_refused_and_part_of_the_drift_c
         extract(ExtractOptions(out=out, quantized_compute="fp8", **common), log=said.append)
     assert extract(ExtractOptions(out=out, quantized_compute="dequantized", **common), log=said.append).complete
     assert {p: p.read_bytes() for p in (out / "shards").rglob("*.safetensors")} == before
-    first = load_file(layout.sample_path(out, 0, 3))
+    first = load_states(layout.sample_path(out, 0, 3))
     assert first["hidden_states"].dtype == torch.float32  # CPU's dtype: dequantized weights in float32
     # an unquantized model has no such choice
     with pytest.raises(OptionError, match="applies to FP8 checkpoints"):

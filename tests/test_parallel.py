@@ -26,10 +26,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
-from conftest import TINY, conversations, hsx, require, run_files, save_tiny, verified_files, write_jsonl
+from conftest import TINY, conversations, hsx, load_states, require, run_files, save_tiny, verified_files, write_jsonl
 from hsx import registry
 from hsx.errors import Exit
 from hsx.store import layout
@@ -133,7 +132,7 @@ def off_tokens(out: Path, model_dir: Path) -> tuple[int, int, float]:
     off = total = 0
     worst = 0.0
     for path in sorted((out / "shards").rglob("*.safetensors")):
-        t = load_file(path)
+        t = load_states(path)
         with torch.no_grad():
             ref = model(t["input_ids"][None].long(), output_hidden_states=True).hidden_states
         want = torch.cat([ref[k + 1][0] for k in LAYERS] + [ref[-1][0]], dim=-1)

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import TINY, conversations, hsx, run_files, verified_files, write_jsonl
 from hsx.extract import ExtractOptions, Refused, extract
@@ -61,16 +60,16 @@ def _vllm_args(data, out, *extra):
     return ["extract", "--model", TINY, "--data", data, "--out", out, "--backend", "vllm", *ARGS, *extra]
 
 
-def _assert_equivalent(out, reference, codec="raw"):
+def _assert_equivalent(out, reference, codec):
     """Every sample: stored with ``codec``; identical ids and mask, states within float32
-    tolerance of transformers'."""
+    tolerance of transformers' (both decoded: a run given no --codec stores zstd)."""
     ref, got = run_files(reference), run_files(out)
     assert sorted(got) == sorted(ref)
     worst = {"aux_hidden_states": 0.0, "hidden_states": 0.0}
     for name in ref:
         path = out / "shards" / name
         assert read_header(path).codec == codec, name
-        a, b = load_file(reference / "shards" / name), decode(path.read_bytes())
+        a, b = decode((reference / "shards" / name).read_bytes()), decode(path.read_bytes())
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"]), name
         for key in worst:
             assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype == torch.float32, name
@@ -89,7 +88,7 @@ def test_vllm_files_equal_transformers_files(vllm, tmp_path, data, reference, mo
     proc = hsx(*_vllm_args(data, out), timeout=600)
     print(f"vllm run: {time.monotonic() - t0:.1f}s")
     assert "(complete)" in proc.stdout + proc.stderr
-    worst = _assert_equivalent(out, reference)
+    worst = _assert_equivalent(out, reference, "zstd")  # the default codec
     print("max abs diff vs transformers:", worst)
     spec = json.loads((out / "hsx.json").read_text())
     assert spec["backend"] == "vllm" and "model.norm.weight" in spec["final_state"]
