@@ -181,6 +181,9 @@ def test_column_names_the_field_of_the_turns_and_a_resume_asking_another_is_refu
         assert code == 2 and f"{run} {asked}" in " ".join(said.split()), said
     code, said = cli("extract", "--out", out, "--data", data, "--column", "dialog")  # the same: resumes
     assert code == 0, said
+    for again, asked in ((["--limit", "2"], "limit (none given); asked for --limit 2"), (["--split", "test"], "split")):
+        code, said = cli("extract", "--out", out, *again)  # a row selection alone is checked too, never ignored
+        assert code == 2 and f"data: the run read {asked}" in " ".join(said.split()), said
 
     generated = tmp_path / "generated"  # what extract knows a generate run by: its spec's kind
     generated.mkdir()

@@ -343,8 +343,8 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
 
     ``asked`` holds only what the operator gave: ``model`` (a ModelIdentity), ``tokenizer``,
     ``layers``, ``dtype``, ``max_length``, ``batch_tokens``, ``shard_size``, ``data`` (DataFiles),
-    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``, ``column``
-    (the ``--column`` asked without ``data``; with it, the data's own).
+    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``, ``column``,
+    ``split`` and ``limit`` (asked without ``data``; with it, the data's own).
     """
     out = []
     if (m := asked.get("model")) is not None:
@@ -372,6 +372,11 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
     ):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
+    for key in ("split", "limit"):  # asked without --data (with it, the data's own key says it)
+        have = next((getattr(d, key) for d in stored.data if getattr(d, key) is not None), None)
+        if "data" not in asked and (v := asked.get(key)) is not None and v != have:
+            read = have if have is not None else "(none given)"
+            out.append(f"data: the run read {key} {read}; asked for --{key} {v}")
     column = _named(asked["data"]) if "data" in asked else asked.get("column")
     if ("data" in asked or column is not None) and column != _named(stored.data):
         out.append(

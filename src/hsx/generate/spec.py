@@ -124,7 +124,7 @@ def generate_differences(stored: GenerateSpec, asked: dict) -> list[str]:
     template, data, length, shard size and backend as ``hsx.spec.differences`` says them, then the
     generate settings (``sampling``: the sampling options given, by name; ``seed``, ``turns``, ``samples_per_prompt``,
     ``template_kwargs``, ``tool_parser``, ``engine_version``)."""
-    shared = ("model", "tokenizer", "data", "column", "max_length", "shard_size")
+    shared = ("model", "tokenizer", "data", "column", "split", "limit", "max_length", "shard_size")
     out = differences(stored, {k: asked[k] for k in shared if k in asked})
     if (v := asked.get("backend")) is not None and v != stored.engine.name:
         out.append(f"backend: run has {stored.engine.name}, asked for {v}")
