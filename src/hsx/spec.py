@@ -373,8 +373,10 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
     for key in ("split", "limit"):  # asked without --data (with it, the data's own key says it)
+        if "data" in asked or (v := asked.get(key)) is None:
+            continue
         have = next((getattr(d, key) for d in stored.data if getattr(d, key) is not None), None)
-        if "data" not in asked and (v := asked.get(key)) is not None and v != have:
+        if v != have:
             read = have if have is not None else "(none given)"
             out.append(f"data: the run read {key} {read}; asked for --{key} {v}")
     column = _named(asked["data"]) if "data" in asked else asked.get("column")
