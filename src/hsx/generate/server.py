@@ -212,12 +212,7 @@ class ServerEngine(Engine):
             f"{type(error).__name__}: {error} (a bug of hsx; what is written is kept, the same command resumes)"
         )
         bug.__cause__ = error
-        with self._lock:
-            first = self._stopped is None
-            if first:
-                self._stopped = bug
-        if first:
-            self._log(f"server: the run stops: {bug}")
+        self._halt(bug, str(bug))
 
     def _log(self, message: str) -> None:
         if self.options.log is not None:
@@ -246,14 +241,18 @@ class ServerEngine(Engine):
             self._todo.put((request, spent))
 
     def _stop(self, why: str) -> None:
+        """A clean stop (``EngineUnavailable``): the servers cannot serve, the run is resumable."""
+        done = f"{why} resume with the same command (the run stopped cleanly: what is written is kept)"
+        self._halt(EngineUnavailable(done), why.rsplit(";", 1)[0])
+
+    def _halt(self, error: Exception, line: str) -> None:
+        """``poll`` raises ``error`` from now on; the first stop is the one kept and logged."""
         with self._lock:
             first = self._stopped is None
             if first:
-                self._stopped = EngineUnavailable(
-                    f"{why} resume with the same command (the run stopped cleanly: what is written is kept)"
-                )
+                self._stopped = error
         if first:
-            self._log(f"server: the run stops: {why.rsplit(';', 1)[0]}")
+            self._log(f"server: the run stops: {line}")
 
     def _try(self, url: str, request: Request) -> Outcome:
         """One request with its retries on one server."""
