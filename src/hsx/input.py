@@ -133,6 +133,14 @@ class Reject:
         return {"file": self.source.file, "row": self.source.row, "id": self.source.id, "reason": self.reason}
 
 
+def read_rejects(path: Path) -> list[dict]:
+    """A run's ``rejects.jsonl``, a line per reject (``Reject.to_json``); none where there is no file."""
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
 def _text(content: object, where: str) -> str:
     if isinstance(content, str):
         return content

@@ -366,7 +366,8 @@ class Written:
 
 def _stream(path: Path, items: Iterable[Sample | Reject | Notes], first_id: int, allow_empty: bool) -> Written:
     """Write the samples of ``items`` durably to ``path`` (a temp file first: never half a file under
-    its name), keeping the rejects and summing the notes."""
+    its name), keeping the rejects and summing the notes; no samples: no file (``allow_empty``) or
+    ``NoUsableSamples``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     builder = PlanBuilder(tmp, first_id=first_id)
@@ -384,6 +385,9 @@ def _stream(path: Path, items: Iterable[Sample | Reject | Notes], first_id: int,
         out.fingerprint = builder.close()
         if builder.num_samples == 0 and not allow_empty:
             raise NoUsableSamples(out.rejects)
+        if builder.num_samples == 0:  # nothing to keep: no file under the name
+            tmp.unlink()
+            return out
     except BaseException:  # an unreadable file, no usable row, Ctrl-C: no half-written plan stays behind
         builder.writer.close()
         tmp.unlink(missing_ok=True)
@@ -433,8 +437,6 @@ def write_part(run_dir: Path, n: int, items: Iterable[Sample | Reject], first_id
     path = run_dir / PLAN_DIR / part_name(n)
     w = _stream(path, items, first_id, allow_empty=True)
     b = w.builder
-    if b.num_samples == 0:
-        path.unlink()
     return Part(path.name if b.num_samples else None, first_id, b.num_samples, b.num_tokens, w.truncated, w.rejects)
 
 

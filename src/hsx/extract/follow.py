@@ -23,6 +23,7 @@ from pathlib import Path
 
 from hsx.errors import HsxError, Refused
 from hsx.generate.samples import NOT_GENERATED, GeneratedRun, not_generated
+from hsx.input import read_rejects
 from hsx.lock import RunLock
 from hsx.plan import Plan, write_part
 from hsx.spec import Extension, PlanGrowth, RunSpec, load_spec, now, plan_growth, who
@@ -37,14 +38,15 @@ def follow(run: Path, spec: RunSpec, log: Callable[[str], None]) -> RunSpec:
         return spec
     waiting = not_generated(run)
     gen = _read(spec, log) if waiting else None
-    if not (gen is not None and set(waiting) & gen.files.keys()) and not _stale_rejects(run):
+    if not (gen is not None and set(waiting) & gen.files.keys()) and _stale_rejects(run) is None:
         return spec
     with RunLock(run, warn=log):  # one grower: two resumes never append the same twice
         spec, waiting = load_spec(run), not_generated(run)
         new = [cid for cid in waiting if gen is not None and cid in gen.files]
         if new:
             _grow(run, spec, gen, waiting, new, log)
-        _write_rejects(run)  # also after a crash between a growth's record and its rejects
+        if (rows := _stale_rejects(run)) is not None:  # also after a crash between a record and its rejects
+            write_durable(run / layout.REJECTS, "".join(json.dumps(r) + "\n" for r in rows).encode())
     return load_spec(run)
 
 
@@ -105,7 +107,7 @@ def _grow(
         by=who(),
     )
     extensions = [*extensions, extension]
-    rejected = len(_rejects(_lines(run), left, extensions))
+    rejected = len(_rejects(read_rejects(run / layout.REJECTS), left, extensions))
     identity = spec.plan.model_copy(
         update={
             "fingerprint": plan.fingerprint(),
@@ -126,13 +128,6 @@ def _grow(
     )
 
 
-def _lines(run: Path) -> list[dict]:
-    try:
-        return [json.loads(line) for line in (run / layout.REJECTS).read_text().splitlines() if line.strip()]
-    except FileNotFoundError:
-        return []
-
-
 def _rejects(lines: list[dict], waiting: list[int], extensions: list[Extension]) -> list[dict]:
     """The run's rejects once grown: no "not generated" for a conversation no longer waiting, and every
     growth's own rejects, once each."""
@@ -146,16 +141,12 @@ def _rejects(lines: list[dict], waiting: list[int], extensions: list[Extension])
     return out
 
 
-def _stale_rejects(run: Path) -> bool:
+def _stale_rejects(run: Path) -> list[dict] | None:
+    """What ``rejects.jsonl`` should hold once the recorded growth is applied, where it does not yet
+    (None: no growth, or the file already says it)."""
     growth = plan_growth(run)
     if growth is None:
-        return False
-    lines = _lines(run)
-    return _rejects(lines, growth.waiting, growth.extensions) != lines
-
-
-def _write_rejects(run: Path) -> None:
-    growth = plan_growth(run)
-    if growth is not None and _stale_rejects(run):
-        rows = _rejects(_lines(run), growth.waiting, growth.extensions)
-        write_durable(run / layout.REJECTS, "".join(json.dumps(r) + "\n" for r in rows).encode())
+        return None
+    lines = read_rejects(run / layout.REJECTS)
+    rows = _rejects(lines, growth.waiting, growth.extensions)
+    return rows if rows != lines else None

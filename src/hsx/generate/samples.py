@@ -16,7 +16,6 @@ extraction plans those generated since (``extract.follow``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ import xxhash
 from hsx.errors import BadFile, HsxError, Refused
 from hsx.generate.record import ConversationRecord, read_record
 from hsx.generate.spec import GenerateSpec, load_generate_spec
-from hsx.input import Reject, Source
+from hsx.input import Reject, Source, read_rejects
 from hsx.plan import Sample
 from hsx.spec import DataFile, plan_growth
 from hsx.store import layout
@@ -150,11 +149,8 @@ def not_generated(extraction: Path) -> list[int]:
     growth = plan_growth(extraction)
     if growth is not None:
         return growth.waiting
-    try:
-        lines = (extraction / layout.REJECTS).read_text().splitlines()
-    except OSError:
-        return []
-    return sorted({r["row"] for r in map(json.loads, lines) if r.get("reason") == NOT_GENERATED})
+    rows = read_rejects(extraction / layout.REJECTS)
+    return sorted({r["row"] for r in rows if r.get("reason") == NOT_GENERATED})
 
 
 def waiting(extraction: Path, gen: Path) -> tuple[int, int]:
