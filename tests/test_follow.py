@@ -19,6 +19,7 @@ from hsx.assess.status import assess
 from hsx.data import HsxDataset
 from hsx.errors import Refused
 from hsx.extract import ExtractOptions, extract
+from hsx.extract.local import extract_local
 from hsx.generate.job import generate
 from hsx.generate.options import GenerateOptions
 from hsx.generate.record import read_record
@@ -141,7 +142,8 @@ def test_a_resume_plans_what_the_generate_run_finished_since(finished, tmp_path)
 
 def test_an_unrecorded_part_is_written_again(finished, tmp_path):
     """A resume killed after writing a part, before recording it: the part counts for nothing (no
-    reader opens it) and the next resume writes it again."""
+    reader opens it) and the next resume writes it again. A job holding the spec as it was before
+    the growth refuses to go on."""
     gen = tmp_path / "gen"
     shutil.copytree(finished, gen)
     _hide(gen, 1)
@@ -150,7 +152,12 @@ def test_an_unrecorded_part_is_written_again(finished, tmp_path):
     extract(opts, log=lambda m: None)
     (out / layout.PLAN_DIR / layout.part_name(1)).write_bytes(b"half a part")
     assert load_spec(out).plan.num_samples == 5 and load_plan(out, load_spec(out))  # not read
+    stale = load_spec(out)  # as a process that read the spec before another grew the plan holds it
     shutil.copy2(layout.sample_path(finished, 1, GEN_SHARD), layout.sample_path(gen, 1, GEN_SHARD))
     summary, _ = _resume(out)
     assert summary.complete and load_spec(out).plan.num_samples == 6
     assert load_plan(out, load_spec(out)).input_ids(5).size > 0
+    files = _files(out)
+    with pytest.raises(Refused, match="grew while this process started"):  # it would seal shards of the old plan
+        extract_local(ExtractOptions(out=out, threads=1), log=lambda m: None, spec=stale)
+    assert _files(out) == files
