@@ -316,7 +316,7 @@ class Plan:
     def __init__(self, run_dir: Path, parts: Iterable[str] = ()):
         self.dir = run_dir / PLAN_DIR
         tables = [pq.read_table(self.dir / name) for name in (PLAN_FILE, *parts)]
-        self.info = PlanInfo(**json.loads((self.dir / PLAN_META).read_text()))
+        self.info = PlanInfo(**json.loads((self.dir / PLAN_META).read_text()))  # of plan.parquet, as first written
         self.bounds = np.cumsum([0] + [t.num_rows for t in tables])  # part k holds ids bounds[k]..bounds[k+1]-1
         table = pa.concat_tables(tables)
         self._ids = table.column("input_ids").combine_chunks()
