@@ -42,9 +42,7 @@ def asked(opts: ExtractOptions) -> dict:
         out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
     if opts.data:
         out["data"] = data_files(opts.data, opts.split, opts.limit, opts.column, opts.out)
-    for key in ("column", "split", "limit"):  # given alone on a resume: checked against the run's data
-        if getattr(opts, key) is not None:
-            out[key] = getattr(opts, key)
+    out |= opts.rows_asked()
     for key in ("layers", "max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute"):
         out[key] = getattr(opts, key)
     if opts.dtype not in (None, "auto"):

@@ -39,9 +39,7 @@ def asked(opts: GenerateOptions) -> dict:
         out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
     if opts.data:
         out["data"] = [DataFile.of(p, opts.split, opts.limit, opts.column) for p in opts.data]
-    for key in ("column", "split", "limit"):  # given alone on a resume: checked against the run's data
-        if getattr(opts, key) is not None:
-            out[key] = getattr(opts, key)
+    out |= opts.rows_asked()
     for key in (
         "max_length", "shard_size", "backend", "seed", "turns", "samples_per_prompt", "template_kwargs", "tool_parser"
     ):  # fmt: skip

@@ -75,6 +75,11 @@ class JobOptions:
         absolute): what a start that did not become a run prints to start it again."""
         return command_line(self.COMMAND, self)
 
+    def rows_asked(self) -> dict:
+        """The row selection given (``column``, ``split``, ``limit``), for the drift check: a resume
+        that names one without ``--data`` is checked against the run's data, never ignored."""
+        return {k: getattr(self, k) for k in ("column", "split", "limit") if getattr(self, k) is not None}
+
     def telemetry(self, metrics: Callable[[], dict]) -> Telemetry:
         return Telemetry(self.out, metrics, self.metrics_port, self.metrics_textfile)
 
