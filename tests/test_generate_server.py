@@ -142,6 +142,14 @@ def run_all(eng: ServerEngine, requests: list[Request]) -> dict[str, object]:
     return got
 
 
+def answer(eng: ServerEngine, req: Request):
+    """The outcome of one request; the engine is closed after it."""
+    try:
+        return run_all(eng, [req])[req.key]
+    finally:
+        eng.close()
+
+
 def assert_completion(outcome, req: Request):
     assert isinstance(outcome, Completion), outcome
     assert outcome.prompt_ids == req.prompt_ids
@@ -153,11 +161,7 @@ def test_transient_errors_are_retried_with_growing_waits(fakes):
     fake = fakes(script=[(429, [("Retry-After", "1")]), (503, []), (500, []), (408, [])])
     eng = engine(fake.url, retries=5)
     req = request(1)
-    try:
-        got = run_all(eng, [req])
-    finally:
-        eng.close()
-    assert_completion(got[req.key], req)
+    assert_completion(answer(eng, req), req)
     times = [t for t, _ in fake.posts]
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert len(times) == 5
@@ -193,10 +197,7 @@ def test_other_prompt_ids_are_a_failure_never_a_sample(fakes, api, edit):
     fake = fakes(prompt_edit=edit)
     eng = engine(fake.url, api=api, model="m")
     req = request(3)
-    try:
-        got = run_all(eng, [req])[req.key]
-    finally:
-        eng.close()
+    got = answer(eng, req)
     assert isinstance(got, Failure), got
     assert "other prompt ids than the request's" in got.reason
 
@@ -369,11 +370,7 @@ def test_a_malformed_answer_once_is_retried_and_the_request_completes(fakes):
     logs = []
     eng = engine(fake.url, log=logs.append)
     req = request(4)
-    try:
-        got = run_all(eng, [req])
-    finally:
-        eng.close()
-    assert_completion(got[req.key], req)
+    assert_completion(answer(eng, req), req)
     assert len(fake.posts) == 2 and "output_ids that are not a list of integers" in logs[0], logs
 
 
