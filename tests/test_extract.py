@@ -243,14 +243,18 @@ def test_a_mix_of_chat_reasoning_and_tool_rows_extracts_rejecting_only_broken_ro
     assert summary.complete
     rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rejects] == [
-        "broken-orphan-result", "broken-arguments", "broken-call-id", "broken-function-call", "broken-extra-result"
+        "broken-orphan-result", "broken-arguments", "broken-call-id", "broken-function-call", "broken-extra-result",
+        "glaive-v2",
     ]  # fmt: skip
-    assert all(r["reason"].startswith("turn ") for r in rejects)
+    assert all(r["reason"].startswith("turn ") for r in rejects[:-1])
+    assert rejects[-1]["reason"].startswith("a glaive-function-calling-v2 transcript")
     spec = json.loads((out / "hsx.json").read_text())["plan"]
-    # 10 conversations, two of whose first turns the template renders otherwise once the talk goes on
-    assert spec["num_samples"] == 12 and spec["rendering"] == {"own_sample_turns": 2}
+    # 16 conversations; the template drops the reasoning of every turn before the last user or tool
+    # turn, so 8 turns with reasoning are extracted after their own prompt
+    assert spec["num_samples"] == 24 and spec["rendering"] == {"own_sample_turns": 8, "call_ids_given": 10}
     assert spec["ignored_fields"] == {"category": 2, "messages[].name": 1, "messages[].weight": 1, "subcategory": 1}
-    assert any("2 assistant turns in a sample of their own" in line for line in said)
+    assert any("8 assistant turns extracted in a sample after their own prompt" in line for line in said)
+    assert any("10 tool calls without an id in the data, given one" in line for line in said)
     assert any(line.startswith("plan: metadata fields no template reads") for line in said)
     plan = Plan(out)
     for sid in range(spec["num_samples"]):

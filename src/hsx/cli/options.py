@@ -23,6 +23,7 @@ import typer
 from hsx.bounds import Bound, Bounds
 from hsx.extract.options import AT_LEAST_ONE, DEFAULTS, EXTRACT
 from hsx.generate.options import template_kwargs
+from hsx.generate.toolcalls import PARSERS
 from hsx.job.options import FLAG_NAMES, NOT_FLAGS
 
 
@@ -109,7 +110,9 @@ FLAGS = {
     "template_kwargs": Flag(
         "JSON for the chat template, e.g. '{\"enable_thinking\": false}'.", "JSON", "none", str, template_kwargs
     ),
-    "tool_parser": Flag("How the target's tool calls are read.", default="the tokenizer's response template"),
+    "tool_parser": Flag(
+        f"How the target's tool calls are read: {', '.join(PARSERS)}.", "NAME", "the tokenizer's response template"
+    ),
     "servers": Flag("server backend: an OpenAI-compatible base URL; repeatable.", "URL", "none"),
     "concurrency": Flag("server backend: requests in flight per server.", default="64"),
     "server_api": Flag(
