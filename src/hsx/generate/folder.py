@@ -104,6 +104,8 @@ def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
     tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
     tokenize = Tokenize(tokenizer, opts.get("max_length"), opts.template_kwargs)
     log(f"planning {len(opts.data)} data file(s) with the model's chat template")
+    if opts.template_kwargs:
+        log(f"plan: the chat template's arguments: {json.dumps(opts.template_kwargs)}")
     items = _numbered(opts)
     rows = plan_rows(
         items if opts.server_api == CHAT or toolcalls.choose(tokenizer, opts.tool_parser) else _without_tools(items),
