@@ -211,6 +211,8 @@ class RunSpec(BaseModel):
     # how an FP8 checkpoint computes: fp8 (block FP8 GEMMs, activations quantized) or dequantized
     # (weights expanded to the dtype); None: unquantized weights, or a run made before hsx recorded it
     quantized_compute: str | None = None
+    # the chat template's arguments the plan rendered with (--chat-template-kwargs); runs made before: none
+    template_kwargs: dict[str, Any] = {}
     data: list[DataFile]
     generate_spec: str | None = None  # the data is a generate run: the digest of its spec
     plan: PlanIdentity
@@ -343,8 +345,8 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
 
     ``asked`` holds only what the operator gave: ``model`` (a ModelIdentity), ``tokenizer``,
     ``layers``, ``dtype``, ``max_length``, ``batch_tokens``, ``shard_size``, ``data`` (DataFiles),
-    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``, ``column``,
-    ``split`` and ``limit`` (asked without ``data``; with it, the data's own).
+    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``,
+    ``template_kwargs``, ``column``, ``split`` and ``limit`` (asked without ``data``; with it, the data's own).
     """
     out = []
     if (m := asked.get("model")) is not None:
@@ -369,6 +371,7 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
         "codec",
         "parallel",
         "quantized_compute",
+        "template_kwargs",
     ):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")

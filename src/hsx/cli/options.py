@@ -22,8 +22,8 @@ import typer
 
 from hsx.bounds import Bound, Bounds
 from hsx.extract.options import AT_LEAST_ONE, DEFAULTS, EXTRACT
-from hsx.generate.options import template_kwargs
-from hsx.job.options import FLAG_NAMES, NOT_FLAGS
+from hsx.generate.toolcalls import PARSERS
+from hsx.job.options import FLAG_NAMES, NOT_FLAGS, template_kwargs
 
 
 def layer_ids(value: str | None) -> list[int] | None:
@@ -60,6 +60,13 @@ FLAGS = {
     "limit": Flag("Only the first N rows of the data.", default="all"),
     "column": Flag("The field of each row that holds its turns.", "NAME", "conversations or messages"),
     "threads": Flag("CPU: torch threads.", default="torch's"),
+    "template_kwargs": Flag(
+        "The chat template's arguments as JSON, e.g. '{\"enable_thinking\": false}' (new run).",
+        "JSON",
+        "none",
+        str,
+        template_kwargs,
+    ),
     "layers": Flag("hsx layer ids, e.g. 1,15,28.", "IDS", "EAGLE-3's: 1, N/2-1, N-4", str, layer_ids),
     "max_length": Flag("Truncate samples to this many tokens."),
     "batch_tokens": Flag("Padded tokens per forward pass."),
@@ -106,10 +113,9 @@ FLAGS = {
     ),
     "samples_per_prompt": Flag("Conversations generated per input row."),
     "seed": Flag("The run's seed; each request's derives from it."),
-    "template_kwargs": Flag(
-        "JSON for the chat template, e.g. '{\"enable_thinking\": false}'.", "JSON", "none", str, template_kwargs
+    "tool_parser": Flag(
+        f"How the target's tool calls are read: {', '.join(PARSERS)}.", "NAME", "the tokenizer's response template"
     ),
-    "tool_parser": Flag("How the target's tool calls are read.", default="the tokenizer's response template"),
     "servers": Flag("server backend: an OpenAI-compatible base URL; repeatable.", "URL", "none"),
     "concurrency": Flag("server backend: requests in flight per server.", default="64"),
     "server_api": Flag(

@@ -43,7 +43,9 @@ def asked(opts: ExtractOptions) -> dict:
     if opts.data:
         out["data"] = data_files(opts.data, opts.split, opts.limit, opts.column, opts.out)
     out |= opts.rows_asked()
-    for key in ("layers", "max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute"):
+    for key in (
+        "layers", "max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute", "template_kwargs"
+    ):  # fmt: skip
         out[key] = getattr(opts, key)
     if opts.dtype not in (None, "auto"):
         out["dtype"] = opts.dtype
@@ -78,6 +80,11 @@ def _generated_input(opts: ExtractOptions) -> Path | None:
     if runs and (opts.split is not None or opts.limit is not None or opts.column is not None):
         raise InputError(
             f"--split, --limit and --column select rows of files and datasets, not of a generate run ({runs[0]})"
+        )
+    if runs and opts.template_kwargs is not None:
+        raise InputError(
+            f"--chat-template-kwargs renders data files and datasets; a generate run ({runs[0]}) is extracted "
+            "from the token ids it generated, rendered with its own (hsx generate --chat-template-kwargs)"
         )
     return runs[0] if runs else None
 
@@ -128,8 +135,10 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
             log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
         else:
             log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
+            if opts.template_kwargs:
+                log(f"plan: the chat template's arguments: {json.dumps(opts.template_kwargs)}")
             rows = read_conversations(opts.data, opts.split, opts.limit, opts.column)
-            samples = tokenize_all(rows, Tokenize(tokenizer, max_length))
+            samples = tokenize_all(rows, Tokenize(tokenizer, max_length, opts.template_kwargs))
         try:
             info, rejects = write_plan(opts.out, samples, max_length)
         except NoUsableSamples as e:
@@ -158,6 +167,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         codec=codec,
         parallel=parallel,
         quantized_compute=compute,
+        template_kwargs=opts.template_kwargs or {},
         data=data or data_files(opts.data, opts.split, opts.limit, opts.column, opts.out),
         generate_spec=source_spec,
         plan=PlanIdentity.of(info, len(rejects)),

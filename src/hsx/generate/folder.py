@@ -22,7 +22,7 @@ from hsx.generate.server import CHAT
 from hsx.generate.spec import EngineIdentity, GenerateSpec, SamplingSpec, generate_differences, load_generate_spec
 from hsx.input import Conversation, Reject, check_source, read_conversations
 from hsx.job.folder import refuse_drift, refuse_foreign, remove_stray_temps, require_start
-from hsx.plan import NoUsableSamples, Tokenize
+from hsx.plan import COUNTS, NoUsableSamples, Tokenize
 from hsx.spec import DataFile, PlanIdentity, now, who
 from hsx.store import layout
 from hsx.store.durable import write_durable
@@ -104,6 +104,8 @@ def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
     tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
     tokenize = Tokenize(tokenizer, opts.get("max_length"), opts.template_kwargs)
     log(f"planning {len(opts.data)} data file(s) with the model's chat template")
+    if opts.template_kwargs:
+        log(f"plan: the chat template's arguments: {json.dumps(opts.template_kwargs)}")
     items = _numbered(opts)
     rows = plan_rows(
         items if opts.server_api == CHAT or toolcalls.choose(tokenizer, opts.tool_parser) else _without_tools(items),
@@ -121,6 +123,8 @@ def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
     write_durable(opts.out / layout.PLAN_DIR / PLAN_REJECTS, _jsonl(rejects))
     write_durable(opts.out / layout.REJECTS, _jsonl(rejects))
     log(f"plan: {info.num_samples} conversations, {len(rejects)} rows rejected (see {layout.REJECTS})")
+    if info.call_ids_given:
+        log(f"plan: {info.call_ids_given} {COUNTS['call_ids_given']}")
     plan = PlanIdentity(
         fingerprint=info.fingerprint,
         num_samples=info.num_samples,

@@ -9,7 +9,6 @@ before anything is read.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -53,19 +52,6 @@ GENERATE = Bounds(
 DROPS = ("empty", "length")  # --drop: answers rejected rather than kept (an empty one; one cut at the length limit)
 
 
-def template_kwargs(text: str | None) -> dict | None:
-    """``--template-kwargs '{"enable_thinking": false}'``: a JSON object, or a refusal naming the option."""
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise OptionError(f"--template-kwargs must be a JSON object, not {text!r} ({e.msg})") from e
-    if not isinstance(value, dict):
-        raise OptionError(f"--template-kwargs must be a JSON object, not {text!r}")
-    return value
-
-
 @dataclass
 class GenerateOptions(JobOptions):
     COMMAND: ClassVar[str] = "generate"
@@ -81,7 +67,6 @@ class GenerateOptions(JobOptions):
     max_new_tokens: int | None = None
     samples_per_prompt: int | None = None
     seed: int | None = None
-    template_kwargs: dict | None = None
     tool_parser: str | None = None  # generate.toolcalls.PARSERS (None: the tokenizer's response template, if any)
     # how this session reaches its engine: not part of the spec
     servers: list[str] = field(default_factory=list)

@@ -60,6 +60,7 @@ class Planned:
     tools: list[dict] | None
     targets: list[int]
     estimate: int
+    ids_given: int = 0  # the dataset's calls planning gave an id (``input.call_id``; not stored: for the summary)
 
 
 def too_long(message: int, tokens: int, limit: int) -> str:
@@ -79,7 +80,13 @@ def plan_rows(
     samples: int,
     max_new_tokens: int,
 ) -> Iterator[Planned | Reject]:
-    """(index of its data file, conversation or reject) -> planned rows, ``samples`` per conversation."""
+    """(index of its data file, conversation or reject) -> planned rows, ``samples`` per conversation.
+
+    Only what the target is prompted with must render: the turns before the first episode
+    regenerated, and with ``--turns last`` the dataset's earlier episodes (their calls and results
+    stay in the prompt). With ``--turns all`` the dataset's calls are replaced by the target's own,
+    so a template that could not render them (Mistral's call ids, Llama 3.1's single call per turn)
+    refuses nothing here."""
     for file_no, item in items:
         if isinstance(item, Reject):
             yield item
@@ -91,24 +98,29 @@ def plan_rows(
         messages = messages[: episode_end(messages, last)]  # its results stay: the target may call for them
         targets = targets_of(messages, turns)
         try:
-            first = len(tokenize.ids(tokenize.render(messages[: targets[0]], True, tools)))
-            # each regenerated episode: its prompt (the dataset's prefix stands in for the answers
-            # to come) and its completion, at most the length limit
-            estimate = sum(
-                min(len(tokenize.ids(tokenize.render(messages[:i], True, tools))) + max_new_tokens, tokenize.max_length)
-                for i in targets
-            )
+            prompts = _prompt_tokens(tokenize, messages, tools, targets)
         except Exception as e:  # a template error on one row must not stop the run
             yield Reject(src, f"chat template cannot render it: {e}")
             continue
-        if first >= tokenize.max_length:
-            yield Reject(
-                src, f"prompt of turn {targets[0]} is {first} tokens, not under --max-length {tokenize.max_length}"
-            )
+        if prompts[0] >= tokenize.max_length:
+            yield Reject(src, too_long(targets[0], prompts[0], tokenize.max_length))
             continue
+        # each regenerated episode: its prompt and its completion, at most the length limit
+        estimate = sum(min(n + max_new_tokens, tokenize.max_length) for n in prompts)
         for s in range(samples):
             key = f"{file_no}:{src.row}#{s}"
-            yield Planned(key, src.file, src.row, src.id, s, messages, tools, targets, estimate)
+            yield Planned(key, src.file, src.row, src.id, s, messages, tools, targets, estimate, item.ids_given)
+
+
+def _prompt_tokens(tokenize: Tokenize, messages: list[dict], tools: list[dict] | None, targets: list[int]) -> list[int]:
+    """The tokens of each regenerated episode's prompt, the dataset's turns standing in for the
+    target's answers to come: rendered where they are the prompt (the first episode; every episode
+    of ``--turns last``, one only); for a later episode of ``--turns all``, the first prompt and the
+    dataset's turns since as JSON text, never rendered (the target's own calls will replace them)."""
+    first = len(tokenize.ids(tokenize.render(messages[: targets[0]], True, tools)))
+    return [first] + [
+        first + len(tokenize.ids(json.dumps(messages[targets[0] : i], ensure_ascii=False))) for i in targets[1:]
+    ]
 
 
 def _row_digest(cid: int, row: Planned) -> bytes:
@@ -124,6 +136,7 @@ class GenPlanInfo:
     num_tokens: int  # the estimate, summed
     num_truncated: int
     max_length: int
+    call_ids_given: int = 0  # the data's calls without an id that planning gave one (input.call_id)
 
 
 def write_gen_plan(run: Path, rows: Iterable[Planned | Reject], max_length: int) -> tuple[GenPlanInfo, list[Reject]]:
@@ -151,7 +164,8 @@ def write_gen_plan(run: Path, rows: Iterable[Planned | Reject], max_length: int)
     except BaseException:  # a failed write or Ctrl-C: no half-written plan stays behind
         tmp.unlink(missing_ok=True)
         raise
-    info = GenPlanInfo(h.hexdigest(), len(planned), sum(r.estimate for r in planned), 0, max_length)
+    given = sum(r.ids_given for r in planned if r.sample == 0)
+    info = GenPlanInfo(h.hexdigest(), len(planned), sum(r.estimate for r in planned), 0, max_length, given)
     write_durable(plan_dir / PLAN_META, json.dumps(info.__dict__, indent=1).encode())
     return info, rejects
 

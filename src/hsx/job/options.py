@@ -33,7 +33,11 @@ JOB = Bounds(
     threads=AT_LEAST_ONE,
 )
 NOT_FLAGS = frozenset({"max_inflight_bytes", "reserve_bytes"})  # the Python API's alone
-FLAG_NAMES = {"servers": "--server", "deep_verify": "--fast-verify"}  # fields whose flag is not their name
+FLAG_NAMES = {  # fields whose flag is not their name
+    "servers": "--server",
+    "deep_verify": "--fast-verify",
+    "template_kwargs": "--chat-template-kwargs",  # vLLM's and SGLang's name for them
+}
 
 
 @dataclass
@@ -50,6 +54,7 @@ class JobOptions:
     split: str | None = None  # of the Hugging Face datasets among data (a new run's; part of the spec)
     limit: int | None = None  # only the first rows of the data, over all sources (a new run's; in the spec)
     column: str | None = None  # the field of every row that holds its turns (None: conversations or messages)
+    template_kwargs: dict | None = None  # the chat template's arguments (enable_thinking...): a new run's, in its spec
     threads: int | None = None  # CPU: torch's threads (None: torch's own choice)
     max_length: int | None = None
     shard_size: int | None = None
@@ -82,6 +87,19 @@ class JobOptions:
 
     def telemetry(self, metrics: Callable[[], dict]) -> Telemetry:
         return Telemetry(self.out, metrics, self.metrics_port, self.metrics_textfile)
+
+
+def template_kwargs(text: str | None) -> dict | None:
+    """``--chat-template-kwargs '{"enable_thinking": false}'``: a JSON object, or a refusal naming the option."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise OptionError(f"--chat-template-kwargs must be a JSON object, not {text!r} ({e.msg})") from e
+    if not isinstance(value, dict):
+        raise OptionError(f"--chat-template-kwargs must be a JSON object, not {text!r}")
+    return value
 
 
 def command_line(verb: str, opts) -> str:
