@@ -153,6 +153,9 @@ def measure(
     if final.device.type == "cuda":
         index = index.pin_memory()
     index = index.to(final.device, non_blocking=True)
+    # each token's sample as a [samples, tokens] matrix: the sums are a product, in a fixed order
+    # (index_add_ adds with atomics on CUDA, in no fixed order, and the figure is part of the file)
+    owner = (index[2][None, :] == torch.arange(len(checks), device=final.device)[:, None]).double()
     states = final.reshape(-1, final.shape[-1]).index_select(0, index[0])
     if not normed:
         states = head.norm(states)
@@ -167,7 +170,7 @@ def measure(
         near = ~agreed & (top - actual <= share * top.abs().clamp(min=1.0))
         logprob = actual - torch.logsumexp(logits, -1)
         per = torch.stack([torch.ones_like(top), agreed.float(), near.float(), logprob], 1).double()
-        out.index_add_(0, index[2, lo : lo + chunk], per)
+        out += owner[:, lo : lo + chunk] @ per
     return out
 
 
