@@ -17,7 +17,7 @@ from hsx.assess import fidelity, integrity, runspec, workers
 from hsx.assess.checks import Check
 from hsx.errors import Exit, Refused, RepairRefused
 from hsx.generate.spec import GenerateSpec
-from hsx.job.options import check_device
+from hsx.job.options import check_device, default_device
 from hsx.spec import RunSpec
 from hsx.store import layout
 from hsx.store.quarantine import Moved, quarantine
@@ -67,12 +67,12 @@ def verify(
     repair: bool = False,
     threads: int | None = None,
     fidelity_files: int = 0,
-    device: str = "cpu",
+    device: str | None = None,
     model: str | None = None,
 ) -> VerifyResult:
     """``threads``: parallel readers (None: the store's default for this machine). ``fidelity_files``:
     recompute the fidelity of this many files from the checkpoint (``model``: where it moved) on
-    ``device``."""
+    ``device`` (None: CUDA where there is one)."""
     spec = runspec.load_any(run)
     worker = workers.inspect(run)
     if repair and worker.alive:
@@ -87,6 +87,7 @@ def verify(
                 moved.append(m)
     out = VerifyResult(run, spec, result, integrity.check(result, command=command), moved)
     if fidelity_files:
+        device = device or default_device()
         check_device(device)
         if isinstance(spec, GenerateSpec):
             raise Refused(f"{run} is a generate run: it holds token ids, no states whose fidelity to check")

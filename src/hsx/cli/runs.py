@@ -67,7 +67,7 @@ def verify(
 
     with failures():
         files = fidelity_files if fidelity else 0
-        result = run_verify(out, deep, repair, threads, files, device or "cpu", model)
+        result = run_verify(out, deep, repair, threads, files, device, model)
     if json_out:
         print(json.dumps(result.to_json(), indent=1))
     else:
