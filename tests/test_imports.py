@@ -14,7 +14,7 @@ LAYERS = [
     ("store",),  # the run folder's files: layout, durable writes, the file format, codecs, scans
     ("fingerprint", "lock", "registry", "telemetry", "progress", "input", "hfdatasets"),  # run-folder services, input
     ("spec", "target", "finalnorm", "plan", "tinymodel"),  # what a run is: its spec, model, frozen plan
-    ("capture", "staging"),  # the target running: token ids in, states out
+    ("capture", "staging", "fidelity"),  # the target running: token ids in, states out (and checked)
     ("job",),  # what every job does around its work: options, folder steps, space, the resume prologue
     ("generate",),  # the generate stage
     ("extract",),  # the extraction stage (it reads generate runs)

@@ -13,7 +13,7 @@ import json
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError, model_serializer
 
@@ -26,6 +26,7 @@ from hsx.store.durable import write_durable
 from hsx.store.format import FINAL_STATE, LAYER_CONVENTION
 
 FORMAT = "hsx-run/1"
+Record = TypeVar("Record", bound=BaseModel)
 
 
 class Quantization(BaseModel):
@@ -154,6 +155,29 @@ class Parallel(BaseModel):
         return f"tensor {self.tensor}, expert {self.expert}"
 
 
+class FidelityCheck(BaseModel):
+    """How a run checks that its states are the target's own (``hsx.fidelity``): which tokens, and
+    what stops it. Every ``stride``-th loss-masked next token of a sample is checked (the sampling:
+    the same tokens in every process and resume). ``floor``: a run whose data is this model's own
+    temperature-0 output (``mode`` floor) stops where agreement, near ties counted, falls under it;
+    any other data (``mode`` baseline) is held to its first batches' agreement: a fall by more than
+    ``drop`` of it stops the run. The baseline, measured after the spec is written, is recorded
+    beside it (``fidelity.json``), as are limits a resume changed."""
+
+    mode: Literal["floor", "baseline"]
+    stride: int = 8
+    floor: float = 0.98
+    drop: float = 0.5
+
+    def rule(self, baseline: float | None = None) -> str:
+        """What stops the run, in words (``baseline``: its agreement, once measured)."""
+        if self.mode == "floor":
+            return f"the floor {self.floor:.1%} (the data is this model's own temperature-0 output)"
+        if baseline is None:
+            return f"{1 - self.drop:.0%} of the baseline its first batches set"
+        return f"{1 - self.drop:.0%} of the run's baseline {baseline:.1%}"
+
+
 @dataclass(frozen=True)
 class Footprint:
     """What a run's files take on disk, as the space forecast and the store's scan need it:
@@ -216,6 +240,7 @@ class RunSpec(BaseModel):
     data: list[DataFile]
     generate_spec: str | None = None  # the data is a generate run: the digest of its spec
     plan: PlanIdentity
+    fidelity: FidelityCheck | None = None  # None: a run made before hsx checked fidelity checks nothing
 
     @property
     def bytes_per_token(self) -> int:
@@ -312,15 +337,20 @@ class PlanGrowth(BaseModel):
     data: list[DataFile]  # the generate run as last read (its planned conversations)
 
 
-def plan_growth(run: Path) -> PlanGrowth | None:
-    """The run's growth record, or None when its plan never grew."""
-    path = run / layout.PLAN_DIR / layout.GROWTH
+def read_record(path: Path, kind: type[Record]) -> Record | None:
+    """A record kept beside the spec (invariant 8) as ``kind``: None where there is none yet;
+    ``SpecError`` where it is unreadable or damaged."""
     try:
-        return PlanGrowth.model_validate_json(path.read_bytes())
+        return kind.model_validate_json(path.read_bytes())
     except FileNotFoundError:
         return None
     except (ValidationError, ValueError) as e:
         raise SpecError(f"{path} is unreadable or damaged: {str(e).splitlines()[0]}") from e
+
+
+def plan_growth(run: Path) -> PlanGrowth | None:
+    """The run's growth record, or None when its plan never grew."""
+    return read_record(run / layout.PLAN_DIR / layout.GROWTH, PlanGrowth)
 
 
 def load_spec(run: Path) -> RunSpec:
@@ -346,7 +376,8 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
     ``asked`` holds only what the operator gave: ``model`` (a ModelIdentity), ``tokenizer``,
     ``layers``, ``dtype``, ``max_length``, ``batch_tokens``, ``shard_size``, ``data`` (DataFiles),
     ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``,
-    ``template_kwargs``, ``column``, ``split`` and ``limit`` (asked without ``data``; with it, the data's own).
+    ``template_kwargs``, ``column``, ``split`` and ``limit`` (asked without ``data``; with it, the data's own),
+    ``fidelity_stride``.
     """
     out = []
     if (m := asked.get("model")) is not None:
@@ -375,6 +406,11 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
     ):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
+    if (v := asked.get("fidelity_stride")) is not None:
+        have = getattr(stored, "fidelity", None)
+        if have is None or v != have.stride:
+            run = "checks no fidelity" if have is None else f"checks 1 in {have.stride} masked tokens"
+            out.append(f"fidelity stride: the run {run}, asked for {v}")
     for key in ("split", "limit"):  # asked without --data (with it, the data's own key says it)
         if "data" in asked or (v := asked.get(key)) is None:
             continue

@@ -1,8 +1,9 @@
 """Capture with Hugging Face transformers: forward hooks on the chosen decoder layers and the final norm.
 
-Never ``output_hidden_states=True`` (it keeps every layer alive) and never the lm_head (a
-[tokens, vocab] logits tensor we do not need): the base model runs with hooks and its outputs are
-discarded. Two batch layouts:
+Never ``output_hidden_states=True`` (it keeps every layer alive) and never the lm_head on every
+token (a [tokens, vocab] logits tensor we do not need): the base model runs with hooks and its
+outputs are discarded; the fidelity check runs the model's own head on the sampled tokens only
+(``hsx.fidelity``). Two batch layouts:
 - padded: one sample per row, right-padded, with an attention mask (causal attention means a real
   token never sees padding); works for every model;
 - packed: all samples in one row, per-sample ``position_ids``, attention confined to each sample
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsx import target
+from hsx import fidelity, target
 from hsx.capture import CapturedBatch, check_layers, checkpoint, varlen
 from hsx.capture.locate import locate
 from hsx.errors import OptionError
@@ -178,6 +179,7 @@ class TransformersBackend:
         check_layers(layers, self.num_layers)
         self.layers = list(layers)
         self.parts = locate(self.model, self.num_layers)
+        self.head = fidelity.Head.of_model(self.model, self.parts.norm)
         from hsx.capture.quantized.experts import stored_modules
 
         for _, experts in stored_modules(self.model):  # on CUDA a layer's expansion is one fused kernel pass
@@ -375,7 +377,11 @@ class TransformersBackend:
         self.parts.body(**inputs, use_cache=False)
 
     @torch.inference_mode()
-    def capture(self, sample_ids: list[int], sequences: list[np.ndarray]) -> CapturedBatch:
+    def capture(
+        self, sample_ids: list[int], sequences: list[np.ndarray], checks: list[np.ndarray] | None = None
+    ) -> CapturedBatch:
+        """The batch's states; with ``checks`` (each sample's positions to check) its fidelity too,
+        measured on the device after the forward (every rank of a group computes it together)."""
         lengths = [len(s) for s in sequences]
         self._outputs.clear()
         self.forward(self.inputs(sequences))
@@ -386,4 +392,7 @@ class TransformersBackend:
             rows, offsets = [0] * len(lengths), np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
         else:
             rows, offsets = list(range(len(lengths))), [0] * len(lengths)
-        return CapturedBatch(list(sample_ids), lengths, aux, final, rows, offsets)
+        batch = CapturedBatch(list(sample_ids), lengths, aux, final, rows, offsets)
+        if checks is not None:
+            batch.fidelity = fidelity.measure(self.head, final, rows, offsets, sequences, checks)
+        return batch

@@ -99,6 +99,13 @@ FLAGS = {
         "MODE",
         "fp8 where the GPU can",
     ),
+    "fidelity_stride": Flag("Check every N-th loss-masked token against the target's head (new run)."),
+    "fidelity_floor": Flag(
+        "Stop where agreement with the target's own temperature-0 tokens falls under this (a resume: its session's)."
+    ),
+    "fidelity_drop": Flag(
+        "On other data, stop where agreement falls by this share of the run's baseline (a resume: its session's)."
+    ),
     # hsx generate's own
     "turns": Flag("all: every assistant turn, on the target's own answers; last: the last only."),
     "temperature": Flag("0: greedy."),
@@ -176,7 +183,13 @@ def parameters(
 
 
 # the bounds of the commands without an options dataclass
-RUN = Bounds(threads=AT_LEAST_ONE, size=AT_LEAST_ONE, draft_vocab=AT_LEAST_ONE, target_vocab=AT_LEAST_ONE)
+RUN = Bounds(
+    threads=AT_LEAST_ONE,
+    size=AT_LEAST_ONE,
+    draft_vocab=AT_LEAST_ONE,
+    target_vocab=AT_LEAST_ONE,
+    fidelity_files=AT_LEAST_ONE,
+)
 TO = Bounds(to=Bound(choices=("specforge", "speculators", "modelopt")))
 BENCH = Bounds(
     samples=AT_LEAST_ONE,
@@ -189,6 +202,7 @@ BENCH = Bounds(
     compile=EXTRACT.bounds["compile"],
     max_new_tokens=AT_LEAST_ONE,
     tensor_parallel_size=AT_LEAST_ONE,
+    fidelity_stride=AT_LEAST_ONE,
 )
 MEMORY = Bounds(
     tensor_parallel=AT_LEAST_ONE,

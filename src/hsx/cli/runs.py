@@ -8,14 +8,26 @@ from typing import Annotated
 
 import typer
 
-from hsx.cli.options import RUN, TO, AllowIncomplete, Deep, Json, MovedModel, RunFolder, TargetVocab, Threads
+from hsx.cli.options import (
+    RUN,
+    TO,
+    AllowIncomplete,
+    Deep,
+    Device,
+    Json,
+    MovedModel,
+    RunFolder,
+    TargetVocab,
+    Threads,
+)
 from hsx.cli.output import checklist, failures, log, print_summary
 
 
 def status(
     out: RunFolder, deep: Deep = False, json_out: Json = False, threads: Threads = 8, model: MovedModel = None
 ) -> None:
-    """Is it safe to resume? One line per item: GPUs, volume, progress, pace, integrity, model, capture, spec, workers.
+    """Is it safe to resume? One line per item: GPUs, volume, progress, pace, integrity, fidelity, model, capture,
+    spec, workers.
 
     Exit 0: nothing wrong; 1: damage that hsx extract redoes by itself; 2: a person must act first.
     """
@@ -38,17 +50,30 @@ def verify(
     ] = False,
     json_out: Json = False,
     threads: Threads = 8,
+    fidelity: Annotated[
+        bool,
+        typer.Option(
+            "--fidelity", help="Also recompute the fidelity of a sample of files from the checkpoint (slow, exact)."
+        ),
+    ] = False,
+    fidelity_files: Annotated[int, RUN.option("fidelity_files", help="--fidelity: files recomputed.")] = 32,
+    device: Device = None,
+    model: MovedModel = None,
 ) -> None:
-    """Check every sample file of a run. Exit 0: all good; 1: problems (hsx extract redoes them); 2: refused."""
+    """Check every sample file of a run. Exit 0: all good; 1: problems (hsx extract redoes them); 2: refused,
+    or (--fidelity) states that are intact but not the target's numbers."""
     from hsx.assess.status import render_check, resume_command
     from hsx.assess.verify import verify as run_verify
 
     with failures():
-        result = run_verify(out, deep=deep, repair=repair, threads=threads)
+        files = fidelity_files if fidelity else 0
+        result = run_verify(out, deep, repair, threads, files, device, model)
     if json_out:
         print(json.dumps(result.to_json(), indent=1))
     else:
         render_check(result.check, checklist)
+        if result.fidelity is not None:
+            render_check(result.fidelity, checklist)
         if result.moved:
             n = len(result.redo_ids())
             print(f"next: {resume_command(out, command=result.command)}  # redoes {n} samples")

@@ -56,6 +56,9 @@ def bench(
     tensor_parallel_size: Annotated[
         int, BENCH.option("tensor_parallel_size", help="--generate: vLLM's GPUs per model replica.")
     ] = 1,
+    fidelity_stride: Annotated[
+        int, BENCH.option("fidelity_stride", help="The fidelity check's sampling: 1 in N masked tokens.")
+    ] = 8,
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
     if generate:
@@ -75,6 +78,7 @@ def bench(
         results = run_bench(
             model, device, samples, mean_len, min_len, max_len, batch_tokens, naive_samples, writers, workdir,
             compile=compile, log=log, codecs=_codecs(codecs), fp8=fp8_model, int4_experts=int4_experts,
+            fidelity_stride=fidelity_stride,
         )  # fmt: skip
     print(table(results))
 

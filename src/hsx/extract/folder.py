@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hsx import target
-from hsx.errors import InputError, PlanError
+from hsx.errors import InputError, OptionError, PlanError
 from hsx.extract import backends
 from hsx.extract.follow import follow
 from hsx.extract.options import (
@@ -27,7 +27,7 @@ from hsx.generate.spec import is_generate_run
 from hsx.input import check_source, read_conversations
 from hsx.job.folder import record_failed_start, refuse_drift, refuse_foreign, require_start
 from hsx.plan import NoUsableSamples, Tokenize, tokenize_all, write_plan
-from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, differences, load_spec, now, who
+from hsx.spec import DataFile, FidelityCheck, Parallel, PlanIdentity, RunSpec, differences, load_spec, now, who
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
@@ -43,9 +43,8 @@ def asked(opts: ExtractOptions) -> dict:
     if opts.data:
         out["data"] = data_files(opts.data, opts.split, opts.limit, opts.column, opts.out)
     out |= opts.rows_asked()
-    for key in (
-        "layers", "max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute", "template_kwargs"
-    ):  # fmt: skip
+    keys = ("layers", "max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute")
+    for key in (*keys, "template_kwargs", "fidelity_stride"):
         out[key] = getattr(opts, key)
     if opts.dtype not in (None, "auto"):
         out["dtype"] = opts.dtype
@@ -124,7 +123,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     compute = resolve_quantized_compute(opts.quantized_compute, model_dir, device, dtype, parallel, log)
     max_length, codec = given(opts, "max_length"), Codec(given(opts, "codec"))
     opts.out.mkdir(parents=True, exist_ok=True)
-    source_spec, data = None, None
+    source_spec, data, own = None, None, False
     try:
         if generated is not None:  # the target's own token ids, as generated: nothing is rendered again
             from hsx.generate.samples import plan_samples
@@ -132,6 +131,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
             digest = target.tokenizer_identity(tokenizer).digest
             gen, samples = plan_samples(generated, digest, max_length, opts.allow_incomplete, log)
             source_spec, data = gen.spec.digest(), [gen.identity()]  # of the listing it planned from
+            own = gen.spec.sampling.temperature == 0 and not gen.spec.model.fingerprint.differences(model.fingerprint)
             log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
         else:
             log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
@@ -171,6 +171,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         data=data or data_files(opts.data, opts.split, opts.limit, opts.column, opts.out),
         generate_spec=source_spec,
         plan=PlanIdentity.of(info, len(rejects)),
+        fidelity=_fidelity(opts, backend, own, log),
     )
     spec.save(opts.out)  # last: its presence means the run exists
     (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
@@ -180,7 +181,40 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     )
     for line in info.summary():
         log(f"plan: {line}")
+    if spec.fidelity is not None:
+        f = spec.fidelity
+        log(f"fidelity: 1 in {f.stride} masked tokens checked; the run stops under {f.rule()}")
     return spec
+
+
+def _fidelity(opts: ExtractOptions, backend: str, own: bool, log: Callable[[str], None]) -> FidelityCheck | None:
+    """How a new run checks its fidelity: ``own``, its data is this model's temperature-0 output (a
+    floor), else a baseline. The vLLM backend's connector writes files inside vLLM without it."""
+    if backend == "vllm":
+        if any(v is not None for v in (opts.fidelity_stride, opts.fidelity_floor, opts.fidelity_drop)):
+            raise OptionError("the vllm backend does not check fidelity: --fidelity-* apply to the transformers one")
+        log("fidelity: not checked by the vllm backend (hsx verify --fidelity recomputes it from the checkpoint)")
+        return None
+    return FidelityCheck(
+        mode="floor" if own else "baseline",
+        stride=given(opts, "fidelity_stride"),
+        floor=given(opts, "fidelity_floor"),
+        drop=given(opts, "fidelity_drop"),
+    )
+
+
+def session_limits(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None]) -> RunSpec:
+    """The spec this session runs under: a resume's ``--fidelity-floor``/``--fidelity-drop`` hold for
+    it alone (they change no number written; the spec keeps the run's own)."""
+    asked = {k: v for k, v in (("floor", opts.fidelity_floor), ("drop", opts.fidelity_drop)) if v is not None}
+    if not asked:
+        return spec
+    if spec.fidelity is None:
+        raise OptionError("this run was made before hsx checked fidelity (its files carry no figure): "
+                          "--fidelity-floor and --fidelity-drop apply to runs that check it")  # fmt: skip
+    limits = spec.fidelity.model_copy(update=asked)
+    log(f"fidelity: this session stops under {limits.rule()} (the run's own: {spec.fidelity.rule()})")
+    return spec.model_copy(update={"fidelity": limits})
 
 
 def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
@@ -191,4 +225,4 @@ def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         return create_run(opts, log)
     spec = load_spec(opts.out)
     refuse_drift(opts, differences(spec, asked(opts)))
-    return follow(opts.out, spec, log)
+    return session_limits(opts, follow(opts.out, spec, log), log)

@@ -21,7 +21,16 @@ from hsx.spec import Parallel
 from hsx.store.codec import DEFAULT_CODEC, Codec
 
 Toggle = Literal["auto", "on", "off"]
-DEFAULTS = {"max_length": 4096, "batch_tokens": 16384, "shard_size": 1000, "dtype": "auto", "codec": DEFAULT_CODEC}
+DEFAULTS = {
+    "max_length": 4096,
+    "batch_tokens": 16384,
+    "shard_size": 1000,
+    "dtype": "auto",
+    "codec": DEFAULT_CODEC,
+    "fidelity_stride": 8,
+    "fidelity_floor": 0.98,
+    "fidelity_drop": 0.5,
+}
 EXTRACT = Bounds(
     **JOB.bounds,
     max_length=AT_LEAST_ONE,
@@ -35,6 +44,9 @@ EXTRACT = Bounds(
     backend=Bound(choices=tuple(BACKENDS)),
     packing=Bound(choices=get_args(Toggle)),
     compile=Bound(choices=get_args(Toggle)),
+    fidelity_stride=AT_LEAST_ONE,
+    fidelity_floor=Bound(min=0.0, max=1.0),
+    fidelity_drop=Bound(min=0.0, max=1.0),
 )
 
 
@@ -59,6 +71,11 @@ class ExtractOptions(JobOptions):
     workers: int = 0  # scale-out: this many Ray workers, each on 1 GPU or a TP group (0: this process alone)
     ray_address: str | None = None  # join this Ray cluster; None: start a local one for the run
     quantized_compute: str | None = None  # FP8 checkpoints: fp8 | dequantized (a new run's default: fp8 where it can)
+    # hsx.fidelity: every N-th loss-masked token checked (spec); the floor and the drop that stop a
+    # run (the spec's; a resume giving them sets its own session's)
+    fidelity_stride: int | None = None
+    fidelity_floor: float | None = None
+    fidelity_drop: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -17,6 +17,12 @@ every one is aligned for any reader. ``format`` is then ``hsx-sample/2`` and ``_
 refuses an encoded file by its format instead of handing out its payload as hidden states. The
 digest covers the stored bytes, so every check above works on encoded files unchanged and never
 decodes; only ``decode`` does.
+
+A run that checks its fidelity (``hsx.fidelity``) adds ``fidelity`` to ``__metadata__``: the
+sample's ``Figure`` as JSON. It sits in the header beside the sample id and the layers, where the
+cheap check reads it without touching the data; like them it is outside the data digest (any
+reader's hash of the stored bytes stays the file's digest), and the shard's SEALED lists it too.
+A file without it (a run made before, or one that checks nothing) is as it was.
 """
 
 from __future__ import annotations
@@ -109,6 +115,54 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
+@dataclass(frozen=True)
+class Figure:
+    """A sample's fidelity, as ``hsx.fidelity`` measures it: of its ``checked`` tokens, how many the
+    target's LM head on the final state predicts (``agreed``: the argmax is the actual next token),
+    how many more it misses by a near tie only, and the sum of the actual next tokens' log-probabilities."""
+
+    checked: int
+    agreed: int
+    near_ties: int
+    logprob: float
+
+    @property
+    def matched(self) -> int:
+        """Agreed, or missed by a near tie only: what a floor counts."""
+        return self.agreed + self.near_ties
+
+    @property
+    def agreement(self) -> float:
+        return self.agreed / self.checked if self.checked else 1.0
+
+    def __add__(self, other: Figure) -> Figure:
+        return Figure(
+            self.checked + other.checked,
+            self.agreed + other.agreed,
+            self.near_ties + other.near_ties,
+            self.logprob + other.logprob,
+        )
+
+    def text(self) -> str:
+        """As ``__metadata__`` keeps it (the log-probability to 6 significant digits)."""
+        body = {"checked": self.checked, "agreed": self.agreed, "near_ties": self.near_ties}
+        return json.dumps(body | {"logprob": float(f"{self.logprob:.6g}")}, separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, text: str | dict | None) -> Figure | None:
+        """From ``text`` (or its JSON already parsed); None where there is none. Raises ``ValueError``."""
+        if text is None:
+            return None
+        body = json.loads(text) if isinstance(text, str) else text
+        try:
+            return cls(int(body["checked"]), int(body["agreed"]), int(body["near_ties"]), float(body["logprob"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a fidelity figure: {text!r}") from e
+
+
+NO_FIGURE = Figure(0, 0, 0, 0.0)
+
+
 @dataclass
 class SampleTensors:
     """One sample's host-side tensors, ready to be written. The states may come already encoded by
@@ -119,6 +173,7 @@ class SampleTensors:
     loss_mask: torch.Tensor  # uint8 [T]
     aux: torch.Tensor | Encoded  # [T, L*H]
     final: torch.Tensor | Encoded  # [T, H]
+    fidelity: Figure | None = None  # where the run checks its fidelity
 
     def tensors(self) -> list[tuple[str, torch.Tensor | Encoded]]:
         return [
@@ -168,6 +223,8 @@ def encode(sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW) -
         "layer_convention": LAYER_CONVENTION,
         "final_state": FINAL_STATE,
     }
+    if sample.fidelity is not None:
+        metadata["fidelity"] = sample.fidelity.text()
     if codec is not Codec.RAW:
         metadata["states"] = json.dumps(
             {name: {"dtype": _dtypes()[t.dtype], "shape": list(t.shape)} for name, t in states.items()},
@@ -268,6 +325,11 @@ class Header:
         return int(self.metadata["num_tokens"])
 
     @property
+    def fidelity(self) -> Figure | None:
+        """The sample's fidelity figure, where its run checked it."""
+        return Figure.parse(self.metadata.get("fidelity"))
+
+    @property
     def codec(self) -> Codec | None:
         """None for a conversation file, which stores no states."""
         return None if self.metadata.get("format") == CONVERSATION else codec_of(self.metadata)
@@ -282,6 +344,7 @@ def read_header(path: Path) -> Header:
         metadata = header.pop("__metadata__")
         if metadata.get("format") != CONVERSATION:
             codec_of(metadata)
+            Figure.parse(metadata.get("fidelity"))
         ends = sorted((v["data_offsets"][0], v["data_offsets"][1]) for v in header.values())
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise BadFile("corrupt", f"header does not parse ({e})") from e
