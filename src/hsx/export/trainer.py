@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from hsx.errors import ExportRefused, NormUnavailable
-from hsx.export.norm import load_final_norm, norm_error, prenorm_from_post, tolerance
+from hsx.export.norm import diagnose, load_final_norm, norm_error, prenorm_from_post, tolerance
 from hsx.finalnorm import FinalNorm
 from hsx.plan import Plan
 from hsx.spec import RunSpec
@@ -112,15 +112,13 @@ class Context:
             k = self.spec.layers.index(last)
             pre = t["aux_hidden_states"][:, k * self.hidden : (k + 1) * self.hidden].clone()
         else:
-            pre = prenorm_from_post(self.norm, post)
+            pre = prenorm_from_post(self.norm, post, is_lossless(self.spec.codec))
         err = norm_error(self.norm, pre, post)
         limit = tolerance(self.spec.dtype, self.spec.codec)
         if not err <= limit:
             raise ExportRefused(
-                f"sample {sid}: the final norm ({self.norm.tensor}, eps {self.norm.eps}) applied to the exported "
-                f"pre-norm state differs from the stored post-norm state by {err:.2e} (limit {limit:.0e}); "
-                "the model given is not the one that produced the run, or its final norm is not a plain "
-                "RMSNorm. Refusing to write wrong targets."
+                f"sample {sid}: the final norm of the exported pre-norm state does not give back the stored "
+                f"post-norm state; refusing to write wrong targets. {diagnose(self.norm, pre, post, limit, str(self.model_dir))}"
             )
         self.max_norm_error = max(self.max_norm_error, err)
         return pre
@@ -136,8 +134,8 @@ class Context:
             self.prenorm_source = f"exact: the run holds hsx layer {last} (the last decoder layer's raw output)"
         else:
             self.prenorm_source = (
-                f"post-norm state / {self.norm.tensor} (RMSNorm is scale-invariant: norm(pre) = post to 1 - O(eps), "
-                f"eps {self.norm.eps}); each sample checked within {tolerance(self.spec.dtype, self.spec.codec):.0e}"
+                f"post-norm state / {self.norm.tensor}, its length from the mean-square deficit (eps {self.norm.eps}): "
+                f"norm(pre) = post to rounding; each sample checked within {tolerance(self.spec.dtype, self.spec.codec):.0e}"
             )
             if not is_lossless(self.spec.codec):
                 self.prenorm_source += (

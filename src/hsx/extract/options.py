@@ -14,14 +14,23 @@ from pathlib import Path
 from typing import ClassVar, Literal, get_args
 
 from hsx.bounds import Bound, Bounds
+from hsx.drafts import check_preset
 from hsx.errors import OptionError
 from hsx.extract.backends import BACKENDS, Resources
 from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm, default_device
 from hsx.spec import Parallel
 from hsx.store.codec import DEFAULT_CODEC, Codec
+from hsx.store.format import FinalStateNorm
 
 Toggle = Literal["auto", "on", "off"]
-DEFAULTS = {"max_length": 4096, "batch_tokens": 16384, "shard_size": 1000, "dtype": "auto", "codec": DEFAULT_CODEC}
+DEFAULTS = {
+    "max_length": 4096,
+    "batch_tokens": 16384,
+    "shard_size": 1000,
+    "dtype": "auto",
+    "codec": DEFAULT_CODEC,
+    "final_state": "post",
+}
 EXTRACT = Bounds(
     **JOB.bounds,
     max_length=AT_LEAST_ONE,
@@ -35,6 +44,7 @@ EXTRACT = Bounds(
     backend=Bound(choices=tuple(BACKENDS)),
     packing=Bound(choices=get_args(Toggle)),
     compile=Bound(choices=get_args(Toggle)),
+    final_state=Bound(choices=get_args(FinalStateNorm)),
 )
 
 
@@ -44,7 +54,8 @@ class ExtractOptions(JobOptions):
     UNIT: ClassVar[str] = "samples"
     BOUNDS: ClassVar[Bounds] = EXTRACT
 
-    layers: list[int] | None = None
+    layers: list[int] | str | None = None  # hsx layer ids, or a draft preset (hsx.drafts: eagle3, dflash:N, mtp)
+    final_state: FinalStateNorm | None = None  # the final state stored post-norm (a new run's default) or pre-norm
     batch_tokens: int | None = None
     writers: int = 8
     max_inflight_bytes: int = 4 << 30
@@ -66,6 +77,10 @@ class ExtractOptions(JobOptions):
             check_device(self.device)
         if self.backend == "vllm":
             check_vllm("--backend vllm")
+        if isinstance(self.layers, str):
+            check_preset(self.layers)
+        elif self.layers is not None and not self.layers:
+            raise OptionError("--layers names no layer: give ids, or the preset mtp for the final state alone")
         seen: dict[Path, Path] = {}
         for path in map(Path, self.data):
             first = seen.setdefault(path.resolve(), path)
