@@ -19,6 +19,11 @@ from dataclasses import dataclass
 
 from hsx.errors import OptionError
 
+EAGLE3, MTP = "eagle3", "mtp"
+# the draft types hsx exports for (hsx.export: which trainer trains which): P-EAGLE reads EAGLE-3's
+# three taps, MTP none, the others the DFlash family's (one per draft layer)
+DRAFT_TYPES = (EAGLE3, "dflash", "dflash2", "dspark", "peagle", "xpress", MTP)
+EAGLE_TAPS = (EAGLE3, "peagle")
 DFLASH_TAPS = 5  # ``dflash`` without a count: z-lab's and the trainers' examples' 5 draft layers
 PRESET = re.compile(r"^(eagle3|mtp|dflash)(?::(\d+))?$")
 PRESETS = "eagle3, dflash[:N] (N taps, default 5) or mtp"
@@ -95,5 +100,6 @@ def storage_lines(num_layers: int, hidden: int, dtype: str) -> list[str]:
     for p in presets:
         n = bytes_per_token(len(taps[p]), hidden, itemsize)
         what = f"{len(taps[p])} taps {taps[p]} + the final state" if taps[p] else "the final state alone"
-        out.append(f"  --layers {p}: {what}: {n:,} bytes, {n * 1000 / 1e6:,.1f} MB per 1,000 tokens ({n / base:.2f}x eagle3)")
+        size = f"{n:,} bytes, {n * 1000 / 1e6:,.1f} MB per 1,000 tokens ({n / base:.2f}x eagle3)"
+        out.append(f"  --layers {p}: {what}: {size}")
     return out

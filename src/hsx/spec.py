@@ -62,8 +62,8 @@ class TokenizerIdentity(BaseModel):
     chat_template: str  # digest of the template text
 
 
-OPTIONAL_DATA = ("split", "limit", "column")
-DRAFT_DEFAULTS = {"layers_formula": None, "final_norm": "post"}  # RunSpec's fields written only where not these  # a DataFile's fields written only where given
+OPTIONAL_DATA = ("split", "limit", "column")  # a DataFile's fields written only where given
+DRAFT_DEFAULTS = {"layers_formula": None, "final_norm": "post"}  # RunSpec's fields written only where not these
 
 
 class DataFile(BaseModel):

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, get_origin, get_type_hints
 import typer
 
 from hsx.bounds import Bound, Bounds
-from hsx.drafts import check_preset
+from hsx.drafts import DRAFT_TYPES, check_preset
 from hsx.errors import OptionError
 from hsx.extract.options import AT_LEAST_ONE, DEFAULTS, EXTRACT
 from hsx.generate.options import template_kwargs
@@ -186,7 +186,7 @@ def parameters(
 
 # the bounds of the commands without an options dataclass
 RUN = Bounds(threads=AT_LEAST_ONE, size=AT_LEAST_ONE, draft_vocab=AT_LEAST_ONE, target_vocab=AT_LEAST_ONE)
-TO = Bounds(to=Bound(choices=("specforge", "speculators", "modelopt")))
+TO = Bounds(to=Bound(choices=("specforge", "speculators", "modelopt")), draft=Bound(choices=DRAFT_TYPES))
 BENCH = Bounds(
     samples=AT_LEAST_ONE,
     mean_len=AT_LEAST_ONE,
