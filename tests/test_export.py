@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY, conversations, flip_byte, hsx, require, write_jsonl
+from conftest import TINY, conversations, flip_byte, hsx, normed_model, require, write_jsonl
 from hsx.data import HsxDataset
 from hsx.errors import NormUnavailable
 from hsx.export.core import JOB, LOG, MANIFEST
@@ -27,17 +27,6 @@ from hsx.plan import Plan
 
 warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
 RUN_ARGS = ("--shard-size", "10", "--batch-tokens", "512", "--writers", "2", "--device", "cpu")
-
-
-def normed_model(dest: Path) -> Path:
-    """The tiny Llama with a non-trivial final norm (mixed signs and scales), so post/weight is tested."""
-    shutil.copytree(TINY, dest)
-    weights = load_file(dest / "model.safetensors")
-    g = torch.Generator().manual_seed(1)
-    w = torch.empty(64).uniform_(0.2, 3.0, generator=g) * torch.where(torch.rand(64, generator=g) < 0.2, -1.0, 1.0)
-    weights["model.norm.weight"] = w
-    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
-    return dest
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +192,7 @@ def test_specforge_refuses_a_run_without_three_aux_layers():
     from hsx.export.specforge import SpecForge
 
     with pytest.raises(ExportRefused, match="exactly 3 aux layers"):
-        SpecForge(SimpleNamespace(spec=SimpleNamespace(layers=[1, 3]))).check()
+        SpecForge(SimpleNamespace(taps=[1, 3], opts=SimpleNamespace(draft="eagle3"))).check()
 
 
 # ---------------------------------------------------------------- speculators

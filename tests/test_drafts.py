@@ -1,0 +1,376 @@
+"""Draft types end to end: the presets' taps against the trainers' own formulas, a run made for a
+DFlash draft with its final state before the norm (and one of the final state alone), every
+(trainer, draft type) export read by that trainer's own reader, pre-norm states recovered exactly,
+and an EAGLE-3 run's EAGLE-3 exports byte for byte what the hsx this work started from wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from conftest import TINY, conversations, hsx, normed_model, require, write_jsonl
+from hsx import drafts
+from hsx.data import HsxDataset
+from hsx.errors import OptionError
+from hsx.export.norm import TOLERANCE, diagnose, load_final_norm, prenorm_from_post
+from hsx.spec import load_spec
+from hsx.store.format import FINAL_STATE_PRENORM, final_norm_of
+from test_export import MANIFEST, export, manifest_ok
+
+N = 8  # the tiny Llama's decoder layers
+TAPS = drafts.dflash_taps(5, N)  # [1, 2, 3, 4, 5]
+RUN_ARGS = ("--shard-size", "10", "--batch-tokens", "512", "--writers", "2", "--device", "cpu", "--threads", "1")
+BASE = "9286cbde55925d3bc72a4591d8ecce7bc7e56102"  # hsx before draft types: its EAGLE-3 exports are the reference
+
+
+def quiet_model(dest: Path) -> Path:
+    """The tiny Llama with its residual stream scaled by 0.02 (embeddings and every projection into the
+    stream), so its final states have a mean square near 1e-3: eps (1e-5) is no longer negligible."""
+    shutil.copytree(TINY, dest)
+    w = load_file(dest / "model.safetensors")
+    for k in w:
+        if k.endswith(("embed_tokens.weight", "o_proj.weight", "down_proj.weight")):
+            w[k] = w[k] * 0.02
+    save_file(w, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {"normed": normed_model(root / "normed"), "quiet": quiet_model(root / "quiet")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, models) -> dict[str, Path]:
+    """One DFlash run (5 taps, final state before the norm) with its post-norm twin, a run of the final
+    state alone, and EAGLE-3 runs of the quiet model and the normed one; all at once (most of each is
+    start-up)."""
+    root = tmp_path_factory.mktemp("runs")
+    data = write_jsonl(root / "convs.jsonl", conversations(24))
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    variants = {
+        "dflash": ("normed", "--layers", "dflash:5", "--final-state", "pre", "--codec", "raw"),
+        "post": ("normed", "--layers", "dflash:5", "--codec", "raw"),
+        "mtp": ("normed", "--layers", "mtp"),
+        "quiet": ("quiet", "--codec", "raw"),
+        "eagle3": ("normed", "--codec", "raw"),
+    }
+    base = [sys.executable, "-m", "hsx", "extract", "--data", data, *RUN_ARGS]
+    procs = {
+        name: subprocess.Popen(
+            [*base, "--model", models[m], "--out", root / name, *extra],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for name, (m, *extra) in variants.items()
+    }
+    for p in procs.values():
+        output = p.communicate(timeout=300)[0]
+        assert p.returncode == 0, output.decode()
+    return {name: root / name for name in variants}
+
+
+@pytest.fixture(scope="module")
+def forward(models):
+    """transformers' own forward of a model: every ``hidden_states`` entry and the final norm's input."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = {}
+
+    @torch.no_grad()
+    def run(name: str, input_ids: torch.Tensor) -> dict:
+        if name not in loaded:
+            loaded[name] = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32).eval()
+        m, seen = loaded[name], {}
+
+        def keep(_module, args) -> None:  # a pre-hook that returns nothing leaves the input as it is
+            seen["pre"] = args[0][0]
+
+        hook = m.model.norm.register_forward_pre_hook(keep)
+        try:
+            states = m(input_ids=input_ids[None], output_hidden_states=True).hidden_states
+        finally:
+            hook.remove()
+        return {"states": [h[0] for h in states], "pre": seen["pre"], "norm": m.model.norm}
+
+    return run
+
+
+def samples(run: Path) -> list[dict]:
+    ds = HsxDataset(run, verify=True)
+    return [ds[i] for i in range(len(ds))]
+
+
+# ---------------------------------------------------------------- presets
+
+
+def test_presets_give_the_taps_the_trainers_compute():
+    """DFlash's formula against SpecForge's and Model-Optimizer's own (both count as hsx does), and
+    EAGLE-3's default against speculators' (vLLM ids: one higher)."""
+    require("specforge")
+    require("modelopt")
+    from modelopt.torch.speculative.plugins.modeling_dflash import build_target_layer_ids as modelopt_ids
+    from specforge.modeling.draft.dflash import build_target_layer_ids as specforge_ids
+
+    assert drafts.dflash_taps(5, 36) == [1, 9, 17, 25, 33]
+    for layers in (8, 28, 36, 61, 94):
+        for n in (1, 2, 3, 5, 8):
+            theirs = specforge_ids(layers, n)
+            assert theirs == modelopt_ids(layers, n)
+            if len(set(theirs)) < n:  # a draft layer would read a tap twice: refused, naming them
+                with pytest.raises(OptionError, match="repeated layers"):
+                    drafts.dflash_taps(n, layers)
+            else:
+                assert drafts.dflash_taps(n, layers) == theirs, (layers, n)
+        assert [k + 1 for k in drafts.eagle3_taps(layers)] == [2, layers // 2, layers - 3]
+    assert drafts.resolve("mtp", 36).ids == [] and drafts.resolve(None, 36).ids == [1, 17, 32]
+    assert drafts.resolve("dflash", 36).formula == "dflash:5: round(1 + i*(N-4)/(n-1)), i = 0..4, N = 36"
+    for bad in ("dflash:0", "eagle3:2", "mtp:1", "dflash5", "medusa"):
+        with pytest.raises(OptionError, match=r"preset|at least 1 tap"):
+            drafts.check_preset(bad)
+    with pytest.raises(OptionError, match="1 to 8 taps"):
+        drafts.resolve("dflash:9", 8)
+
+
+def test_layers_takes_a_preset_on_the_command_line_and_refuses_a_bad_one(tmp_path):
+    data = write_jsonl(tmp_path / "c.jsonl", conversations(2))
+    out = hsx("extract", "--model", TINY, "--data", data, "--out", tmp_path / "r", "--layers", "dflash:x", check=False)
+    assert out.returncode == 2 and "draft preset" in out.stderr and not (tmp_path / "r").exists()
+    out = hsx("memory", "--model", TINY, "--dtype", "float32").stdout
+    assert "--layers dflash:5: 5 taps [1, 2, 3, 4, 5] + the final state: 1,545 bytes" in out
+    assert "(1.50x eagle3)" in out and "--layers mtp: the final state alone: 265 bytes" in out
+
+
+# ---------------------------------------------------------------- capture for a draft type
+
+
+def test_a_dflash_run_stores_its_taps_and_the_final_state_before_the_norm(runs, forward):
+    """The spec and every file say what they hold; the taps are transformers' hidden_states[k + 1] and
+    the final state is the final norm's input (its forward pre-hook); the norm of it is, bit for bit,
+    what the post-norm twin stored."""
+    spec = load_spec(runs["dflash"])
+    assert spec.layers == TAPS and spec.final_norm == "pre" and spec.layers_formula.startswith("dflash:5: round(")
+    assert spec.final_state == FINAL_STATE_PRENORM and load_spec(runs["post"]).final_norm == "post"
+    assert "final_norm" not in json.loads((runs["post"] / "hsx.json").read_text())  # written where asked only
+    first = next((runs["dflash"] / "shards").rglob("*.safetensors"))
+    with safe_open(str(first), framework="pt") as f:
+        assert final_norm_of(f.metadata()) == "pre" and json.loads(f.metadata()["layers"]) == TAPS
+    norm = load_final_norm(Path(spec.model.path), 64)
+    for s, twin in zip(samples(runs["dflash"]), samples(runs["post"]), strict=True):
+        ref = forward("normed", s["input_ids"])
+        aux = s["aux_hidden_states"].view(-1, len(TAPS), 64)
+        for i, k in enumerate(TAPS):
+            assert torch.allclose(aux[:, i], ref["states"][k + 1], atol=1e-5)
+        assert torch.allclose(s["hidden_states"], ref["pre"], atol=1e-5)
+        assert torch.equal(twin["aux_hidden_states"], s["aux_hidden_states"])
+        assert torch.equal(norm.apply(s["hidden_states"]), twin["hidden_states"])
+
+
+def test_a_run_of_the_final_state_alone_stores_no_taps(runs):
+    spec = load_spec(runs["mtp"])
+    assert spec.layers == [] and spec.bytes_per_token == 64 * 4 + 9
+    files = sorted((runs["mtp"] / "shards").rglob("*.safetensors"))
+    assert len(files) == 24
+    with safe_open(str(files[0]), framework="pt") as f:  # zstd, the default codec: the final state alone
+        assert sorted(f.keys()) == ["hidden_states.zstd", "input_ids", "loss_mask"]
+    assert "24 files good" in hsx("verify", runs["mtp"], "--deep").stdout
+    post = samples(runs["post"])
+    for s, twin in zip(samples(runs["mtp"]), post, strict=True):
+        assert "aux_hidden_states" not in s and torch.equal(s["hidden_states"], twin["hidden_states"])
+
+
+# ---------------------------------------------------------------- exports per (trainer, draft type)
+
+
+def test_specforge_dflash_and_dspark_read_the_dflash_run_with_its_own_reader(runs, tmp_path):
+    require("specforge")
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+
+    src, twin = samples(runs["dflash"]), samples(runs["post"])
+    for kind in ("dflash", "dspark"):
+        dest = tmp_path / kind
+        out = export(runs["dflash"], dest, "--to", "specforge", "--draft", kind)
+        assert f"num_hidden_layers: 5, dflash_config.target_layer_ids: {TAPS}" in out
+        assert "exact" in out
+        manifest_ok(dest, 24)
+        prov = builtin_algorithm_registry().resolve(kind).providers.offline_for("text")
+        refs = prov.build_reader(str(dest), run_id="t", ttt_length=1, max_len=4096).read()
+        loader = FeatureDataLoader(
+            LocalFeatureStore(),
+            refs=refs,
+            batch_size=1,
+            drop_last=False,
+            collate_fn=prov.build_collator(),
+            per_sample_transform=prov.build_normalizer(4096),
+            strategy=kind,
+        )
+        seen = 0
+        for ref, batch in zip(refs, loader, strict=True):
+            i = int(ref.feature_store_uri.rsplit("data_", 1)[1].removesuffix(".ckpt"))
+            t = batch.tensors
+            assert torch.equal(t["input_ids"][0], src[i]["input_ids"])
+            assert torch.equal(t["hidden_states"][0], src[i]["aux_hidden_states"].to(torch.bfloat16))
+            if kind == "dspark":  # post-norm: the norm of the stored pre-norm state, what the twin stored
+                assert torch.equal(t["target_last_hidden_states"][0], twin[i]["hidden_states"].to(torch.bfloat16))
+            seen += 1
+        assert seen == 24
+
+
+def test_speculators_reads_every_draft_type_with_vllm_ids_and_the_exact_pre_norm_state(runs, tmp_path):
+    require("speculators")
+    from speculators.train.data import ArrowDataset
+
+    src = samples(runs["dflash"])
+    for kind in drafts.DRAFT_TYPES:
+        dest = tmp_path / kind
+        out = export(runs["dflash"], dest, "--to", "speculators", "--draft", kind)
+        (train,) = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("train ")]
+        taps = {"mtp": [], "eagle3": [1, 3, 4], "peagle": [1, 3, 4]}.get(kind, TAPS)
+        assert f"--speculator-type {kind} " in train
+        assert train.endswith(" ".join(["--target-layer-ids", *(str(k + 1) for k in taps)]) if taps else str(dest))
+        ds = ArrowDataset(max_len=4096, datapath=str(dest), on_missing="raise")
+        for i, s in enumerate(src):
+            got = ds[i]
+            want = (
+                s["aux_hidden_states"]
+                .view(-1, 5, 64)[:, [TAPS.index(k) for k in taps]]
+                .reshape(len(s["input_ids"]), -1)
+            )
+            assert torch.equal(got["hidden_states"], want) and torch.equal(got["input_ids"], s["input_ids"])
+            assert torch.equal(got["verifier_last_hidden_states"], s["hidden_states"])  # stored pre-norm: as is
+        assert json.loads((dest / MANIFEST).read_text())["max_norm_error"] is None
+
+
+def test_modelopt_dflash_reads_the_taps_and_refusals_name_what_cannot_be_fed(runs, tmp_path):
+    require("modelopt")
+    from modelopt.torch.speculative.eagle.utils import OfflineSupervisedDataset
+
+    dest = tmp_path / "mo"
+    out = export(runs["dflash"], dest, "--to", "modelopt", "--draft", "dflash", "--prenorm")
+    assert f"dflash_architecture_config: num_hidden_layers: 5, target_layer_ids: {TAPS}" in out
+    ds = OfflineSupervisedDataset(sorted(str(p) for p in dest.rglob("*.pt")), answer_only_loss=True)
+    for i, s in enumerate(samples(runs["dflash"])):
+        got = ds[i]
+        assert torch.equal(got["aux_hidden_states"], s["aux_hidden_states"]) and got["base_hidden_prenorm"]
+        assert torch.equal(got["base_model_hidden_states"], s["hidden_states"])
+    refused = {
+        ("specforge", "mtp"): "specforge's trainer takes the draft types eagle3, dflash, dspark, not mtp; mtp is "
+        "trained by speculators",
+        ("modelopt", "xpress"): "not xpress; xpress is trained by speculators",
+    }
+    for (to, kind), why in refused.items():
+        assert why in export(runs["dflash"], tmp_path / f"{to}-{kind}", "--to", to, "--draft", kind, code=2)
+    assert "this run has none" in export(runs["mtp"], tmp_path / "e", "--to", "modelopt", code=2)
+    out = export(runs["dflash"], tmp_path / "t", "--to", "speculators", "--draft", "dflash", "--taps", "1,7", code=2)
+    assert f"--taps [1, 7]: the run holds taps {TAPS}" in out
+    assert not any((tmp_path / name).exists() for name in ("specforge-mtp", "modelopt-xpress", "e", "t"))
+
+
+# ---------------------------------------------------------------- pre-norm states, exactly
+
+
+def test_pre_norm_states_are_recovered_exactly_where_eps_is_not_negligible(runs, forward, tmp_path):
+    """A float32 run of the quiet model (final states of mean square ~1e-3): the pre-norm state of
+    the speculators export and of modelopt --prenorm gives back the stored state to rounding, and has
+    transformers' own pre-norm state's length (dividing by the weight alone was off by 3e-3, refused)."""
+    require("speculators")
+    for to in (("speculators",), ("modelopt", "--prenorm")):
+        dest = tmp_path / to[0]
+        export(runs["quiet"], dest, "--to", *to)
+        assert json.loads((dest / MANIFEST).read_text())["max_norm_error"] < 1e-6
+    for i, s in enumerate(samples(runs["quiet"])[:6]):
+        ref = forward("quiet", s["input_ids"])
+        assert float(ref["pre"].pow(2).mean()) < 3e-3  # where the old conversion was off by eps / (2m)
+        pre = load_file(tmp_path / "speculators" / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"][:, -1]
+        assert torch.allclose(pre, ref["pre"], rtol=1e-3, atol=1e-6)
+
+
+def test_a_failed_norm_check_says_what_it_measured_and_the_likely_causes_in_order(runs, models):
+    norm = load_final_norm(models["normed"], 64)
+    post = samples(runs["post"])[0]["hidden_states"]
+    pre = prenorm_from_post(norm, post)
+    limit = TOLERANCE["float32"]
+    other = type(norm)(norm.file, norm.tensor, norm.eps)  # the same tensor, another weight below
+    object.__setattr__(other, "weight", norm.weight.roll(1))  # channels differ: the direction does too
+    said = diagnose(other, pre, post, limit, "/m")
+    assert said.startswith("measured: token ") and "cosine" in said and "0 tokens hold NaN or inf" in said
+    assert said.index("(1) the final norm read from /m") < said.index("its weights differ")
+    scaled = type(norm)(norm.file, norm.tensor, 10.0)  # the direction holds, the length does not
+    said = diagnose(scaled, pre, post, limit, "/m")
+    assert "(1) the model's final norm computes otherwise than the final norm read from /m" in said
+    broken = post.clone()
+    broken[3, 5] = float("nan")
+    said = diagnose(norm, pre, broken, limit, "/m")
+    assert "1 tokens hold NaN or inf" in said and "(1) the stored state overflowed" in said
+
+
+# ---------------------------------------------------------------- EAGLE-3 exports as before
+
+
+def base_source(tmp: Path) -> Path | None:
+    """The hsx this work started from (``BASE``), unpacked from git, or None where history lacks it."""
+    repo = Path(__file__).resolve().parents[1]
+    have = subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{BASE}^{{commit}}"], capture_output=True)
+    if have.returncode:
+        return None
+    archive = subprocess.run(["git", "-C", repo, "archive", BASE, "src"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+    return tmp / "src"
+
+
+def test_an_eagle3_run_exports_for_eagle3_as_the_hsx_before_draft_types_did(runs, tmp_path):
+    """A default (EAGLE-3) run made now, exported by this hsx and by the one before draft types, for
+    each trainer: every file the same bytes, but the pre-norm final state speculators reads, now
+    recovered with its length (it differs from the old one by the eps term only), and the progress
+    log that records those files' digests."""
+    old = base_source(tmp_path)
+    if old is None:
+        pytest.skip(f"this checkout's history does not hold {BASE}")
+    run = runs["eagle3"]
+    trainers = ("specforge", "speculators", "modelopt")
+    script = "; ".join(
+        ["from pathlib import Path", "from hsx.export import ExportOptions, run_export"]
+        + [
+            f"run_export(ExportOptions(Path({str(run)!r}), Path({str(tmp_path / 'old' / t)!r}), {t!r}))"
+            for t in trainers
+        ]
+    )
+    env = os.environ | {"PYTHONPATH": str(old), "HF_HUB_OFFLINE": "1"}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True)
+    for t in trainers:
+        export(run, tmp_path / "new" / t, "--to", t)
+        new, before = (
+            {
+                p.relative_to(d).as_posix(): p.read_bytes()
+                for p in sorted(d.rglob("*"))
+                if p.is_file() and p.name != MANIFEST
+            }
+            for d in (tmp_path / "new" / t, tmp_path / "old" / t)
+        )
+        assert new.keys() == before.keys() and len(new) > 24
+        for name in new:
+            if t == "speculators" and name == ".hsx-export-progress.jsonl":
+                continue  # it lists the digests of the files below
+            if t == "speculators" and name.startswith("hidden_states/"):
+                a, b = load_file(tmp_path / "new" / t / name), load_file(tmp_path / "old" / t / name)
+                assert torch.equal(a["token_ids"], b["token_ids"])
+                assert torch.equal(a["hidden_states"][:, :-1], b["hidden_states"][:, :-1])  # the taps
+                cos = torch.nn.functional.cosine_similarity(
+                    a["hidden_states"][:, -1], b["hidden_states"][:, -1], dim=-1
+                )
+                assert float(cos.min()) > 1 - 1e-6  # the same direction, another length
+            else:
+                assert new[name] == before[name], (t, name)
