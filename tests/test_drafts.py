@@ -374,3 +374,72 @@ def test_an_eagle3_run_exports_for_eagle3_as_the_hsx_before_draft_types_did(runs
                 assert float(cos.min()) > 1 - 1e-6  # the same direction, another length
             else:
                 assert new[name] == before[name], (t, name)
+
+
+# ---------------------------------------------------------------- training in the trainers' own loops
+
+
+def speculators_train(command: str, save: Path, *extra: str) -> tuple[list[dict], dict]:
+    """Run ``speculators train`` as the export printed it, in this process, through speculators' own
+    ``main`` (its config, draft builder, data loader and Trainer), for a few steps on CPU; return the
+    metrics its Trainer logged (each training step's, and the held-out validation's).
+
+    Thin shims for a machine without an accelerator, device placement only: its Trainer puts the model
+    and batches on its local rank (a CUDA index: here "cpu"), its loader pins memory (nothing to pin
+    for: left as it is), its step timer synchronizes the accelerator (nothing to wait for). Its own
+    options do the rest: sdpa attention (FlexAttention has no backward on CPU), eager losses (the fused
+    ones need Triton), float32 states."""
+    import logging
+    from contextlib import ExitStack
+    from unittest import mock
+
+    import speculators.train.cli as cli
+    import speculators.train.trainer as trainer
+    from speculators.train.config import TrainConfig
+
+    args = command.split()[2:]  # after "speculators train"
+    args += ["--epochs", "1", "--max-steps", "3", "--total-seq-len", "128", "--save-path", str(save)]
+    args += ["--num-workers", "0", "--hidden-states-dtype", "float32", "--train-data-ratio", "0.5", "--seed", "0"]
+    args += ["--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--no-resume-from-checkpoint", *extra]
+    steps, val = [], {}
+
+    class Metrics(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if isinstance(record.msg, dict) and "train" in record.msg:
+                steps.append(record.msg)
+            elif isinstance(record.msg, dict) and "val" in record.msg:
+                val.update(record.msg["val"])
+
+    def setup_metric_logger(*a, **kw):  # its own set-up, then our handler beside its backends
+        original(*a, **kw)
+        logging.getLogger("speculators.metrics").addHandler(Metrics())
+
+    original = cli.setup_metric_logger
+    with ExitStack() as stack:
+        for shim in (
+            mock.patch.object(trainer, "get_local_rank", lambda: "cpu"),
+            mock.patch("torch.utils.data._utils.pin_memory.pin_memory", lambda data, device=None: data),
+            mock.patch("torch.accelerator.synchronize", lambda *a, **kw: None),
+            mock.patch.object(cli, "setup_metric_logger", setup_metric_logger),
+        ):
+            stack.enter_context(shim)
+        cli.main(TrainConfig.resolve(args))
+    return steps, val
+
+
+DFLASH_SMALL = ("--block-size", "4", "--max-anchors", "16")  # its block and anchors, cut for CPU time
+
+
+def test_speculators_trains_every_draft_type_but_mtp_from_one_dflash_run(runs, tmp_path):
+    """Each type's printed training command, run by speculators' own trainer: three logged steps each,
+    finite losses, and a held-out validation."""
+    require("speculators")
+    for kind in ("eagle3", "peagle", "dflash", "dflash2", "dspark", "xpress"):
+        dest = tmp_path / kind
+        out = export(runs["dflash"], dest, "--to", "speculators", "--draft", kind)
+        (train,) = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("train ")]
+        extra = () if kind in ("eagle3", "peagle") else DFLASH_SMALL
+        steps, val = speculators_train(train, tmp_path / f"save-{kind}", *extra)
+        assert [s["global_step"] for s in steps] == [0, 1, 2], kind
+        assert all(torch.isfinite(torch.tensor(s["train"]["loss"])) for s in steps), kind
+        assert val and torch.isfinite(torch.tensor(val["loss_epoch"])), kind
