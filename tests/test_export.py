@@ -149,7 +149,7 @@ def test_specforge_reads_a_custom_layer_float32_export_and_its_bf16_head_compute
 
     dest = tmp_path / "sf"
     out = export(runs["last"], dest, "--to", "specforge", "--draft-vocab", "64")
-    assert "model.aux_hidden_state_layer_ids: [1, 3, 7]" in out
+    assert "specforge train -c CONFIG.yaml" in out and '"aux_hidden_state_layer_ids": [1, 3, 7]' in out
     m = manifest_ok(dest, 20)
     assert m["source"]["dtype"] == "float32" and "bfloat16" in m["final_state"]
     src = hsx_samples(runs["last"])

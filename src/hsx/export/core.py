@@ -36,7 +36,6 @@ from hsx.progress import Progress
 from hsx.spec import RunSpec, load_spec, model_location, now
 from hsx.store import layout
 from hsx.store.durable import is_temp, write_durable
-from hsx.target import model_dir_for
 
 EXPORT_FORMAT = "hsx-export/1"
 JOB = ".hsx-export-job.json"
@@ -238,9 +237,7 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
     converted = fmt.side() == "pre" and spec.final_norm == "post"  # the pre-norm state derived, checked
     vocab_size = None
     if opts.draft_vocab is not None:
-        if opts.target_vocab is None:
-            ctx.model_dir = ctx.model_dir or model_dir_for(run, spec, opts.model)
-        vocab_size = opts.target_vocab or target_vocab_size(ctx.model_dir)
+        vocab_size = opts.target_vocab or target_vocab_size(ctx.model())
     drafted = {"draft": opts.draft, "taps": ctx.taps} if opts.draft != EAGLE3 or opts.taps is not None else {}
     job = {
         "format": EXPORT_FORMAT,

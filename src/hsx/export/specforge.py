@@ -13,14 +13,17 @@ Its target head always runs in bfloat16 (``TargetHead.from_pretrained``), and a 
 dtype fails there (``expected m1 and m2 to have the same dtype``), so states are written in
 bfloat16: the rounding the trainer's own head would apply. Its layer ids are SGLang's, which are
 hsx's (``set_eagle3_layers_to_capture`` adds the one; its DFlash reads ``hidden_states[id + 1]``);
-the export prints the setting.
+the export prints the ``specforge train`` config that names them.
 """
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
+from hsx.drafts import dflash_taps
 from hsx.errors import ExportRefused
 from hsx.export.serialize import torch_bytes
 from hsx.export.trainer import TrainerFormat, Written, put
@@ -63,14 +66,28 @@ class SpecForge(TrainerFormat):
         return f"{super().final_state()}, in bfloat16 (its target head's dtype)"
 
     def train_hint(self) -> str:
+        """``specforge train`` with a config of the keys the export decides (JSON is YAML): the taps
+        as its ids (hsx's), by EAGLE-3's aux layer ids or a DFlash draft's layer count, whose
+        formula gives them. A DSpark draft, and taps the formula does not give, need a draft config
+        (SpecForge makes DFlash's alone) naming them."""
         taps = self.ctx.taps
+        model: dict = {"target_model_path": self.ctx.model_named()}
+        formula = self.draft == "dflash" and taps == dflash_taps(len(taps), self.ctx.spec.model.num_layers)
         if self.draft == "eagle3":
-            return f"in the SpecForge config: model.aux_hidden_state_layer_ids: {taps}"
-        return (
-            f"in the SpecForge {self.draft} draft config: num_hidden_layers: {len(taps)}, "
-            f"dflash_config.target_layer_ids: {taps} (its ids are hsx's); "
-            f"data.hidden_states_path: {self.ctx.dest.absolute()}"
-        )
+            model["aux_hidden_state_layer_ids"] = taps
+        elif formula:
+            model["draft_num_hidden_layers"] = len(taps)
+        else:
+            model["draft_model_config"] = "DRAFT.json"
+        config = {"model": model, "data": {"hidden_states_path": str(self.ctx.dest.absolute())}}
+        config["training"] = {"strategy": self.draft}
+        hint = f"specforge train -c CONFIG.yaml, CONFIG.yaml holding {json.dumps(config)}"
+        if "draft_model_config" in model:
+            hint += (
+                f"; DRAFT.json: a {self.draft} draft config with num_hidden_layers {len(taps)} and "
+                f"dflash_config.target_layer_ids {taps}"
+            )
+        return hint
 
     def sample(self, index: int, sid: int, t: dict[str, torch.Tensor]) -> list[Written]:
         g = index // GROUP * GROUP

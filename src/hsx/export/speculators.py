@@ -28,7 +28,6 @@ from hsx.drafts import DRAFT_TYPES
 from hsx.export.serialize import npy_bytes, torch_bytes
 from hsx.export.trainer import TrainerFormat, Written, put
 from hsx.store.format import FinalStateNorm, digest
-from hsx.target import model_dir_for
 
 ARROW = "data-00000-of-00001.arrow"
 TOKENS = {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "List"}
@@ -70,10 +69,6 @@ class Speculators(TrainerFormat):
         "hidden_states/hs_{i}.safetensors = {hidden_states [T,L+1,H] (taps..., final pre-norm), token_ids [T] int64}"
     )
 
-    def check(self) -> None:
-        ctx = self.ctx  # the training command names the verifier
-        ctx.model_dir = ctx.model_dir or model_dir_for(ctx.opts.run, ctx.spec, ctx.opts.model)
-
     def side(self) -> FinalStateNorm:
         return "pre"  # its verifier_norm is applied in the trainer, even for its CE loss's target argmax
 
@@ -92,7 +87,7 @@ class Speculators(TrainerFormat):
     def train_hint(self) -> str:
         ctx = self.ctx
         args = ["speculators", "train", "--speculator-type", self.draft]
-        args += ["--verifier-name-or-path", ctx.model_dir, "--data-path", ctx.dest.absolute()]
+        args += ["--verifier-name-or-path", ctx.model_named(), "--data-path", ctx.dest.absolute()]
         if ctx.taps:  # vLLM's aux ids: hsx id + 1; MTP reads the final state alone
             args += ["--target-layer-ids", *(k + 1 for k in ctx.taps)]
         args += ["--draft-vocab-size", ctx.opts.draft_vocab] if ctx.opts.draft_vocab is not None else []

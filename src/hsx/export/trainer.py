@@ -17,7 +17,7 @@ from hsx.errors import ExportRefused, NormUnavailable
 from hsx.export.norm import diagnose, load_final_norm, norm_error, prenorm_from_post, tolerance
 from hsx.finalnorm import FinalNorm
 from hsx.plan import Plan
-from hsx.spec import RunSpec
+from hsx.spec import RunSpec, model_location
 from hsx.store.codec import is_lossless
 from hsx.store.durable import write_durable
 from hsx.store.format import FinalStateNorm, digest
@@ -140,6 +140,18 @@ class Context:
         run without that layer, and the trainer's target is the one the other exports carry."""
         return self.spec.model.num_layers - 1 in self.spec.layers and is_lossless(self.spec.codec)
 
+    def model(self) -> Path:
+        """The run's model folder (checked against its fingerprint), which training commands name."""
+        self.model_dir = self.model_dir or model_dir_for(self.opts.run, self.spec, self.opts.model)
+        return self.model_dir
+
+    def model_named(self) -> str:
+        """The model a training command names: the folder checked, where the export read it, else
+        the one given or where the run looks (an export that reads no weight never fails on it)."""
+        if self.model_dir is not None:
+            return str(self.model_dir)
+        return location(self.opts.model) if self.opts.model is not None else model_location(self.opts.run, self.spec)
+
     def source_id(self, sid: int) -> str:
         value = self.plan.sources.column("source_id")[sid].as_py()
         return value if value else str(sid)
@@ -189,9 +201,8 @@ class Context:
         """Read the final norm where the export's final state is on its other side than the run's."""
         if side == self.spec.final_norm:
             return
-        self.model_dir = self.model_dir or model_dir_for(self.opts.run, self.spec, self.opts.model)
         try:
-            self.norm = load_final_norm(self.model_dir, self.hidden)
+            self.norm = load_final_norm(self.model(), self.hidden)
         except NormUnavailable as e:
             raise ExportRefused(f"this export needs the final state {side}-norm, and {e}") from e
         if side == "post":
