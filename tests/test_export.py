@@ -109,15 +109,21 @@ def manifest_ok(dest: Path, n: int) -> dict:
 # ---------------------------------------------------------------- SpecForge
 
 
-def specforge_read(dest: Path, lengths: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-    """Every sample of a SpecForge export through its own offline reader and loader, by export
-    index, cut to its length: ``input_ids``, ``hidden_state`` (aux), ``target``, ``loss_mask``."""
+EAGLE3_KEYS = ("input_ids", "hidden_state", "target", "loss_mask")
+
+
+def specforge_read(
+    dest: Path, lengths: list[int], strategy: str = "eagle3", keys: tuple[str, ...] = EAGLE3_KEYS
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Every sample of a SpecForge export through its own offline reader and loader for ``strategy``,
+    by export index, cut to its length: its ``keys`` (EAGLE-3's: ``input_ids``, ``hidden_state``
+    (aux), ``target``, ``loss_mask``)."""
     require("specforge")
     from specforge.algorithms.builtin import builtin_algorithm_registry
     from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore
 
-    prov = builtin_algorithm_registry().resolve("eagle3").providers.offline_for("text")
+    prov = builtin_algorithm_registry().resolve(strategy).providers.offline_for("text")
     max_len = 4096
     refs = prov.build_reader(str(dest), run_id="t", ttt_length=7, max_len=max_len).read()
     loader = FeatureDataLoader(
@@ -127,14 +133,14 @@ def specforge_read(dest: Path, lengths: list[int]) -> dict[int, dict[str, torch.
         drop_last=False,
         collate_fn=prov.build_collator(),
         per_sample_transform=prov.build_normalizer(max_len),
-        strategy="eagle3",
+        strategy=strategy,
     )
     out, n = {}, 0
     for batch in loader:
         t = batch.tensors
         for b in range(t["input_ids"].shape[0]):
             idx = int(refs[n + b].feature_store_uri.rsplit("data_", 1)[1].removesuffix(".ckpt"))
-            out[idx] = {k: t[k][b, : lengths[idx]] for k in ("input_ids", "hidden_state", "target", "loss_mask")}
+            out[idx] = {k: t[k][b, : lengths[idx]] for k in keys}
         n += t["input_ids"].shape[0]
     assert n == len(out) == len(lengths)
     return out

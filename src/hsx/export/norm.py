@@ -4,16 +4,17 @@ The norm itself (which tensor, which family, how it is applied) is ``hsx.finalno
 is its per-channel scale. A run stores the final state after the norm (``post = w * x / sqrt(m +
 eps)``, m = mean(x^2)) unless it was asked to keep it before (``--final-state pre``); some trainers
 want the other one. From ``x`` the norm gives ``post`` exactly. The other way, ``y = post / w``
-(= ``x / sqrt(m + eps)``) holds ``x``'s direction, and its mean square tells its magnitude:
+(= ``x / sqrt(m + eps)``) holds ``x``'s direction, and its mean square tells its length:
 ``mean(y^2) = m / (m + eps)``, so the deficit ``d = 1 - mean(y^2) = eps / (m + eps)`` and ``x = y *
-sqrt(eps / d)``. Then ``norm(x) = post / sqrt(mean(y^2) + d)`` is ``post`` to the rounding of
-``d``, whatever m is. Where m is so large against eps that the dtype's rounding hides the deficit
-(``d`` below ``finfo.eps``), ``d`` is taken as that floor: ``norm(x)`` is then ``post`` within
-half of it, and the magnitude is a lower bound. Dividing by ``w`` alone (what hsx did before)
-left ``norm(y)`` off by ``eps / (2m)``: 3.4e-3 on a small model whose final states have a mean
-square of 1.5e-3, refused as a wrong model. A lossy state (fp8) carries no measurable deficit: its
-pre-norm state is ``y``. Every converted sample is checked: the norm of what is exported must give
-back the stored state, and ``diagnose`` says what was measured where it does not.
+sqrt(eps / d)``. Measured on the stored ``post``, ``d`` also carries its rounding, and then
+``norm(y * sqrt(eps / d)) = post / sqrt(mean(y^2) + d)`` is the stored ``post`` exactly (to the
+arithmetic's own rounding): what the trainer's norm must give back. Where ``d`` is below the
+dtype's rounding (``finfo.eps``: m beyond about eps / finfo.eps, or no deficit at all), it tells
+nothing: the state is ``y`` itself, whose norm errs by ``d / 2``, under half that rounding. Dividing by ``w`` alone (what hsx did before) left ``norm(y)`` off by
+``eps / (2m)``: 3.4e-3 on a small model whose final states have a mean square of 1.5e-3, refused as a
+wrong model. A lossy state (fp8) has no meaningful deficit: its pre-norm state is ``y``. Every
+converted sample is checked: the norm of what is exported must give back the stored state, and
+``diagnose`` says what was measured where it does not.
 
     python -m hsx.export.norm OUT [--model PATH] [--samples 16]
 
@@ -63,12 +64,14 @@ def load_final_norm(model_dir: Path, hidden_size: int) -> FinalNorm:
 
 
 def prenorm_from_post(norm: FinalNorm, post: torch.Tensor, lossless: bool = True) -> torch.Tensor:
-    """The pre-norm state ``post`` came from (its magnitude from the mean-square deficit, see
-    above), in post's dtype; ``lossless`` False (a quantized ``post``): its direction, ``post / w``."""
+    """The pre-norm state ``post`` came from (its length from the mean-square deficit where the
+    dtype's rounding leaves it measurable, see above), in post's dtype; ``lossless`` False (a
+    quantized ``post``): its direction, ``post / w``."""
     y = post.double() / norm.scale.double()
     if lossless:
         deficit = 1.0 - y.pow(2).mean(-1, keepdim=True)
-        y = y * torch.sqrt(norm.eps / deficit.clamp_min(torch.finfo(post.dtype).eps))
+        measurable = deficit > torch.finfo(post.dtype).eps
+        y = y * torch.where(measurable, torch.sqrt(norm.eps / deficit.clamp_min(1e-300)), 1.0)
     return y.to(post.dtype)
 
 
