@@ -10,11 +10,12 @@ sqrt(eps / d)``. Measured on the stored ``post``, ``d`` also carries its roundin
 ``norm(y * sqrt(eps / d)) = post / sqrt(mean(y^2) + d)`` is the stored ``post`` exactly (to the
 arithmetic's own rounding): what the trainer's norm must give back. Where ``d`` is below the
 dtype's rounding (``finfo.eps``: m beyond about eps / finfo.eps, or no deficit at all), it tells
-nothing: the state is ``y`` itself, whose norm errs by ``d / 2``, under half that rounding. Dividing by ``w`` alone (what hsx did before) left ``norm(y)`` off by
-``eps / (2m)``: 3.4e-3 on a small model whose final states have a mean square of 1.5e-3, refused as a
-wrong model. A lossy state (fp8) has no meaningful deficit: its pre-norm state is ``y``. Every
-converted sample is checked: the norm of what is exported must give back the stored state, and
-``diagnose`` says what was measured where it does not.
+nothing: the state is ``y`` itself, whose norm errs by ``d / 2``, under half that rounding.
+Dividing by ``w`` alone everywhere (what hsx did before) left ``norm(y)`` off by ``eps / (2m)``:
+3.4e-3 on a small float32 model whose final states have a mean square of 1.5e-3, refused as a wrong
+model. A lossy state (fp8) has no meaningful deficit: its pre-norm state is ``y``. Every converted
+sample is checked: the norm of what is exported must give back the stored state, and ``diagnose``
+says what was measured where it does not.
 
     python -m hsx.export.norm OUT [--model PATH] [--samples 16]
 
