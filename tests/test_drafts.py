@@ -22,7 +22,7 @@ from hsx import drafts
 from hsx.data import HsxDataset
 from hsx.errors import OptionError
 from hsx.export.norm import TOLERANCE, diagnose, load_final_norm, prenorm_from_post
-from hsx.spec import load_spec
+from hsx.spec import differences, load_spec
 from hsx.store.format import FINAL_STATE_PRENORM, final_norm_of
 from test_export import MANIFEST, export, manifest_ok, specforge_read
 
@@ -163,6 +163,11 @@ def test_a_dflash_run_stores_its_taps_and_the_final_state_before_the_norm(runs, 
     assert spec.layers == TAPS and spec.final_norm == "pre" and spec.layers_formula.startswith("dflash:5: round(")
     assert spec.final_state == FINAL_STATE_PRENORM and load_spec(runs["post"]).final_norm == "post"
     assert "final_norm" not in json.loads((runs["post"] / "hsx.json").read_text())  # written where asked only
+    asked = {"final_norm": "post", "layers": drafts.resolve("dflash:3", N).ids}  # a resume asking otherwise
+    assert differences(spec, asked) == [
+        f"layers: run has {TAPS}, asked for [1, 3, 5]",
+        "final norm: run has pre, asked for post",
+    ]
     first = next((runs["dflash"] / "shards").rglob("*.safetensors"))
     with safe_open(str(first), framework="pt") as f:
         assert final_norm_of(f.metadata()) == "pre" and json.loads(f.metadata()["layers"]) == TAPS
@@ -195,6 +200,14 @@ def test_a_run_of_the_final_state_alone_stores_no_taps(runs):
 
 def test_specforge_dflash_and_dspark_read_the_dflash_run_with_its_own_reader(runs, tmp_path):
     require("specforge")
+    import numpy as np
+    from specforge.data.loss_mask import has_consecutive_supervised_tokens
+
+    from hsx.export.specforge import has_consecutive_loss
+
+    for mask in ([0, 1, 0, 1, 0], [1, 1], [0, 0, 0], [1], [0, 1, 1, 0]):  # what its reader raises on, ours leaves out
+        theirs = bool(has_consecutive_supervised_tokens(torch.tensor(mask)))
+        assert has_consecutive_loss(np.array(mask, dtype=np.uint8)) == theirs, mask
     src, twin = samples(runs["dflash"]), samples(runs["post"])
     lengths = [s["input_ids"].shape[0] for s in src]
     for kind, keys in (("dflash", ()), ("dspark", ("target_last_hidden_states",))):
