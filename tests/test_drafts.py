@@ -394,6 +394,7 @@ def speculators_train(command: str, save: Path, *extra: str) -> tuple[list[dict]
 
     import speculators.train.cli as cli
     import speculators.train.trainer as trainer
+    from speculators.models.eagle3.rotary_partial import uninstall_partial_neox_rotary
     from speculators.train.config import TrainConfig
 
     args = command.split()[2:]  # after "speculators train"
@@ -414,15 +415,22 @@ def speculators_train(command: str, save: Path, *extra: str) -> tuple[list[dict]
         logging.getLogger("speculators.metrics").addHandler(Metrics())
 
     original = cli.setup_metric_logger
-    with ExitStack() as stack:
-        for shim in (
-            mock.patch.object(trainer, "get_local_rank", lambda: "cpu"),
-            mock.patch("torch.utils.data._utils.pin_memory.pin_memory", lambda data, device=None: data),
-            mock.patch("torch.accelerator.synchronize", lambda *a, **kw: None),
-            mock.patch.object(cli, "setup_metric_logger", setup_metric_logger),
-        ):
-            stack.enter_context(shim)
-        cli.main(TrainConfig.resolve(args))
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)  # its root logger set-up is undone after it
+    try:
+        with ExitStack() as stack:
+            for shim in (
+                mock.patch.object(trainer, "get_local_rank", lambda: "cpu"),
+                mock.patch("torch.utils.data._utils.pin_memory.pin_memory", lambda data, device=None: data),
+                mock.patch("torch.accelerator.synchronize", lambda *a, **kw: None),
+                mock.patch.object(cli, "setup_metric_logger", setup_metric_logger),
+            ):
+                stack.enter_context(shim)
+            cli.main(TrainConfig.resolve(args))
+    finally:
+        root.setLevel(level)
+        root.handlers[:] = handlers
+        uninstall_partial_neox_rotary()  # were it installed, transformers' Llama would compute otherwise
     return steps, val
 
 
