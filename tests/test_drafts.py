@@ -172,12 +172,13 @@ def test_a_dflash_run_stores_its_taps_and_the_final_state_before_the_norm(runs, 
     with safe_open(str(first), framework="pt") as f:
         assert final_norm_of(f.metadata()) == "pre" and json.loads(f.metadata()["layers"]) == TAPS
     norm = load_final_norm(Path(spec.model.path), 64)
-    for s, twin in zip(samples(runs["dflash"]), samples(runs["post"]), strict=True):
-        ref = forward("normed", s["input_ids"])
-        aux = s["aux_hidden_states"].view(-1, len(TAPS), 64)
-        for i, k in enumerate(TAPS):
-            assert torch.allclose(aux[:, i], ref["states"][k + 1], atol=1e-5)
-        assert torch.allclose(s["hidden_states"], ref["pre"], atol=1e-5)
+    for n, (s, twin) in enumerate(zip(samples(runs["dflash"]), samples(runs["post"]), strict=True)):
+        if n < 12:  # against transformers' forward, a sample at a time (the CPU time of the test)
+            ref = forward("normed", s["input_ids"])
+            aux = s["aux_hidden_states"].view(-1, len(TAPS), 64)
+            for i, k in enumerate(TAPS):
+                assert torch.allclose(aux[:, i], ref["states"][k + 1], atol=1e-5)
+            assert torch.allclose(s["hidden_states"], ref["pre"], atol=1e-5)
         assert torch.equal(twin["aux_hidden_states"], s["aux_hidden_states"])
         assert torch.equal(norm.apply(s["hidden_states"]), twin["hidden_states"])
 
@@ -399,7 +400,7 @@ def speculators_train(command: str, save: Path, *extra: str) -> tuple[list[dict]
 
     args = command.split()[2:]  # after "speculators train"
     args += ["--epochs", "1", "--max-steps", "3", "--total-seq-len", "128", "--save-path", str(save)]
-    args += ["--num-workers", "0", "--hidden-states-dtype", "float32", "--train-data-ratio", "0.75", "--seed", "0"]
+    args += ["--num-workers", "0", "--hidden-states-dtype", "float32", "--train-data-ratio", "0.9", "--seed", "0"]
     args += ["--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--no-resume-from-checkpoint", *extra]
     steps, val = [], {}
 
