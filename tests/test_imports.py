@@ -10,7 +10,7 @@ import hsx
 SRC = Path(hsx.__file__).parent
 # lowest first: each package (or top-level module) by its name under hsx
 LAYERS = [
-    ("hsx", "errors", "units", "bounds"),  # the vocabulary: errors and their exit codes, units, option bounds
+    ("hsx", "errors", "units", "bounds", "drafts"),  # the vocabulary: errors, units, option bounds, draft types
     ("store",),  # the run folder's files: layout, durable writes, the file format, codecs, scans
     ("fingerprint", "lock", "registry", "telemetry", "progress", "input", "hfdatasets"),  # run-folder services, input
     ("spec", "target", "finalnorm", "plan", "tinymodel"),  # what a run is: its spec, model, frozen plan

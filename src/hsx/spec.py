@@ -18,12 +18,13 @@ from typing import Any, Literal, Protocol, TypeVar
 from pydantic import BaseModel, ValidationError, model_serializer
 
 from hsx import __version__
+from hsx.drafts import bytes_per_token
 from hsx.errors import SpecError
 from hsx.fingerprint import ModelFingerprint, digest_file
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
-from hsx.store.format import FINAL_STATE, LAYER_CONVENTION
+from hsx.store.format import FINAL_STATE, LAYER_CONVENTION, FinalStateNorm
 
 FORMAT = "hsx-run/1"
 Record = TypeVar("Record", bound=BaseModel)
@@ -63,6 +64,7 @@ class TokenizerIdentity(BaseModel):
 
 
 OPTIONAL_DATA = ("split", "limit", "column")  # a DataFile's fields written only where given
+DRAFT_DEFAULTS = {"layers_formula": None, "final_norm": "post"}  # RunSpec's fields written only where not these
 
 
 class DataFile(BaseModel):
@@ -220,9 +222,11 @@ class RunSpec(BaseModel):
     backend: str
     model: ModelIdentity
     tokenizer: TokenizerIdentity
-    layers: list[int]
+    layers: list[int]  # the taps, in hsx ids; empty for a run of the final state alone (--layers mtp)
+    layers_formula: str | None = None  # the draft preset's formula that gave them (hsx.drafts); None: given as ids
     layer_convention: str = LAYER_CONVENTION
     final_state: str = FINAL_STATE
+    final_norm: FinalStateNorm = "post"  # the final state stored after the final norm, or before it
     dtype: str
     max_length: int
     batch_tokens: int
@@ -245,7 +249,7 @@ class RunSpec(BaseModel):
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token costs on disk: L aux states + the final state + input id + mask."""
-        return (len(self.layers) + 1) * self.model.hidden_size * self.state_itemsize + 8 + 1
+        return bytes_per_token(len(self.layers), self.model.hidden_size, self.state_itemsize)
 
     @property
     def state_itemsize(self) -> int:
@@ -259,6 +263,13 @@ class RunSpec(BaseModel):
 
     def save(self, run: Path) -> None:
         write_durable(run / layout.SPEC, self.model_dump_json(indent=2).encode())
+
+    @model_serializer(mode="wrap")
+    def _drafts_where_asked(self, handler) -> dict:
+        """``layers_formula`` and ``final_norm`` only where a run asked for them: a run given ids and
+        the post-norm final state is written as before."""
+        out = handler(self)
+        return {k: v for k, v in out.items() if k not in DRAFT_DEFAULTS or v != DRAFT_DEFAULTS[k]}
 
 
 def now() -> str:
@@ -403,6 +414,7 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
         "parallel",
         "quantized_compute",
         "template_kwargs",
+        "final_norm",
     ):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")

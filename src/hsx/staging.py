@@ -102,7 +102,9 @@ class SlotLayout:
         encoding them first where they lie; returns each sample's (aux, final) as held in the slot."""
         off = 0
         for row, start, n in _runs(batch, wanted):  # packed samples are one contiguous run: one copy
-            for bufs, src, (_, groups) in zip(slot, (batch.aux, batch.final), self.states, strict=True):
+            for bufs, src, (cols, groups) in zip(slot, (batch.aux, batch.final), self.states, strict=True):
+                if not cols:  # a run without taps: no aux state to copy
+                    continue
                 part = src[row, start : start + n]
                 parts = encode_early(self.encodes, part, groups).tensors if self.encodes is Codec.FP8 else (part,)
                 for buf, p in zip(bufs, parts, strict=True):

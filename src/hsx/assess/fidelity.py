@@ -107,7 +107,8 @@ def recompute(run: Path, spec: RunSpec, scans: list[ShardScan], model_dir: Path,
     on ``device`` (float32), every masked token; fail naming each file the rule rejects."""
     import torch
 
-    if not spec.final_state.startswith(FINAL_STATE):
+    normed = spec.final_norm == "post"  # a pre-norm final state goes through the checkpoint's norm first
+    if normed and not spec.final_state.startswith(FINAL_STATE):
         return skipped("fidelity", f"the run's final state is not one hsx can check ({spec.final_state})")
     stored = {sid: r.fidelity for s in scans for sid, r in sorted(s.good.items())}
     chosen = list(stored)[:: max(1, len(stored) // max(files, 1))][:files]
@@ -123,7 +124,9 @@ def recompute(run: Path, spec: RunSpec, scans: list[ShardScan], model_dir: Path,
         checks = [every] + ([fidelity.positions(sid, mask, spec.fidelity.stride)] if spec.fidelity else [])
         with torch.inference_mode():
             zeros = [0] * len(checks)
-            figs = fidelity.figures(fidelity.measure(head, final, zeros, zeros, [ids] * len(checks), checks, tie=tie))
+            figs = fidelity.figures(
+                fidelity.measure(head, final, zeros, zeros, [ids] * len(checks), checks, normed, tie)
+            )
         total += figs[0]
         if want is not None and fidelity.unlikely(figs[0], want):
             wrong.append(sid)

@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from hsx.drafts import eagle3_taps as default_layers  # noqa: F401 - EAGLE-3's, the default taps
 from hsx.errors import OptionError
 
 
@@ -51,20 +52,7 @@ class Capture(Protocol):
     ) -> CapturedBatch: ...
 
 
-def default_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's default aux layers [1, N//2-1, N-4], in hsx ids, de-duplicated for tiny models."""
-    picks = [1, num_layers // 2 - 1, num_layers - 4]
-    out: list[int] = []
-    for k in picks:
-        k = min(max(k, 0), num_layers - 1)
-        if k not in out:
-            out.append(k)
-    return out
-
-
 def check_layers(layers: list[int], num_layers: int) -> None:
-    if not layers:
-        raise OptionError("at least one layer id is needed")
     if len(set(layers)) != len(layers):
         raise OptionError(f"duplicate layer ids in {layers}")
     bad = [k for k in layers if not 0 <= k < num_layers]

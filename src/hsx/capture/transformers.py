@@ -167,12 +167,14 @@ def _causal_lm_class(config, trust_remote_code: bool):
 class TransformersBackend:
     name = NAME
 
-    def __init__(self, model, layers: list[int], packed: bool = False, compiled: bool = False):
-        """Wrap a loaded model; ``load`` is the usual way in."""
+    def __init__(self, model, layers: list[int], packed: bool = False, compiled: bool = False, prenorm: bool = False):
+        """Wrap a loaded model; ``load`` is the usual way in. ``prenorm``: the final state is the final
+        norm's input (the last layer's raw output) instead of its output."""
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.packed = packed
+        self.prenorm = prenorm
         config = self.model.config.get_text_config()
         self.num_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)
@@ -187,7 +189,10 @@ class TransformersBackend:
         self._outputs: dict[object, torch.Tensor] = {}
         for k in self.layers:
             self.parts.layers[k].register_forward_hook(self._keep(k))
-        self.parts.norm.register_forward_hook(self._keep("final"))
+        if prenorm:
+            self.parts.norm.register_forward_pre_hook(lambda _module, args: self._outputs.__setitem__("final", args[0]))
+        else:
+            self.parts.norm.register_forward_hook(self._keep("final"))
         self.compiled = False
         self._cold: set[bool] = set()  # layouts (packed or not) not yet traced since compiling
         self.set_compiled(compiled)
@@ -270,6 +275,7 @@ class TransformersBackend:
         tensor: int = 1,
         expert: int = 1,
         quantized_compute: str | None = None,
+        prenorm: bool = False,
     ) -> TransformersBackend:
         """Load the model onto ``device``; with ``tensor`` > 1 this process is one rank of an
         initialised torch.distributed group and holds its share (transformers' TP/EP plans).
@@ -316,7 +322,7 @@ class TransformersBackend:
             from hsx.capture.quantized import fp8
 
             log.warning("checkpoint: %s", fp8.install(model))
-        return cls(model, layers, packed, compiled)
+        return cls(model, layers, packed, compiled, prenorm)
 
     def _keep(self, key):
         def hook(_module, _inputs, output):
@@ -385,8 +391,8 @@ class TransformersBackend:
         lengths = [len(s) for s in sequences]
         self._outputs.clear()
         self.forward(self.inputs(sequences))
-        aux = torch.cat([self._outputs[k] for k in self.layers], dim=-1)
         final = self._outputs["final"]
+        aux = torch.cat([self._outputs[k] for k in self.layers], dim=-1) if self.layers else final[..., :0]
         self._outputs.clear()
         if self.packed:
             rows, offsets = [0] * len(lengths), np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
@@ -394,5 +400,7 @@ class TransformersBackend:
             rows, offsets = list(range(len(lengths))), [0] * len(lengths)
         batch = CapturedBatch(list(sample_ids), lengths, aux, final, rows, offsets)
         if checks is not None:
-            batch.fidelity = fidelity.measure(self.head, final, rows, offsets, sequences, checks)
+            batch.fidelity = fidelity.measure(
+                self.head, final, rows, offsets, sequences, checks, normed=not self.prenorm
+            )
         return batch

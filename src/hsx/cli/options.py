@@ -21,18 +21,25 @@ from typing import Annotated, Any, Literal, get_origin, get_type_hints
 import typer
 
 from hsx.bounds import Bound, Bounds
+from hsx.drafts import DRAFT_TYPES, check_preset
+from hsx.errors import OptionError
 from hsx.extract.options import AT_LEAST_ONE, DEFAULTS, EXTRACT
 from hsx.generate.toolcalls import PARSERS
 from hsx.job.options import FLAG_NAMES, NOT_FLAGS, template_kwargs
 
 
-def layer_ids(value: str | None) -> list[int] | None:
+def layer_ids(value: str | None) -> list[int] | str | None:
+    """Explicit hsx layer ids, or a draft preset's name (``hsx.drafts``: resolved against the model)."""
     if value is None:
         return None
     try:
         return [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
-        raise typer.BadParameter(f"--layers takes comma-separated integers, got {value!r}") from None
+        pass
+    try:
+        return check_preset(value)
+    except OptionError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,15 @@ FLAGS = {
         str,
         template_kwargs,
     ),
-    "layers": Flag("hsx layer ids, e.g. 1,15,28.", "IDS", "EAGLE-3's: 1, N/2-1, N-4", str, layer_ids),
+    "layers": Flag(
+        "hsx layer ids, e.g. 1,15,28, or a draft preset: eagle3, dflash[:N] (N taps by DFlash's formula), "
+        "mtp (none: the final state alone).",
+        "IDS|PRESET",
+        "eagle3: 1, N/2-1, N-4",
+        str,
+        layer_ids,
+    ),
+    "final_state": Flag("The final state stored before or after the final norm (new run).", default="post"),
     "max_length": Flag("Truncate samples to this many tokens."),
     "batch_tokens": Flag("Padded tokens per forward pass."),
     "dtype": Flag("Model dtype."),
@@ -190,7 +205,7 @@ RUN = Bounds(
     target_vocab=AT_LEAST_ONE,
     fidelity_files=AT_LEAST_ONE,
 )
-TO = Bounds(to=Bound(choices=("specforge", "speculators", "modelopt")))
+TO = Bounds(to=Bound(choices=("specforge", "speculators", "modelopt")), draft=Bound(choices=DRAFT_TYPES))
 BENCH = Bounds(
     samples=AT_LEAST_ONE,
     mean_len=AT_LEAST_ONE,

@@ -19,6 +19,7 @@ from hsx.cli.options import (
     RunFolder,
     TargetVocab,
     Threads,
+    layer_ids,
 )
 from hsx.cli.output import checklist, failures, log, print_summary
 
@@ -84,6 +85,13 @@ def export(
     out: RunFolder,
     dest: Annotated[Path, typer.Argument(help="Export folder (created; rerun the same command to resume).")],
     to: Annotated[str, TO.option("to", "--to", help="The trainer's format.")],
+    draft: Annotated[str, TO.option("draft", "--draft", help="The draft type its trainer trains.")] = "eagle3",
+    taps: Annotated[
+        str | None,
+        typer.Option(
+            metavar="IDS", help="The run's taps to export, hsx ids, e.g. 1,9,17.", show_default="the draft type's"
+        ),
+    ] = None,
     model: MovedModel = None,
     prenorm: Annotated[
         bool, typer.Option("--prenorm", help="modelopt: export the pre-norm final state (flagged).")
@@ -98,7 +106,10 @@ def export(
     """Write OUT's samples in a trainer's own format, verifying each source file; resumable."""
     from hsx.export import ExportOptions, run_export
 
-    opts = ExportOptions(out, dest, to, model, prenorm, allow_incomplete, draft_vocab, target_vocab, pace)
+    ids = layer_ids(taps)
+    if isinstance(ids, str):
+        raise typer.BadParameter(f"takes hsx layer ids, not the preset {ids!r}", param_hint="--taps")
+    opts = ExportOptions(out, dest, to, model, prenorm, allow_incomplete, draft_vocab, target_vocab, pace, draft, ids)
     with failures(lambda: f"every file exported so far is complete and kept; continue with: {opts.command()}"):
         print_summary(run_export(opts, log=log))
 

@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from hsx import target
+from hsx import drafts, target
 from hsx.errors import InputError, OptionError, PlanError
 from hsx.extract import backends
 from hsx.extract.follow import follow
@@ -33,8 +33,9 @@ from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
 
 
-def asked(opts: ExtractOptions) -> dict:
-    """What the operator gave on the command line, in the spec's terms (for the drift check)."""
+def asked(opts: ExtractOptions, num_layers: int) -> dict:
+    """What the operator gave on the command line, in the spec's terms (for the drift check);
+    ``num_layers``: the run's model's, which a draft preset's taps depend on."""
     out: dict = {}
     if opts.model is not None:
         model_dir = target.resolve(opts.model)
@@ -43,9 +44,13 @@ def asked(opts: ExtractOptions) -> dict:
     if opts.data:
         out["data"] = data_files(opts.data, opts.split, opts.limit, opts.column, opts.out)
     out |= opts.rows_asked()
-    keys = ("layers", "max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute")
+    keys = ("max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute")
     for key in (*keys, "template_kwargs", "fidelity_stride"):
         out[key] = getattr(opts, key)
+    if opts.layers is not None:  # a preset is resolved against the run's model
+        out["layers"] = drafts.resolve(opts.layers, num_layers).ids
+    if opts.final_state is not None:
+        out["final_norm"] = opts.final_state
     if opts.dtype not in (None, "auto"):
         out["dtype"] = opts.dtype
     if opts.tensor_parallel is not None or opts.expert_parallel is not None:
@@ -100,7 +105,7 @@ def write_rejects(run: Path, rejects: list) -> None:
 
 def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     """A new run: read and tokenize the data into the frozen plan, write the rejects, then the spec."""
-    from hsx.capture import check_layers, default_layers
+    from hsx.capture import check_layers
     from hsx.capture.transformers import resolve_dtype
 
     require_start(opts)
@@ -111,13 +116,16 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     model_dir = target.resolve(opts.model)
     tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
     model = target.identity(opts.model, model_dir)
-    layers = opts.layers if opts.layers is not None else default_layers(model.num_layers)
-    check_layers(layers, model.num_layers)
+    taps = drafts.resolve(opts.layers, model.num_layers)
+    check_layers(taps.ids, model.num_layers)
     device = opts.resources().device
     dtype = resolve_dtype(given(opts, "dtype"), device)
     packed = resolve_packing(opts.packing, device, target.load_config(model_dir), dtype, log)
     backend = opts.backend or "transformers"
-    final_state = backends.backend(backend).final_state(model_dir)  # vLLM refuses a final norm it cannot apply
+    final_norm = given(opts, "final_state")
+    if backend != "transformers" and not taps.ids:
+        raise OptionError(f"--layers {opts.layers}: the {backend} backend captures at least one tap")
+    final_state = backends.backend(backend).final_state(model_dir, final_norm)  # vLLM: a norm it can apply
     compiled = resolve_compile(opts.compile, device, backend)
     parallel = resolve_parallel(opts.tensor_parallel, opts.expert_parallel, target.load_config(model_dir), backend)
     compute = resolve_quantized_compute(opts.quantized_compute, model_dir, device, dtype, parallel, log)
@@ -154,9 +162,11 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         created_by=who(),
         backend=backend,
         final_state=final_state,
+        final_norm=final_norm,
         model=model,
         tokenizer=target.tokenizer_identity(tokenizer),
-        layers=layers,
+        layers=taps.ids,
+        layers_formula=taps.formula,
         dtype=dtype,
         max_length=max_length,
         batch_tokens=given(opts, "batch_tokens"),
@@ -224,5 +234,5 @@ def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     if not (opts.out / layout.SPEC).exists():
         return create_run(opts, log)
     spec = load_spec(opts.out)
-    refuse_drift(opts, differences(spec, asked(opts)))
+    refuse_drift(opts, differences(spec, asked(opts, spec.model.num_layers)))
     return session_limits(opts, follow(opts.out, spec, log), log)

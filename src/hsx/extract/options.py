@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import ClassVar, Literal, get_args
 
 from hsx.bounds import Bound, Bounds
+from hsx.drafts import check_preset
 from hsx.errors import OptionError
 from hsx.extract.backends import BACKENDS, Resources
 from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm, default_device
 from hsx.spec import Parallel
 from hsx.store.codec import DEFAULT_CODEC, Codec
+from hsx.store.format import FinalStateNorm
 
 Toggle = Literal["auto", "on", "off"]
 DEFAULTS = {
@@ -30,6 +32,7 @@ DEFAULTS = {
     "fidelity_stride": 8,
     "fidelity_floor": 0.98,
     "fidelity_drop": 0.5,
+    "final_state": "post",
 }
 EXTRACT = Bounds(
     **JOB.bounds,
@@ -47,6 +50,7 @@ EXTRACT = Bounds(
     fidelity_stride=AT_LEAST_ONE,
     fidelity_floor=Bound(min=0.0, max=1.0),
     fidelity_drop=Bound(min=0.0, max=1.0),
+    final_state=Bound(choices=get_args(FinalStateNorm)),
 )
 
 
@@ -56,7 +60,8 @@ class ExtractOptions(JobOptions):
     UNIT: ClassVar[str] = "samples"
     BOUNDS: ClassVar[Bounds] = EXTRACT
 
-    layers: list[int] | None = None
+    layers: list[int] | str | None = None  # hsx layer ids, or a draft preset (hsx.drafts: eagle3, dflash:N, mtp)
+    final_state: FinalStateNorm | None = None  # the final state stored post-norm (a new run's default) or pre-norm
     batch_tokens: int | None = None
     writers: int = 8
     max_inflight_bytes: int = 4 << 30
@@ -83,6 +88,10 @@ class ExtractOptions(JobOptions):
             check_device(self.device)
         if self.backend == "vllm":
             check_vllm("--backend vllm")
+        if isinstance(self.layers, str):
+            check_preset(self.layers)
+        elif self.layers is not None and not self.layers:
+            raise OptionError("--layers names no layer: give ids, or the preset mtp for the final state alone")
         seen: dict[Path, Path] = {}
         for path in map(Path, self.data):
             first = seen.setdefault(path.resolve(), path)

@@ -32,7 +32,7 @@ from hsx.progress import Progress
 from hsx.spec import RunSpec
 from hsx.staging import HostBatch, Staging, staging_for
 from hsx.store.codec import Codec
-from hsx.store.format import FINAL_STATE, SampleTensors
+from hsx.store.format import FINAL_STATES, FinalStateNorm, SampleTensors
 from hsx.store.scan import ShardScan
 from hsx.store.writer import FileRecord, SampleWriter, seal
 
@@ -52,6 +52,7 @@ def open_backend(spec: RunSpec, model_dir: Path, device: str) -> TransformersBac
         p.tensor,
         p.expert,
         spec.quantized_compute or "dequantized",
+        spec.final_norm == "pre",
     )
 
 
@@ -98,7 +99,13 @@ class Extractor:
         if self.staging.encodes not in (Codec.RAW, spec.codec):
             raise ValueError(f"a staging ring that encodes {self.staging.encodes} cannot serve a {spec.codec} run")
         self.writer = SampleWriter(
-            run, spec.shard_size, spec.layers, resources.writers, resources.max_inflight_bytes, codec=spec.codec
+            run,
+            spec.shard_size,
+            spec.layers,
+            resources.writers,
+            resources.max_inflight_bytes,
+            codec=spec.codec,
+            final=spec.final_norm,
         )
         # queued bytes not yet on disk count against free space
         # the codec's ratio from the files this session writes (and a resume's, in ``forecast``)
@@ -209,9 +216,10 @@ class Extractor:
         self.writer.sync()
 
 
-def final_state(model_dir: Path) -> str:
-    """The transformers backend's final state: ``last_hidden_state``, after the model's own norm."""
-    return FINAL_STATE
+def final_state(model_dir: Path, norm: FinalStateNorm) -> str:
+    """The transformers backend's final state: ``last_hidden_state``, after the model's own norm, or
+    the norm's input (the last layer's raw output)."""
+    return FINAL_STATES[norm]
 
 
 def run(session: Session, todo: Iterable[ShardScan]) -> None:

@@ -114,7 +114,7 @@ def command_line(verb: str, opts) -> str:
         if value is True or f.name == "deep_verify":  # flags take no value (--fast-verify: deep_verify off)
             args.append(flag)
         elif f.name == "layers":
-            args += [flag, ",".join(map(str, value))]
+            args += [flag, ",".join(map(str, value)) if isinstance(value, list) else value]  # ids or a preset
         elif isinstance(value, dict):
             args += [flag, json.dumps(value)]
         elif isinstance(value, list):

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from hsx.store import layout
 from hsx.store.codec import Codec, Encoded, encode_early, prepare
 from hsx.store.durable import fsync_dir, write_durable, write_parts
-from hsx.store.format import Figure, SampleTensors, encode
+from hsx.store.format import Figure, FinalStateNorm, SampleTensors, encode
 
 if TYPE_CHECKING:
     import torch
@@ -57,11 +57,14 @@ class SampleWriter:
         max_inflight_bytes: int = 1 << 30,
         codec: Codec = Codec.RAW,
         encoders: int | None = None,
+        final: FinalStateNorm = "post",
     ):
-        """``encoders``: threads that encode states on the host [one per core this process may use]."""
+        """``encoders``: threads that encode states on the host [one per core this process may use];
+        ``final``: the norm of the final state, as each file labels it."""
         self.run = run
         self.shard_size = shard_size
         self.layers = list(layers)
+        self.final = final
         self.codec = Codec(codec)
         self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hsx-write")
@@ -152,12 +155,13 @@ class SampleWriter:
             self.inflight -= n
             self.cond.notify_all()
 
-    def _encode(self, t: torch.Tensor, groups: int, ready: Callable[[], None] | None) -> Encoded:
+    def _encode(self, t: torch.Tensor, groups: int, ready: Callable[[], None] | None) -> Encoded | torch.Tensor:
+        """State ``t`` encoded; the empty aux state of a run without taps as it is (never stored)."""
         if ready is not None:
             ready()
         if self.error is not None:
             raise self.error
-        return encode_early(self.codec, t, groups)
+        return encode_early(self.codec, t, groups) if groups else t
 
     def _write(
         self,
@@ -178,7 +182,7 @@ class SampleWriter:
                     free()
             if self.error is not None:
                 raise self.error
-            parts, digest = encode(sample, self.layers, self.codec)
+            parts, digest = encode(sample, self.layers, self.codec, self.final)
             return self._store(sample.sample_id, parts, digest, sample.fidelity)
         except BaseException as e:
             self._fail(e)
