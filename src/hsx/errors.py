@@ -17,7 +17,9 @@
     │   ├── RepairRefused          verify --repair on a run an extractor is writing
     │   ├── NormUnavailable        the final norm cannot be read or inverted from the checkpoint
     │   ├── ExportRefused          the export cannot go on as asked
-    │   └── VocabError             the draft vocabulary cannot be built as asked
+    │   ├── VocabError             the draft vocabulary cannot be built as asked
+    │   └── ConsumerRefused        a trainer's stream cannot start or resume as asked (a step it never
+    │                              acknowledged, its rank held by a live process, other parameters)
     ├── CleanStop                the volume filled; stopped cleanly, resumable once space is freed (exit 3)
     ├── EngineUnavailable        the generation servers stopped answering; stopped cleanly, resumable (exit 2)
     ├── DiskFull (also OSError)  ENOSPC or the reserve reached while writing one file (the store's signal)
@@ -126,6 +128,10 @@ class ExportRefused(Refused):
 
 
 class VocabError(Refused):
+    pass
+
+
+class ConsumerRefused(Refused):
     pass
 
 

@@ -1,0 +1,164 @@
+"""hsx.consumer and hsx.data.StreamDataset: a trainer reads a run's verified samples as they land,
+leases and acknowledges them under its name, and continues exactly where its checkpoint stood."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import HANG_GUARD_S, flip_byte
+from hsx.consumer import RankRecord, folder, inspect, read_acks
+from hsx.data import HsxDataset, StreamDataset, collate_packed, stream_batches
+from hsx.errors import ConsumerRefused
+from hsx.plan import Plan
+
+BUDGET = 300  # tokens a batch: the 40 samples make 13 batches
+
+
+def stream(run: Path, name: str = "draft", **kw) -> StreamDataset:
+    return StreamDataset(run, name, max_tokens=BUDGET, seed=7, poll=0.01, log=kw.pop("log", lambda _: None), **kw)
+
+
+def consume(ds: StreamDataset, steps: int | None = None, first: int = 1) -> list[list[int]]:
+    """Train ``steps`` batches (all by default), acknowledging each at its step; the ids of each."""
+    out = []
+    for step, batch in enumerate(ds, first):
+        out.append(batch["sample_ids"].tolist())
+        assert ds.ack(step) == out[-1]
+        if len(out) == steps:
+            break
+    return out
+
+
+@pytest.fixture
+def run(finished_run, tmp_path) -> Path:
+    shutil.copytree(finished_run, tmp_path / "run", ignore=shutil.ignore_patterns("consumers"))
+    return tmp_path / "run"
+
+
+def test_stream_serves_the_datasets_tensors_once_each_in_its_sequence_to_disjoint_ranks(run):
+    plan = Plan(run)
+    order = stream_batches(plan.lengths, 10, BUDGET, False, seed=7)
+    assert sorted(i for b in order for i in b) == list(range(40))
+    assert [min(b) // 10 for b in order] == sorted(min(b) // 10 for b in order)  # shard by shard
+    assert [[min(b) // 10] * len(b) for b in order] == [[i // 10 for i in b] for b in order]  # never across shards
+    offline = HsxDataset(run, verify=True)
+    with stream(run, collate=collate_packed) as ds:
+        assert len(ds) == len(order)
+        for step, batch in enumerate(ds, 1):
+            ids = batch["sample_ids"].tolist()
+            assert ids == order[step - 1]
+            assert ds.ack(step) == ids
+            want = collate_packed([offline[i] for i in ids])
+            assert want.keys() == batch.keys()
+            assert all(torch.equal(want[k], batch[k]) for k in want)
+    acks = read_acks(folder(run, "draft") / "acks-000000.jsonl")[0]
+    assert [a.ids for a in acks] == order and [a.step for a in acks] == list(range(1, len(order) + 1))
+    # two ranks of another consumer: disjoint, every sample once, each its every other batch
+    ranks = [stream(run, "pair", rank=r, ranks=2) for r in (0, 1)]
+    got = [consume(ds) for ds in ranks]
+    assert got == [order[0::2], order[1::2]]
+    for ds in ranks:
+        ds.close()
+    views = {v.name: v for v in inspect(run)}
+    assert views["draft"].acknowledged == views["pair"].acknowledged == set(range(40))
+    assert views["pair"].step == len(order) // 2
+
+
+def test_a_restart_continues_right_after_its_checkpoints_step_and_refuses_any_other(run):
+    lines: list[str] = []
+    ds = stream(run, log=lines.append)
+    first = consume(ds, 5)
+    ds.checkpointed(3)
+    next(iter(ds))  # a sixth batch handed out, never acknowledged: leased
+    assert inspect(run)[0].leased == set(ds.batches[5])
+    ds.close()
+    with pytest.raises(ConsumerRefused, match=r"never acknowledged step 6 \(acknowledged near it: 3, 4, 5\)"):
+        stream(run, resume_step=6)
+    with pytest.raises(ConsumerRefused, match="acknowledged steps up to 5: pass resume_step"):
+        stream(run)
+    with pytest.raises(ConsumerRefused, match=r"other parameters \(seed: 7 recorded, 8 asked\)"):
+        StreamDataset(run, "draft", max_tokens=BUDGET, seed=8, resume_step=3)
+    ds = stream(run, resume_step=3, log=lines.append)
+    assert "steps 4..5 are rolled back (" in lines[-1] and lines[-1].endswith("samples are trained again)")
+    rest = consume(ds, first=4)
+    ds.close()
+    assert first[:3] + rest == ds.batches  # nothing acknowledged twice, nothing leased lost
+    acks = read_acks(folder(run, "draft") / "acks-000000.jsonl")[0]
+    assert [a.ids for a in acks] == ds.batches and [a.step for a in acks] == list(range(1, 14))
+
+
+def test_a_torn_acknowledgement_is_no_acknowledgement_and_is_cut_off(run):
+    ds = stream(run)
+    consume(ds, 2)
+    ds.close()
+    log = folder(run, "draft") / "acks-000000.jsonl"
+    whole = log.read_bytes()
+    log.write_bytes(whole + b'{"step": 3, "batches": 3, "ids": [1')  # a crash in the middle of the append
+    with pytest.raises(ConsumerRefused, match="never acknowledged step 3"):
+        stream(run, resume_step=3)
+    ds = stream(run, resume_step=2)
+    assert log.read_bytes() == whole and ds.position == 2
+    ds.close()
+
+
+def test_a_bad_file_is_waited_for_and_named_never_skipped(run):
+    lines: list[str] = []
+    ds = stream(run, log=lines.append)
+    victim = ds.batches[0][0]
+    path = run / "shards" / "000000" / f"{victim:09d}.safetensors"
+    good = path.read_bytes()
+    flip_byte(path, -3)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(next, iter(ds))
+        try:
+            deadline = time.monotonic() + HANG_GUARD_S
+            while not any(f"sample {victim}" in line and "corrupt" in line for line in lines):
+                assert time.monotonic() < deadline, "the damaged file was never named"
+                time.sleep(0.01)
+            while (
+                waits := inspect(run)[0].ranks[0].record
+            ).waiting_for is None:  # the head of the batch may be read first
+                assert time.monotonic() < deadline, "the rank's record never said what it waits for"
+                time.sleep(0.01)
+            assert not first.done() and waits.waiting_for == victim and "corrupt" in waits.waiting_why
+        finally:
+            path.write_bytes(good)  # what hsx extract's repair writes back
+        assert first.result()["sample_ids"].tolist() == ds.batches[0]
+    ds.close()
+
+
+def test_a_rank_held_elsewhere_is_taken_over_after_the_lease_timeout_and_its_leases_return(run):
+    ds = stream(run)
+    consume(ds, 2)
+    ds.close()
+    record = folder(run, "draft") / "rank-000000.json"
+    now = time.time()
+    other = RankRecord(
+        host="elsewhere", pid=1, pid_started=0, started=now, heartbeat=now, consumer="draft", leased=[1, 2]
+    )
+    record.write_text(other.model_dump_json())
+    lines: list[str] = []
+    ds = stream(run, resume_step=2, lease_timeout=0.5, log=lines.append)
+    assert time.time() >= now + 0.5  # not before its heartbeat aged past the timeout
+    assert lines[0].startswith("rank 0 of consumer draft: held by pid 1 on elsewhere, heartbeat ")
+    assert lines[0].endswith("; waiting until it is 0.5s old (the lease timeout)")
+    assert "2 samples leased by pid 1 on elsewhere" in lines[-1] and lines[-1].endswith("after the lease timeout")
+    with pytest.raises(ConsumerRefused, match=rf"held by pid {os.getpid()} on {socket.gethostname()}"):
+        stream(run, resume_step=2)  # alive on this host: refused at once
+    ds.close()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid of this host that no longer lives
+    dead = other.model_copy(update={"host": socket.gethostname(), "pid": gone.pid, "heartbeat": time.time()})
+    record.write_text(dead.model_dump_json())
+    ds = stream(run, resume_step=2, log=lines.append)  # no wait: the lease timeout is the default
+    assert lines[-1].endswith("return to the stream as its process is gone") and f"pid {gone.pid}" in lines[-1]
+    ds.close()
