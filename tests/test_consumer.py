@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from conftest import HANG_GUARD_S, flip_byte
+from conftest import HANG_GUARD_S, conversations, extract_args, flip_byte, kill_after_new_files, write_jsonl
+from hsx.assess.status import assess
 from hsx.consumer import RankRecord, folder, inspect, read_acks
 from hsx.data import HsxDataset, StreamDataset, collate_packed, stream_batches
 from hsx.errors import ConsumerRefused
@@ -162,3 +167,82 @@ def test_a_rank_held_elsewhere_is_taken_over_after_the_lease_timeout_and_its_lea
     ds = stream(run, resume_step=2, log=lines.append)  # no wait: the lease timeout is the default
     assert lines[-1].endswith("return to the stream as its process is gone") and f"pid {gone.pid}" in lines[-1]
     ds.close()
+
+
+# ---------------------------------------------------------------- real faults: both sides killed -9, in both orders
+
+TRAINER = Path(__file__).with_name("stream_trainer.py")
+
+
+class Trainer:
+    """``stream_trainer.py`` in a process of its own, its ``acked STEP`` lines read as they come."""
+
+    def __init__(self, run: Path, ckpt: Path, name: str):
+        env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, str(TRAINER), str(run), str(ckpt), name]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    def acked(self) -> int:
+        return sum(line.startswith("acked ") for line in list(self.lines))
+
+    def kill_after(self, acks: int) -> None:
+        """SIGKILL once it acknowledged ``acks`` steps (a progress point, never a clock)."""
+        deadline = time.monotonic() + HANG_GUARD_S
+        while self.acked() < acks:
+            assert self.proc.poll() is None, f"the trainer ended before {acks} steps: {''.join(self.lines)}"
+            assert time.monotonic() < deadline, f"no step for {HANG_GUARD_S}s: {''.join(self.lines)}"
+            time.sleep(0.005)
+        self.proc.kill()
+        self.proc.wait(timeout=HANG_GUARD_S)
+
+    def finish(self) -> str:
+        self.proc.wait(timeout=HANG_GUARD_S)
+        self.reader.join()
+        out = "".join(self.lines)
+        assert self.proc.returncode == 0 and out.endswith("done\n"), out
+        return out
+
+
+def test_trainer_and_extractor_killed_9_in_both_orders_train_the_sequence_of_an_uninterrupted_stream(
+    tmp_path, finished_run
+):
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40))
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    ckpt.mkdir()
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+    def extractor(*args) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "hsx", *map(str, args)]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    producer = extractor(*extract_args(data, out))
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (out / "shards" / "000000" / "SEALED").exists():  # the stream's first shard is whole
+        assert producer.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    producer.send_signal(signal.SIGSTOP)  # held mid-run while the consumer catches up (no race with its end)
+    trainer = Trainer(out, ckpt, "draft")
+    trainer.kill_after(1)  # the consumer first, mid-stream
+    producer.send_signal(signal.SIGCONT)
+    kill_after_new_files(producer, out, 3, seed=1)  # then the producer, mid-batch
+    producer, trainer = extractor("extract", "--out", out), Trainer(out, ckpt, "draft")
+    kill_after_new_files(producer, out, 3, seed=2)  # the producer first
+    trainer.kill_after(1)  # then the consumer
+    producer, trainer = extractor("extract", "--out", out), Trainer(out, ckpt, "draft")
+    assert producer.wait(timeout=HANG_GUARD_S) == 0
+    trainer.finish()
+    # the reference: an uninterrupted stream of the same seed over the finished run, in this process
+    with StreamDataset(finished_run, "reference", max_tokens=BUDGET, seed=7, log=lambda _: None) as ref:
+        sequence = [i for b in consume(ref) for i in b]
+    shutil.rmtree(finished_run / "consumers" / "reference")
+    trained = load_file(ckpt / "final.safetensors")["trained"].tolist()
+    assert trained == sequence and sorted(trained) == list(range(40))
+    acks = read_acks(folder(out, "draft") / "acks-000000.jsonl")[0]
+    assert [i for a in acks for i in a.ids] == sequence and [a.step for a in acks] == list(range(1, len(acks) + 1))
+    report = assess(out)
+    line = report.get("consumers")
+    assert report.exit_code == 0 and line.level == "ok"
+    assert line.details[0].startswith(f"draft: finished, 40/40 acknowledged through step {len(acks)}, 0 leased")

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from hsx.assess import gpus, integrity, model, pace, runspec, tally, volume, workers
+from hsx.assess import consumers, gpus, integrity, model, pace, runspec, tally, volume, workers
 from hsx.assess.checks import Check, exit_code, skipped
 from hsx.errors import Exit, SpecError
 from hsx.generate.spec import GenerateSpec
@@ -23,7 +23,17 @@ from hsx.spec import RunSpec, model_location, same_place
 from hsx.store import layout
 from hsx.telemetry import read_history
 
-ORDER = ("gpus", "volume", "progress", "pace", "integrity", "model", "capture", "spec", "workers")
+ORDER = (
+    "gpus",
+    "volume",
+    "progress",
+    "pace",
+    "integrity",
+    "model",
+    "capture",
+    "spec",
+    "workers",
+)  # then consumers, if any
 VERDICTS = {Exit.OK: "ok", Exit.REDO: "redo", Exit.ACT: "act"}
 STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 
@@ -101,6 +111,7 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
     launcher = worker.group.launcher if worker.group is not None and worker.group.launcher_alive() else None
     checks["gpus"] = gpus.check(worker.pid if local else None, launcher)  # its own GPU use is not foreign
     t = None
+    readers = None  # the consumers line: only for a run a trainer reads
     if spec is None:
         for name in ("volume", "progress", "pace", "integrity", "model", "capture"):
             checks[name] = skipped(name, "no readable run spec")
@@ -108,6 +119,7 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         result = integrity.inspect(run, spec, deep, worker.alive, threads)
         t = tally.tally(result.scans, spec.plan.num_samples, spec.plan.num_tokens, plan.lengths if plan else None)
         checks["integrity"] = integrity.check(result, command=command)
+        readers = consumers.check(run, result.scans, spec.plan.num_samples, spec.shard_size)
         checks["progress"] = tally.check(t, command)
         if isinstance(spec, GenerateSpec):
             _outcomes(checks["progress"], run, spec)
@@ -129,7 +141,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
             checks["model"] = model.check_model(spec, model_dir, where, same_place(where, recorded))
         generated = isinstance(spec, GenerateSpec)
         checks["capture"] = model.check_engine(spec) if generated else model.check_capture(spec, model_dir, deep)
-    report = Report(run, [checks[n] for n in ORDER], generate=isinstance(spec, GenerateSpec))
+    listed = [checks[n] for n in ORDER] + ([readers] if readers is not None else [])
+    report = Report(run, listed, generate=isinstance(spec, GenerateSpec))
     _next_steps(report, t, given_model)
     return report
 
