@@ -3,6 +3,7 @@ leases and acknowledges them under its name, and continues exactly where its che
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -18,7 +19,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import HANG_GUARD_S, conversations, extract_args, flip_byte, kill_after_new_files, write_jsonl
+from conftest import (
+    HANG_GUARD_S,
+    TINY,
+    conversations,
+    extract_args,
+    flip_byte,
+    kill_after_new_files,
+    require,
+    write_jsonl,
+)
 from hsx.assess.status import assess
 from hsx.consumer import RankRecord, folder, inspect, read_acks
 from hsx.data import HsxDataset, StreamDataset, collate_packed, stream_batches
@@ -209,7 +219,7 @@ class Trainer:
 def test_trainer_and_extractor_killed_9_in_both_orders_train_the_sequence_of_an_uninterrupted_stream(
     tmp_path, finished_run
 ):
-    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40))
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40, start=40))  # finished_run's 40 are held out
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     ckpt.mkdir()
     env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -234,11 +244,11 @@ def test_trainer_and_extractor_killed_9_in_both_orders_train_the_sequence_of_an_
     producer, trainer = extractor("extract", "--out", out), Trainer(out, ckpt, "draft")
     assert producer.wait(timeout=HANG_GUARD_S) == 0
     trainer.finish()
-    # the reference: an uninterrupted stream of the same seed over the finished run, in this process
-    with StreamDataset(finished_run, "reference", max_tokens=BUDGET, seed=7, log=lambda _: None) as ref:
+    # the reference: an uninterrupted stream of the same seed over the run, once it is done
+    with StreamDataset(out, "reference", max_tokens=BUDGET, seed=7, log=lambda _: None) as ref:
         sequence = [i for b in consume(ref) for i in b]
-    shutil.rmtree(finished_run / "consumers" / "reference")
-    trained = load_file(ckpt / "final.safetensors")["trained"].tolist()
+    final = load_file(ckpt / "final.safetensors")
+    trained = final["trained"].tolist()
     assert trained == sequence and sorted(trained) == list(range(40))
     acks = read_acks(folder(out, "draft") / "acks-000000.jsonl")[0]
     assert [i for a in acks for i in a.ids] == sequence and [a.step for a in acks] == list(range(1, len(acks) + 1))
@@ -246,3 +256,112 @@ def test_trainer_and_extractor_killed_9_in_both_orders_train_the_sequence_of_an_
     line = report.get("consumers")
     assert report.exit_code == 0 and line.level == "ok"
     assert line.details[0].startswith(f"draft: finished, 40/40 acknowledged through step {len(acks)}, 0 leased")
+    # what it learned is in the states: on held-out samples it beats the same head fed shuffled states
+    head = torch.nn.Linear(final["weight"].shape[1], final["weight"].shape[0])
+    head.load_state_dict({"weight": final["weight"], "bias": final["bias"]})
+    g = torch.Generator().manual_seed(0)
+    hits = {"real": [0, 0], "shuffled": [0, 0]}
+    held_out = HsxDataset(finished_run)
+    with torch.no_grad():
+        for i in range(len(held_out)):
+            s = held_out[i]
+            x, y, mask = s["aux_hidden_states"][:-1].float(), s["input_ids"][1:], s["loss_mask"][1:].bool()
+            for kind, states in (("real", x), ("shuffled", x[torch.randperm(len(x), generator=g)])):
+                hits[kind][0] += int((head(states).argmax(-1)[mask] == y[mask]).sum())
+                hits[kind][1] += int(mask.sum())
+    real, control = (hits[k][0] / hits[k][1] for k in ("real", "shuffled"))
+    assert real > 2 * control, (real, control)
+
+
+# ---------------------------------------------------------------- a real trainer's own loop
+
+
+def test_speculators_trains_an_eagle3_draft_in_its_own_loop_on_a_live_run(tmp_path, finished_run, monkeypatch):
+    """speculators' ``Trainer`` (its loop, optimizer, checkpointer, logged metrics) reads a run being
+    extracted through ``StreamDataset`` with speculators' own ``CollateFn``; it acknowledges each
+    optimizer step through its ``step_callback`` and declares each checkpoint it saves. Shims, for
+    a CPU only: the device (``get_local_rank``, no accelerator to synchronize) and the eager loss.
+    The bundled model's final norm has unit weight, so its post-norm state is its norm's own fixed
+    point: speculators' ``verifier_norm`` of it gives the target's lm_head input back (checked).
+    (Held-out accuracy against a control is the plain loop's, in the fault test above: a few steps
+    of this trainer on a CPU learn no more than the tokens' frequencies.)"""
+    require("speculators")
+    import speculators.train.trainer as sp
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+    from torch.utils.data import DataLoader
+    from transformers import AutoConfig
+
+    monkeypatch.setattr(sp, "get_local_rank", lambda: "cpu")
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(20, start=40))
+    out = tmp_path / "run"
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    producer = subprocess.Popen([sys.executable, "-m", "hsx", *map(str, extract_args(data, out))], env=env)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (out / "hsx.json").exists():
+        assert producer.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    collate = CollateFn(512, 64, num_target_layers=3, dtype=torch.float32, preprocess=shift_batch)
+
+    def batch(samples: list[dict]) -> dict:
+        """speculators' samples (as its BaseDataset gives them) from hsx's."""
+        return collate(
+            [
+                {
+                    "hidden_states": s["aux_hidden_states"],
+                    "verifier_last_hidden_states": s["hidden_states"],
+                    "input_ids": s["input_ids"],
+                    "loss_mask": s["loss_mask"],
+                    "lengths": torch.tensor([len(s["input_ids"])]),
+                    "position_ids": torch.arange(len(s["input_ids"])),
+                }
+                for s in samples
+            ]
+        )
+
+    tiny = AutoConfig.from_pretrained(TINY)
+    torch.manual_seed(0)
+    model = Eagle3DraftModel.from_training_args(
+        tiny, verifier_name_or_path=str(TINY), num_layers=1, draft_vocab_size=2048, norm_before_residual=True,
+        ttt_steps=2, target_layer_ids=[2, 4, 5], draft_attn_impl="eager",
+    )  # fmt: skip
+    train_kw, val_kw = Eagle3DraftModel.get_trainer_kwargs(
+        loss_fn="kl_div", ttt_steps=2, ttt_step_loss_decay=1.0, loss_implementation="eager"
+    )
+    stream = StreamDataset(out, "eagle3", max_tokens=512, packed=True, seed=0, collate=batch, log=lambda _: None)
+    config = sp.TrainerConfig(
+        lr=1e-2, num_epochs=1, save_path=str(tmp_path / "ckpt"), train_call_kwargs=train_kw, val_call_kwargs=val_kw,
+        hidden_states_dtype=torch.float32, scheduler_type="none", checkpoint_freq=0.25, log_freq=1,
+    )  # fmt: skip
+
+    class Streaming(sp.Trainer):
+        """Declares each checkpoint its own checkpointer saved (the one hook a stream needs)."""
+
+        def maybe_save_checkpoint(self, epoch, local_step=0):
+            super().maybe_save_checkpoint(epoch, local_step)
+            stream.checkpointed(self.global_step)
+
+    logged: list[dict] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.msg)
+    logging.getLogger("speculators.metrics").addHandler(handler)
+    logging.getLogger("speculators.metrics").setLevel(logging.INFO)
+    trainer = Streaming(model, config, DataLoader(stream, batch_size=None))
+    trainer.device_type = "cpu"
+    try:
+        trainer.train_epoch(0, step_callback=lambda: stream.ack(trainer.global_step))
+    finally:
+        logging.getLogger("speculators.metrics").removeHandler(handler)
+    stream.close()
+    assert producer.wait(timeout=HANG_GUARD_S) == 0
+    acks = read_acks(folder(out, "eagle3") / "acks-000000.jsonl")[0]
+    assert trainer.global_step == len(stream) == len(acks) and [a.step for a in acks] == list(range(1, len(acks) + 1))
+    assert [a.ids for a in acks] == stream.batches and sorted(i for a in acks for i in a.ids) == list(range(20))
+    assert 0 < inspect(out)[0].checkpoint.step < len(acks)  # a mid-stream checkpoint was declared
+    losses = [m["train"]["loss"] for m in logged]
+    assert len(losses) == len(acks) and losses[-1] < losses[0]  # its own logged steps, one per batch
+    with torch.no_grad():
+        post = HsxDataset(out)[0]["hidden_states"]
+        assert torch.allclose(model.verifier_norm(post), post, atol=1e-5)
