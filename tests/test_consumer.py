@@ -33,7 +33,9 @@ from hsx.assess.status import assess
 from hsx.consumer import RankRecord, folder, inspect, read_acks
 from hsx.data import HsxDataset, StreamDataset, collate_packed, stream_batches
 from hsx.errors import ConsumerRefused
+from hsx.extract.window import read_state
 from hsx.plan import Plan
+from hsx.spec import Window, load_spec
 
 BUDGET = 300  # tokens a batch: the 40 samples make 13 batches
 
@@ -365,3 +367,44 @@ def test_speculators_trains_an_eagle3_draft_in_its_own_loop_on_a_live_run(tmp_pa
     with torch.no_grad():
         post = HsxDataset(out)[0]["hidden_states"]
         assert torch.allclose(model.verifier_norm(post), post, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the producer's window
+
+
+def test_a_stalled_consumer_pauses_the_extraction_at_its_window_and_its_releases_let_it_go_on(tmp_path):
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40, start=40))
+    out, log = tmp_path / "run", tmp_path / "extract.log"
+    window = 300_000  # bytes: a few of the tiny model's samples (about 70 kB each), a shard is about 0.7 MB
+    cmd = [sys.executable, "-m", "hsx", *map(str, extract_args(data, out, "--window", "0.0003", "--consumer", "draft"))]
+    with open(log, "w") as err:
+        producer = subprocess.Popen(cmd, env=os.environ | {"HF_HUB_OFFLINE": "1"}, stdout=err, stderr=err)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (out / "hsx.json").exists():
+        assert producer.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)
+    assert load_spec(out).window == Window(bytes=window, consumers=["draft"])
+    ds = stream(run=out)
+    batches = iter(ds)
+    for step in (1, 2):  # two steps, each checkpointed: released
+        next(batches)
+        ds.ack(step)
+        ds.checkpointed(step)
+    # then it stalls, alive: the extraction fills the window and waits, logged and in status
+    while (state := read_state(out)) is None or state.paused_since is None:
+        assert producer.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)
+    assert "window: paused, " in log.read_text() and "not released by draft" in log.read_text()
+    written = list((out / "shards").rglob("*.safetensors"))
+    shard_bytes = max(sum(p.stat().st_size for p in d.glob("*.safetensors")) for d in (out / "shards").iterdir())
+    assert len(written) < 40 and state.held <= window + shard_bytes  # the window, and what a waiting reader got
+    line = assess(out).get("consumers")
+    assert "for draft; the extractor waits since " in line.figure, line.figure
+    for step, _ in enumerate(batches, 3):  # it goes on: each step released, the extraction follows
+        ds.ack(step)
+        ds.checkpointed(step)
+    ds.close()
+    assert producer.wait(timeout=HANG_GUARD_S) == 0, log.read_text()
+    assert "window: goes on after " in log.read_text()
+    report = assess(out)
+    assert report.exit_code == 0 and "the extractor waits" not in report.get("consumers").figure

@@ -51,6 +51,7 @@ SPEC = "consumer.json"
 CHECKPOINT = "checkpoint.json"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 LEASE_TIMEOUT = STALE_AFTER
+NOT_WRITTEN = "not written yet"  # why a rank waits for a sample whose file is not there (a producer's window goes on)
 
 
 def folder(run: Path, name: str) -> Path:

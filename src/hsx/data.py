@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
-from hsx.consumer import LEASE_TIMEOUT, ConsumerSpec, RankLease
+from hsx.consumer import LEASE_TIMEOUT, NOT_WRITTEN, ConsumerSpec, RankLease
 from hsx.errors import Damage, SampleUnavailable
 from hsx.plan import Plan, batches_for, load_plan
 from hsx.spec import RunSpec, load_spec
@@ -389,8 +389,8 @@ class StreamDataset(IterableDataset):
             try:
                 return load_sample(self.run, path, sid, True, self.keep_fp8)
             except SampleUnavailable as e:
-                why = "not written yet" if isinstance(e.__cause__, FileNotFoundError) else str(e)
-                if why != self._why.get(sid) and why != "not written yet":
+                why = NOT_WRITTEN if isinstance(e.__cause__, FileNotFoundError) else str(e)
+                if why != self._why.get(sid) and why != NOT_WRITTEN:
                     self.log(f"consumer {self.lease.spec.name}: {why}; waiting for it")
                 self._why[sid] = why
             time.sleep(self.poll)
@@ -412,7 +412,7 @@ class StreamDataset(IterableDataset):
                 samples = []
                 for sid, read in zip(ids, reads, strict=True):
                     if not read.done():
-                        self.lease.waiting(sid, self._why.get(sid, "not written yet"))
+                        self.lease.waiting(sid, self._why.get(sid, NOT_WRITTEN))
                     samples.append(read.result())
                 self.lease.waiting(None)
                 self.lease.handed(ids)

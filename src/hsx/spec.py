@@ -139,6 +139,15 @@ class PlanIdentity(BaseModel):
         )
 
 
+class Window(BaseModel):
+    """``--window``: the extraction pauses while the bytes of its samples that the named consumers
+    have not all released exceed ``bytes`` (docs/streaming.md). It changes no number, only when
+    samples are written."""
+
+    bytes: int
+    consumers: list[str]
+
+
 class Parallel(BaseModel):
     """How one model replica is laid over the devices of a node. Part of the spec, since the
     numerics depend on it: TP and EP change the order of reductions (and MoE router near-ties)."""
@@ -214,6 +223,7 @@ class RunSpec(BaseModel):
     data: list[DataFile]
     generate_spec: str | None = None  # the data is a generate run: the digest of its spec
     plan: PlanIdentity
+    window: Window | None = None  # pause while what the named consumers have not released exceeds it
 
     @property
     def bytes_per_token(self) -> int:
@@ -369,8 +379,9 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
         "codec",
         "parallel",
         "quantized_compute",
+        "window",
     ):
-        if (v := asked.get(key)) is not None and v != getattr(stored, key):
+        if (v := asked.get(key)) is not None and v != getattr(stored, key, None):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
     for key in ("split", "limit"):  # asked without --data (with it, the data's own key says it)
         if "data" in asked or (v := asked.get(key)) is None:

@@ -9,16 +9,26 @@ import time
 
 from hsx.assess.checks import Check, duration
 from hsx.consumer import ConsumerView, inspect
+from hsx.extract.window import held, read_state
 from hsx.lock import Liveness
+from hsx.spec import Window
 from hsx.store import layout
 from hsx.store.scan import ShardScan
 from hsx.units import size
 
 
-def check(run, scans: list[ShardScan], num_samples: int, shard_size: int) -> Check | None:
-    """None for a run no consumer ever read."""
+def check(
+    run,
+    scans: list[ShardScan],
+    num_samples: int,
+    shard_size: int,
+    window: Window | None = None,
+    producing: bool = False,
+) -> Check | None:
+    """None for a run no consumer ever read and no window waits for. ``producing``: an extractor
+    holds the run now (its window's pause is current)."""
     views = inspect(run)
-    if not views:
+    if not views and window is None:
         return None
     written = {sid: rec.size for s in scans for sid, rec in s.good.items()}
     details, stopped, data = [], [], {}
@@ -29,6 +39,17 @@ def check(run, scans: list[ShardScan], num_samples: int, shard_size: int) -> Che
         data[v.name] = figures
         stopped += dead
     figure = f"{len(views)} consumer{'s' if len(views) != 1 else ''}"
+    if window is not None:
+        used, behind = held(run, window, shard_size, views)
+        state = read_state(run)
+        paused = producing and state is not None and state.paused_since is not None
+        data["window"] = {"bytes": window.bytes, "held": used, "paused_since": state.paused_since if paused else None}
+        figure += f"; window {size(used)} held of {size(window.bytes)} for {', '.join(window.consumers)}"
+        if paused:
+            figure += f"; the extractor waits since {duration(now - state.paused_since)} for {', '.join(behind)}"
+        absent = [n for n in window.consumers if n not in {v.name for v in views}]
+        if absent:
+            details.append(f"{', '.join(absent)}: never started; the window waits for them")
     if stopped:
         return Check(
             "consumers",

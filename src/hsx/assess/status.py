@@ -108,7 +108,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         result = integrity.inspect(run, spec, deep, worker.alive, threads)
         t = tally.tally(result.scans, spec.plan.num_samples, spec.plan.num_tokens, plan.lengths if plan else None)
         checks["integrity"] = integrity.check(result, command=command)
-        readers = consumers.check(run, result.scans, spec.plan.num_samples, spec.shard_size)
+        window = getattr(spec, "window", None)  # an extraction's (a generate run has none)
+        readers = consumers.check(run, result.scans, spec.plan.num_samples, spec.shard_size, window, worker.alive)
         checks["progress"] = tally.check(t, command)
         if isinstance(spec, GenerateSpec):
             _outcomes(checks["progress"], run, spec)

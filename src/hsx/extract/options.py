@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import ClassVar, Literal, get_args
 
 from hsx.bounds import Bound, Bounds
+from hsx.consumer import check_name
 from hsx.errors import OptionError
 from hsx.extract.backends import BACKENDS, Resources
 from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm, default_device
-from hsx.spec import Parallel
+from hsx.spec import Parallel, Window
 from hsx.store.codec import DEFAULT_CODEC, Codec
 
 Toggle = Literal["auto", "on", "off"]
@@ -35,6 +36,7 @@ EXTRACT = Bounds(
     backend=Bound(choices=tuple(BACKENDS)),
     packing=Bound(choices=get_args(Toggle)),
     compile=Bound(choices=get_args(Toggle)),
+    window=Bound(min=0.0, min_open=True, max=1e9),
 )
 
 
@@ -59,6 +61,8 @@ class ExtractOptions(JobOptions):
     workers: int = 0  # scale-out: this many Ray workers, each on 1 GPU or a TP group (0: this process alone)
     ray_address: str | None = None  # join this Ray cluster; None: start a local one for the run
     quantized_compute: str | None = None  # FP8 checkpoints: fp8 | dequantized (a new run's default: fp8 where it can)
+    window: float | None = None  # GB (10^9 bytes) of samples the named consumers have not released, at most
+    consumer: list[str] | None = None  # the consumers the window waits for (hsx.data.StreamDataset's names)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -66,12 +70,22 @@ class ExtractOptions(JobOptions):
             check_device(self.device)
         if self.backend == "vllm":
             check_vllm("--backend vllm")
+        if (self.window is None) != (not self.consumer):
+            raise OptionError("--window and --consumer go together: the window waits for the consumers named")
+        for name in self.consumer or []:
+            check_name(name)
         seen: dict[Path, Path] = {}
         for path in map(Path, self.data):
             first = seen.setdefault(path.resolve(), path)
             if first is not path:
                 also = "" if path == first else f" (also as {path})"
                 raise OptionError(f"--data names {first} twice{also}: give each file once")
+
+    def window_asked(self) -> Window | None:
+        """The window as the spec records it, where one was asked for."""
+        if self.window is None:
+            return None
+        return Window(bytes=int(self.window * 1e9), consumers=sorted(set(self.consumer or [])))
 
     def resources(self, device: str | None = None) -> Resources:
         return Resources(device or self.device or default_device(), self.writers, self.max_inflight_bytes, self.threads)

@@ -20,6 +20,7 @@ from hsx.capture import Capture
 from hsx.capture.memory import check_run
 from hsx.capture.transformers import TransformersBackend
 from hsx.extract.backends import Peers, Resources, Session
+from hsx.extract.window import Pause
 from hsx.job.space import DiskGuard, Forecast
 from hsx.plan import Plan
 from hsx.progress import Progress
@@ -58,7 +59,8 @@ class Extractor:
     the run's codec (fp8: encoded on the device, before the copy).
     ``peers``: the other ranks of a tensor-parallel group, which compute every batch with us.
     ``forecast``: the start's space forecast (``job.space.plan_space``) for the disk guard; it is
-    bound to ``progress`` here, so its ratio counts this session's files."""
+    bound to ``progress`` here, so its ratio counts this session's files. A run with a ``--window``
+    (``spec.window``) pauses at its gate (``extract.window.Pause``), logged through ``log``."""
 
     def __init__(
         self,
@@ -72,6 +74,7 @@ class Extractor:
         staging: Staging | None = None,
         peers: Peers | None = None,
         forecast: Forecast | None = None,
+        log: Callable[[str], None] = print,
     ):
         self.run, self.spec, self.plan, self.backend, self.progress = run, spec, plan, backend, progress
         self.peers = peers
@@ -99,6 +102,8 @@ class Extractor:
         self.gates: list[Callable[[int], None]] = []
         if reserve is not None:
             self.gates.append(DiskGuard(run, reserve, lambda: self.writer.inflight, self.forecast))
+        if spec.window is not None:  # after the guard: a full disk stops the run even while it would wait
+            self.gates.append(Pause(run, spec.window, spec.shard_size, log))
         self.sealing_waited = 0.0
         progress.waited_for_disk = self.waited_for_disk
 
@@ -183,7 +188,7 @@ def run(session: Session, todo: Iterable[ShardScan]) -> None:
     backend = open_backend(s.spec, s.model_dir, s.resources.device)
     extractor = Extractor(
         s.run, s.spec, s.plan, backend, s.resources, s.progress, s.space.reserve, peers=s.peers,
-        forecast=s.space.forecast,
+        forecast=s.space.forecast, log=s.log,
     )  # fmt: skip
     try:
         extractor.run_shards(todo)
