@@ -35,7 +35,7 @@ from hsx.data import HsxDataset, StreamDataset, collate_packed, stream_batches
 from hsx.errors import ConsumerRefused
 from hsx.extract.window import read_state
 from hsx.plan import Plan
-from hsx.spec import Window, load_spec
+from hsx.spec import Window, differences, load_spec
 
 BUDGET = 300  # tokens a batch: the 40 samples make 13 batches
 
@@ -408,3 +408,7 @@ def test_a_stalled_consumer_pauses_the_extraction_at_its_window_and_its_releases
     assert "window: goes on after " in log.read_text()
     report = assess(out)
     assert report.exit_code == 0 and "the extractor waits" not in report.get("consumers").figure
+    other = Window(bytes=10**9, consumers=["draft"])  # a resume asking another window is refused by name
+    assert differences(load_spec(out), {"window": other}) == [
+        "window: run has 300.0 kB for draft, asked for 1.0 GB for draft"
+    ]

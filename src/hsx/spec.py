@@ -24,6 +24,7 @@ from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
 from hsx.store.format import FINAL_STATE, LAYER_CONVENTION
+from hsx.units import size
 
 FORMAT = "hsx-run/1"
 
@@ -146,6 +147,9 @@ class Window(BaseModel):
 
     bytes: int
     consumers: list[str]
+
+    def __str__(self) -> str:
+        return f"{size(self.bytes)} for {', '.join(self.consumers)}"
 
 
 class Parallel(BaseModel):
