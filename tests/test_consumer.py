@@ -25,13 +25,14 @@ from conftest import (
     conversations,
     extract_args,
     flip_byte,
+    hsx,
     kill_after_new_files,
     require,
     write_jsonl,
 )
 from hsx.assess.status import assess
 from hsx.consumer import RankRecord, folder, inspect, read_acks
-from hsx.data import HsxDataset, StreamDataset, collate_packed, stream_batches
+from hsx.data import HsxDataset, SamplesUnavailableWarning, StreamDataset, collate_packed, stream_batches
 from hsx.errors import ConsumerRefused
 from hsx.extract.window import read_state
 from hsx.plan import Plan
@@ -373,17 +374,20 @@ def test_speculators_trains_an_eagle3_draft_in_its_own_loop_on_a_live_run(tmp_pa
 
 
 def test_a_stalled_consumer_pauses_the_extraction_at_its_window_and_its_releases_let_it_go_on(tmp_path):
+    """With --delete-released, released files are deleted (recorded consumed first): status, the
+    dataset and a resume count them done, never missing or to be redone."""
     data = write_jsonl(tmp_path / "convs.jsonl", conversations(40, start=40))
     out, log = tmp_path / "run", tmp_path / "extract.log"
     window = 300_000  # bytes: a few of the tiny model's samples (about 70 kB each), a shard is about 0.7 MB
-    cmd = [sys.executable, "-m", "hsx", *map(str, extract_args(data, out, "--window", "0.0003", "--consumer", "draft"))]
+    window_args = ("--window", "0.0003", "--consumer", "draft", "--delete-released")
+    cmd = [sys.executable, "-m", "hsx", *map(str, extract_args(data, out, *window_args))]
     with open(log, "w") as err:
         producer = subprocess.Popen(cmd, env=os.environ | {"HF_HUB_OFFLINE": "1"}, stdout=err, stderr=err)
     deadline = time.monotonic() + HANG_GUARD_S
     while not (out / "hsx.json").exists():
         assert producer.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.01)
-    assert load_spec(out).window == Window(bytes=window, consumers=["draft"])
+    assert load_spec(out).window == Window(bytes=window, consumers=["draft"], delete=True)
     ds = stream(run=out)
     batches = iter(ds)
     for step in (1, 2):  # two steps, each checkpointed: released
@@ -410,5 +414,17 @@ def test_a_stalled_consumer_pauses_the_extraction_at_its_window_and_its_releases
     assert report.exit_code == 0 and "the extractor waits" not in report.get("consumers").figure
     other = Window(bytes=10**9, consumers=["draft"])  # a resume asking another window is refused by name
     assert differences(load_spec(out), {"window": other}) == [
-        "window: run has 300.0 kB for draft, asked for 1.0 GB for draft"
+        "window: run has 300.0 kB for draft, deleting released files, asked for 1.0 GB for draft"
     ]
+    # the deleted files: consumed, never missing, never redone
+    left = {p.name for p in (out / "shards").rglob("*.safetensors")}
+    progress = report.get("progress").data
+    assert len(left) < 40 and progress["samples_done"] == 40 and progress["consumed"] == 40 - len(left)
+    assert assess(out, deep=True).exit_code == 0
+    with pytest.warns(SamplesUnavailableWarning, match=f"{40 - len(left)} consumed"):
+        assert len(HsxDataset(out)) == len(left)
+    resume = hsx("extract", "--out", out)
+    assert (
+        "40/40 done, 0 written now" in resume.stdout
+        and {p.name for p in (out / "shards").rglob("*.safetensors")} == left
+    )

@@ -97,6 +97,11 @@ def available_ids(
             out.unavailable |= dict.fromkeys(s.expected, f"unsealed: shard {s.shard:06d} is {why}")
             continue
         out.ids += s.good
+        out.unavailable |= {
+            sid: f"consumed: deleted once every consumer released it ({layout.consumed_record(run, s.shard).name})"
+            for sid in s.consumed
+            if sid in s.expected and sid not in s.good
+        }
         found = {p.sample_id: p for p in s.problems if p.sample_id in s.expected}
         for sid in s.missing:
             p = found.get(sid)

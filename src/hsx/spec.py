@@ -147,9 +147,10 @@ class Window(BaseModel):
 
     bytes: int
     consumers: list[str]
+    delete: bool = False  # released files are deleted (recorded consumed first: store.writer.record_consumed)
 
     def __str__(self) -> str:
-        return f"{size(self.bytes)} for {', '.join(self.consumers)}"
+        return f"{size(self.bytes)} for {', '.join(self.consumers)}{', deleting released files' if self.delete else ''}"
 
 
 class Parallel(BaseModel):

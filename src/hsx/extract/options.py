@@ -63,6 +63,7 @@ class ExtractOptions(JobOptions):
     quantized_compute: str | None = None  # FP8 checkpoints: fp8 | dequantized (a new run's default: fp8 where it can)
     window: float | None = None  # GB (10^9 bytes) of samples the named consumers have not released, at most
     consumer: list[str] | None = None  # the consumers the window waits for (hsx.data.StreamDataset's names)
+    delete_released: bool = False  # with --window: delete each file once every named consumer released it
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -72,6 +73,8 @@ class ExtractOptions(JobOptions):
             check_vllm("--backend vllm")
         if (self.window is None) != (not self.consumer):
             raise OptionError("--window and --consumer go together: the window waits for the consumers named")
+        if self.delete_released and self.window is None:
+            raise OptionError("--delete-released needs --window: the window's consumers are the ones that release")
         for name in self.consumer or []:
             check_name(name)
         seen: dict[Path, Path] = {}
@@ -85,7 +88,8 @@ class ExtractOptions(JobOptions):
         """The window as the spec records it, where one was asked for."""
         if self.window is None:
             return None
-        return Window(bytes=int(self.window * 1e9), consumers=sorted(set(self.consumer or [])))
+        consumers = sorted(set(self.consumer or []))
+        return Window(bytes=int(self.window * 1e9), consumers=consumers, delete=self.delete_released)
 
     def resources(self, device: str | None = None) -> Resources:
         return Resources(device or self.device or default_device(), self.writers, self.max_inflight_bytes, self.threads)

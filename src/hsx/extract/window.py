@@ -23,7 +23,8 @@ from hsx.consumer import LEASE_TIMEOUT, NOT_WRITTEN, ConsumerView, inspect
 from hsx.lock import Liveness
 from hsx.spec import Window
 from hsx.store import layout
-from hsx.store.durable import write_durable
+from hsx.store.durable import fsync_dir, write_durable
+from hsx.store.writer import read_seal, record_consumed
 from hsx.units import size
 
 RECORD = "window.json"
@@ -47,14 +48,16 @@ def read_state(run: Path) -> WindowState | None:
         return None
 
 
+def released(window: Window, views: list[ConsumerView]) -> set[int]:
+    """Ids every named consumer released (acknowledged at a step its declared checkpoint covers)."""
+    by_name = {v.name: v.released for v in views}
+    return set.intersection(*(by_name.get(name, set()) for name in window.consumers))
+
+
 def held(run: Path, window: Window, shard_size: int, views: list[ConsumerView] | None = None) -> tuple[int, list[str]]:
     """Bytes of sample files on disk that some named consumer has not released, and those consumers."""
-    views = {v.name: v for v in (inspect(run) if views is None else views)}
-    released: set[int] | None = None
-    for name in window.consumers:
-        mine = views[name].released if name in views else set()
-        released = mine if released is None else released & mine
-    released = released or set()
+    views = inspect(run) if views is None else views
+    done = released(window, views)
     total, unreleased = 0, set()
     try:
         folders = list(os.scandir(run / layout.SHARDS))
@@ -64,10 +67,11 @@ def held(run: Path, window: Window, shard_size: int, views: list[ConsumerView] |
         with os.scandir(folder.path) as it:
             for e in it:
                 sid = layout.parse_sample_name(e.name)
-                if sid is not None and sid not in released:
+                if sid is not None and sid not in done:
                     total += e.stat().st_size
                     unreleased.add(sid)
-    behind = [n for n in window.consumers if n not in views or not unreleased <= views[n].released]
+    by_name = {v.name: v.released for v in views}
+    behind = [n for n in window.consumers if not unreleased <= by_name.get(n, set())]
     return total, behind
 
 
@@ -82,6 +86,26 @@ def waited_on(views: list[ConsumerView], names: list[str]) -> bool:
     )
 
 
+def delete_released(run: Path, ids: set[int], shard_size: int) -> int:
+    """Delete the released files of sealed shards, each shard's recorded consumed first (so status,
+    verify and resume count them done, never missing); returns how many. A shard still being
+    written keeps its released files until it is sealed (its manifest is what the record copies)."""
+    gone = 0
+    for shard in sorted({layout.shard_of(i, shard_size) for i in ids}):
+        manifest = read_seal(run, shard)
+        if manifest is None:
+            continue
+        doomed = [manifest[i] for i in sorted(ids) if i in manifest and layout.sample_path(run, i, shard_size).exists()]
+        if not doomed:
+            continue
+        record_consumed(run, shard, doomed)
+        for r in doomed:
+            layout.sample_path(run, r.sample_id, shard_size).unlink(missing_ok=True)
+        fsync_dir(layout.shard_dir(run, shard))
+        gone += len(doomed)
+    return gone
+
+
 class Pause:
     """The window's gate (``Extractor.gates``): returns once the next ``nbytes`` fit."""
 
@@ -90,6 +114,8 @@ class Pause:
 
     def _fits(self, nbytes: int) -> tuple[bool, WindowState]:
         views = inspect(self.run, LEASE_TIMEOUT)
+        if self.window.delete:
+            delete_released(self.run, released(self.window, views), self.shard_size)
         used, behind = held(self.run, self.window, self.shard_size, views)
         state = WindowState(window=self.window.bytes, held=used, waiting_for=behind, pid=os.getpid(), t=time.time())
         return used + nbytes <= self.window.bytes or waited_on(views, self.window.consumers), state

@@ -182,7 +182,7 @@ def _extract(
     if opts.deep_verify:
         todo += [s.shard for s in settled]
         settled = []
-    summary.already_done = sum(len(s.good) for s in settled)
+    summary.already_done = sum(len(s.accounted) for s in settled)
     # the pace and ETA count every file on disk, also those the workers re-verify (a digest they
     # find bad is counted again when redone: a slight overcount, never a whole run's undercount)
     on_disk = [i for s in scans for i in s.good]
