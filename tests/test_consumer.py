@@ -112,10 +112,15 @@ def test_a_restart_continues_right_after_its_checkpoints_step_and_refuses_any_ot
     assert [a.ids for a in acks] == ds.batches and [a.step for a in acks] == list(range(1, 14))
 
 
-def test_a_torn_acknowledgement_is_no_acknowledgement_and_is_cut_off(run):
+def acknowledged_twice(run: Path) -> None:
+    """A consumer that trained two steps, acknowledged, then stopped."""
     ds = stream(run)
     consume(ds, 2)
     ds.close()
+
+
+def test_a_torn_acknowledgement_is_no_acknowledgement_and_is_cut_off(run):
+    acknowledged_twice(run)
     log = folder(run, "draft") / "acks-000000.jsonl"
     whole = log.read_bytes()
     log.write_bytes(whole + b'{"step": 3, "batches": 3, "ids": [1')  # a crash in the middle of the append
@@ -153,9 +158,7 @@ def test_a_bad_file_is_waited_for_and_named_never_skipped(run):
 
 
 def test_a_rank_held_elsewhere_is_taken_over_after_the_lease_timeout_and_its_leases_return(run):
-    ds = stream(run)
-    consume(ds, 2)
-    ds.close()
+    acknowledged_twice(run)
     record = folder(run, "draft") / "rank-000000.json"
     now = time.time()
     other = RankRecord(
@@ -436,6 +439,8 @@ def test_a_stalled_consumer_pauses_the_extraction_at_its_window_and_its_releases
     assert assess(out, deep=True).exit_code == 0
     with pytest.warns(SamplesUnavailableWarning, match=f"{40 - len(left)} consumed"):
         assert len(HsxDataset(out)) == len(left)
+    with pytest.raises(ConsumerRefused, match="consumer late would wait for them forever"):
+        StreamDataset(out, "late")  # a consumer the window never waited for: its samples may be gone
     resume = hsx("extract", "--out", out)
     assert (
         "40/40 done, 0 written now" in resume.stdout

@@ -38,11 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 from pydantic import BaseModel, Field
 
 from hsx.errors import ConsumerRefused, Locked
-from hsx.lock import STALE_AFTER, Holder, Liveness, RunLock
+from hsx.lock import STALE_AFTER, Holder, Liveness, RunLock, this_process
 from hsx.store.durable import create_exclusive, fsync_dir, write_all, write_durable
 from hsx.store.layout import CONSUMERS
 
@@ -232,19 +231,6 @@ def inspect(run: Path, lease_timeout: float = LEASE_TIMEOUT) -> list[ConsumerVie
     return out
 
 
-def _me(spec: ConsumerSpec, rank: int) -> RankRecord:
-    now = time.time()
-    return RankRecord(
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        pid_started=psutil.Process().create_time(),
-        started=now,
-        heartbeat=now,
-        consumer=spec.name,
-        rank=rank,
-    )
-
-
 class RankLease:
     """One rank of a consumer, held by this process: its lease, its acknowledgements, its heartbeat.
 
@@ -271,7 +257,7 @@ class RankLease:
         self._lock = threading.Lock()
         self.dir.mkdir(parents=True, exist_ok=True)
         self._agree()
-        self.me = _me(spec, rank)
+        self.me = this_process("consume", RankRecord, consumer=spec.name, rank=rank)
         self.held = RunLock(self.dir, me=self.me, name=rank_name(rank), stale_after=lease_timeout, warn=log)
         self._take()
         try:

@@ -30,13 +30,14 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 from hsx.consumer import LEASE_TIMEOUT, NOT_WRITTEN, ConsumerSpec, RankLease
-from hsx.errors import Damage, SampleUnavailable
+from hsx.errors import ConsumerRefused, Damage, SampleUnavailable
 from hsx.plan import Plan, batches_for, load_plan
 from hsx.spec import RunSpec, load_spec
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.format import BadFile, check, decode, read_checked
 from hsx.store.scan import scan_run
+from hsx.store.writer import any_consumed
 
 
 def read_verified(path: Path, sample_id: int, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
@@ -368,6 +369,12 @@ class StreamDataset(IterableDataset):
     ):
         self.run = Path(run)
         self.spec = load_spec(self.run)
+        window = self.spec.window
+        if window is not None and window.delete and consumer not in window.consumers and any_consumed(self.run):
+            raise ConsumerRefused(
+                f"{self.run} deletes the samples its window's consumers ({', '.join(window.consumers)}) released, "
+                f"and has deleted some: consumer {consumer} would wait for them forever"
+            )
         self.plan = load_plan(self.run, self.spec)
         order = stream_batches(self.plan.lengths, self.spec.shard_size, max_tokens, packed, seed)
         self.batches = order[rank::ranks]

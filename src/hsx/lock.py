@@ -89,15 +89,17 @@ def read_holder(run: Path, path: Path | None = None, kind: type[Holder] = Holder
         return None
 
 
-def _me(command: str) -> Holder:
+def this_process(command: str, kind: type[Holder] = Holder, **fields) -> Holder:
+    """This process as a holder (``kind``: a record that extends ``Holder``, with its ``fields``)."""
     now = time.time()
-    return Holder(
+    return kind(
         host=socket.gethostname(),
         pid=os.getpid(),
         pid_started=psutil.Process().create_time(),
         started=now,
         heartbeat=now,
         command=command,
+        **fields,
     )
 
 
@@ -121,7 +123,7 @@ class RunLock:
         self.run = run
         self.path = run / name
         self.guard = run / (GUARD if name == LOCK else f".{name}.guard")
-        self.me = me or _me(command)
+        self.me = me or this_process(command)
         self.stale_after = stale_after
         self.on_beat = on_beat
         self.warn = warn

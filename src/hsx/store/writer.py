@@ -255,6 +255,14 @@ def record_consumed(run: Path, shard: int, records: list[FileRecord]) -> None:
     write_durable(path, json.dumps(body, indent=0).encode())
 
 
+def any_consumed(run: Path) -> bool:
+    """Whether the run deleted any file as consumed."""
+    try:
+        return any(p.suffix == ".json" for p in (run / layout.CONSUMED).iterdir())
+    except FileNotFoundError:
+        return False
+
+
 def read_consumed(run: Path, shard: int) -> dict[int, FileRecord]:
     """The shard's files recorded consumed (deleted on purpose), by id; empty where none was.
     An unreadable record is raised: reading it as none would count consumed samples as lost."""
