@@ -530,7 +530,7 @@ def test_results_go_to_stdout_and_progress_to_stderr(finished_run, tmp_path):
     assert r.exit_code == 0 and r.stdout.startswith("vocab      48 of 2048 tokens") and not r.stderr, r.output
 
 
-SPECIFIC = {"device": "cpu", "drop": ["length", "empty"]}  # fields whose values are checked beyond their type
+SPECIFIC = {"device": "cpu", "drop": ["length", "empty"], "consumer": ["draft-a", "draft-b"]}  # checked beyond type
 
 
 def _values_not_default(cls, bounds: Bounds, tmp_path: Path) -> dict:

@@ -13,24 +13,31 @@ computes the same list and takes its own slice: no communication, same result on
 
 from __future__ import annotations
 
+import itertools
 import random
+import sys
+import threading
+import time
 import warnings
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
-from hsx.errors import Damage, SampleUnavailable
-from hsx.plan import Plan, batches_for
+from hsx.consumer import LEASE_TIMEOUT, NOT_WRITTEN, ConsumerSpec, RankLease
+from hsx.errors import ConsumerRefused, Damage, SampleUnavailable
+from hsx.plan import Plan, batches_for, load_plan
 from hsx.spec import RunSpec, load_spec
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.format import BadFile, check, decode, read_checked
 from hsx.store.scan import scan_run
+from hsx.store.writer import any_consumed
 
 
 def read_verified(path: Path, sample_id: int, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
@@ -91,6 +98,11 @@ def available_ids(
             out.unavailable |= dict.fromkeys(s.expected, f"unsealed: shard {s.shard:06d} is {why}")
             continue
         out.ids += s.good
+        out.unavailable |= {
+            sid: f"consumed: deleted once every consumer released it ({layout.consumed_record(run, s.shard).name})"
+            for sid in s.consumed
+            if sid in s.expected and sid not in s.good
+        }
         found = {p.sample_id: p for p in s.problems if p.sample_id in s.expected}
         for sid in s.missing:
             p = found.get(sid)
@@ -165,22 +177,26 @@ class HsxDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         sid = self.ids[index]
-        path = self.path(sid)
-        try:
-            read = read_verified if self.verify else read_mapped
-            t = read(path, sid, self.keep_fp8)
-        except FileNotFoundError as e:
-            raise SampleUnavailable(
-                f"sample {sid}: {path} is missing; redo it with hsx extract --out {self.run}"
-            ) from e
-        except BadFile as e:
-            raise SampleUnavailable(f"sample {sid}: {path} is {e}; redo it with hsx extract --out {self.run}") from e
-        return {
-            "sample_id": sid,
-            "input_ids": t["input_ids"].to(torch.int64),
-            "loss_mask": t["loss_mask"].to(torch.int64),
-            **{k: t[k] for k in STATE_KEYS if k in t},
-        }
+        return load_sample(self.run, self.path(sid), sid, self.verify, self.keep_fp8)
+
+
+def load_sample(run: Path, path: Path, sid: int, verify: bool = True, keep_fp8: bool = False) -> dict:
+    """One sample as every reader of a run serves it (``HsxDataset``, ``StreamDataset``): its file's
+    tensors, decoded, ids and mask as int64, with its ``sample_id``; ``SampleUnavailable`` names a
+    missing or bad file (``verify``: its digest checked in the same read)."""
+    try:
+        read = read_verified if verify else read_mapped
+        t = read(path, sid, keep_fp8)
+    except FileNotFoundError as e:
+        raise SampleUnavailable(f"sample {sid}: {path} is missing; redo it with hsx extract --out {run}") from e
+    except BadFile as e:
+        raise SampleUnavailable(f"sample {sid}: {path} is {e}; redo it with hsx extract --out {run}") from e
+    return {
+        "sample_id": sid,
+        "input_ids": t["input_ids"].to(torch.int64),
+        "loss_mask": t["loss_mask"].to(torch.int64),
+        **{k: t[k] for k in STATE_KEYS if k in t},
+    }
 
 
 STATE_KEYS = ("aux_hidden_states", "hidden_states", "aux_hidden_states_scale", "hidden_states_scale")
@@ -223,7 +239,7 @@ class LengthBatchSampler(Sampler[list[int]]):
     def _all(self) -> list[list[int]]:
         batches = list(self.batches)
         if self.shuffle:
-            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(batches)
+            _shuffle(batches, self.seed, self.epoch)
         extra = len(batches) % self.world_size
         if self.drop_last:
             return batches[: len(batches) - extra]
@@ -237,6 +253,11 @@ class LengthBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         n = len(self.batches)
         return (n // self.world_size) if self.drop_last else -(-n // self.world_size)
+
+
+def _shuffle(batches: list[list[int]], seed: int, salt: int) -> None:
+    """A batch order fixed by (seed, salt): an epoch's, or a shard's in a stream."""
+    random.Random(seed * 1_000_003 + salt).shuffle(batches)
 
 
 def shard_indices(n: int, rank: int, world_size: int, seed: int | None = None) -> list[int]:
@@ -288,6 +309,153 @@ def collate_packed(samples: list[dict]) -> dict:
         "lengths": lengths,
         "sample_ids": torch.tensor([s["sample_id"] for s in samples], dtype=torch.int64),
     }
+
+
+# ---------------------------------------------------------------- a live run, streamed
+
+
+def stream_batches(lengths: np.ndarray, shard_size: int, max_tokens: int, packed: bool, seed: int) -> list[list[int]]:
+    """A consumer's whole sequence of batches: shard by shard, in the order an extraction writes
+    them, each shard's samples batched as ``LengthBatchSampler`` batches them (longest first within
+    ``max_tokens``) and its batches in an order fixed by (seed, shard). A batch never spans two
+    shards, so a consumer waits on one shard at a time and a producer's window never has to hold
+    more than the shard being written for it to go on."""
+    out: list[list[int]] = []
+    for shard in range(layout.num_shards(len(lengths), shard_size)):
+        ids = layout.shard_ids(shard, shard_size, len(lengths))
+        batches = [list(b.ids) for b in batches_for(ids, lengths, max_tokens, packed)]
+        _shuffle(batches, seed, shard)
+        out += batches
+    return out
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class StreamDataset(IterableDataset):
+    """A live run's verified samples, as they land, for one rank of a named consumer: batches of
+    the dicts ``HsxDataset`` gives, collated by ``collate`` (``collate_padded``, ``collate_packed``
+    or the trainer's own), each sample handed out only once its digest verified.
+
+    The batches are the consumer's sequence (``stream_batches``; rank ``rank`` of ``ranks`` takes
+    every ``ranks``-th), the same on every restart, so ranks are disjoint and a restart continues
+    exactly where its checkpoint stood. Each batch handed out is leased to the rank until the
+    trainer acknowledges it: ``ack(step)`` after each optimizer step (before saving that step's
+    checkpoint), ``checkpointed(step)`` once a checkpoint is durable. A trainer resumed from its
+    checkpoint at step S passes ``resume_step=S``: the stream continues right after what was
+    acknowledged at S (a step never acknowledged is refused by name, ``ConsumerRefused``).
+
+    A sample not written yet is waited for (``poll`` seconds between looks; ``hsx status`` shows
+    what each rank waits for); a file that does not verify is waited for too, named in the log,
+    until ``hsx extract --out`` redoes it: never skipped. Reads run ahead by ``prefetch`` batches
+    on ``threads`` threads of the stream's own, so the DataLoader around it runs no workers
+    (``num_workers=0``, ``batch_size=None``). Records: ``hsx.consumer``."""
+
+    def __init__(
+        self,
+        run: str | Path,
+        consumer: str,
+        rank: int = 0,
+        ranks: int = 1,
+        max_tokens: int = 16384,
+        packed: bool = False,
+        seed: int = 0,
+        resume_step: int | None = None,
+        collate: Callable[[list[dict]], object] = collate_padded,
+        lease_timeout: float = LEASE_TIMEOUT,
+        prefetch: int = 2,
+        threads: int = 4,
+        keep_fp8: bool = False,
+        poll: float = 0.2,
+        log: Callable[[str], None] = _stderr,
+    ):
+        self.run = Path(run)
+        self.spec = load_spec(self.run)
+        window = self.spec.window
+        if window is not None and window.delete and consumer not in window.consumers and any_consumed(self.run):
+            raise ConsumerRefused(
+                f"{self.run} deletes the samples its window's consumers ({', '.join(window.consumers)}) released, "
+                f"and has deleted some: consumer {consumer} would wait for them forever"
+            )
+        self.plan = load_plan(self.run, self.spec)
+        order = stream_batches(self.plan.lengths, self.spec.shard_size, max_tokens, packed, seed)
+        self.batches = order[rank::ranks]
+        self.collate, self.keep_fp8, self.poll, self.log = collate, keep_fp8, poll, log
+        self.prefetch, self.threads = prefetch, threads
+        asked = ConsumerSpec(name=consumer, ranks=ranks, seed=seed, max_tokens=max_tokens, packed=packed)
+        self.lease = RankLease(self.run, asked, rank, resume_step, lease_timeout, log).start()
+        self._why: dict[int, str] = {}  # sample id -> why its read waits
+        self._stop = threading.Event()
+
+    def __len__(self) -> int:
+        """Batches of this rank's whole sequence (those before ``resume_step`` included)."""
+        return len(self.batches)
+
+    @property
+    def position(self) -> int:
+        """Batches handed out so far, of ``len(self)``."""
+        return self.lease.position
+
+    def _read(self, sid: int) -> dict:
+        """The sample once its file is there and verifies."""
+        path = layout.sample_path(self.run, sid, self.spec.shard_size)
+        while not self._stop.is_set():
+            try:
+                return load_sample(self.run, path, sid, True, self.keep_fp8)
+            except SampleUnavailable as e:
+                why = NOT_WRITTEN if isinstance(e.__cause__, FileNotFoundError) else str(e)
+                if why != self._why.get(sid) and why != NOT_WRITTEN:
+                    self.log(f"consumer {self.lease.spec.name}: {why}; waiting for it")
+                self._why[sid] = why
+            time.sleep(self.poll)
+        raise SampleUnavailable(f"sample {sid}: the stream was closed while waiting for it")
+
+    def __iter__(self) -> Iterator:
+        if get_worker_info() is not None:
+            raise RuntimeError("a StreamDataset reads ahead on its own threads: use DataLoader(num_workers=0)")
+        ahead: deque[tuple[list[int], list[Future]]] = deque()
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hsx-stream")
+        upcoming = iter(self.batches[self.lease.position :])
+        try:
+            while True:
+                for ids in itertools.islice(upcoming, self.prefetch + 1 - len(ahead)):
+                    ahead.append((ids, [pool.submit(self._read, sid) for sid in ids]))
+                if not ahead:
+                    return
+                ids, reads = ahead.popleft()
+                samples = []
+                for sid, read in zip(ids, reads, strict=True):
+                    if not read.done():
+                        self.lease.waiting(sid, self._why.get(sid, NOT_WRITTEN))
+                    samples.append(read.result())
+                self.lease.waiting(None)
+                self.lease.handed(ids)
+                yield self.collate(samples)
+        finally:
+            self._stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            self._stop.clear()
+
+    def ack(self, step: int) -> list[int]:
+        """Acknowledge, durably, every batch handed out since the last acknowledgement, at optimizer
+        step ``step`` (steps only grow); returns their sample ids."""
+        return self.lease.ack(step)
+
+    def checkpointed(self, step: int) -> None:
+        """The trainer's checkpoint of ``step`` is durable: the samples acknowledged through it are
+        released (a producer's ``--window`` may delete them)."""
+        self.lease.checkpointed(step)
+
+    def close(self) -> None:
+        """Give the rank's lease back (what is handed out and unacknowledged returns to the stream)."""
+        self.lease.close()
+
+    def __enter__(self) -> StreamDataset:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def describe(run: str | Path) -> dict:

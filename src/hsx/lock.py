@@ -26,7 +26,7 @@ import psutil
 from pydantic import BaseModel
 
 from hsx.errors import Locked
-from hsx.store.durable import fsync_dir, temp_name, write_durable
+from hsx.store.durable import create_exclusive, write_durable
 from hsx.store.layout import GUARD, LOCK
 
 STALE_AFTER = 120.0
@@ -81,35 +81,34 @@ def writer_noun(command: str) -> str:
     return "hsx generate process" if command == "generate" else "extractor"
 
 
-def read_holder(run: Path) -> Holder | None:
+def read_holder(run: Path, path: Path | None = None, kind: type[Holder] = Holder) -> Holder | None:
+    """The run lock's holder (or, with ``path``, the holder of another lock file, read as ``kind``)."""
     try:
-        return _parse((run / LOCK).read_bytes())
-    except OSError:
+        return kind.model_validate_json((path or run / LOCK).read_bytes())
+    except (OSError, ValueError):
         return None
 
 
-def _parse(raw: bytes) -> Holder | None:
-    try:
-        return Holder.model_validate_json(raw)
-    except ValueError:
-        return None
-
-
-def _me(command: str) -> Holder:
+def this_process(command: str, kind: type[Holder] = Holder, **fields) -> Holder:
+    """This process as a holder (``kind``: a record that extends ``Holder``, with its ``fields``)."""
     now = time.time()
-    return Holder(
+    return kind(
         host=socket.gethostname(),
         pid=os.getpid(),
         pid_started=psutil.Process().create_time(),
         started=now,
         heartbeat=now,
         command=command,
+        **fields,
     )
 
 
 class RunLock:
     """Context manager: acquire, keep a heartbeat fresh, release. ``on_beat``: called after each
-    heartbeat (``final`` on release), e.g. ``Telemetry.beat``."""
+    heartbeat (``final`` on release), e.g. ``Telemetry.beat``.
+
+    ``me`` and ``name``: another lock in ``run`` (a folder), held by a record that extends ``Holder``
+    (a consumer's rank, ``hsx.consumer``), judged stale after ``stale_after``; the run lock by default."""
 
     def __init__(
         self,
@@ -117,10 +116,15 @@ class RunLock:
         command: str = "extract",
         on_beat: Callable[[bool], None] | None = None,
         warn: Callable[[str], None] = print,
+        me: Holder | None = None,
+        name: str = LOCK,
+        stale_after: float = STALE_AFTER,
     ):
         self.run = run
-        self.path = run / LOCK
-        self.me = _me(command)
+        self.path = run / name
+        self.guard = run / (GUARD if name == LOCK else f".{name}.guard")
+        self.me = me or this_process(command)
+        self.stale_after = stale_after
         self.on_beat = on_beat
         self.warn = warn
         self._stop = threading.Event()
@@ -129,20 +133,21 @@ class RunLock:
     def acquire(self) -> None:
         """Judge and take the lock under an flock on GUARD, so racing extractors take turns (the
         kernel drops an flock when its process dies: no stale guard); one turn decides."""
-        fd = os.open(self.run / GUARD, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.guard, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # say so: a taker frozen mid-turn (e.g. ^Z) would be a silent hang
-                self.warn(f"waiting for another process taking this run's lock (it holds {GUARD})")
+                what = "this run's lock" if self.path.name == LOCK else self.path.name
+                self.warn(f"waiting for another process taking {what} (it holds {self.guard.name})")
                 fcntl.flock(fd, fcntl.LOCK_EX)
             if self._create(self.me.model_dump_json().encode()):
                 return
-            holder = read_holder(self.run)
-            if holder is not None and holder.state() == "alive":
+            holder = self.holder()
+            if holder is not None and holder.state(stale_after=self.stale_after) == "alive":
                 raise Locked(holder)
             self.path.unlink(missing_ok=True)
-            what = f"{holder.describe()}, {holder.state()}" if holder else "unreadable"
+            what = f"{holder.describe()}, {holder.state(stale_after=self.stale_after)}" if holder else "unreadable"
             self.warn(f"taking over a lock left by a dead {self.me.noun} ({what})")
             if not self._create(self.me.model_dump_json().encode()):
                 raise RuntimeError("could not acquire the run lock (another lock appeared during take-over)")
@@ -151,23 +156,15 @@ class RunLock:
 
     def _create(self, body: bytes) -> bool:
         """Put this process's lock in place, whole, unless a lock is there (then False)."""
-        tmp = temp_name(self.path)
-        with open(tmp, "wb") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, self.path)  # atomic, and refuses to replace an existing lock
-        except (FileExistsError, FileNotFoundError):  # a lock is there (a holder may tidy our temp)
-            return False
-        finally:
-            tmp.unlink(missing_ok=True)
-        fsync_dir(self.run)
-        return True
+        return create_exclusive(self.path, body)
+
+    def holder(self) -> Holder | None:
+        """Who holds this lock now, as written (read as ``me``'s kind)."""
+        return read_holder(self.run, self.path, type(self.me))
 
     def beat(self, final: bool = False) -> None:
         self.me.heartbeat = time.time()
-        current = read_holder(self.run)
+        current = self.holder()
         if current is None or (current.pid, current.host) != (self.me.pid, self.me.host):
             return  # someone took it over: never overwrite another holder's lock
         write_durable(self.path, self.me.model_dump_json().encode())
@@ -181,11 +178,15 @@ class RunLock:
             except OSError:
                 pass  # a full disk must not kill the heartbeat thread; the writer reports it
 
-    def __enter__(self) -> RunLock:
-        self.acquire()
+    def keep(self) -> RunLock:
+        """Keep the acquired lock's heartbeat fresh, on a thread of its own, until ``__exit__``."""
         self._thread = threading.Thread(target=self._loop, name="hsx-heartbeat", daemon=True)
         self._thread.start()
         return self
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self.keep()
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
@@ -195,6 +196,6 @@ class RunLock:
             self.beat(final=True)
         except OSError:
             pass
-        holder = read_holder(self.run)
+        holder = self.holder()
         if holder is not None and (holder.pid, holder.host) == (self.me.pid, self.me.host):
             self.path.unlink(missing_ok=True)

@@ -25,6 +25,7 @@ from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
 from hsx.store.format import FINAL_STATE, LAYER_CONVENTION, FinalStateNorm
+from hsx.units import size
 
 FORMAT = "hsx-run/1"
 Record = TypeVar("Record", bound=BaseModel)
@@ -142,6 +143,19 @@ class PlanIdentity(BaseModel):
         )
 
 
+class Window(BaseModel):
+    """``--window``: the extraction pauses while the bytes of its samples that the named consumers
+    have not all released exceed ``bytes`` (docs/streaming.md). It changes no number, only when
+    samples are written."""
+
+    bytes: int
+    consumers: list[str]
+    delete: bool = False  # released files are deleted (recorded consumed first: store.writer.record_consumed)
+
+    def __str__(self) -> str:
+        return f"{size(self.bytes)} for {', '.join(self.consumers)}{', deleting released files' if self.delete else ''}"
+
+
 class Parallel(BaseModel):
     """How one model replica is laid over the devices of a node. Part of the spec, since the
     numerics depend on it: TP and EP change the order of reductions (and MoE router near-ties)."""
@@ -245,6 +259,7 @@ class RunSpec(BaseModel):
     generate_spec: str | None = None  # the data is a generate run: the digest of its spec
     plan: PlanIdentity
     fidelity: FidelityCheck | None = None  # None: a run made before hsx checked fidelity checks nothing
+    window: Window | None = None  # pause while what the named consumers have not released exceeds it
 
     @property
     def bytes_per_token(self) -> int:
@@ -415,8 +430,9 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
         "quantized_compute",
         "template_kwargs",
         "final_norm",
+        "window",
     ):
-        if (v := asked.get(key)) is not None and v != getattr(stored, key):
+        if (v := asked.get(key)) is not None and v != getattr(stored, key, None):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
     if (v := asked.get("fidelity_stride")) is not None:
         have = getattr(stored, "fidelity", None)

@@ -6,7 +6,6 @@ is wrong, 1 ``hsx extract`` repairs what is wrong by itself, 2 a person must act
 
 from __future__ import annotations
 
-import shlex
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,16 +13,28 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from hsx.assess import fidelity, gpus, integrity, model, pace, runspec, tally, volume, workers
+from hsx.assess import consumers, fidelity, gpus, integrity, model, pace, runspec, tally, volume, workers
 from hsx.assess.checks import Check, exit_code, skipped
 from hsx.errors import Exit, SpecError
 from hsx.generate.spec import GenerateSpec
 from hsx.job import space
+from hsx.job.options import resume_command
 from hsx.spec import RunSpec, model_location, same_place
 from hsx.store import layout
 from hsx.telemetry import read_history
 
-ORDER = ("gpus", "volume", "progress", "pace", "integrity", "fidelity", "model", "capture", "spec", "workers")
+ORDER = (
+    "gpus",
+    "volume",
+    "progress",
+    "pace",
+    "integrity",
+    "fidelity",
+    "model",
+    "capture",
+    "spec",
+    "workers",
+)  # then consumers, if any
 VERDICTS = {Exit.OK: "ok", Exit.REDO: "redo", Exit.ACT: "act"}
 STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 
@@ -52,17 +63,6 @@ class Report:
             "next": self.next,
             "resume_command": self.resume,
         }
-
-
-def resume_command(run: Path, model: str | None = None, command: str = "extract") -> str:
-    """The command that resumes ``run`` (``command``: extract, or generate for a generate run); with
-    ``model`` (where it moved: a local folder made absolute), which the resume checks against the
-    fingerprint and records."""
-    args = ["hsx", command, "--out", str(run)]
-    if model is not None:
-        local = Path(model).expanduser()
-        args += ["--model", str(local.absolute()) if local.exists() else model]
-    return shlex.join(args)
 
 
 def _projection(run: Path, spec: RunSpec | GenerateSpec, plan, t: tally.Tally, left_tokens: int) -> space.Projection:
@@ -101,6 +101,7 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
     launcher = worker.group.launcher if worker.group is not None and worker.group.launcher_alive() else None
     checks["gpus"] = gpus.check(worker.pid if local else None, launcher)  # its own GPU use is not foreign
     t = None
+    readers = None  # the consumers line: only for a run a trainer reads
     if spec is None:
         for name in ("volume", "progress", "pace", "integrity", "fidelity", "model", "capture"):
             checks[name] = skipped(name, "no readable run spec")
@@ -109,6 +110,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         t = tally.tally(result.scans, spec.plan.num_samples, spec.plan.num_tokens, plan.lengths if plan else None)
         checks["integrity"] = integrity.check(result, command=command)
         checks["fidelity"] = fidelity.line(run, spec, result.scans)
+        window = getattr(spec, "window", None)  # an extraction's (a generate run has none)
+        readers = consumers.check(run, result.scans, spec.plan.num_samples, spec.shard_size, window, worker.alive)
         checks["progress"] = tally.check(t, command)
         if isinstance(spec, GenerateSpec):
             _outcomes(checks["progress"], run, spec)
@@ -130,7 +133,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
             checks["model"] = model.check_model(spec, model_dir, where, same_place(where, recorded))
         generated = isinstance(spec, GenerateSpec)
         checks["capture"] = model.check_engine(spec) if generated else model.check_capture(spec, model_dir, deep)
-    report = Report(run, [checks[n] for n in ORDER], generate=isinstance(spec, GenerateSpec))
+    listed = [checks[n] for n in ORDER] + ([readers] if readers is not None else [])
+    report = Report(run, listed, generate=isinstance(spec, GenerateSpec))
     _next_steps(report, t, given_model)
     return report
 

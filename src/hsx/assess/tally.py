@@ -26,6 +26,7 @@ class Tally:
     bytes_done: int = 0
     shards: dict[str, list[int]] = field(default_factory=lambda: {"sealed": [], "partial": [], "untouched": []})
     complete_unsealed: list[int] = field(default_factory=list)  # all files good, SEALED still to write
+    consumed: int = 0  # done, then deleted once every consumer released them (counted in samples_done)
 
     @property
     def complete(self) -> bool:
@@ -44,7 +45,8 @@ def tally(scans: list[ShardScan], samples_total: int, tokens_total: int, lengths
     t = Tally(samples_total, tokens_total)
     done_ids: list[int] = []
     for s in scans:
-        done_ids += list(s.good)
+        done_ids += list(s.accounted)
+        t.consumed += len(s.accounted) - len(s.good)
         t.bytes_done += sum(r.size for r in s.good.values())
         state = s.state
         if state != "sealed" and s.complete:
@@ -69,6 +71,8 @@ def check(t: Tally, command: str = "extract") -> Check:
         f"shards {len(sh['sealed'])} sealed, {len(sh['partial'])} partial, {len(sh['untouched'])} untouched"
     )
     details = []
+    if t.consumed:
+        details.append(f"{t.consumed:,} of them consumed: deleted once every consumer released them, never redone")
     if sh["partial"]:
         details.append(f"partial shards: {ranges(sh['partial'])}")
     if t.complete_unsealed:
@@ -81,6 +85,7 @@ def check(t: Tally, command: str = "extract") -> Check:
         "tokens_done": t.tokens_done,
         "tokens_total": t.tokens_total,
         "bytes_done": t.bytes_done,
+        "consumed": t.consumed,
         "shards": {k: len(v) for k, v in sh.items()},
         "partial_shards": sh["partial"],
         "complete": t.complete,

@@ -94,6 +94,11 @@ FLAGS = {
     "packing": Flag("Pack each batch into one row with no padding (auto: on for CUDA)."),
     "compile": Flag("torch.compile the decoder layers (auto: on for CUDA)."),
     "codec": Flag("How states are stored (new run)."),
+    "window": Flag(
+        "Pause while the samples the --consumer trainers have not released exceed this many GB (new run).", "GB"
+    ),
+    "consumer": Flag("A trainer the window waits for (its StreamDataset name); repeatable.", "NAME"),
+    "delete_released": Flag("With --window: delete each sample file once every --consumer released it (new run)."),
     "allow_partial": Flag("Start even if the volume cannot hold the whole run; stop cleanly when it fills."),
     "allow_incomplete": Flag("--data is an unfinished generate run: extract the conversations it holds."),
     "backend": Flag("What runs the model (new run).", default="transformers"),

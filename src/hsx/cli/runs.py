@@ -63,8 +63,9 @@ def verify(
 ) -> None:
     """Check every sample file of a run. Exit 0: all good; 1: problems (hsx extract redoes them); 2: refused,
     or (--fidelity) states that are intact but not the target's numbers."""
-    from hsx.assess.status import render_check, resume_command
+    from hsx.assess.status import render_check
     from hsx.assess.verify import verify as run_verify
+    from hsx.job.options import resume_command
 
     with failures():
         files = fidelity_files if fidelity else 0

@@ -53,6 +53,7 @@ def asked(opts: ExtractOptions, num_layers: int) -> dict:
         out["final_norm"] = opts.final_state
     if opts.dtype not in (None, "auto"):
         out["dtype"] = opts.dtype
+    out["window"] = opts.window_asked()
     if opts.tensor_parallel is not None or opts.expert_parallel is not None:
         out["parallel"] = Parallel(tensor=opts.tensor_parallel or 1, expert=opts.expert_parallel or 1)
     for key, value in (("packed", opts.packing), ("compiled", opts.compile)):
@@ -182,6 +183,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         generate_spec=source_spec,
         plan=PlanIdentity.of(info, len(rejects)),
         fidelity=_fidelity(opts, backend, own, log),
+        window=opts.window_asked(),
     )
     spec.save(opts.out)  # last: its presence means the run exists
     (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder

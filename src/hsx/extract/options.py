@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import ClassVar, Literal, get_args
 
 from hsx.bounds import Bound, Bounds
+from hsx.consumer import check_name
 from hsx.drafts import check_preset
 from hsx.errors import OptionError
 from hsx.extract.backends import BACKENDS, Resources
 from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm, default_device
-from hsx.spec import Parallel
+from hsx.spec import Parallel, Window
 from hsx.store.codec import DEFAULT_CODEC, Codec
 from hsx.store.format import FinalStateNorm
 
@@ -51,6 +52,7 @@ EXTRACT = Bounds(
     fidelity_floor=Bound(min=0.0, max=1.0),
     fidelity_drop=Bound(min=0.0, max=1.0),
     final_state=Bound(choices=get_args(FinalStateNorm)),
+    window=Bound(min=0.0, min_open=True, max=1e9),
 )
 
 
@@ -81,6 +83,9 @@ class ExtractOptions(JobOptions):
     fidelity_stride: int | None = None
     fidelity_floor: float | None = None
     fidelity_drop: float | None = None
+    window: float | None = None  # GB (10^9 bytes) of samples the named consumers have not released, at most
+    consumer: list[str] | None = None  # the consumers the window waits for (hsx.data.StreamDataset's names)
+    delete_released: bool = False  # with --window: delete each file once every named consumer released it
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,12 +97,25 @@ class ExtractOptions(JobOptions):
             check_preset(self.layers)
         elif self.layers is not None and not self.layers:
             raise OptionError("--layers names no layer: give ids, or the preset mtp for the final state alone")
+        if (self.window is None) != (not self.consumer):
+            raise OptionError("--window and --consumer go together: the window waits for the consumers named")
+        if self.delete_released and self.window is None:
+            raise OptionError("--delete-released needs --window: the window's consumers are the ones that release")
+        for name in self.consumer or []:
+            check_name(name)
         seen: dict[Path, Path] = {}
         for path in map(Path, self.data):
             first = seen.setdefault(path.resolve(), path)
             if first is not path:
                 also = "" if path == first else f" (also as {path})"
                 raise OptionError(f"--data names {first} twice{also}: give each file once")
+
+    def window_asked(self) -> Window | None:
+        """The window as the spec records it, where one was asked for."""
+        if self.window is None:
+            return None
+        consumers = sorted(set(self.consumer or []))
+        return Window(bytes=int(self.window * 1e9), consumers=consumers, delete=self.delete_released)
 
     def resources(self, device: str | None = None) -> Resources:
         return Resources(device or self.device or default_device(), self.writers, self.max_inflight_bytes, self.threads)

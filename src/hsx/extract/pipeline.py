@@ -26,6 +26,7 @@ from hsx.capture import Capture, CapturedBatch
 from hsx.capture.memory import check_run
 from hsx.capture.transformers import TransformersBackend
 from hsx.extract.backends import Peers, Resources, Session
+from hsx.extract.window import Pause
 from hsx.job.space import DiskGuard, Forecast
 from hsx.plan import Plan
 from hsx.progress import Progress
@@ -59,13 +60,15 @@ def open_backend(spec: RunSpec, model_dir: Path, device: str) -> TransformersBac
 class Extractor:
     """Captures a shard's missing samples batch by batch and hands them to the writer.
 
-    ``reserve``: bytes of free space to keep (None: no guard). ``staging``: a ring to share
+    ``reserve``: bytes of free space to keep (None: no guard); the guard is the first of ``gates``,
+    called before each batch is captured. ``staging``: a ring to share
     (the benchmark reuses one across variants); by default one is made for the backend's device and
     the run's codec (fp8: encoded on the device, before the copy).
     ``peers``: the other ranks of a tensor-parallel group, which compute every batch with us.
     ``forecast``: the start's space forecast (``job.space.plan_space``) for the disk guard; it is
     bound to ``progress`` here, so its ratio counts this session's files. ``log``: the fidelity
-    gate's lines (a baseline set)."""
+    gate's lines (a baseline set) and, in a run with a ``--window`` (``spec.window``), its pause at
+    its gate (``extract.window.Pause``)."""
 
     def __init__(
         self,
@@ -112,7 +115,13 @@ class Extractor:
         self.forecast = forecast or Forecast(spec)
         self.forecast.session = progress.session
         self.held = 0  # bytes of captured samples awaiting their verdict, not yet the writer's
-        self.guard = None if reserve is None else DiskGuard(run, reserve, self.in_flight, self.forecast)
+        # called with a batch's raw bytes before it is captured: each may stop the work (the disk guard's
+        # LowSpace) or hold it (a pause would wait here); none without a reserve
+        self.gates: list[Callable[[int], None]] = []
+        if reserve is not None:
+            self.gates.append(DiskGuard(run, reserve, self.in_flight, self.forecast))
+        if spec.window is not None:  # after the guard: a full disk stops the run even while it would wait
+            self.gates.append(Pause(run, spec.window, spec.shard_size, log))
         self.sealing_waited = 0.0
         progress.waited_for_disk = self.waited_for_disk
 
@@ -136,9 +145,10 @@ class Extractor:
             for batch in self.plan.batches(scan.expected, self.spec.batch_tokens, self.spec.packed):
                 if missing.isdisjoint(batch.ids):
                     continue
-                if self.guard is not None:
+                if self.gates:
                     tokens = sum(int(self.plan.lengths[i]) for i in missing.intersection(batch.ids))
-                    self.guard(tokens * self.spec.bytes_per_token)
+                    for gate in self.gates:
+                        gate(tokens * self.spec.bytes_per_token)
                 ids = list(batch.ids)
                 if self.peers is not None:
                     self.peers.batch(ids)

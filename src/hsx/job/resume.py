@@ -121,7 +121,7 @@ def settle(run: Path, scan: ShardScan, summary: Summary) -> ShardScan:
     tidy(run, scan.problems, summary)
     if scan.gone:
         summary.redone[Damage.MISSING] = summary.redone.get(Damage.MISSING, 0) + len(scan.gone)
-    summary.already_done += len(scan.good)
+    summary.already_done += len(scan.accounted)  # consumed samples are done, gone on purpose
     if scan.complete and not scan.sealed:
         seal(run, scan.shard, list(scan.good.values()))
     return scan

@@ -91,6 +91,29 @@ def write_durable(path: Path, data: bytes) -> int:
     return write_parts(path, [data])
 
 
+def create_exclusive(path: Path, data: bytes) -> bool:
+    """Put ``path`` in place whole and durable unless a file is there already (then False): a temp
+    file hard-linked to the name, which fails where one exists, so racing creators never overwrite
+    each other and no reader ever sees half of it."""
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+    except (FileExistsError, FileNotFoundError):  # a file is there (its holder may tidy our temp)
+        return False
+    except OSError as e:
+        if _full(e):
+            raise DiskFull(path, e) from e
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return True
+
+
 def durable_rename(src: Path, dst: Path) -> None:
     """fsync ``src`` (written by someone else, e.g. a Parquet writer), rename it, fsync the folder."""
     try:

@@ -13,6 +13,9 @@ OUT/
   lock.json, .lock.json.guard, metrics.json, metrics-history.jsonl   while a run is (or was) going
   workers/                 WORKERS: the scale-out workers' heartbeats, and STOP
   group.json               GROUP: the ranks of a running tensor-parallel group (pids, devices)
+  consumers/NAME/          CONSUMERS: a trainer's leases, acknowledgements and checkpoint step (hsx.consumer)
+  consumed/000012.json     CONSUMED: the files of shard 12 deleted once every consumer released them
+                           (--window with --delete-released): done and gone on purpose, never missing
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ METRICS = "metrics.json"
 HISTORY = "metrics-history.jsonl"
 WORKERS = "workers"
 GROUP = "group.json"
+CONSUMERS = "consumers"
+CONSUMED = "consumed"
 FAILED_START = "failed-start.json"  # a start that never became a run: why, and the command that starts it again
 STOP = "STOP"  # in WORKERS: written by a driver that stops handing out work (disk full, a worker failed)
 
@@ -46,6 +51,10 @@ SETUP_FILES = frozenset({PLAN_DIR, REJECTS, LOCK, GUARD, METRICS, HISTORY, GROUP
 def part_name(n: int) -> str:
     """The ``n``-th file of samples appended to a plan (1-based)."""
     return f"part-{n:06d}.parquet"
+
+
+def consumed_record(run: Path, shard: int) -> Path:
+    return run / CONSUMED / f"{shard:06d}.json"
 
 
 def shard_of(sample_id: int, shard_size: int) -> int:

@@ -30,7 +30,7 @@ from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import is_temp
 from hsx.store.format import BadFile, check, digest_text
-from hsx.store.writer import FileRecord, read_seal
+from hsx.store.writer import FileRecord, read_consumed, read_seal
 
 CHUNK = 1 << 20  # one read: big sequential requests, yet hashed while still in the CPU's cache
 BATCH_FILES = 64  # files smaller than CHUNK are checked in batches of up to this many (and CHUNK bytes)
@@ -80,24 +80,34 @@ class ShardScan:
     sealed: bool = False  # a SEALED manifest exists and agrees with every file
     manifest: dict[int, FileRecord] | None = None  # the SEALED manifest as read, if readable
     manifest_unreadable: bool = False  # a SEALED file is there but does not parse
+    consumed: dict[int, FileRecord] = field(default_factory=dict)  # deleted once released (writer.read_consumed)
     opened: int = 0  # sample files opened and checked
     trusted: int = 0  # good by the manifest and the listing alone, unopened
     bytes_read: int = 0
 
     @property
     def missing(self) -> list[int]:
-        """Ids with no good file (absent or bad): exactly what a resume redoes."""
-        return [i for i in self.expected if i not in self.good]
+        """Ids with no good file (absent or bad) that were not consumed: exactly what a resume redoes."""
+        return [i for i in self.expected if i not in self.good and i not in self.consumed]
 
     @property
     def gone(self) -> list[int]:
-        """Ids the SEALED manifest lists whose file is absent (not bad: gone)."""
+        """Ids the SEALED manifest lists whose file is absent (not bad, not consumed: gone)."""
         flagged = {p.sample_id for p in self.problems if p.sample_id is not None}
-        return [sid for sid in sorted(self.manifest or {}) if sid not in self.good and sid not in flagged]
+        return [
+            sid
+            for sid in sorted(self.manifest or {})
+            if sid not in self.good and sid not in flagged and sid not in self.consumed
+        ]
+
+    @property
+    def accounted(self) -> dict[int, FileRecord]:
+        """Every id done: a good file, or one consumed (deleted once released)."""
+        return {i: r for i, r in self.consumed.items() if i in self.expected} | self.good
 
     @property
     def complete(self) -> bool:
-        return len(self.good) == len(self.expected)
+        return len(self.accounted) == len(self.expected)
 
     @property
     def state(self) -> str:
@@ -198,6 +208,7 @@ def _list(
 ) -> tuple[ShardScan, list[Future]]:
     """Classify the shard's listing; files that need opening are queued to ``readers``, in batches."""
     out = ShardScan(shard, expected)
+    out.consumed = read_consumed(run, shard)
     folder = layout.shard_dir(run, shard)
     try:
         with os.scandir(folder) as it:
@@ -258,7 +269,7 @@ def _collect(out: ShardScan, batches: list[Future]) -> ShardScan:
                 continue
             out.good[sid] = rec
     out.problems.sort(key=lambda p: p.path)  # name order, as listed
-    out.sealed = out.manifest is not None and out.complete and out.manifest == out.good
+    out.sealed = out.manifest is not None and out.complete and out.manifest == out.accounted
     return out
 
 

@@ -244,6 +244,52 @@ def seal(run: Path, shard: int, records: list[FileRecord]) -> None:
     write_durable(folder / layout.SEALED, json.dumps(body, indent=0).encode())
 
 
+CONSUMED_FORMAT = "hsx-consumed/1"
+
+
+def record_consumed(run: Path, shard: int, records: list[FileRecord]) -> None:
+    """Record, before they are deleted, the files of a sealed shard that every consumer released:
+    the run's record (outside the shard's folder) of what is done and gone on purpose, added to
+    what the shard's record held, replaced whole."""
+    files = read_consumed(run, shard) | {r.sample_id: r for r in records}
+    body = {
+        "format": CONSUMED_FORMAT,
+        "shard": shard,
+        "files": [
+            {"name": layout.sample_name(r.sample_id), "size": r.size, "digest": r.digest}
+            for r in sorted(files.values(), key=lambda r: r.sample_id)
+        ],
+    }
+    path = layout.consumed_record(run, shard)
+    path.parent.mkdir(exist_ok=True)
+    write_durable(path, json.dumps(body, indent=0).encode())
+
+
+def any_consumed(run: Path) -> bool:
+    """Whether the run deleted any file as consumed."""
+    try:
+        return any(p.suffix == ".json" for p in (run / layout.CONSUMED).iterdir())
+    except FileNotFoundError:
+        return False
+
+
+def read_consumed(run: Path, shard: int) -> dict[int, FileRecord]:
+    """The shard's files recorded consumed (deleted on purpose), by id; empty where none was.
+    An unreadable record is raised: reading it as none would count consumed samples as lost."""
+    try:
+        raw = layout.consumed_record(run, shard).read_bytes()
+    except FileNotFoundError:
+        return {}
+    body = json.loads(raw)
+    if body.get("format") != CONSUMED_FORMAT:
+        raise ValueError(f"{layout.consumed_record(run, shard)}: not an {CONSUMED_FORMAT} record")
+    out = {}
+    for e in body["files"]:
+        sid = layout.parse_sample_name(e["name"])
+        out[sid] = FileRecord(sid, int(e["size"]), e["digest"])
+    return out
+
+
 def read_seal(run: Path, shard: int) -> dict[int, FileRecord] | None:
     """The manifest of a sealed shard, or None when the shard is not sealed (or its seal is unreadable).
 

@@ -1,0 +1,407 @@
+"""A trainer's records in a run folder: what each rank of a named consumer was handed, what it
+acknowledged at which optimizer step, and which step its last durable checkpoint holds.
+
+    OUT/consumers/NAME/
+      consumer.json          written once, by the first rank to start: the stream's parameters (ranks,
+                             seed, token budget, packing); a start that asks for others is refused by name
+      rank-000000.json       rank 0's lease: who holds the rank (host, pid and its start time), its
+                             heartbeat, the position in its batch sequence it was handed through, the
+                             ids handed and not yet acknowledged (leased), what it waits for; taken
+                             and kept fresh as the run lock is (``lock.RunLock``)
+      acks-000000.jsonl      rank 0's acknowledgements, one line per optimizer step, appended and
+                             fsynced: {"step": S, "batches": B, "ids": [...], "t": time}; B counts
+                             the rank's batches acknowledged through S
+      checkpoint.json        the last step whose trainer checkpoint the consumer declared durable
+
+Every rank of a consumer draws from one sequence of batches fixed by the plan and the consumer's
+parameters (``hsx.data.stream_batches``): rank r takes every ``ranks``-th, so ranks are disjoint
+without talking. A rank restarted from its checkpoint at step S starts right after the batches its
+acknowledgement at S covers; its acknowledgements after S are rolled back (their samples are
+trained again, nothing acknowledged twice). A resume from a step never acknowledged is refused by
+name. A line cut by a crash ends the log (it was never acknowledged: its fsync never returned) and
+is cut off by the rank's next start.
+
+A rank's lease is held like the run lock: a second process for the same rank is refused while the
+first lives (same host: its pid; another host: its heartbeat, fresh for ``lease_timeout``). When
+the holder died the rank is taken over at once on its host, or once its heartbeat is older than
+``lease_timeout`` elsewhere; either way what it had leased returns to the stream, logged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from hsx.errors import ConsumerRefused, Locked
+from hsx.lock import STALE_AFTER, Holder, Liveness, RunLock, this_process
+from hsx.store.durable import create_exclusive, fsync_dir, write_all, write_durable
+from hsx.store.layout import CONSUMERS
+
+FORMAT = "hsx-consumer/1"
+SPEC = "consumer.json"
+CHECKPOINT = "checkpoint.json"
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+LEASE_TIMEOUT = STALE_AFTER
+NOT_WRITTEN = "not written yet"  # why a rank waits for a sample whose file is not there (a producer's window goes on)
+
+
+def folder(run: Path, name: str) -> Path:
+    return run / CONSUMERS / name
+
+
+def rank_name(rank: int) -> str:
+    return f"rank-{rank:06d}.json"
+
+
+def acks_name(rank: int) -> str:
+    return f"acks-{rank:06d}.jsonl"
+
+
+class ConsumerSpec(BaseModel):
+    """What fixes a consumer's sequence of batches; written once (``consumer.json``)."""
+
+    format: str = FORMAT
+    name: str
+    ranks: int = Field(ge=1)
+    seed: int
+    max_tokens: int = Field(ge=1)
+    packed: bool
+    created: float = 0.0
+    host: str = ""
+
+    def differences(self, other: ConsumerSpec) -> list[str]:
+        keys = ("ranks", "seed", "max_tokens", "packed")
+        return [
+            f"{k}: {getattr(self, k)} recorded, {getattr(other, k)} asked"
+            for k in keys
+            if getattr(self, k) != getattr(other, k)
+        ]
+
+
+class Ack(BaseModel):
+    """One optimizer step's acknowledgement by one rank: the ids it trained since the previous one."""
+
+    step: int
+    batches: int  # the rank's batches acknowledged through this step
+    ids: list[int]
+    t: float
+
+
+class RankRecord(Holder):
+    """A rank's lease and heartbeat (``rank-NNNNNN.json``)."""
+
+    command: str = "consume"
+    consumer: str = ""
+    rank: int = 0
+    handed: int = 0  # batches handed out so far (its position in the rank's sequence)
+    leased: list[int] = Field(default_factory=list)  # ids handed out and not acknowledged yet
+    step: int = 0  # the last step acknowledged
+    waiting_for: int | None = None  # the sample id it waits to land (or to be redone), if any
+    waiting_why: str = ""
+    waiting_since: float | None = None
+
+    def describe(self) -> str:
+        return f"rank {self.rank} of consumer {self.consumer}: held by {super().describe()}"
+
+
+class Checkpoint(BaseModel):
+    step: int
+    t: float
+
+
+def check_name(name: str) -> str:
+    if not NAME.fullmatch(name):
+        raise ConsumerRefused(
+            f"consumer name {name!r}: letters, digits, '.', '_' or '-' (64 at most), not starting with a sign"
+        )
+    return name
+
+
+def read_acks(path: Path) -> tuple[list[Ack], int]:
+    """A rank's acknowledgements, and how many bytes of the log they take: a line cut by a crash
+    (no newline, or not an acknowledgement) ends the log."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return [], 0
+    out: list[Ack] = []
+    good = 0
+    for line in raw.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            out.append(Ack.model_validate_json(line))
+        except ValueError:
+            break
+        good += len(line)
+    return out, good
+
+
+def read_checkpoint(run: Path, name: str) -> Checkpoint | None:
+    try:
+        return Checkpoint.model_validate_json((folder(run, name) / CHECKPOINT).read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def read_spec(run: Path, name: str) -> ConsumerSpec | None:
+    try:
+        return ConsumerSpec.model_validate_json((folder(run, name) / SPEC).read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def names(run: Path) -> list[str]:
+    """Every consumer that ever started on this run (a folder with its spec)."""
+    try:
+        return sorted(p.name for p in (run / CONSUMERS).iterdir() if (p / SPEC).is_file())
+    except OSError:
+        return []
+
+
+@dataclass
+class RankView:
+    rank: int
+    record: RankRecord | None
+    state: Liveness | None
+    acks: list[Ack]
+
+
+@dataclass
+class ConsumerView:
+    """One consumer as its records say, for status and the producer's window."""
+
+    name: str
+    spec: ConsumerSpec
+    checkpoint: Checkpoint | None
+    ranks: list[RankView] = field(default_factory=list)
+
+    @property
+    def acknowledged(self) -> set[int]:
+        return {i for r in self.ranks for a in r.acks for i in a.ids}
+
+    @property
+    def released(self) -> set[int]:
+        """Ids acknowledged at a step the declared checkpoint covers: the trainer never needs them again."""
+        if self.checkpoint is None:
+            return set()
+        return {i for r in self.ranks for a in r.acks if a.step <= self.checkpoint.step for i in a.ids}
+
+    @property
+    def leased(self) -> set[int]:
+        """Ids handed out and not acknowledged, by ranks still alive (a dead rank's return to the stream)."""
+        return {i for r in self.ranks if r.record is not None and r.state == Liveness.ALIVE for i in r.record.leased}
+
+    @property
+    def step(self) -> int:
+        """The last step every rank acknowledged."""
+        return min((r.acks[-1].step if r.acks else 0) for r in self.ranks)
+
+    @property
+    def last_ack(self) -> float | None:
+        times = [r.acks[-1].t for r in self.ranks if r.acks]
+        return max(times) if times else None
+
+
+def inspect(run: Path, lease_timeout: float = LEASE_TIMEOUT) -> list[ConsumerView]:
+    """Every consumer of the run with its ranks' records (judged alive, dead or stale)."""
+    out = []
+    for name in names(run):
+        spec = read_spec(run, name)
+        if spec is None:
+            continue
+        view = ConsumerView(name, spec, read_checkpoint(run, name))
+        d = folder(run, name)
+        for r in range(spec.ranks):
+            try:
+                rec = RankRecord.model_validate_json((d / rank_name(r)).read_bytes())
+                state = rec.state(stale_after=lease_timeout)
+            except (OSError, ValueError):
+                rec, state = None, None
+            view.ranks.append(RankView(r, rec, state, read_acks(d / acks_name(r))[0]))
+        out.append(view)
+    return out
+
+
+class RankLease:
+    """One rank of a consumer, held by this process: its lease, its acknowledgements, its heartbeat.
+
+    ``resume_step``: None for a rank that has acknowledged nothing yet; else the step of the
+    checkpoint the trainer resumes from (0: from the start), which must be one this rank
+    acknowledged. ``lease_timeout``: how long a holder on another host may stay silent before its
+    rank (and what it leased) is taken over."""
+
+    def __init__(
+        self,
+        run: Path,
+        spec: ConsumerSpec,
+        rank: int,
+        resume_step: int | None = None,
+        lease_timeout: float = LEASE_TIMEOUT,
+        log: Callable[[str], None] = print,
+    ):
+        if not 0 <= rank < spec.ranks:
+            raise ConsumerRefused(f"rank {rank} is not one of consumer {spec.name}'s ranks 0..{spec.ranks - 1}")
+        self.run, self.spec, self.rank, self.log = run, spec, rank, log
+        self.dir = folder(run, check_name(spec.name))
+        self.lease_timeout = lease_timeout
+        self.acks_path = self.dir / acks_name(rank)
+        self._lock = threading.Lock()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._agree()
+        self.me = this_process("consume", RankRecord, consumer=spec.name, rank=rank)
+        self.held = RunLock(self.dir, me=self.me, name=rank_name(rank), stale_after=lease_timeout, warn=log)
+        self._take()
+        try:
+            self.acks = self._resume(resume_step)
+        except BaseException:
+            self.close()  # a refused resume leaves the rank to the next try
+            raise
+        self.position = self.acks[-1].batches if self.acks else 0
+        self.me.handed, self.me.step = self.position, self.acks[-1].step if self.acks else 0
+        self._pending: list[int] = []  # ids handed since the last acknowledgement
+        self.held.beat()
+
+    def _agree(self) -> None:
+        """Record the consumer's parameters (first rank), or refuse a start that asks for others."""
+        spec = self.spec.model_copy(update={"created": time.time(), "host": socket.gethostname()})
+        create_exclusive(self.dir / SPEC, spec.model_dump_json(indent=2).encode())
+        recorded = read_spec(self.run, self.spec.name)
+        if recorded is None:
+            raise ConsumerRefused(
+                f"{self.dir / SPEC} is unreadable; it fixes the consumer's sequence (remove the folder to start anew)"
+            )
+        diff = recorded.differences(self.spec)
+        if diff:
+            raise ConsumerRefused(
+                f"consumer {self.spec.name} of {self.run} was started with other parameters ({'; '.join(diff)}): "
+                "resume it with the recorded ones, or start another consumer name"
+            )
+
+    def _take(self) -> None:
+        """Take the rank's lease: refused while its holder lives on this host, waited for (until its
+        heartbeat is ``lease_timeout`` old) while it holds it from another; what a dead holder had
+        leased returns to the stream, logged."""
+        before = self.held.holder()
+        waited = False
+        while True:
+            try:
+                self.held.acquire()
+                break
+            except Locked as e:
+                other = e.holder
+                if other.host == socket.gethostname():
+                    raise ConsumerRefused(f"{other.describe()}: stop that process first") from e
+                if not waited:
+                    self.log(f"{other.describe()}; waiting until it is {self.lease_timeout:g}s old (the lease timeout)")
+                    waited = True
+                time.sleep(max(0.05, min(1.0, other.heartbeat + self.lease_timeout - time.time())))
+                before = other
+        if isinstance(before, RankRecord) and before.pid != self.me.pid:
+            why = "after the lease timeout" if before.host != self.me.host else "as its process is gone"
+            self.log(
+                f"rank {self.rank} of consumer {self.spec.name}: the {len(before.leased)} samples leased by "
+                f"pid {before.pid} on {before.host} (heartbeat {time.time() - before.heartbeat:.0f}s ago) "
+                f"return to the stream {why}"
+            )
+
+    def _resume(self, step: int | None) -> list[Ack]:
+        """The acknowledgements kept: all of them for a first start, those through ``step`` for a resume."""
+        acks, size = read_acks(self.acks_path)
+        steps = [a.step for a in acks]
+        if step is None:
+            if acks:
+                raise ConsumerRefused(
+                    f"rank {self.rank} of consumer {self.spec.name} acknowledged steps up to {steps[-1]}: pass "
+                    "resume_step, the step of the checkpoint the trainer resumes from (0 to train it all again)"
+                )
+            step = 0
+        if step and step not in steps:
+            near = ", ".join(map(str, [s for s in steps if s < step][-3:] + [s for s in steps if s > step][:3]))
+            raise ConsumerRefused(
+                f"rank {self.rank} of consumer {self.spec.name} never acknowledged step {step} "
+                f"(acknowledged near it: {near or 'none'}): resume from a checkpoint whose step it acknowledged "
+                "(acknowledge a step before saving its checkpoint)"
+            )
+        kept = [a for a in acks if a.step <= step]
+        dropped = acks[len(kept) :]
+        if dropped or size != self._size():
+            body = b"".join(a.model_dump_json().encode() + b"\n" for a in kept)
+            write_durable(self.acks_path, body)
+        if dropped:
+            n = sum(len(a.ids) for a in dropped)
+            self.log(
+                f"rank {self.rank} of consumer {self.spec.name} resumes at step {step}: its acknowledgements of "
+                f"steps {dropped[0].step}..{dropped[-1].step} are rolled back ({n} samples are trained again)"
+            )
+        checkpoint = read_checkpoint(self.run, self.spec.name)
+        if checkpoint is not None and checkpoint.step > step:
+            write_durable(self.dir / CHECKPOINT, Checkpoint(step=step, t=time.time()).model_dump_json().encode())
+        return kept
+
+    def _size(self) -> int:
+        try:
+            return self.acks_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def handed(self, ids: list[int]) -> None:
+        """A batch handed to the trainer: leased until acknowledged (the record says so at once)."""
+        with self._lock:
+            self._pending += ids
+            self.position += 1
+            self.me.handed, self.me.leased = self.position, list(self._pending)
+        self.held.beat()
+
+    def waiting(self, sample_id: int | None, why: str = "") -> None:
+        """What the rank waits for (None: nothing), recorded as it changes."""
+        with self._lock:
+            if (sample_id, why) == (self.me.waiting_for, self.me.waiting_why):
+                return
+            if sample_id != self.me.waiting_for:
+                self.me.waiting_since = time.time() if sample_id is not None else None
+            self.me.waiting_for, self.me.waiting_why = sample_id, why
+        self.held.beat()
+
+    def ack(self, step: int) -> list[int]:
+        """Acknowledge every batch handed out since the last acknowledgement at optimizer step ``step``,
+        durably (appended and fsynced) before returning; returns their ids."""
+        with self._lock:
+            last = self.acks[-1].step if self.acks else 0
+            if step <= last:
+                raise ValueError(f"step {step} acknowledged after step {last}: steps only grow")
+            ack = Ack(step=step, batches=self.position, ids=self._pending, t=time.time())
+            fd = os.open(self.acks_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                write_all(fd, ack.model_dump_json().encode() + b"\n")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if not last:
+                fsync_dir(self.dir)  # the log's first line: its name is durable too
+            self.acks.append(ack)
+            self._pending = []
+            self.me.leased, self.me.step = [], step
+        self.held.beat()
+        return ack.ids
+
+    def checkpointed(self, step: int) -> None:
+        """The trainer's checkpoint of ``step`` is durable: what was acknowledged through it is released."""
+        write_durable(self.dir / CHECKPOINT, Checkpoint(step=step, t=time.time()).model_dump_json().encode())
+
+    def start(self) -> RankLease:
+        """Keep the rank's heartbeat fresh until ``close``."""
+        self.held.keep()
+        return self
+
+    def close(self) -> None:
+        """Stop the heartbeat and give the lease back (what is leased and unacknowledged returns)."""
+        self.held.__exit__(None, None, None)

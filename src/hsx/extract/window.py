@@ -1,0 +1,141 @@
+"""``--window``: the extraction pauses while the bytes of its samples that the named consumers have
+not all released exceed the window, and goes on as they release them (docs/streaming.md).
+
+A sample is released by a consumer once its checkpoint covers the step that acknowledged it
+(``hsx.consumer``); the window counts every sample file on disk that some named consumer has not
+released. The pause is one of ``Extractor.gates``, called before each batch is captured: it
+blocks there, logs when it starts and ends, and keeps ``OUT/window.json`` (since when it waits,
+the bytes held, for whom) for ``hsx status``. It never pauses while a named consumer waits for a
+sample not written yet: that consumer can release nothing until the producer writes it, so the
+disk may exceed the window by what is written for a waiting consumer (at most the shard it reads).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from hsx.consumer import LEASE_TIMEOUT, NOT_WRITTEN, ConsumerView, inspect
+from hsx.lock import Liveness
+from hsx.spec import Window
+from hsx.store import layout
+from hsx.store.durable import fsync_dir, write_durable
+from hsx.store.writer import read_seal, record_consumed
+from hsx.units import size
+
+RECORD = "window.json"
+
+
+class WindowState(BaseModel):
+    """``OUT/window.json``: the producer's last look at its window."""
+
+    window: int
+    held: int  # bytes of samples on disk not released by every named consumer
+    paused_since: float | None = None
+    waiting_for: list[str] = []  # the consumers whose releases it waits for
+    pid: int = 0
+    t: float = 0.0
+
+
+def read_state(run: Path) -> WindowState | None:
+    try:
+        return WindowState.model_validate_json((run / RECORD).read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def released(window: Window, views: list[ConsumerView]) -> set[int]:
+    """Ids every named consumer released (acknowledged at a step its declared checkpoint covers)."""
+    by_name = {v.name: v.released for v in views}
+    return set.intersection(*(by_name.get(name, set()) for name in window.consumers))
+
+
+def held(run: Path, window: Window, shard_size: int, views: list[ConsumerView] | None = None) -> tuple[int, list[str]]:
+    """Bytes of sample files on disk that some named consumer has not released, and those consumers."""
+    views = inspect(run) if views is None else views
+    done = released(window, views)
+    total, unreleased = 0, set()
+    try:
+        folders = list(os.scandir(run / layout.SHARDS))
+    except FileNotFoundError:
+        folders = []
+    for folder in folders:
+        with os.scandir(folder.path) as it:
+            for e in it:
+                sid = layout.parse_sample_name(e.name)
+                if sid is not None and sid not in done:
+                    total += e.stat().st_size
+                    unreleased.add(sid)
+    by_name = {v.name: v.released for v in views}
+    behind = [n for n in window.consumers if not unreleased <= by_name.get(n, set())]
+    return total, behind
+
+
+def waited_on(views: list[ConsumerView], names: list[str]) -> bool:
+    """Whether a live rank of a named consumer waits for a sample not written yet."""
+    return any(
+        r.state == Liveness.ALIVE and r.record.waiting_for is not None and r.record.waiting_why == NOT_WRITTEN
+        for v in views
+        if v.name in names
+        for r in v.ranks
+        if r.record is not None
+    )
+
+
+def delete_released(run: Path, ids: set[int], shard_size: int) -> int:
+    """Delete the released files of sealed shards, each shard's recorded consumed first (so status,
+    verify and resume count them done, never missing); returns how many. A shard still being
+    written keeps its released files until it is sealed (its manifest is what the record copies)."""
+    gone = 0
+    for shard in sorted({layout.shard_of(i, shard_size) for i in ids}):
+        manifest = read_seal(run, shard)
+        if manifest is None:
+            continue
+        doomed = [manifest[i] for i in sorted(ids) if i in manifest and layout.sample_path(run, i, shard_size).exists()]
+        if not doomed:
+            continue
+        record_consumed(run, shard, doomed)
+        for r in doomed:
+            layout.sample_path(run, r.sample_id, shard_size).unlink(missing_ok=True)
+        fsync_dir(layout.shard_dir(run, shard))
+        gone += len(doomed)
+    return gone
+
+
+class Pause:
+    """The window's gate (``Extractor.gates``): returns once the next ``nbytes`` fit."""
+
+    def __init__(self, run: Path, window: Window, shard_size: int, log: Callable[[str], None], poll: float = 0.5):
+        self.run, self.window, self.shard_size, self.log, self.poll = run, window, shard_size, log, poll
+
+    def _fits(self, nbytes: int) -> tuple[bool, WindowState]:
+        views = inspect(self.run, LEASE_TIMEOUT)
+        if self.window.delete:
+            delete_released(self.run, released(self.window, views), self.shard_size)
+        used, behind = held(self.run, self.window, self.shard_size, views)
+        state = WindowState(window=self.window.bytes, held=used, waiting_for=behind, pid=os.getpid(), t=time.time())
+        return used + nbytes <= self.window.bytes or waited_on(views, self.window.consumers), state
+
+    def __call__(self, nbytes: int) -> None:
+        fits, state = self._fits(nbytes)
+        if fits:
+            return
+        since = state.paused_since = time.time()
+        who = ", ".join(state.waiting_for)
+        self.log(
+            f"window: paused, {size(state.held)} of samples not released by {who} "
+            f"(window {size(self.window.bytes)}); waiting for them to release"
+        )
+        write_durable(self.run / RECORD, state.model_dump_json().encode())
+        while not fits:
+            time.sleep(self.poll)
+            fits, state = self._fits(nbytes)
+            state.paused_since = since
+            if fits:
+                state.paused_since = None
+            write_durable(self.run / RECORD, state.model_dump_json().encode())
+        self.log(f"window: goes on after {time.time() - since:.0f}s ({size(state.held)} held)")

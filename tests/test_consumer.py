@@ -1,0 +1,448 @@
+"""hsx.consumer and hsx.data.StreamDataset: a trainer reads a run's verified samples as they land,
+leases and acknowledges them under its name, and continues exactly where its checkpoint stood."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import (
+    HANG_GUARD_S,
+    TINY,
+    conversations,
+    extract_args,
+    flip_byte,
+    hsx,
+    require,
+    write_jsonl,
+)
+from hsx.assess.status import assess
+from hsx.consumer import RankRecord, folder, inspect, read_acks
+from hsx.data import HsxDataset, SamplesUnavailableWarning, StreamDataset, collate_packed, stream_batches
+from hsx.errors import ConsumerRefused
+from hsx.extract.window import read_state
+from hsx.plan import Plan
+from hsx.spec import Window, differences, load_spec
+
+BUDGET = 300  # tokens a batch: the 40 samples make 13 batches
+
+
+def stream(run: Path, name: str = "draft", **kw) -> StreamDataset:
+    return StreamDataset(run, name, max_tokens=BUDGET, seed=7, poll=0.01, log=kw.pop("log", lambda _: None), **kw)
+
+
+def consume(ds: StreamDataset, steps: int | None = None, first: int = 1) -> list[list[int]]:
+    """Train ``steps`` batches (all by default), acknowledging each at its step; the ids of each."""
+    out = []
+    for step, batch in enumerate(ds, first):
+        out.append(batch["sample_ids"].tolist())
+        assert ds.ack(step) == out[-1]
+        if len(out) == steps:
+            break
+    return out
+
+
+@pytest.fixture
+def run(finished_run, tmp_path) -> Path:
+    shutil.copytree(finished_run, tmp_path / "run", ignore=shutil.ignore_patterns("consumers"))
+    return tmp_path / "run"
+
+
+def test_stream_serves_the_datasets_tensors_once_each_in_its_sequence_to_disjoint_ranks(run):
+    plan = Plan(run)
+    order = stream_batches(plan.lengths, 10, BUDGET, False, seed=7)
+    assert sorted(i for b in order for i in b) == list(range(40))
+    assert [min(b) // 10 for b in order] == sorted(min(b) // 10 for b in order)  # shard by shard
+    assert [[min(b) // 10] * len(b) for b in order] == [[i // 10 for i in b] for b in order]  # never across shards
+    offline = HsxDataset(run, verify=True)
+    with stream(run, collate=collate_packed) as ds:
+        assert len(ds) == len(order)
+        for step, batch in enumerate(ds, 1):
+            ids = batch["sample_ids"].tolist()
+            assert ids == order[step - 1]
+            assert ds.ack(step) == ids
+            want = collate_packed([offline[i] for i in ids])
+            assert want.keys() == batch.keys()
+            assert all(torch.equal(want[k], batch[k]) for k in want)
+    acks = read_acks(folder(run, "draft") / "acks-000000.jsonl")[0]
+    assert [a.ids for a in acks] == order and [a.step for a in acks] == list(range(1, len(order) + 1))
+    # two ranks of another consumer: disjoint, every sample once, each its every other batch
+    ranks = [stream(run, "pair", rank=r, ranks=2) for r in (0, 1)]
+    got = [consume(ds) for ds in ranks]
+    assert got == [order[0::2], order[1::2]]
+    for ds in ranks:
+        ds.close()
+    views = {v.name: v for v in inspect(run)}
+    assert views["draft"].acknowledged == views["pair"].acknowledged == set(range(40))
+    assert views["pair"].step == len(order) // 2
+
+
+def test_a_restart_continues_right_after_its_checkpoints_step_and_refuses_any_other(run):
+    lines: list[str] = []
+    ds = stream(run, log=lines.append)
+    first = consume(ds, 5)
+    ds.checkpointed(3)
+    next(iter(ds))  # a sixth batch handed out, never acknowledged: leased
+    assert inspect(run)[0].leased == set(ds.batches[5])
+    ds.close()
+    with pytest.raises(ConsumerRefused, match=r"never acknowledged step 6 \(acknowledged near it: 3, 4, 5\)"):
+        stream(run, resume_step=6)
+    with pytest.raises(ConsumerRefused, match="acknowledged steps up to 5: pass resume_step"):
+        stream(run)
+    with pytest.raises(ConsumerRefused, match=r"other parameters \(seed: 7 recorded, 8 asked\)"):
+        StreamDataset(run, "draft", max_tokens=BUDGET, seed=8, resume_step=3)
+    ds = stream(run, resume_step=3, log=lines.append)
+    assert "steps 4..5 are rolled back (" in lines[-1] and lines[-1].endswith("samples are trained again)")
+    rest = consume(ds, first=4)
+    ds.close()
+    assert first[:3] + rest == ds.batches  # nothing acknowledged twice, nothing leased lost
+    acks = read_acks(folder(run, "draft") / "acks-000000.jsonl")[0]
+    assert [a.ids for a in acks] == ds.batches and [a.step for a in acks] == list(range(1, 14))
+
+
+def acknowledged_twice(run: Path) -> None:
+    """A consumer that trained two steps, acknowledged, then stopped."""
+    ds = stream(run)
+    consume(ds, 2)
+    ds.close()
+
+
+def test_a_torn_acknowledgement_is_no_acknowledgement_and_is_cut_off(run):
+    acknowledged_twice(run)
+    log = folder(run, "draft") / "acks-000000.jsonl"
+    whole = log.read_bytes()
+    log.write_bytes(whole + b'{"step": 3, "batches": 3, "ids": [1')  # a crash in the middle of the append
+    with pytest.raises(ConsumerRefused, match="never acknowledged step 3"):
+        stream(run, resume_step=3)
+    ds = stream(run, resume_step=2)
+    assert log.read_bytes() == whole and ds.position == 2
+    ds.close()
+
+
+def test_a_bad_file_is_waited_for_and_named_never_skipped(run):
+    lines: list[str] = []
+    ds = stream(run, log=lines.append)
+    victim = ds.batches[0][0]
+    path = run / "shards" / "000000" / f"{victim:09d}.safetensors"
+    good = path.read_bytes()
+    flip_byte(path, -3)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(next, iter(ds))
+        try:
+            deadline = time.monotonic() + HANG_GUARD_S
+            while not any(f"sample {victim}" in line and "corrupt" in line for line in lines):
+                assert time.monotonic() < deadline, "the damaged file was never named"
+                time.sleep(0.01)
+            while (
+                waits := inspect(run)[0].ranks[0].record
+            ).waiting_for is None:  # the head of the batch may be read first
+                assert time.monotonic() < deadline, "the rank's record never said what it waits for"
+                time.sleep(0.01)
+            assert not first.done() and waits.waiting_for == victim and "corrupt" in waits.waiting_why
+        finally:
+            path.write_bytes(good)  # what hsx extract's repair writes back
+        assert first.result()["sample_ids"].tolist() == ds.batches[0]
+    ds.close()
+
+
+def test_a_rank_held_elsewhere_is_taken_over_after_the_lease_timeout_and_its_leases_return(run):
+    acknowledged_twice(run)
+    record = folder(run, "draft") / "rank-000000.json"
+    now = time.time()
+    other = RankRecord(
+        host="elsewhere", pid=1, pid_started=0, started=now, heartbeat=now, consumer="draft", leased=[1, 2]
+    )
+    record.write_text(other.model_dump_json())
+    lines: list[str] = []
+    ds = stream(run, resume_step=2, lease_timeout=0.5, log=lines.append)
+    assert time.time() >= now + 0.5  # not before its heartbeat aged past the timeout
+    assert lines[0].startswith("rank 0 of consumer draft: held by pid 1 on elsewhere, heartbeat ")
+    assert lines[0].endswith("; waiting until it is 0.5s old (the lease timeout)")
+    assert "2 samples leased by pid 1 on elsewhere" in lines[-1] and lines[-1].endswith("after the lease timeout")
+    with pytest.raises(ConsumerRefused, match=rf"held by pid {os.getpid()} on {socket.gethostname()}"):
+        stream(run, resume_step=2)  # alive on this host: refused at once
+    ds.close()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid of this host that no longer lives
+    dead = other.model_copy(update={"host": socket.gethostname(), "pid": gone.pid, "heartbeat": time.time()})
+    record.write_text(dead.model_dump_json())
+    ds = stream(run, resume_step=2, log=lines.append)  # no wait: the lease timeout is the default
+    assert lines[-1].endswith("return to the stream as its process is gone") and f"pid {gone.pid}" in lines[-1]
+    ds.close()
+
+
+# ---------------------------------------------------------------- real faults: both sides killed -9, in both orders
+
+TRAINER = Path(__file__).with_name("stream_trainer.py")
+
+
+class Trainer:
+    """``stream_trainer.py`` in a process of its own, its ``acked STEP`` lines read as they come."""
+
+    def __init__(self, run: Path, ckpt: Path, name: str):
+        env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, str(TRAINER), str(run), str(ckpt), name]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    def acked(self) -> int:
+        return sum(line.startswith("acked ") for line in list(self.lines))
+
+    def kill_after(self, acks: int) -> None:
+        """SIGKILL once it acknowledged ``acks`` steps (a progress point, never a clock)."""
+        deadline = time.monotonic() + HANG_GUARD_S
+        while self.acked() < acks:
+            assert self.proc.poll() is None, f"the trainer ended before {acks} steps: {''.join(self.lines)}"
+            assert time.monotonic() < deadline, f"no step for {HANG_GUARD_S}s: {''.join(self.lines)}"
+            time.sleep(0.005)
+        self.proc.kill()
+        self.proc.wait(timeout=HANG_GUARD_S)
+
+    def finish(self) -> str:
+        self.proc.wait(timeout=HANG_GUARD_S)
+        self.reader.join()
+        out = "".join(self.lines)
+        assert self.proc.returncode == 0 and out.endswith("done\n"), out
+        return out
+
+
+def test_trainer_and_extractor_killed_9_in_both_orders_train_the_sequence_of_an_uninterrupted_stream(
+    tmp_path, finished_run
+):
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40, start=40))  # finished_run's 40 are held out
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    ckpt.mkdir()
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+    def extractor(*args) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "hsx", *map(str, args)]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def kill_on_progress(proc: subprocess.Popen, k: int) -> None:
+        """SIGKILL an extraction once it wrote k more files, or waits at its window (progress points)."""
+        before = set((out / "shards").rglob("*.safetensors"))
+        deadline = time.monotonic() + HANG_GUARD_S
+        while len(set((out / "shards").rglob("*.safetensors")) - before) < k:
+            state = read_state(out)
+            if state is not None and state.pid == proc.pid and state.paused_since is not None:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        proc.kill()
+        proc.wait(timeout=HANG_GUARD_S)
+
+    window = ("--window", "0.0003", "--consumer", "draft", "--delete-released")  # about 4 samples of 40
+    producer = extractor(*extract_args(data, out, *window))
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (out / "hsx.json").exists():  # a consumer reads a run, which exists once its spec does
+        assert producer.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    trainer = Trainer(out, ckpt, "draft")
+    trainer.kill_after(1)  # the consumer first, mid-stream
+    kill_on_progress(producer, 2)  # then the producer, mid-batch (or as it waits at its window)
+    producer, trainer = extractor("extract", "--out", out), Trainer(out, ckpt, "draft")
+    kill_on_progress(producer, 2)  # the producer first
+    producer = extractor("extract", "--out", out)
+    trainer.kill_after(1)  # then the consumer
+    trainer = Trainer(out, ckpt, "draft")
+    assert producer.wait(timeout=HANG_GUARD_S) == 0
+    trainer.finish()
+    # the reference: the sequence an uninterrupted stream of the same seed gives (hsx.data.stream_batches,
+    # which the first test checks against what a stream hands out)
+    sequence = [i for b in stream_batches(Plan(out).lengths, 10, BUDGET, False, seed=7) for i in b]
+    final = load_file(ckpt / "final.safetensors")
+    trained = final["trained"].tolist()
+    assert trained == sequence and sorted(trained) == list(range(40))
+    acks = read_acks(folder(out, "draft") / "acks-000000.jsonl")[0]
+    assert [i for a in acks for i in a.ids] == sequence and [a.step for a in acks] == list(range(1, len(acks) + 1))
+    report = assess(out, deep=True)
+    line = report.get("consumers")
+    assert report.exit_code == 0 and line.level == "ok"
+    assert line.details[0].startswith(f"draft: finished, 40/40 acknowledged through step {len(acks)}, 0 leased")
+    progress = report.get("progress").data  # what was deleted once released: consumed, never missing
+    assert progress["samples_done"] == 40 and progress["consumed"] > 0
+    # what it learned is in the states: on held-out samples it beats the same head fed shuffled states
+    head = torch.nn.Linear(final["weight"].shape[1], final["weight"].shape[0])
+    head.load_state_dict({"weight": final["weight"], "bias": final["bias"]})
+    g = torch.Generator().manual_seed(0)
+    hits = {"real": [0, 0], "shuffled": [0, 0]}
+    held_out = HsxDataset(finished_run)
+    with torch.no_grad():
+        for i in range(len(held_out)):
+            s = held_out[i]
+            x, y, mask = s["aux_hidden_states"][:-1].float(), s["input_ids"][1:], s["loss_mask"][1:].bool()
+            for kind, states in (("real", x), ("shuffled", x[torch.randperm(len(x), generator=g)])):
+                hits[kind][0] += int((head(states).argmax(-1)[mask] == y[mask]).sum())
+                hits[kind][1] += int(mask.sum())
+    real, control = (hits[k][0] / hits[k][1] for k in ("real", "shuffled"))
+    assert real > 2 * control, (real, control)
+
+
+# ---------------------------------------------------------------- a real trainer's own loop
+
+
+def test_speculators_trains_an_eagle3_draft_in_its_own_loop_on_a_live_run(tmp_path, finished_run, monkeypatch):
+    """speculators' ``Trainer`` (its loop, optimizer, checkpointer, logged metrics) reads a run being
+    extracted through ``StreamDataset`` with speculators' own ``CollateFn``; it acknowledges each
+    optimizer step through its ``step_callback`` and declares each checkpoint it saves. Shims, for
+    a CPU only: the device (``get_local_rank``, no accelerator to synchronize) and the eager loss.
+    The bundled model's final norm has unit weight, so its post-norm state is its norm's own fixed
+    point: speculators' ``verifier_norm`` of it gives the target's lm_head input back (checked).
+    (Held-out accuracy against a control is the plain loop's, in the fault test above: a few steps
+    of this trainer on a CPU learn no more than the tokens' frequencies.)"""
+    require("speculators")
+    import speculators.train.trainer as sp
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+    from torch.utils.data import DataLoader
+    from transformers import AutoConfig
+
+    monkeypatch.setattr(sp, "get_local_rank", lambda: "cpu")
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(20, start=40))
+    out = tmp_path / "run"
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    producer = subprocess.Popen([sys.executable, "-m", "hsx", *map(str, extract_args(data, out))], env=env)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (out / "hsx.json").exists():
+        assert producer.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    collate = CollateFn(512, 64, num_target_layers=3, dtype=torch.float32, preprocess=shift_batch)
+
+    def batch(samples: list[dict]) -> dict:
+        """speculators' samples (as its BaseDataset gives them) from hsx's."""
+        return collate(
+            [
+                {
+                    "hidden_states": s["aux_hidden_states"],
+                    "verifier_last_hidden_states": s["hidden_states"],
+                    "input_ids": s["input_ids"],
+                    "loss_mask": s["loss_mask"],
+                    "lengths": torch.tensor([len(s["input_ids"])]),
+                    "position_ids": torch.arange(len(s["input_ids"])),
+                }
+                for s in samples
+            ]
+        )
+
+    tiny = AutoConfig.from_pretrained(TINY)
+    torch.manual_seed(0)
+    model = Eagle3DraftModel.from_training_args(
+        tiny, verifier_name_or_path=str(TINY), num_layers=1, draft_vocab_size=2048, norm_before_residual=True,
+        ttt_steps=2, target_layer_ids=[2, 4, 5], draft_attn_impl="eager",
+    )  # fmt: skip
+    train_kw, val_kw = Eagle3DraftModel.get_trainer_kwargs(
+        loss_fn="kl_div", ttt_steps=2, ttt_step_loss_decay=1.0, loss_implementation="eager"
+    )
+    stream = StreamDataset(out, "eagle3", max_tokens=512, packed=True, seed=0, collate=batch, log=lambda _: None)
+    config = sp.TrainerConfig(
+        lr=1e-2, num_epochs=1, save_path=str(tmp_path / "ckpt"), train_call_kwargs=train_kw, val_call_kwargs=val_kw,
+        hidden_states_dtype=torch.float32, scheduler_type="none", checkpoint_freq=0.25, log_freq=1,
+    )  # fmt: skip
+
+    class Streaming(sp.Trainer):
+        """Declares each checkpoint its own checkpointer saved (the one hook a stream needs)."""
+
+        def maybe_save_checkpoint(self, epoch, local_step=0):
+            super().maybe_save_checkpoint(epoch, local_step)
+            stream.checkpointed(self.global_step)
+
+    logged: list[dict] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.msg)
+    logging.getLogger("speculators.metrics").addHandler(handler)
+    logging.getLogger("speculators.metrics").setLevel(logging.INFO)
+    trainer = Streaming(model, config, DataLoader(stream, batch_size=None))
+    trainer.device_type = "cpu"
+    try:
+        trainer.train_epoch(0, step_callback=lambda: stream.ack(trainer.global_step))
+    finally:
+        logging.getLogger("speculators.metrics").removeHandler(handler)
+    stream.close()
+    assert producer.wait(timeout=HANG_GUARD_S) == 0
+    acks = read_acks(folder(out, "eagle3") / "acks-000000.jsonl")[0]
+    assert trainer.global_step == len(stream) == len(acks) and [a.step for a in acks] == list(range(1, len(acks) + 1))
+    assert [a.ids for a in acks] == stream.batches and sorted(i for a in acks for i in a.ids) == list(range(20))
+    assert 0 < inspect(out)[0].checkpoint.step < len(acks)  # a mid-stream checkpoint was declared
+    losses = [m["train"]["loss"] for m in logged]
+    assert len(losses) == len(acks) and losses[-1] < losses[0]  # its own logged steps, one per batch
+    with torch.no_grad():
+        post = HsxDataset(out)[0]["hidden_states"]
+        assert torch.allclose(model.verifier_norm(post), post, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the producer's window
+
+
+def test_a_stalled_consumer_pauses_the_extraction_at_its_window_and_its_releases_let_it_go_on(tmp_path):
+    """With --delete-released, released files are deleted (recorded consumed first): status, the
+    dataset and a resume count them done, never missing or to be redone."""
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40, start=40))
+    out, log = tmp_path / "run", tmp_path / "extract.log"
+    window = 300_000  # bytes: a few of the tiny model's samples (about 70 kB each), a shard is about 0.7 MB
+    window_args = ("--window", "0.0003", "--consumer", "draft", "--delete-released")
+    cmd = [sys.executable, "-m", "hsx", *map(str, extract_args(data, out, *window_args))]
+    with open(log, "w") as err:
+        producer = subprocess.Popen(cmd, env=os.environ | {"HF_HUB_OFFLINE": "1"}, stdout=err, stderr=err)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (out / "hsx.json").exists():
+        assert producer.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)
+    assert load_spec(out).window == Window(bytes=window, consumers=["draft"], delete=True)
+    ds = stream(run=out)
+    batches = iter(ds)
+    for step in (1, 2):  # two steps, each checkpointed: released
+        next(batches)
+        ds.ack(step)
+        ds.checkpointed(step)
+    # then it stalls, alive: the extraction fills the window and waits, logged and in status
+    while (state := read_state(out)) is None or state.paused_since is None:
+        assert producer.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)
+    assert "window: paused, " in log.read_text() and "not released by draft" in log.read_text()
+    written = list((out / "shards").rglob("*.safetensors"))
+    shard_bytes = max(sum(p.stat().st_size for p in d.glob("*.safetensors")) for d in (out / "shards").iterdir())
+    assert len(written) < 40 and state.held <= window + shard_bytes  # the window, and what a waiting reader got
+    line = assess(out).get("consumers")
+    assert "for draft; the extractor waits since " in line.figure, line.figure
+    for step, _ in enumerate(batches, 3):  # it goes on: each step released, the extraction follows
+        ds.ack(step)
+        ds.checkpointed(step)
+    ds.close()
+    assert producer.wait(timeout=HANG_GUARD_S) == 0, log.read_text()
+    assert "window: goes on after " in log.read_text()
+    report = assess(out)
+    assert report.exit_code == 0 and "the extractor waits" not in report.get("consumers").figure
+    other = Window(bytes=10**9, consumers=["draft"])  # a resume asking another window is refused by name
+    assert differences(load_spec(out), {"window": other}) == [
+        "window: run has 300.0 kB for draft, deleting released files, asked for 1.0 GB for draft"
+    ]
+    # the deleted files: consumed, never missing, never redone
+    left = {p.name for p in (out / "shards").rglob("*.safetensors")}
+    progress = report.get("progress").data
+    assert len(left) < 40 and progress["samples_done"] == 40 and progress["consumed"] == 40 - len(left)
+    assert assess(out, deep=True).exit_code == 0
+    with pytest.warns(SamplesUnavailableWarning, match=f"{40 - len(left)} consumed"):
+        assert len(HsxDataset(out)) == len(left)
+    with pytest.raises(ConsumerRefused, match="consumer late would wait for them forever"):
+        StreamDataset(out, "late")  # a consumer the window never waited for: its samples may be gone
+    resume = hsx("extract", "--out", out)
+    assert (
+        "40/40 done, 0 written now" in resume.stdout
+        and {p.name for p in (out / "shards").rglob("*.safetensors")} == left
+    )
