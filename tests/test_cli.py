@@ -52,15 +52,15 @@ def convs(tmp_path) -> Path:
 # ---------------------------------------------------------------- 1: bounds, refused before anything is written
 
 BAD = [
-    (("--shard-size", "-1"), "--shard-size takes an integer >= 1, not -1"),
-    (("--shard-size", "0"), "--shard-size takes an integer >= 1, not 0"),
-    (("--max-length", "-5"), "--max-length takes an integer >= 1, not -5"),
-    (("--max-length", "0"), "--max-length takes an integer >= 1, not 0"),
-    (("--batch-tokens", "0"), "--batch-tokens takes an integer >= 1, not 0"),
-    (("--writers", "0"), "--writers takes an integer >= 1, not 0"),
-    (("--tensor-parallel", "0"), "--tensor-parallel takes an integer >= 1, not 0"),
-    (("--expert-parallel", "-2"), "--expert-parallel takes an integer >= 1, not -2"),
-    (("--workers", "-1"), "--workers takes an integer >= 0, not -1"),
+    (("--shard-size", "-1"), "--shard-size takes an integer >= 1 and <= 1000000, not -1"),
+    (("--shard-size", "0"), "--shard-size takes an integer >= 1 and <= 1000000, not 0"),
+    (("--max-length", "-5"), "--max-length takes an integer >= 1 and <= 100000000, not -5"),
+    (("--max-length", "0"), "--max-length takes an integer >= 1 and <= 100000000, not 0"),
+    (("--batch-tokens", "0"), "--batch-tokens takes an integer >= 1 and <= 100000000, not 0"),
+    (("--writers", "0"), "--writers takes an integer >= 1 and <= 1024, not 0"),
+    (("--tensor-parallel", "0"), "--tensor-parallel takes an integer >= 1 and <= 1024, not 0"),
+    (("--expert-parallel", "-2"), "--expert-parallel takes an integer >= 1 and <= 1024, not -2"),
+    (("--workers", "-1"), "--workers takes an integer >= 0 and <= 100000, not -1"),
     (("--metrics-port", "70000"), "--metrics-port takes an integer >= 1 and <= 65535, not 70000"),
     (("--dtype", "bf16"), "--dtype takes auto, bfloat16, float16 or float32, not 'bf16'"),
     (("--codec", "gzip"), "--codec takes raw, zstd or fp8, not 'gzip'"),
@@ -83,17 +83,17 @@ def test_extract_refuses_an_option_out_of_range_before_anything_is_written(tmp_p
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (("status", "RUN", "--threads", "0"), "--threads takes an integer >= 1, not 0"),
-        (("verify", "RUN", "--threads", "-1"), "--threads takes an integer >= 1, not -1"),
-        (("vocab", "RUN", "--size", "0"), "--size takes an integer >= 1, not 0"),
+        (("status", "RUN", "--threads", "0"), "--threads takes an integer >= 1 and <= 1024, not 0"),
+        (("verify", "RUN", "--threads", "-1"), "--threads takes an integer >= 1 and <= 1024, not -1"),
+        (("vocab", "RUN", "--size", "0"), "--size takes an integer >= 1 and <= 10000000, not 0"),
         (("export", "RUN", "DEST", "--to", "eagle"), "--to takes specforge, speculators or modelopt, not 'eagle'"),
         (("export", "RUN", "DEST", "--to", "specforge", "--draft-vocab", "0"), "--draft-vocab takes an integer >= 1"),
-        (("bench", "--samples", "0"), "--samples takes an integer >= 1, not 0"),
+        (("bench", "--samples", "0"), "--samples takes an integer >= 1 and <= 10000000, not 0"),
         (("bench", "--compile", "yes"), "--compile takes auto, on or off, not 'yes'"),
-        (("memory", "--model", "RUN", "--tensor-parallel", "0"), "--tensor-parallel takes an integer >= 1, not 0"),
-        (("memory", "--model", "RUN", "--gpu-memory", "0"), "--gpu-memory takes a number > 0.0, not 0.0"),
+        (("memory", "--model", "RUN", "--tensor-parallel", "0"), "--tensor-parallel takes an integer >= 1 and <= 1024, not 0"),
+        (("memory", "--model", "RUN", "--gpu-memory", "0"), "--gpu-memory takes a number > 0.0 and <= 100000.0, not 0.0"),
         (("memory", "--model", "RUN", "--experts", "fp4"), "--experts takes auto, packed or dequantized, not 'fp4'"),
-        (("generate", "--out", "DEST", "--top-k", "-1"), "--top-k takes an integer >= 0, not -1"),
+        (("generate", "--out", "DEST", "--top-k", "-1"), "--top-k takes an integer >= 0 and <= 10000000, not -1"),
     ],
 )
 def test_other_commands_refuse_options_out_of_range(tmp_path, args, said):
@@ -449,7 +449,7 @@ def test_help_shows_defaults_and_choices_and_fits_80_columns(command):
             "(needs the hsx[ray] extra)",
             "--codec [raw|zstd|fp8]",
             "--backend [transformers|vllm]",
-            "(an integer >= 1)",
+            "(an integer >= 1 and <= 1000000)",
         ],
         "status": ["--threads N", "[default: 8]"],
         "export": ["--to [specforge|speculators|modelopt]", "[default: (the model's config)]"],
@@ -464,7 +464,7 @@ def test_help_shows_defaults_and_choices_and_fits_80_columns(command):
             "--fast-verify On resume",
         ],
         "generate-export": ["--allow-incomplete Export"],
-        "memory": ["--experts [auto|packed|dequantized]", "[default: 16384]", "(a number > 0.0)"],
+        "memory": ["--experts [auto|packed|dequantized]", "[default: 16384]", "(a number > 0.0 and <= 100000.0)"],
     }.get(command, [])
     for piece in expected:
         assert piece in text, (piece, r.output)

@@ -20,10 +20,10 @@ from typing import Annotated, Any, Literal, get_origin, get_type_hints
 
 import typer
 
-from hsx.bounds import Bound, Bounds
-from hsx.extract.options import AT_LEAST_ONE, DEFAULTS, EXTRACT
+from hsx.bounds import EXPORT, VOCAB, Bound, Bounds
+from hsx.extract.options import DEFAULTS, EXTRACT
 from hsx.generate.options import template_kwargs
-from hsx.job.options import FLAG_NAMES, NOT_FLAGS
+from hsx.job.options import DEVICES, FLAG_NAMES, NOT_FLAGS, THREADS, TOKENS
 
 
 def layer_ids(value: str | None) -> list[int] | None:
@@ -170,27 +170,27 @@ def parameters(
 
 
 # the bounds of the commands without an options dataclass
-RUN = Bounds(threads=AT_LEAST_ONE, size=AT_LEAST_ONE, draft_vocab=AT_LEAST_ONE, target_vocab=AT_LEAST_ONE)
-TO = Bounds(to=Bound(choices=("specforge", "speculators", "modelopt")))
+RUN = Bounds(threads=THREADS, size=VOCAB, target_vocab=VOCAB)
+TO = EXPORT  # hsx export's
 BENCH = Bounds(
-    samples=AT_LEAST_ONE,
-    mean_len=AT_LEAST_ONE,
-    min_len=AT_LEAST_ONE,
-    max_len=AT_LEAST_ONE,
-    batch_tokens=AT_LEAST_ONE,
-    naive_samples=Bound(min=0),
-    writers=AT_LEAST_ONE,
+    samples=Bound(min=1, max=10**7),
+    mean_len=TOKENS,
+    min_len=TOKENS,
+    max_len=TOKENS,
+    batch_tokens=TOKENS,
+    naive_samples=Bound(min=0, max=10**7),
+    writers=THREADS,
     compile=EXTRACT.bounds["compile"],
-    max_new_tokens=AT_LEAST_ONE,
-    tensor_parallel_size=AT_LEAST_ONE,
+    max_new_tokens=TOKENS,
+    tensor_parallel_size=DEVICES,
 )
 MEMORY = Bounds(
-    tensor_parallel=AT_LEAST_ONE,
-    expert_parallel=AT_LEAST_ONE,
-    batch_tokens=AT_LEAST_ONE,
-    max_length=AT_LEAST_ONE,
-    gpus=AT_LEAST_ONE,
-    gpu_memory=Bound(min=0.0, min_open=True),
+    tensor_parallel=DEVICES,
+    expert_parallel=DEVICES,
+    batch_tokens=TOKENS,
+    max_length=TOKENS,
+    gpus=DEVICES,
+    gpu_memory=Bound(min=0.0, max=100_000.0, min_open=True),
     experts=Bound(choices=("auto", "packed", "dequantized")),
     dtype=Bound(choices=("bfloat16", "float16", "float32")),
 )

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from hsx.errors import ExportRefused, NormUnavailable
+from hsx.bounds import EXPORT
+from hsx.errors import ExportRefused, NormUnavailable, OptionError
 from hsx.export.norm import load_final_norm, norm_error, prenorm_from_post, tolerance
 from hsx.finalnorm import FinalNorm
 from hsx.plan import Plan
@@ -34,6 +35,12 @@ class ExportOptions:
     draft_vocab: int | None = None  # also write the trainer's draft-vocab map of this size
     target_vocab: int | None = None  # target vocabulary size (default: the model's config)
     pace: float = 0.0  # seconds to sleep after each sample (throttling; lets tests kill mid-export)
+
+    def __post_init__(self) -> None:
+        """Refuse a value out of its bound, or one that would be ignored, before anything is read."""
+        EXPORT.check(self)
+        if self.target_vocab is not None and self.draft_vocab is None:
+            raise OptionError("--target-vocab sizes the draft-vocab map of --draft-vocab, which is not given")
 
     def command(self) -> str:
         """This export as a command line that works from any directory (it continues a stopped one)."""
