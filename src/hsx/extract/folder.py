@@ -100,6 +100,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     require_start(opts)
     refuse_foreign(opts.out)
     generated = _generated_input(opts)
+    opts.refuse_unused(opts.backend or "transformers", generated is not None)
     for path in opts.data if generated is None else []:
         check_source(path, opts.split, opts.column)
     model_dir = target.resolve(opts.model)
@@ -180,5 +181,6 @@ def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     if not (opts.out / layout.SPEC).exists():
         return create_run(opts, log)
     spec = load_spec(opts.out)
+    opts.refuse_unused(opts.backend or spec.backend, spec.generate_spec is not None)
     refuse_drift(opts, differences(spec, asked(opts)))
     return follow(opts.out, spec, log)
