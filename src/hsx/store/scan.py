@@ -30,7 +30,7 @@ from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import is_temp
 from hsx.store.format import BadFile, check, digest_text
-from hsx.store.writer import FileRecord, read_seal
+from hsx.store.writer import FileRecord, read_seal, sealed_ids
 
 CHUNK = 1 << 20  # one read: big sequential requests, yet hashed while still in the CPU's cache
 BATCH_FILES = 64  # files smaller than CHUNK are checked in batches of up to this many (and CHUNK bytes)
@@ -80,6 +80,7 @@ class ShardScan:
     sealed: bool = False  # a SEALED manifest exists and agrees with every file
     manifest: dict[int, FileRecord] | None = None  # the SEALED manifest as read, if readable
     manifest_unreadable: bool = False  # a SEALED file is there but does not parse
+    recorded: range = range(0)  # the ids the run's own record says it sealed here (``writer.sealed_ids``)
     opened: int = 0  # sample files opened and checked
     trusted: int = 0  # good by the manifest and the listing alone, unopened
     bytes_read: int = 0
@@ -91,9 +92,12 @@ class ShardScan:
 
     @property
     def gone(self) -> list[int]:
-        """Ids the SEALED manifest lists whose file is absent (not bad: gone)."""
+        """Ids that were sealed whose file is absent (not bad: gone): data lost, where the ids not
+        yet written are only missing. The SEALED manifest lists them, or, where it is gone with
+        them (the folder deleted whole), the run's own record of the seal."""
         flagged = {p.sample_id for p in self.problems if p.sample_id is not None}
-        return [sid for sid in sorted(self.manifest or {}) if sid not in self.good and sid not in flagged]
+        listed = sorted(self.manifest or {}) if self.manifest is not None else self.recorded
+        return [sid for sid in listed if sid not in self.good and sid not in flagged]
 
     @property
     def complete(self) -> bool:
@@ -203,10 +207,14 @@ def _list(
         with os.scandir(folder) as it:
             entries = sorted(it, key=lambda e: e.name)
     except FileNotFoundError:
-        return out, []
+        entries = []
     if any(e.name == layout.SEALED for e in entries):
         out.manifest = read_seal(run, shard)
         out.manifest_unreadable = out.manifest is None
+    else:
+        out.recorded = sealed_ids(run, shard)
+    if not entries:
+        return out, []
     seal = out.manifest or {}
     prefix = str(folder.relative_to(run))
     batches: list[Future] = []
