@@ -164,6 +164,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         plan=PlanIdentity.of(info, len(rejects)),
     )
     spec.save(opts.out)  # last: its presence means the run exists
+    target.record_files(opts.out, model_dir)
     (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
     log(
         f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "

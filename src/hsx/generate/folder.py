@@ -162,5 +162,6 @@ def create_spec(opts: GenerateOptions, plan: PlanIdentity, engine: Engine) -> Ge
         drop=sorted(set(opts.drop or [])),
     )
     spec.save(opts.out)  # last: its presence means the run exists
+    target.record_files(opts.out, model_dir)
     (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
     return spec

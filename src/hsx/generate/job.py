@@ -289,7 +289,7 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                 verifier.stop()
             summary.already_done, summary.redone = begun.summary.already_done, begun.summary.redone
             if todo:
-                model_dir = target.model_dir_for(run, spec, opts.model, checked=False)
+                model_dir = target.model_dir_for(run, spec, opts.model, keep=True)
                 tokenizer = target.load_tokenizer(model_dir, spec.trust_remote_code)
                 stops = stop_ids(model_dir, tokenizer)  # the engine stops where the job ends a turn
                 if engine is None:
@@ -304,9 +304,10 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                 t0 = time.monotonic()
                 progress.clock()
                 try:
-                    ConversationLoop(
-                        spec, run, plan, engine, prompter, progress, begun.space.reserve, summary
-                    ).run_shards(todo)
+                    with target.Digests(run, model_dir):
+                        ConversationLoop(
+                            spec, run, plan, engine, prompter, progress, begun.space.reserve, summary
+                        ).run_shards(todo)
                 except DiskFull as e:  # the guard's reserve reached, or a real ENOSPC: every file whole or absent
                     left = spec.plan.num_tokens - progress.tokens_done()
                     raise begun.clean_stop(e, summary, left, summary.total - summary.done) from e

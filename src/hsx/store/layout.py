@@ -3,6 +3,7 @@
 OUT/
   hsx.json                 SPEC: the run spec, written once, last of the set-up
   model-location.json      LOCATION: where the model lives now (beside the spec, which never changes)
+  model-files.json         MODEL_FILES: each file of the model: where it stands (size, mtime, inode), its digest
   plan/plan.parquet        PLAN_DIR / PLAN_FILE: the frozen, tokenized work list
   plan/growth.json         GROWTH: samples appended since (an extraction following its generate run),
   plan/part-000001.parquet   and the files holding them (part_name)
@@ -22,6 +23,7 @@ from pathlib import Path
 
 SPEC = "hsx.json"
 LOCATION = "model-location.json"
+MODEL_FILES = "model-files.json"  # every file of the run's model as it stands, with digests (target.check_files)
 PLAN_DIR = "plan"
 PLAN_FILE = "plan.parquet"
 GROWTH = "growth.json"
