@@ -70,6 +70,9 @@ def extract_local(
         except DiskFull as e:
             summary.written, summary.tokens_written, summary.bytes_written = progress.session()
             raise begun.clean_stop(e, summary, spec.plan.num_tokens - progress.tokens_done()) from e
+        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the stop message says what is done
+            e.add_note(f"{progress.counts()[0]}/{spec.plan.num_samples} samples are done and durable")
+            raise
         finally:
             verifier.stop()
             summary.seconds = progress.elapsed()
