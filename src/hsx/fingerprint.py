@@ -181,7 +181,7 @@ class ModelFiles(BaseModel):
     files: dict[str, FileState]
 
 
-SMALL_FILE = 64 << 20  # a file smaller than this that is not a weight is hashed whole at once (config, tokenizer)
+SMALL_FILE = 64 << 20  # a file smaller than this is hashed whole when the run records it
 
 
 def is_weight(name: str) -> bool:
@@ -204,11 +204,12 @@ def model_files_listing(model_dir: Path) -> list[str]:
 
 
 def model_files(model_dir: Path) -> ModelFiles:
-    """The model folder's files as they stand: weights by their state alone (their digests come
-    later, in the background), every other file small enough with its full digest."""
+    """The model folder's files as they stand, each smaller than ``SMALL_FILE`` with its full
+    digest (config, tokenizer, template: milliseconds), the larger ones (weight shards) by their
+    state alone: their digests come later, in the background (``target.Digests``)."""
     out = {}
     for name in model_files_listing(model_dir):
         path = model_dir / name
-        whole = not is_weight(name) and path.stat().st_size < SMALL_FILE
-        out[name] = file_state(path, digest_file(path) if whole else None)
+        small = path.stat().st_size < SMALL_FILE
+        out[name] = file_state(path, digest_file(path) if small else None)
     return ModelFiles(files=out)

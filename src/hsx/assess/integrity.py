@@ -157,10 +157,9 @@ def check(result: Integrity, limit: int = 8, command: str = "extract") -> Check:
         return Check("integrity", "ok", f"{result.files_good:,} files good, {mode}", details=details, data=data)
     for kind in counts:
         items = [p for p in result.problems if p.kind == kind]
-        if kind == Damage.MISSING:  # data that existed, verified: named by shard, as it is lost
+        if kind == Damage.MISSING:  # data that existed, verified, now gone: lost, named by shard
             by_shard = Counter(Path(p.path).parent.name for p in items)
             details += [f"lost: shard {s}: {n} sealed samples are gone" for s, n in sorted(by_shard.items())]
-            continue
         for p in items[:limit]:
             details.append(f"{kind}: {p.path} ({p.detail})")
         if len(items) > limit:

@@ -102,7 +102,7 @@ FLAGS = {
         "Reject conversations with an empty or length-cut answer (comma-separated).",
         "empty,length",
         "none",
-        parse=lambda v: [x for s in v or [] for x in s.split(",") if x] or None,
+        parse=lambda v: [x for s in v or [] for x in s.split(",")] or None,
     ),
     "samples_per_prompt": Flag("Conversations generated per input row."),
     "seed": Flag("The run's seed; each request's derives from it."),

@@ -21,6 +21,7 @@ from hsx.spec import Parallel
 from hsx.store.codec import DEFAULT_CODEC, Codec
 
 Toggle = Literal["auto", "on", "off"]
+MAX_LAYER = 10_000  # a layer id past any model's (the model's own count is checked once it is read)
 DEFAULTS = {"max_length": 4096, "batch_tokens": 16384, "shard_size": 1000, "dtype": "auto", "codec": DEFAULT_CODEC}
 EXTRACT = Bounds(
     **JOB.bounds,
@@ -74,10 +75,11 @@ class ExtractOptions(JobOptions):
                 also = "" if path == first else f" (also as {path})"
                 raise OptionError(f"--data names {first} twice{also}: give each file once")
         layers = self.layers
-        if layers is not None and (not layers or min(layers) < 0 or len(set(layers)) < len(layers)):
-            raise OptionError(
-                f"--layers takes distinct layer ids >= 0, not {','.join(map(str, self.layers)) or repr('')}"
-            )
+        if layers is not None and (
+            not layers or min(layers) < 0 or max(layers) > MAX_LAYER or len(set(layers)) < len(layers)
+        ):
+            given = ",".join(map(str, layers)) or "''"
+            raise OptionError(f"--layers takes distinct layer ids >= 0 and <= {MAX_LAYER}, not {given}")
         if self.ray_address is not None and not self.workers:
             raise OptionError("--ray-address is where --workers run; without --workers nothing joins it")
 

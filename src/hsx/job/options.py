@@ -76,7 +76,7 @@ class JobOptions:
         for f in fields(self):
             value = getattr(self, f.name)
             for v in value if isinstance(value, list) else [value]:
-                if isinstance(v, str) and not v.strip():
+                if isinstance(v, str | Path) and not str(v).strip():  # Path("") is "." and cannot be told
                     raise OptionError(f"{FLAG_NAMES.get(f.name, Bounds.flag(f.name))} takes a value, not {v!r}")
         if self.out.is_file():
             raise OptionError(f"--out {self.out} is a file, not a run folder: name a new or empty folder, or a run")
