@@ -100,6 +100,17 @@ def finished_run(tmp_path_factory) -> Path:
     return root / "run"
 
 
+def unwrite(run: Path, shard: int) -> None:
+    """Make ``shard`` of a finished run one not written yet: its folder, and the run's record that
+    it sealed it (without which a deleted shard is data lost, not work left)."""
+    import shutil
+
+    from hsx.store import layout
+
+    shutil.rmtree(layout.shard_dir(run, shard))
+    layout.seal_record(run, shard).unlink()
+
+
 def load_states(path: Path) -> dict:
     """A sample file's tensors as a raw file holds them, whatever its codec (new runs store zstd)."""
     from hsx.store.format import decode

@@ -19,6 +19,8 @@ from types import SimpleNamespace
 from typing import Annotated
 
 import pytest
+import typer
+from click.testing import CliRunner as ClickRunner
 from typer.testing import CliRunner
 
 from conftest import SMALL_RUN, TINY, conversations, hsx, write_jsonl
@@ -28,6 +30,7 @@ from hsx.errors import OptionError
 from hsx.extract.options import EXTRACT, ExtractOptions
 from hsx.job.resume import Summary
 from hsx.store import layout
+from test_diskguard import tmpfs  # noqa: F401  (a real small volume)
 
 
 def cli(*args) -> tuple[int, str]:
@@ -52,15 +55,15 @@ def convs(tmp_path) -> Path:
 # ---------------------------------------------------------------- 1: bounds, refused before anything is written
 
 BAD = [
-    (("--shard-size", "-1"), "--shard-size takes an integer >= 1, not -1"),
-    (("--shard-size", "0"), "--shard-size takes an integer >= 1, not 0"),
-    (("--max-length", "-5"), "--max-length takes an integer >= 1, not -5"),
-    (("--max-length", "0"), "--max-length takes an integer >= 1, not 0"),
-    (("--batch-tokens", "0"), "--batch-tokens takes an integer >= 1, not 0"),
-    (("--writers", "0"), "--writers takes an integer >= 1, not 0"),
-    (("--tensor-parallel", "0"), "--tensor-parallel takes an integer >= 1, not 0"),
-    (("--expert-parallel", "-2"), "--expert-parallel takes an integer >= 1, not -2"),
-    (("--workers", "-1"), "--workers takes an integer >= 0, not -1"),
+    (("--shard-size", "-1"), "--shard-size takes an integer >= 1 and <= 1000000, not -1"),
+    (("--shard-size", "0"), "--shard-size takes an integer >= 1 and <= 1000000, not 0"),
+    (("--max-length", "-5"), "--max-length takes an integer >= 1 and <= 100000000, not -5"),
+    (("--max-length", "0"), "--max-length takes an integer >= 1 and <= 100000000, not 0"),
+    (("--batch-tokens", "0"), "--batch-tokens takes an integer >= 1 and <= 100000000, not 0"),
+    (("--writers", "0"), "--writers takes an integer >= 1 and <= 1024, not 0"),
+    (("--tensor-parallel", "0"), "--tensor-parallel takes an integer >= 1 and <= 1024, not 0"),
+    (("--expert-parallel", "-2"), "--expert-parallel takes an integer >= 1 and <= 1024, not -2"),
+    (("--workers", "-1"), "--workers takes an integer >= 0 and <= 100000, not -1"),
     (("--metrics-port", "70000"), "--metrics-port takes an integer >= 1 and <= 65535, not 70000"),
     (("--dtype", "bf16"), "--dtype takes auto, bfloat16, float16 or float32, not 'bf16'"),
     (("--codec", "gzip"), "--codec takes raw, zstd or fp8, not 'gzip'"),
@@ -83,17 +86,23 @@ def test_extract_refuses_an_option_out_of_range_before_anything_is_written(tmp_p
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (("status", "RUN", "--threads", "0"), "--threads takes an integer >= 1, not 0"),
-        (("verify", "RUN", "--threads", "-1"), "--threads takes an integer >= 1, not -1"),
-        (("vocab", "RUN", "--size", "0"), "--size takes an integer >= 1, not 0"),
+        (("status", "RUN", "--threads", "0"), "--threads takes an integer >= 1 and <= 1024, not 0"),
+        (("verify", "RUN", "--threads", "-1"), "--threads takes an integer >= 1 and <= 1024, not -1"),
+        (("vocab", "RUN", "--size", "0"), "--size takes an integer >= 1 and <= 10000000, not 0"),
         (("export", "RUN", "DEST", "--to", "eagle"), "--to takes specforge, speculators or modelopt, not 'eagle'"),
         (("export", "RUN", "DEST", "--to", "specforge", "--draft-vocab", "0"), "--draft-vocab takes an integer >= 1"),
-        (("bench", "--samples", "0"), "--samples takes an integer >= 1, not 0"),
+        (("bench", "--samples", "0"), "--samples takes an integer >= 1 and <= 10000000, not 0"),
         (("bench", "--compile", "yes"), "--compile takes auto, on or off, not 'yes'"),
-        (("memory", "--model", "RUN", "--tensor-parallel", "0"), "--tensor-parallel takes an integer >= 1, not 0"),
-        (("memory", "--model", "RUN", "--gpu-memory", "0"), "--gpu-memory takes a number > 0.0, not 0.0"),
+        (
+            ("memory", "--model", "RUN", "--tensor-parallel", "0"),
+            "--tensor-parallel takes an integer >= 1 and <= 1024, not 0",
+        ),
+        (
+            ("memory", "--model", "RUN", "--gpu-memory", "0"),
+            "--gpu-memory takes a number > 0.0 and <= 100000.0, not 0.0",
+        ),
         (("memory", "--model", "RUN", "--experts", "fp4"), "--experts takes auto, packed or dequantized, not 'fp4'"),
-        (("generate", "--out", "DEST", "--top-k", "-1"), "--top-k takes an integer >= 0, not -1"),
+        (("generate", "--out", "DEST", "--top-k", "-1"), "--top-k takes an integer >= 0 and <= 10000000, not -1"),
     ],
 )
 def test_other_commands_refuse_options_out_of_range(tmp_path, args, said):
@@ -449,7 +458,7 @@ def test_help_shows_defaults_and_choices_and_fits_80_columns(command):
             "(needs the hsx[ray] extra)",
             "--codec [raw|zstd|fp8]",
             "--backend [transformers|vllm]",
-            "(an integer >= 1)",
+            "(an integer >= 1 and <= 1000000)",
         ],
         "status": ["--threads N", "[default: 8]"],
         "export": ["--to [specforge|speculators|modelopt]", "[default: (the model's config)]"],
@@ -464,7 +473,7 @@ def test_help_shows_defaults_and_choices_and_fits_80_columns(command):
             "--fast-verify On resume",
         ],
         "generate-export": ["--allow-incomplete Export"],
-        "memory": ["--experts [auto|packed|dequantized]", "[default: 16384]", "(a number > 0.0)"],
+        "memory": ["--experts [auto|packed|dequantized]", "[default: 16384]", "(a number > 0.0 and <= 100000.0)"],
     }.get(command, [])
     for piece in expected:
         assert piece in text, (piece, r.output)
@@ -575,3 +584,129 @@ def test_every_field_of_a_jobs_options_is_an_option_and_a_printed_command_parses
     monkeypatch.setattr(jobs, "run_job", lambda verb, stage, out, model, build: built.append(build()))
     code, out = cli(*shlex.split(given.command())[1:])
     assert code == 0 and built == [given], out
+
+
+# ---------------------------------------------------------------- hostile values: every option field, every command
+
+HOSTILE_NUMBERS = ("nan", "inf", "-inf", "9" * 40, "1e300", "-1", "")
+
+
+def _hostile(hint: str, bound: Bound | None) -> tuple[str, ...]:
+    """The values of a field's type that no option may take: for a number NaN, the infinities, one
+    past any upper end, a negative and nothing; for a name or a path, nothing."""
+    if bound is not None and bound.choices:
+        return ("nan", "-1", "")
+    if any(t in hint for t in ("int", "float")):
+        return HOSTILE_NUMBERS
+    return ("", " ")
+
+
+def _hostile_cases(tmp_path: Path, convs: Path) -> list[tuple[str, ...]]:
+    from dataclasses import fields
+    from typing import get_type_hints
+
+    from hsx.generate.options import GENERATE, GenerateOptions
+    from hsx.job.options import FLAG_NAMES, NOT_FLAGS
+
+    cases = []
+    for verb, cls, bounds in (("extract", ExtractOptions, EXTRACT), ("generate", GenerateOptions, GENERATE)):
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            hint = str(hints[f.name])
+            if f.name in NOT_FLAGS or hint == "<class 'bool'>":  # a flag takes no value
+                continue
+            flag = FLAG_NAMES.get(f.name, Bounds.flag(f.name))
+            base = {"--model": str(TINY), "--data": str(convs), "--out": str(tmp_path / "run")}
+            for value in _hostile(hint, bounds.bounds.get(f.name)):
+                args = base | {flag: value}
+                cases.append((verb, *[x for k, v in args.items() for x in (k, v)]))
+    for args, bounds in (
+        (("status", "RUN"), RUN),
+        (("vocab", "RUN"), RUN),
+        (("export", "RUN", "DEST", "--to", "specforge"), TO),
+        (("bench",), BENCH),
+        (("memory", "--model", str(TINY)), MEMORY),
+    ):
+        for name, bound in bounds.bounds.items():
+            flag = Bounds.flag(name)
+            if bound.choices or (name == "to" and args[0] == "export") or (name == "size" and args[0] == "status"):
+                continue
+            if (args[0], name) in (("status", "size"), ("status", "draft_vocab"), ("status", "target_vocab")):
+                continue
+            cases += [(*args, flag, v) for v in HOSTILE_NUMBERS]
+    return cases
+
+
+def test_every_option_refuses_hostile_values_with_exit_2_and_writes_nothing(tmp_path, monkeypatch):
+    """The property, over every field of the job commands' options and every number of the other
+    commands: NaN, the infinities, a number past any upper end, a negative and an empty value are
+    each refused (exit 2, never a traceback) before anything is written, anywhere."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    (work / "keep.txt").write_text("an --out '' is this folder, which is not empty")
+    monkeypatch.chdir(work)
+    convs = write_jsonl(tmp_path / "convs.jsonl", conversations(2))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    cases = _hostile_cases(tmp_path, convs)
+    command, runner = typer.main.get_command(app), ClickRunner()  # made once: typer's runner makes it per call
+    wrong = []
+    for args in cases:
+        r = runner.invoke(command, list(args))
+        if r.exit_code != 2 or not isinstance(r.exception, SystemExit):
+            wrong.append(f"{' '.join(args[:1] + args[-2:])} -> exit {r.exit_code}: {r.output.strip()[-200:]}")
+    assert not wrong, "\n".join(wrong)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert len(cases) > 400  # every field of both options classes, every number of the rest
+
+
+def test_a_value_json_cannot_hold_never_reaches_a_spec(tmp_path):
+    """The real command: ``--temperature nan`` ran to exit 0 and wrote ``"temperature": null`` into
+    the spec, after which status called hsx.json damaged and every resume refused. Now it is refused
+    before anything is written, as is a value only JSON's NaN could carry in ``--template-kwargs``."""
+    convs = write_jsonl(tmp_path / "convs.jsonl", conversations(2))
+    r = hsx(
+        "generate", "--model", TINY, "--data", convs, "--out", tmp_path / "gen", "--temperature", "nan", check=False
+    )
+    assert r.returncode == 2 and "--temperature takes a number >= 0.0 and <= 100.0, not nan" in r.stderr, r.stderr
+    assert not (tmp_path / "gen").exists() and "Traceback" not in r.stderr
+    code, out = cli("generate", "--model", TINY, "--data", convs, "--out", tmp_path / "gen",
+                    "--template-kwargs", '{"budget": NaN}')  # fmt: skip
+    assert code == 2 and "--template-kwargs holds NaN or an infinity" in out and not (tmp_path / "gen").exists()
+
+
+IGNORED = [
+    (("generate", "--server", "http://127.0.0.1:1"), "--server applies to --backend server; this run generates with"),
+    (("generate", "--server-timeout", "5"), "--server-timeout applies to --backend server"),
+    (("generate", "--backend", "server"), "--backend server needs the servers to send requests to"),
+    (("generate", "--backend", "server", "--server", "ftp://127.0.0.1/x"), "--server takes an http:// or https:// URL"),
+    (("extract", "--allow-incomplete"), "this run's --data is not a generate run"),
+    (("extract", "--metrics-textfile", "DIR"), "is a folder: name the file to keep"),
+    (("extract", "--ray-address", "127.0.0.1:6379"), "--ray-address is where --workers run"),
+    (("extract", "--data-parallel-size", "2"), "--data-parallel-size size vLLM's engine; this run's backend is"),
+]
+
+
+@pytest.mark.parametrize(("args", "said"), IGNORED, ids=[" ".join(a) for a, _ in IGNORED])
+def test_an_option_the_run_would_ignore_is_refused_by_name_before_anything_is_written(tmp_path, convs, args, said):
+    """Options accepted and then ignored (or refused only once the plan was written) are refused by
+    name, exit 2, with nothing written."""
+    verb, *rest = (str(tmp_path) if a == "DIR" else a for a in args)
+    code, out = cli(verb, "--model", TINY, "--data", convs, "--out", tmp_path / "run", *rest)
+    assert code == 2 and said in out, out
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_out_that_cannot_be_written_is_refused_by_name_not_a_traceback(tmp_path, convs, tmpfs):  # noqa: F811
+    """A read-only --out and an --out under a regular file were tracebacks; a folder given as
+    --data was "no such data file"."""
+    readonly = tmpfs("ro", size="1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(readonly)], check=True)
+    for out, said in (
+        (readonly / "run", f"{readonly} is not writable here (read-only, or not this user's)"),
+        (convs / "run", f"{convs} is a file, not a folder"),
+    ):
+        code, text = cli("extract", "--model", TINY, "--data", convs, "--out", out)
+        assert code == 2 and f"--out {out}: {said}" in text, text
+    code, text = cli("extract", "--model", TINY, "--data", tmp_path, "--out", tmp_path / "run")
+    assert code == 2 and f"{tmp_path} is a folder, not a data file nor a Hugging Face dataset saved" in text, text
+    assert not (tmp_path / "run").exists()

@@ -187,7 +187,13 @@ def test_kill9_then_sigterm_at_progress_points_then_resume_is_byte_identical(gen
         verified = now
     err = log.read_text()
     assert re.search(rf"^progress done=\d+/{CONVS} rate=[\d.]+/s eta=(\d+s|-) free=[\d.]+GB last_error=-$", err, re.M)
-    assert "terminated (SIGTERM); resume with: hsx generate --out" in err, err
+    durable = len(verified)  # the stop message and the last progress line say exactly what is durable
+    last = [line for line in err.splitlines() if line.startswith("progress done=")][-1]
+    assert last.startswith(f"progress done={durable}/{CONVS} "), f"seed {seed}: {err}"
+    assert (
+        f"terminated (SIGTERM); {durable}/{CONVS} conversations are done and durable; resume with: hsx generate --out"
+        in err
+    ), err
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name], "a SIGTERM left a partial file"
     hsx(*shlex.split(err.split("resume with: ")[1].splitlines()[0])[1:], env=ENV)  # the resume, as printed
     assert run_files(out) == run_files(reference), f"seed {seed}"  # no conversation lost, duplicated or changed
@@ -643,3 +649,17 @@ def test_a_datasets_folder_split_limit_drop_and_threads(tmp_path, one_thread):
     empty = GeneratedTurn(3, np.zeros(1, np.int32), np.zeros(1, np.int32), "stop", " \n")
     assert dropped(empty, ["empty"]) == "turn 3: the generated answer is empty (--drop empty)"
     assert dropped(empty, ["length"]) is None and dropped(empty, []) is None
+
+
+def test_status_counts_the_rows_planning_rejected_and_generate_export_refuses_a_folder(gen_run, tmp_path):
+    """Counts and words: a generate run's status counts the rows its planning rejected (it said
+    "0 rejected" while rejects.jsonl held them); generate-export onto a folder is refused by name
+    (it was a traceback), and writes nothing there."""
+    _, out = gen_run
+    r = CliRunner().invoke(app, ["status", str(out)])
+    assert r.exit_code == 0 and "rejected: 2 input rows at planning; each with its reason in" in r.output, r.output
+    folder = tmp_path / "existing"
+    folder.mkdir()
+    r = CliRunner().invoke(app, ["generate-export", str(out), str(folder)])
+    assert r.exit_code == 2 and not isinstance(r.exception, IsADirectoryError), r.output
+    assert f"{folder} is a folder: name the JSONL file to write" in r.output and not list(folder.iterdir())

@@ -381,3 +381,147 @@ def test_a_call_without_an_id_gets_one_and_a_results_own_id_still_pairs_it():
     assert [(t.tool_call_id, t.name) for t in conv.turns[2:4]] == [("mine", "f"), ("functions.f:1", "f")]
     assert conv.turns[4].tool_calls[0].id == "kept" and conv.turns[5].tool_call_id == "kept"
     assert conv.ids_given == 2
+
+
+# ---------------------------------------------------------------- hostile rows: every reader, bounded
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _hostile_rows(rng, limit: int, text: bool) -> list[tuple[str, object]]:
+    """(kind, row) pairs: good rows and hostile ones; ``text``: the file is JSON text (JSONL, JSON),
+    whose bytes may also be invalid UTF-8 or not JSON at all. A row is an object, or bytes as stored."""
+    good = {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}], "meta": ""}
+    kinds = ["good", "oversized", "deep_string", "empty", "not_object"]
+    kinds += ["deep_row", "bad_utf8", "malformed"] if text else []
+    rows = [("good", good)]
+    for _ in range(60):
+        kind = rng.choice(kinds)
+        if kind == "good":
+            rows.append((kind, good | {"meta": "é" * rng.randint(0, 200)}))
+        elif kind == "oversized":  # one long value, up to 16 times the row limit
+            big = {"from": "human", "value": "x" * rng.randint(limit + 1, 16 * limit)}
+            rows.append((kind, {"conversations": [big, good["conversations"][1]], "meta": ""}))
+        elif kind == "deep_string":  # JSON text a field holds (the tools), nested past the limit
+            rows.append((kind, good | {"tools": _nested(rng.randint(65, 3000))}))
+        elif kind == "empty":
+            rows.append((kind, {"conversations": [], "meta": ""}))
+        elif kind == "not_object":
+            rows.append((kind, rng.choice([[1, 2], "text", 7]) if text else {"meta": "no turns"}))
+        elif kind == "deep_row":
+            rows.append((kind, f'{{"conversations": {_nested(rng.randint(65, 5000))}}}'.encode()))
+        elif kind == "bad_utf8":
+            rows.append((kind, json.dumps(good).encode()[:-2] + bytes([rng.choice([0xFF, 0xC3, 0x80])]) + b'"}'))
+        else:
+            rows.append((kind, b'{"conversations": [tru, 1]}'))  # balanced: a JSON array goes on
+    return rows
+
+
+REASONS = {
+    "oversized": "larger than the row limit of",
+    "deep_string": "not valid JSON (nested deeper than 64 levels",
+    "deep_row": "nested deeper than 64 levels of objects and lists (the nesting limit)",
+    "bad_utf8": "not UTF-8 text",
+    "malformed": "malformed JSON",
+    "empty": "empty conversation",
+    "not_object": "",  # "row is a list, not an object" or "unknown schema"
+}
+
+
+def _write(path: Path, fmt: str, rows: list[tuple[str, object]]) -> Path:
+    def raw(row: object) -> bytes:
+        return row if isinstance(row, bytes) else json.dumps(row, ensure_ascii=False).encode()
+
+    if fmt == "jsonl":
+        path.write_bytes(b"\xef\xbb\xbf" + b"".join(raw(r) + b"\n" for _, r in rows))  # a BOM before row 0
+    elif fmt == "json":
+        path.write_bytes(b"\xef\xbb\xbf[\n" + b",\n".join(raw(r) for _, r in rows) + b"\n]")
+    else:
+        table = pa.Table.from_pylist([{"tools": None} | r for _, r in rows])
+        if fmt == "parquet":
+            pq.write_table(table, path, row_group_size=16)
+        else:
+            from conftest import require
+
+            require("datasets").Dataset(table).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "datasets"])
+def test_fuzz_every_reader_rejects_hostile_rows_by_name_within_a_memory_bound(tmp_path, monkeypatch, fmt):
+    """Generated hostile rows through each reader (a row past the size limit, nested past the
+    nesting limit in the row or in JSON text a field holds, not UTF-8, not JSON, not an object,
+    empty), among good ones: every row comes out once, in order, a good one equal to what json
+    gives for it (the independent reference), a hostile one as a reject naming its row and the
+    limit; a BOM costs no row; and no reader holds a row past the limit: the Python memory peak
+    stays under a few rows' worth, where the largest row is 16 times the limit."""
+    import random
+    import tracemalloc
+
+    from hsx import input as reader
+
+    limit = 64 << 10  # the bounds made small, so that hostile rows stay small in the test
+    monkeypatch.setattr(reader, "MAX_ROW_BYTES", limit)
+    monkeypatch.setattr(reader, "CHUNK", 16 << 10)
+    seed = 4242
+    rows = _hostile_rows(random.Random(seed), limit, fmt in ("jsonl", "json"))
+    path = _write(tmp_path / f"rows.{fmt}", fmt, rows)
+    next(read_conversations([path]))  # what the reader imports the first time is not what it holds
+    tracemalloc.start()
+    try:
+        out = list(read_conversations([path]))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [o.source.row for o in out] == list(range(len(rows))), f"seed {seed}"
+    for (kind, row), got in zip(rows, out, strict=True):
+        if kind == "good":
+            ref = normalize(json.loads(json.dumps(row)), got.source)  # json's own reading of the row
+            assert got == ref and isinstance(got, Conversation), (seed, got)
+        else:
+            assert isinstance(got, Reject) and REASONS[kind] in got.reason, (seed, kind, got)
+    assert peak < 12 * limit, f"seed {seed}: {peak} bytes held at once, the largest row is {16 * limit}"
+
+
+def test_a_hostile_row_is_a_reject_naming_it_and_every_good_row_is_planned(tmp_path):
+    """The real command on one file: a row nested 5,000 deep (it ended the start with a
+    RecursionError), one holding JSON text nested 3,000 deep, one invalid UTF-8 byte (it refused the
+    whole file), a row past the 32 MiB row limit (a 50 MB row once took 11 GB to reject), and a
+    byte-order mark (it cost row 0): each hostile row is a reject naming its row and the limit, the
+    good rows around them are planned, and status counts the rejects."""
+    from typer.testing import CliRunner
+
+    from conftest import TINY, conversations, hsx
+    from hsx.cli import app
+    from hsx.input import MAX_ROW_BYTES
+
+    good = [json.dumps(c).encode() for c in conversations(3)]
+    deep_text = {"messages": [{"role": "user", "content": "q"},
+                              {"role": "assistant", "content": "", "tool_calls": [
+                                  {"function": {"name": "f", "arguments": _nested(3000)}}]}]}  # fmt: skip
+    big = {"conversations": [{"from": "human", "value": "x" * MAX_ROW_BYTES}, {"from": "gpt", "value": "A"}]}
+    rows = [
+        b"\xef\xbb\xbf" + good[0],
+        b'{"conversations": ' + _nested(5000).encode() + b"}",
+        json.dumps(deep_text).encode(),
+        good[1][:-2] + b'\xff"}',
+        json.dumps(big).encode(),
+        good[2],
+    ]
+    data = tmp_path / "rows.jsonl"
+    data.write_bytes(b"\n".join(rows) + b"\n")
+    out = tmp_path / "run"
+    r = hsx("extract", "--model", TINY, "--data", data, "--out", out, "--device", "cpu", "--codec", "raw", check=False)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    rejects = {j["row"]: j["reason"] for j in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())}
+    assert sorted(rejects) == [1, 2, 3, 4], rejects
+    assert rejects[1] == "nested deeper than 64 levels of objects and lists (the nesting limit)"
+    assert "arguments of the call to 'f': not valid JSON (nested deeper than 64 levels" in rejects[2]
+    assert rejects[3].startswith("not UTF-8 text (invalid start byte at byte")
+    assert rejects[4] == f"row of {len(rows[4]) + 1:,} bytes: larger than the row limit of {MAX_ROW_BYTES:,} bytes"
+    plan = pq.read_table(out / "plan" / "plan.parquet")
+    assert sorted(set(plan.column("source_row").to_pylist())) == [0, 5]
+    status = CliRunner().invoke(app, ["status", str(out)])
+    assert "rejected: 4 input rows at planning; each with its reason in" in status.output, status.output

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import flip_byte, run_files
+from conftest import flip_byte, run_files, unwrite
 from hsx.extract import ExtractOptions, extract
 from hsx.store import layout, scan
 
@@ -32,7 +32,7 @@ def test_extraction_runs_while_verification_reads_and_never_writes_an_unsettled_
 
     run = shutil.copytree(finished_run, tmp_path / "run")
     expected = run_files(finished_run)
-    shutil.rmtree(layout.shard_dir(run, 3))
+    unwrite(run, 3)  # never written (a shard sealed and then deleted would be data lost)
     for sid in (12, 17):
         layout.sample_path(run, sid, 10).unlink()
     flip_byte(layout.sample_path(run, 4, 10), -50)

@@ -19,7 +19,18 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import SMALL_RUN, TINY, conversations, damage, extract_args, flip_byte, hsx, run_files, write_jsonl
+from conftest import (
+    SMALL_RUN,
+    TINY,
+    conversations,
+    damage,
+    extract_args,
+    flip_byte,
+    hsx,
+    run_files,
+    unwrite,
+    write_jsonl,
+)
 from hsx.assess.checks import ranges
 from hsx.cli import app
 from hsx.store import layout
@@ -115,7 +126,7 @@ def test_damaged_files_are_each_listed_and_deep_finds_the_bit_flip(finished_run,
 def test_changed_model_fails_the_model_line(finished_run, tmp_path):
     model = Path(shutil.copytree(TINY, tmp_path / "model"))
     run = copy_run(finished_run, tmp_path / "run")
-    shutil.rmtree(run / "shards" / "000003")  # an unfinished run: there is something to resume
+    unwrite(run, 3)  # an unfinished run: there is something to resume
     spec = json.loads((run / layout.SPEC).read_text())
     spec["model"]["path"] = str(model)  # as if the run had been started from this copy
     (run / layout.SPEC).write_text(json.dumps(spec))
@@ -148,7 +159,7 @@ def test_a_moved_model_is_checked_with_model_and_recorded_by_the_resume(finished
 
     old = Path(shutil.copytree(TINY, tmp_path / "old"))
     run = copy_run(finished_run, tmp_path / "run")
-    shutil.rmtree(run / "shards" / "000003")  # something left to resume
+    unwrite(run, 3)  # something left to resume
     spec = json.loads((run / layout.SPEC).read_text())
     spec["model"]["path"] = str(old)  # as if the run had been started from this copy
     (run / layout.SPEC).write_text(json.dumps(spec))
@@ -274,7 +285,7 @@ def relative_run(tmp_path_factory) -> Path:
 def relative_copy(run: Path, name: str) -> Path:
     """A copy beside it (so the relative paths hold from the same folder), its last shard to redo."""
     copy = copy_run(run, run.parent / name)
-    shutil.rmtree(copy / "shards" / "000001")
+    unwrite(copy, 1)
     return copy
 
 
@@ -325,7 +336,7 @@ def test_an_older_runs_relative_model_path_resumes_from_its_directory_or_with_mo
 
     hsx("extract", "--out", "run-old", cwd=home)  # from where it was made, as before
     assert run_files(run) == run_files(relative_run)
-    shutil.rmtree(run / "shards" / "000001")
+    unwrite(run, 1)
     hsx("extract", "--out", run, "--model", home / "tinyR", cwd=tmp_path)  # or from anywhere with --model
     assert run_files(run) == run_files(relative_run)
     code, text = status(run)  # the resume recorded where the model is: found from here from now on
@@ -346,3 +357,45 @@ def test_an_older_runs_relative_model_path_resumes_from_its_directory_or_with_mo
 )
 def test_shard_ranges_stay_compact(ids, text):
     assert ranges(ids) == text
+
+
+def test_a_resume_without_model_refuses_a_tensor_the_probes_miss_and_a_changed_template(tmp_path):
+    """One run, two models, no more: a tensor scaled by 1.5 between the fingerprint's probes, and a
+    chat template edited, each went unnoticed by ``hsx extract --out`` alone, which wrote samples
+    with the changed model. The run's record of its model's files (size, mtime, inode, full digest)
+    refuses both by name, and nothing is written; the model restored as a copy (every file moved)
+    is read whole once, proved the same, and the run goes on."""
+    from safetensors.torch import load_file, save_file
+
+    from hsx.extract import ExtractOptions, extract
+    from hsx.fingerprint import probe_digest
+
+    model = Path(shutil.copytree(TINY, tmp_path / "model"))
+    pristine = Path(shutil.copytree(TINY, tmp_path / "pristine"))
+    run = tmp_path / "run"
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(20))
+    opts = dict(device="cpu", shard_size=10, batch_tokens=512, writers=2, codec="raw")
+    extract(ExtractOptions(out=run, model=str(model), data=[data], **opts), log=lambda m: None)
+    unwrite(run, 1)  # something left to resume
+
+    weights = model / "model.safetensors"
+    tensors, probed = load_file(weights), probe_digest(weights)
+    for name in sorted(tensors, key=lambda n: tensors[n].numel()):  # the first tensor the probes miss
+        save_file(tensors | {name: tensors[name] * 1.5}, weights, metadata={"format": "pt"})
+        if probe_digest(weights) == probed:
+            break
+    assert probe_digest(weights) == probed, "no tensor the probes miss"
+    r = CliRunner().invoke(app, ["extract", "--out", str(run)])
+    assert r.exit_code == 2 and "model.safetensors: content differs (full digest)" in r.output, r.output
+    assert not (run / "shards" / "000001").exists()
+
+    shutil.copy(pristine / "model.safetensors", weights)
+    (model / "chat_template.jinja").write_text((pristine / "chat_template.jinja").read_text() + "{{ '' }}\n")
+    r = CliRunner().invoke(app, ["extract", "--out", str(run)])
+    assert r.exit_code == 2 and "chat template differs" in r.output, r.output
+    assert not (run / "shards" / "000001").exists()
+
+    shutil.rmtree(model)
+    shutil.copytree(pristine, model)  # the same files, each in a new place
+    r = CliRunner().invoke(app, ["extract", "--out", str(run)])
+    assert r.exit_code == 0 and "samples    20/20 done, 10 written now" in r.output, r.output

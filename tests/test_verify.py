@@ -80,3 +80,23 @@ def test_repair_quarantines_with_reasons_then_extract_redoes_exactly_those(finis
     assert untouched and all(p.stat().st_ino == before[p] for p in untouched)  # nothing else was rewritten
     for p in (run / "shards").rglob("*.safetensors"):
         check(p, parse_sample_name(p.name), deep=True)
+
+
+def test_a_sealed_shard_deleted_whole_is_data_lost_named_by_shard(finished_run, tmp_path):
+    """A shard folder deleted whole (its SEALED manifest with it) was "40 files good", exit 0, and
+    status said nothing was wrong: the run's own record of what it sealed tells it from a shard not
+    written yet. Verify and status exit 1, name the shard and the resume; the resume redoes it
+    exactly, after which nothing is lost."""
+    run = Path(shutil.copytree(finished_run, tmp_path / "run"))
+    reference = run_files(run)
+    shutil.rmtree(run / "shards" / "000002")
+    code, text = verify(run)
+    assert code == 1 and "10 missing; 30 files good" in text, text
+    assert "lost: shard 000002: 10 sealed samples are gone" in text and "hsx extract redoes these samples" in text
+    r = CliRunner().invoke(app, ["status", str(run)])
+    assert r.exit_code == 1 and "lost: shard 000002: 10 sealed samples are gone" in r.output, r.output
+    assert f"resume: hsx extract --out {run}" in r.output and "nothing to resume" not in r.output
+    (run / "shards" / "000003" / layout.SEALED).unlink()  # the manifest alone gone: nothing lost, resealed
+    r = CliRunner().invoke(app, ["extract", "--out", str(run)])
+    assert r.exit_code == 0 and "redone     10 missing" in r.output, r.output
+    assert run_files(run) == reference and verify(run, "--deep")[0] == 0

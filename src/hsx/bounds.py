@@ -12,9 +12,11 @@ is written. A given value is never swapped for a default: it is allowed or refus
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
+from hsx.drafts import DRAFT_TYPES
 from hsx.errors import OptionError
 
 
@@ -22,7 +24,10 @@ from hsx.errors import OptionError
 class Bound:
     """A number within [min, max] (an end left out is open-ended; ``min_open``/``max_open``
     exclude the end itself), or one of ``choices``. Ends written as ints bound an integer
-    (``Bound(min=1)``), as floats a real number (``Bound(min=0.0, max=1.0, min_open=True)``)."""
+    (``Bound(min=1)``), as floats a real number (``Bound(min=0.0, max=1.0, min_open=True)``).
+    A real number is finite, whatever its ends: NaN passes every comparison and an infinity every
+    open end, and neither can be written into a spec as JSON (``--temperature nan`` once became
+    ``null`` there, and the run could no longer be read)."""
 
     min: float | None = None
     max: float | None = None
@@ -49,6 +54,8 @@ class Bound:
         if self.choices:
             return value in self.choices
         if isinstance(value, bool) or not isinstance(value, int if self.integer else int | float):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
             return False
         if self.min is not None and (value <= self.min if self.min_open else value < self.min):
             return False
@@ -100,3 +107,14 @@ class Bounds:
             kw.setdefault("metavar", "N" if bound.integer else "X")
             kw["help"] = f"{kw.get('help', '').rstrip('.')} ({bound.allowed()})."
         return typer.Option(*decls, callback=within, **kw)
+
+
+VOCAB = Bound(min=1, max=10**7)  # a vocabulary's size
+# ``hsx export``'s (here, not beside ``ExportOptions``: the command line reads them without torch)
+EXPORT = Bounds(
+    to=Bound(choices=("specforge", "speculators", "modelopt")),
+    draft=Bound(choices=DRAFT_TYPES),
+    draft_vocab=VOCAB,
+    target_vocab=VOCAB,
+    pace=Bound(min=0.0, max=60.0),
+)

@@ -7,6 +7,11 @@ The probes see a few KiB of the data at most and miss small tensors: a quantized
 scales (fine-grained FP8's per-block ``weight_scale_inv``, compressed-tensors' ``weight_scale`` /
 ``weight_zero_point``...) decide its weights as much as the stored integers do, so every tensor of a
 safetensors file whose name says it is one is hashed whole as well (``WeightFile.scales``).
+
+The probes cannot see every tensor (one scaled by 1.5 between them went unnoticed), so a run also
+keeps ``ModelFiles``: every file of the model folder by its identity on disk (size, mtime, inode)
+and its full digest, computed at once for the small files (config, tokenizer, chat template) and in
+the background of the first run for the weights (``target.check_files``, ``target.Digests``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import os
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import xxhash
@@ -32,11 +38,14 @@ def digest_json(obj: object) -> str:
     return digest_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
 
 
-def digest_file(path: Path) -> str:
+def digest_file(path: Path, stop: Callable[[], bool] = lambda: False) -> str | None:
+    """The file's digest; None where ``stop`` said so between two chunks."""
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)
+            if stop():
+                return None
     return h.hexdigest()
 
 
@@ -77,7 +86,7 @@ class ModelFingerprint(BaseModel):
 PROBES, PROBE_BYTES = 16, 4096
 
 
-def _probe_digest(path: Path) -> str:
+def probe_digest(path: Path) -> str:
     """Digest of the first 8 bytes, the header they announce (as safetensors frames it) and the
     probes after it. Run specs store these values, so the bytes hashed are fixed: weight files of
     any kind (.bin, .gguf too) go through here and the header is hashed, never parsed, which is
@@ -133,15 +142,74 @@ def _scales_digest(path: Path) -> str | None:
     return h.hexdigest()
 
 
-def model_fingerprint(model_dir: Path, full: bool = False) -> ModelFingerprint:
+def config_digest(model_dir: Path) -> str:
+    """The model's config.json, but for the transformers version that saved it."""
     config = json.loads((model_dir / "config.json").read_text())
     config.pop("transformers_version", None)
+    return digest_json(config)
+
+
+def model_fingerprint(model_dir: Path, full: bool = False) -> ModelFingerprint:
     weights = []
     for path in sorted(model_dir.rglob("*")):
         if not path.is_file() or not path.name.endswith(WEIGHT_SUFFIXES):
             continue
-        header = digest_file(path) if full else _probe_digest(path)
+        header = digest_file(path) if full else probe_digest(path)
         scales = _scales_digest(path) if path.name.endswith(".safetensors") else None
         name = str(path.relative_to(model_dir))
         weights.append(WeightFile(name=name, size=path.stat().st_size, header=header, scales=scales))
-    return ModelFingerprint(config=digest_json(config), weights=weights)
+    return ModelFingerprint(config=config_digest(model_dir), weights=weights)
+
+
+class FileState(BaseModel):
+    """One file of a model folder: how it stands on disk (an edit, a copy or a move changes one of
+    these), and its full digest once computed (None for a weight file not hashed yet)."""
+
+    size: int
+    mtime_ns: int
+    inode: int
+    digest: str | None = None
+
+    def same_place(self, other: FileState) -> bool:
+        """Unchanged on disk since ``other`` was recorded: its digest needs no reading again."""
+        return (self.size, self.mtime_ns, self.inode) == (other.size, other.mtime_ns, other.inode)
+
+
+class ModelFiles(BaseModel):
+    """Every file of a model folder (path relative to it), as ``model_files`` records it."""
+
+    files: dict[str, FileState]
+
+
+SMALL_FILE = 64 << 20  # a file smaller than this is hashed whole when the run records it
+
+
+def is_weight(name: str) -> bool:
+    return name.endswith(WEIGHT_SUFFIXES)
+
+
+def file_state(path: Path, digest: str | None = None) -> FileState:
+    st = path.stat()
+    return FileState(size=st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino, digest=digest)
+
+
+def model_files_listing(model_dir: Path) -> list[str]:
+    """The model folder's files, relative to it (a hub cache's or git's own hidden files are not the model's)."""
+    out = []
+    for path in sorted(model_dir.rglob("*")):
+        rel = path.relative_to(model_dir)
+        if path.is_file() and not any(part.startswith(".") for part in rel.parts):
+            out.append(str(rel))
+    return out
+
+
+def model_files(model_dir: Path) -> ModelFiles:
+    """The model folder's files as they stand, each smaller than ``SMALL_FILE`` with its full
+    digest (config, tokenizer, template: milliseconds), the larger ones (weight shards) by their
+    state alone: their digests come later, in the background (``target.Digests``)."""
+    out = {}
+    for name in model_files_listing(model_dir):
+        path = model_dir / name
+        small = path.stat().st_size < SMALL_FILE
+        out[name] = file_state(path, digest_file(path) if small else None)
+    return ModelFiles(files=out)

@@ -17,6 +17,7 @@ number and the reason, and the run goes on.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,7 +193,7 @@ def _json(value: object, what: str) -> object:
     if not isinstance(value, str):
         return value
     try:
-        return json.loads(value)
+        return parse_json(value)
     except ValueError as e:
         raise ValueError(f"{what}: not valid JSON ({e})") from None
 
@@ -456,33 +457,211 @@ def normalize(row: object, source: Source, column: str | None = None) -> Convers
     return Conversation(source, tuple(turns), tools, tuple(sorted(ignored)), given)
 
 
+# ---------------------------------------------------------------- files -> rows, each within its bounds
+# A row is read, decoded and parsed on its own: a row over a bound becomes a reject naming the row and
+# the bound, and the rest of its file is read on. No row is held larger than MAX_ROW_BYTES, and no
+# file is held whole (a JSON array is split into its rows as it streams by).
+MAX_ROW_BYTES = 32 << 20  # a row's bytes as stored; conversations a draft trains on are far smaller
+MAX_NESTING = 64  # levels of objects and lists in a row, or in JSON text a field holds (tool arguments)
+NESTED = f"nested deeper than {MAX_NESTING} levels of objects and lists (the nesting limit)"
+CHUNK = 1 << 20
+BOM = b"\xef\xbb\xbf"
+
+
+def json_depth(value: object) -> int:
+    """How deep objects and lists nest in ``value`` (a scalar: 0), walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
+
+
+def json_leaves(value: object) -> Iterator[object]:
+    """Every value in ``value`` that is neither an object nor a list."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict | list):
+            stack += item.values() if isinstance(item, dict) else item
+        else:
+            yield item
+
+
+def parse_json(text: str | bytes) -> object:
+    """JSON text nested at most ``MAX_NESTING`` deep: ``json.JSONDecodeError`` where it is not JSON,
+    ``ValueError`` where it nests deeper (text deeper than Python's parser can take too, never a
+    ``RecursionError``)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = TOO_DEEP
+    if value is TOO_DEEP or json_depth(value) > MAX_NESTING:
+        raise ValueError(NESTED)
+    return value
+
+
+TOO_DEEP = object()
+
+
+def _too_large(size: int | str) -> str:
+    return f"row of {size} bytes: larger than the row limit of {MAX_ROW_BYTES:,} bytes"
+
+
+def _row(raw: bytes, i: int, name: str) -> tuple[int, object] | Reject:
+    """One stored row's bytes -> (row number, value), or the reject saying which bound it broke."""
+    try:
+        return i, parse_json(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return Reject(Source(name, i, ""), f"not UTF-8 text ({e.reason} at byte {e.start} of the row)")
+    except json.JSONDecodeError as e:
+        return Reject(Source(name, i, ""), f"malformed JSON: {e.msg} at column {e.colno}")
+    except ValueError as e:
+        return Reject(Source(name, i, ""), str(e))
+
+
+def _jsonl(f, name: str) -> Iterator[tuple[int, object] | Reject]:
+    """A JSON line at a time (a blank line is no row but keeps its number); a line over the row
+    limit is skipped to its end without being held."""
+    i = 0
+    while line := f.readline(MAX_ROW_BYTES + 1):
+        if i == 0:
+            line = line.removeprefix(BOM)
+        if len(line) > MAX_ROW_BYTES and not line.endswith(b"\n"):
+            size = len(line)
+            while (rest := f.readline(CHUNK)) and not rest.endswith(b"\n"):
+                size += len(rest)
+            yield Reject(Source(name, i, ""), _too_large(f"{size + len(rest):,}"))
+        elif line.strip():
+            yield _row(line, i, name)
+        i += 1
+
+
+_OUTSIDE = re.compile(rb'["\[\]{},]')  # what changes the structure outside a string
+_INSIDE = re.compile(rb'["\\]')  # what ends a string, or escapes the byte after it
+
+
+def _json_array(f, name: str) -> Iterator[tuple[int, object] | Reject]:
+    """The rows of a file holding one JSON array, streamed: the array is split into its elements by
+    their brackets and strings (without parsing them), so a row is held only up to the row limit
+    and one nested past the nesting limit is never parsed. A file that is not one array is refused."""
+    level = 0  # 0: before the array; 1: between its rows; deeper: inside a row's objects and lists
+    in_string = escaped = done = False
+    piece, size, deepest, i = bytearray(), 0, 0, 0
+
+    def element(end: bool) -> Iterator[tuple[int, object] | Reject]:
+        nonlocal piece, size, deepest, i
+        if not piece.strip() and size <= MAX_ROW_BYTES:
+            if end and i == 0:  # [] or [ ]: no rows
+                return
+            raise InputError(f"{name}: not valid JSON (an empty element in the array, after row {i - 1})")
+        if size > MAX_ROW_BYTES:
+            yield Reject(Source(name, i, ""), _too_large(f"{size:,}"))
+        elif deepest > MAX_NESTING:
+            yield Reject(Source(name, i, ""), NESTED)
+        else:
+            yield _row(bytes(piece), i, name)
+        piece, size, deepest, i = bytearray(), 0, 0, i + 1
+
+    first = True
+    while chunk := f.read(CHUNK):
+        if first:
+            chunk, first = chunk.removeprefix(BOM), False
+        pos, n, keep = 0, len(chunk), 0  # keep: where this chunk's part of the current row begins
+        while pos < n:
+            if done:
+                if chunk[pos:].strip():
+                    raise InputError(f"{name}: not valid JSON (more after the array's end)")
+                break
+            if escaped:
+                pos, escaped = pos + 1, False
+                continue
+            m = (_INSIDE if in_string else _OUTSIDE).search(chunk, pos)
+            if m is None:
+                break
+            c, pos = m.group(), m.end()
+            if in_string:
+                escaped, in_string = c == b"\\", c == b"\\"
+                continue
+            if level == 0:
+                if c != b"[" or chunk[keep : m.start()].strip():
+                    raise _not_an_array(name, chunk if n < CHUNK else None)
+                level, keep = 1, pos
+            elif c == b'"':
+                in_string = True
+            elif c in b"[{":
+                level += 1
+                deepest = max(deepest, level - 1)
+            elif c in b"]}" and level > 1:
+                level -= 1
+            elif level == 1 and c in b",]":
+                size += m.start() - keep
+                if size <= MAX_ROW_BYTES:
+                    piece += chunk[keep : m.start()]
+                yield from element(end=c == b"]")
+                keep, done = pos, c == b"]"
+        if level >= 1 and not done:
+            size += n - keep
+            if size <= MAX_ROW_BYTES:
+                piece += chunk[keep:n]
+            else:
+                piece = bytearray()
+    if level == 0:
+        raise _not_an_array(name, b"")
+    if not done:
+        raise InputError(f"{name}: not valid JSON (the array is not closed)")
+
+
+def _not_an_array(name: str, whole: bytes | None) -> InputError:
+    """A .json file that does not hold an array: not JSON at all, where ``whole`` (the file, if it
+    is small) says so, or JSON of another kind."""
+    try:
+        json.loads(whole) if whole is not None else None
+    except (ValueError, RecursionError) as e:
+        return InputError(f"{name}: not valid JSON ({getattr(e, 'msg', 'nested too deep')})")
+    return InputError(f"{name}: a .json data file must hold an array of rows")
+
+
+def _table(batches: Iterator, name: str) -> Iterator[tuple[int, object] | Reject]:
+    """Rows of Arrow batches (Parquet, a Hugging Face dataset): a row over the row limit is never
+    made into Python objects; one nested past the nesting limit is a reject."""
+    i = 0
+    for batch in batches:
+        for k in range(batch.num_rows):
+            one = batch.slice(k, 1)
+            if one.nbytes > MAX_ROW_BYTES:
+                yield Reject(Source(name, i, ""), _too_large(f"{one.nbytes:,}"))
+            else:
+                try:
+                    row = one.to_pylist()[0]
+                    deep = json_depth(row) > MAX_NESTING
+                except RecursionError:
+                    deep = True
+                if deep:
+                    yield Reject(Source(name, i, ""), NESTED)
+                else:
+                    yield i, row
+            i += 1
+
+
 def _rows(path: Path, name: str, split: str | None = None) -> Iterator[tuple[int, object] | Reject]:
     from hsx import hfdatasets
 
     if hfdatasets.is_source(path):
-        yield from hfdatasets.rows(path, split)
+        yield from _table(hfdatasets.batches(path, split), name)
         return
     if split is not None:
         raise InputError(f"{name}: --split {split} applies to a Hugging Face dataset, not to a data file")
     suffix = path.suffix.lower()
     try:
         if suffix in (".jsonl", ".ndjson"):
-            with open(path, encoding="utf-8", errors="strict") as f:
-                for i, line in enumerate(f):
-                    if not line.strip():
-                        continue
-                    try:
-                        yield i, json.loads(line)
-                    except json.JSONDecodeError as e:
-                        yield Reject(Source(name, i, ""), f"malformed JSON: {e.msg} at column {e.colno}")
+            with open(path, "rb") as f:
+                yield from _jsonl(f, name)
         elif suffix == ".json":
-            try:
-                rows = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise InputError(f"{name}: not valid JSON ({e.msg}, line {e.lineno})") from e
-            if not isinstance(rows, list):
-                raise InputError(f"{name}: a .json data file must hold an array of rows")
-            yield from enumerate(rows)
+            with open(path, "rb") as f:
+                yield from _json_array(f, name)
         elif suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -490,17 +669,24 @@ def _rows(path: Path, name: str, split: str | None = None) -> Iterator[tuple[int
                 table = pq.ParquetFile(path)
             except Exception as e:
                 raise InputError(f"{name}: not a readable Parquet file ({e})") from e
-            i = 0
-            for batch in table.iter_batches(batch_size=1024):
-                for row in batch.to_pylist():
-                    yield i, row
-                    i += 1
+            yield from _table(table.iter_batches(batch_size=TABLE_BATCH), name)
         else:
             raise InputError(f"{name}: unknown data file type {suffix!r} (use .jsonl, .json or .parquet)")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{name}: not UTF-8 text ({e.reason} at byte {e.start})") from e
     except OSError as e:
         raise InputError(f"{name}: cannot read ({e.strerror or e})") from e
+
+
+TABLE_BATCH = 64  # Arrow rows read at a time: a batch of large rows stays a small multiple of the row limit
+
+
+def _not_a_file(path: Path) -> InputError:
+    """Why ``path`` cannot be read as data: it is a folder (not a saved dataset), or nothing."""
+    if path.is_dir():
+        return InputError(
+            f"{path} is a folder, not a data file nor a Hugging Face dataset saved with save_to_disk "
+            "(no state.json or dataset_dict.json in it): name the .jsonl, .json or .parquet files in it"
+        )
+    return InputError(f"{path}: no such data file")
 
 
 def check_source(path: Path, split: str | None = None, column: str | None = None) -> None:
@@ -511,7 +697,7 @@ def check_source(path: Path, split: str | None = None, column: str | None = None
     if hfdatasets.is_source(path):
         hfdatasets.load(path, split)
     elif not path.is_file():
-        raise InputError(f"{path}: no such data file")
+        raise _not_a_file(path)
     elif split is not None:
         raise InputError(f"{path}: --split {split} applies to a Hugging Face dataset, not to a data file")
     if column is not None and (have := _columns(path, split, column)) is not None:
@@ -553,7 +739,7 @@ def read_conversations(
     count = 0
     for path in paths:
         if not path.is_file() and not hfdatasets.is_source(path):
-            raise InputError(f"{path}: no such data file")
+            raise _not_a_file(path)
         name = str(path)
         for item in _rows(path, name, split):
             if limit is not None and count >= limit:

@@ -227,6 +227,11 @@ class Generated:
     unforced: bool = False
 
 
+def _agree(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...], n: int) -> bool:
+    """Two encodings hold the same first ``n`` tokens, at the same places."""
+    return all(np.array_equal(x[:n], y[:n]) for x, y in zip(a, b, strict=True))
+
+
 class Tokenize:
     """Render with the tokenizer's chat template and derive the assistant-token mask."""
 
@@ -278,6 +283,27 @@ class Tokenize:
             turn = plain if whole else turn
         return Generated(prompt + turn, len(prompt), unforced=not whole)
 
+    def encode(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Token ids of ``text`` and each one's character span (starts, ends)."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        starts, ends = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2).T
+        return np.asarray(enc["input_ids"], dtype=np.int32), starts, ends
+
+    def head(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``encode`` of ``text`` as far as a sample reaches: all of it, or, where it runs past
+        ``max_length`` tokens, its first ``max_length`` + 1 (the one after says it was cut), found
+        without tokenizing the rest (a 50 MB row once took 11 GB to tokenize whole). Prefixes of
+        growing length are tokenized until two of them agree on those tokens: a prefix's cut
+        changes only the tokens at its end."""
+        keep = self.max_length + 1
+        n, before = 8 * keep, None
+        while n < len(text):
+            now = self.encode(text[:n])
+            if before is not None and len(before[0]) > keep and _agree(now, before, keep):
+                return now[0][:keep], now[1][:keep], now[2][:keep]
+            before, n = now, 2 * n
+        return self.encode(text)
+
     def pieces(self, conv: Conversation) -> tuple[list[tuple[str, list[tuple[int, int]]]], Counter]:
         """The texts to extract, each with the character spans to mask, and what the template left out.
 
@@ -324,9 +350,7 @@ class Tokenize:
         src = conv.source
         samples, truncated = [], False
         for text, spans in pieces:
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids = np.asarray(enc["input_ids"], dtype=np.int32)
-            starts, ends = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2).T
+            ids, starts, ends = self.head(text)
             mask = np.zeros(len(ids), dtype=np.int8)
             for lo, hi in spans:  # every token that holds some of the turn (one may begin with blanks before it)
                 mask[(ends > lo) & (starts < hi)] = 1

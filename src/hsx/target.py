@@ -6,12 +6,28 @@ import functools
 import json
 import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx.errors import ModelChanged, ModelNotFound, UnsupportedModel
-from hsx.fingerprint import digest_bytes, digest_json, model_fingerprint
+from hsx.errors import ModelChanged, ModelNotFound, SpecError, UnsupportedModel
+from hsx.fingerprint import (
+    FileState,
+    ModelFiles,
+    config_digest,
+    digest_bytes,
+    digest_file,
+    digest_json,
+    file_state,
+    is_weight,
+    model_files,
+    model_files_listing,
+    model_fingerprint,
+    probe_digest,
+)
 from hsx.spec import JobSpec, ModelIdentity, Quantization, TokenizerIdentity, model_location
+from hsx.store import layout
+from hsx.store.durable import write_durable
 
 
 def resolve(model: str) -> Path:
@@ -230,10 +246,14 @@ def tokenizer_identity(tokenizer) -> TokenizerIdentity:
     )
 
 
-def model_dir_for(run: Path, spec: JobSpec, given: str | None = None, checked: bool = False) -> Path:
+def model_dir_for(
+    run: Path, spec: JobSpec, given: str | None = None, checked: bool = False, keep: bool = False
+) -> Path:
     """Where the run's model is now: ``given`` (a --model), else where the run last recorded it
-    (``spec.model_location``); refused unless its fingerprint matches the run's (``checked``: the
-    caller has just compared it, skip the re-read)."""
+    (``spec.model_location``); refused unless it is the run's model: every file as the run
+    recorded it (``check_files``), or, for a run made before hsx recorded them, its fingerprint
+    (``checked``: the caller has just compared that). ``keep``: the caller holds the run's lock,
+    and records the files' new places where they moved."""
     where = given or model_location(run, spec)
     try:
         path = resolve(where)
@@ -242,9 +262,116 @@ def model_dir_for(run: Path, spec: JobSpec, given: str | None = None, checked: b
         raise ModelNotFound(
             f"{e}; {note or 'if the model moved, pass --model NEW_PATH'} (it must match the run's fingerprint)"
         ) from e
-    if not checked:
-        diffs = spec.model.fingerprint.differences(identity(where, path).fingerprint)
-        if diffs:
-            what = "the model changed since the run started" if given is None else f"{path} is not the run's model"
-            raise ModelChanged(f"{what}:\n  - " + "\n  - ".join(diffs))
+    what = "the model changed since the run started" if given is None else f"{path} is not the run's model"
+    if files_record(run) is not None:
+        diffs = check_files(run, spec, path, keep)
+    else:
+        diffs = [] if checked else spec.model.fingerprint.differences(identity(where, path).fingerprint)
+        if keep and not diffs:
+            _write_files(run, model_files(path))
+    if diffs:
+        raise ModelChanged(f"{what}:\n  - " + "\n  - ".join(diffs))
     return path
+
+
+def files_record(run: Path) -> ModelFiles | None:
+    """The run's record of its model's files (``OUT/model-files.json``); None for a run made
+    before hsx kept one."""
+    try:
+        return ModelFiles.model_validate_json((run / layout.MODEL_FILES).read_bytes())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise SpecError(f"{run / layout.MODEL_FILES} is unreadable or damaged: {str(e).splitlines()[0]}") from e
+
+
+def record_files(run: Path, model_dir: Path) -> None:
+    """A new run's record of its model's files, written once its spec is: small files with their
+    digests, weights by where they stand (``Digests`` adds theirs in the background)."""
+    _write_files(run, model_files(model_dir))
+
+
+def _write_files(run: Path, record: ModelFiles) -> None:
+    write_durable(run / layout.MODEL_FILES, record.model_dump_json(indent=0).encode())
+
+
+def check_files(run: Path, spec: JobSpec, model_dir: Path, keep: bool = False) -> list[str]:
+    """How ``model_dir`` differs from the model the run recorded, file by file, at a cost that
+    suits a checkpoint of a terabyte: a file that stands as recorded (size, mtime, inode) is not
+    read; one that moved or changed is read whole where the run holds its full digest, else
+    compared by the fingerprint's probes; a config, tokenizer or chat template file that changed
+    is judged by what it means (the config's digest, the tokenizer's identity: the spec's).
+    ``keep``: record where the files stand now, once they proved the same."""
+    record = files_record(run)
+    now: dict[str, FileState] = {}
+    diffs: list[str] = []
+    meaning = False  # a file other than the weights changed: judge the config and tokenizer
+    probes = {w.name: w for w in spec.model.fingerprint.weights}
+    for name in sorted(record.files.keys() | set(model_files_listing(model_dir))):
+        then, path = record.files.get(name), model_dir / name
+        if then is None or not path.is_file():
+            diffs += [f"{'unexpected' if then is None else 'missing'} weight file {name}"] if is_weight(name) else []
+            meaning = meaning or not is_weight(name)
+            continue
+        state = file_state(path, then.digest)
+        if not state.same_place(then):
+            if then.digest is not None:
+                state.digest = digest_file(path)
+                if state.digest != then.digest:
+                    diffs += [f"{name}: content differs (full digest)"] if is_weight(name) else []
+                    meaning = meaning or not is_weight(name)
+            elif name in probes and probe_digest(path) != probes[name].header:
+                diffs.append(f"{name}: content differs")
+        now[name] = state
+    if meaning:
+        diffs += _meaning(spec, model_dir)
+    if keep and not diffs and now != record.files:
+        _write_files(run, ModelFiles(files=now))
+    return diffs
+
+
+class Digests:
+    """The full digests the run's record lacks (its weights'), computed on a thread of their own
+    while the job works, so that a terabyte is read once, beside the first run, not before it; a
+    session that stops first leaves the rest to the next. A digest is kept only for a file that
+    stands as recorded once it was read."""
+
+    def __init__(self, run: Path, model_dir: Path):
+        self.run, self.model_dir = run, model_dir
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._hash, name="hsx-model-digests", daemon=True)
+
+    def __enter__(self) -> Digests:
+        record = files_record(self.run)
+        if record is not None and any(f.digest is None for f in record.files.values()):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _hash(self) -> None:
+        record = files_record(self.run)
+        for name, then in record.files.items():
+            path = self.model_dir / name
+            if then.digest is not None or not file_state(path).same_place(then):
+                continue  # a file that moved since is compared, and recorded, by the next check_files
+            digest = digest_file(path, self._stop.is_set)
+            if digest is None:
+                return
+            if file_state(path).same_place(then):
+                then.digest = digest
+                _write_files(self.run, record)
+
+
+def _meaning(spec: JobSpec, model_dir: Path) -> list[str]:
+    """What a changed config, tokenizer or template file changes of the run: nothing, or these."""
+    out = [] if config_digest(model_dir) == spec.model.fingerprint.config else ["config.json differs"]
+    have = tokenizer_identity(load_tokenizer(model_dir, getattr(spec, "trust_remote_code", False)))
+    if have.digest != spec.tokenizer.digest:
+        out.append("tokenizer: vocabulary or special tokens differ")
+    if have.chat_template != spec.tokenizer.chat_template:
+        out.append("chat template differs")
+    return out

@@ -33,6 +33,7 @@ MEANING = {
     Damage.FOREIGN: "not a file hsx writes",
     Damage.MISSING: "listed in the shard's SEALED manifest but absent",
 }
+LOST = f"sealed once (the run's record: {layout.SEALS}/), now absent with its shard's SEALED manifest"
 
 
 @dataclass
@@ -74,11 +75,9 @@ def _seal_problems(run: Path, scan: ShardScan) -> list[Problem]:
     folder = layout.shard_dir(run, scan.shard)
     if scan.manifest_unreadable:
         return [Problem(str((folder / layout.SEALED).relative_to(run)), Damage.CORRUPT, "SEALED manifest unreadable")]
-    if scan.manifest is None:
-        return []
+    why = MEANING[Damage.MISSING] if scan.manifest is not None else LOST
     return [
-        Problem(str((folder / layout.sample_name(sid)).relative_to(run)), Damage.MISSING, MEANING[Damage.MISSING], sid)
-        for sid in scan.gone
+        Problem(str((folder / layout.sample_name(sid)).relative_to(run)), Damage.MISSING, why, sid) for sid in scan.gone
     ]
 
 
@@ -158,6 +157,9 @@ def check(result: Integrity, limit: int = 8, command: str = "extract") -> Check:
         return Check("integrity", "ok", f"{result.files_good:,} files good, {mode}", details=details, data=data)
     for kind in counts:
         items = [p for p in result.problems if p.kind == kind]
+        if kind == Damage.MISSING:  # data that existed, verified, now gone: lost, named by shard
+            by_shard = Counter(Path(p.path).parent.name for p in items)
+            details += [f"lost: shard {s}: {n} sealed samples are gone" for s, n in sorted(by_shard.items())]
         for p in items[:limit]:
             details.append(f"{kind}: {p.path} ({p.detail})")
         if len(items) > limit:

@@ -117,6 +117,7 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
             _outcomes(checks["progress"], run, spec)
         elif spec.generate_spec is not None:
             _waiting(checks["progress"], run, Path(spec.data[0].name))
+        _rejects(checks["progress"], run, spec)
         checks["pace"] = pace.check(pace.pace(read_history(run)), t.complete)
         left_tokens = t.tokens_left
         if t.tokens_done is None:  # plan unreadable: assume average-length samples are left
@@ -151,8 +152,21 @@ def _outcomes(progress: Check, run: Path, spec: GenerateSpec) -> None:
     if n["ended"] or n["rejected"]:
         progress.details.append(
             f"conversations: {n['ok']:,} whole, {n['ended']:,} ended early (the turns before kept: a later prompt "
-            f"reached --max-length, or a tool call had no result to pair), {n['rejected']:,} rejected "
-            f"(see {layout.REJECTS})"
+            f"reached --max-length, or a tool call had no result to pair), {n['rejected']:,} rejected while "
+            "generating"
+        )
+
+
+def _rejects(progress: Check, run: Path, spec) -> None:
+    """Every row the run rejected, planning's included (a generate run's are in its outcomes too)."""
+    later = progress.data.get("conversations", {}).get("rejected", 0)
+    planned = spec.plan.num_rejected
+    progress.data["rejected_at_planning"] = planned
+    if planned or later:
+        while_generating = f", {later:,} conversations while generating" if later else ""
+        progress.details.append(
+            f"rejected: {planned:,} input rows at planning{while_generating}; "
+            f"each with its reason in {run / layout.REJECTS}"
         )
 
 

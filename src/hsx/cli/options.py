@@ -20,12 +20,12 @@ from typing import Annotated, Any, Literal, get_origin, get_type_hints
 
 import typer
 
-from hsx.bounds import Bound, Bounds
-from hsx.drafts import DRAFT_TYPES, check_preset
+from hsx.bounds import EXPORT, VOCAB, Bound, Bounds
+from hsx.drafts import check_preset
 from hsx.errors import OptionError
-from hsx.extract.options import AT_LEAST_ONE, DEFAULTS, EXTRACT
+from hsx.extract.options import DEFAULTS, EXTRACT
 from hsx.generate.toolcalls import PARSERS
-from hsx.job.options import FLAG_NAMES, NOT_FLAGS, template_kwargs
+from hsx.job.options import DEVICES, FLAG_NAMES, NOT_FLAGS, THREADS, TOKENS, template_kwargs
 
 
 def layer_ids(value: str | None) -> list[int] | str | None:
@@ -136,7 +136,7 @@ FLAGS = {
         "Reject conversations with an empty or length-cut answer (comma-separated).",
         "empty,length",
         "none",
-        parse=lambda v: [x for s in v or [] for x in s.split(",") if x] or None,
+        parse=lambda v: [x for s in v or [] for x in s.split(",")] or None,
     ),
     "samples_per_prompt": Flag("Conversations generated per input row."),
     "seed": Flag("The run's seed; each request's derives from it."),
@@ -203,34 +203,28 @@ def parameters(
 
 
 # the bounds of the commands without an options dataclass
-RUN = Bounds(
-    threads=AT_LEAST_ONE,
-    size=AT_LEAST_ONE,
-    draft_vocab=AT_LEAST_ONE,
-    target_vocab=AT_LEAST_ONE,
-    fidelity_files=AT_LEAST_ONE,
-)
-TO = Bounds(to=Bound(choices=("specforge", "speculators", "modelopt")), draft=Bound(choices=DRAFT_TYPES))
+RUN = Bounds(threads=THREADS, size=VOCAB, target_vocab=VOCAB, fidelity_files=Bound(min=1, max=10**6))
+TO = EXPORT  # hsx export's
 BENCH = Bounds(
-    samples=AT_LEAST_ONE,
-    mean_len=AT_LEAST_ONE,
-    min_len=AT_LEAST_ONE,
-    max_len=AT_LEAST_ONE,
-    batch_tokens=AT_LEAST_ONE,
-    naive_samples=Bound(min=0),
-    writers=AT_LEAST_ONE,
+    samples=Bound(min=1, max=10**7),
+    mean_len=TOKENS,
+    min_len=TOKENS,
+    max_len=TOKENS,
+    batch_tokens=TOKENS,
+    naive_samples=Bound(min=0, max=10**7),
+    writers=THREADS,
     compile=EXTRACT.bounds["compile"],
-    max_new_tokens=AT_LEAST_ONE,
-    tensor_parallel_size=AT_LEAST_ONE,
-    fidelity_stride=AT_LEAST_ONE,
+    max_new_tokens=TOKENS,
+    tensor_parallel_size=DEVICES,
+    fidelity_stride=TOKENS,
 )
 MEMORY = Bounds(
-    tensor_parallel=AT_LEAST_ONE,
-    expert_parallel=AT_LEAST_ONE,
-    batch_tokens=AT_LEAST_ONE,
-    max_length=AT_LEAST_ONE,
-    gpus=AT_LEAST_ONE,
-    gpu_memory=Bound(min=0.0, min_open=True),
+    tensor_parallel=DEVICES,
+    expert_parallel=DEVICES,
+    batch_tokens=TOKENS,
+    max_length=TOKENS,
+    gpus=DEVICES,
+    gpu_memory=Bound(min=0.0, max=100_000.0, min_open=True),
     experts=Bound(choices=("auto", "packed", "dequantized")),
     dtype=Bound(choices=("bfloat16", "float16", "float32")),
 )

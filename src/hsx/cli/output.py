@@ -58,9 +58,10 @@ def failures(interrupted: Callable[[], str] | None = None) -> Iterator[None]:
     except KeyboardInterrupt as e:
         if interrupted is None:
             raise
+        done = "".join(f"{note}; " for note in getattr(e, "__notes__", []))  # what the stage says is done
         if isinstance(e, Terminated):
-            raise fail(f"terminated (SIGTERM); {interrupted()}", Exit.TERMINATED) from None
-        raise fail(f"interrupted; {interrupted()}", Exit.INTERRUPTED) from None
+            raise fail(f"terminated (SIGTERM); {done}{interrupted()}", Exit.TERMINATED) from None
+        raise fail(f"interrupted; {done}{interrupted()}", Exit.INTERRUPTED) from None
     finally:
         if handled:
             signal.signal(signal.SIGTERM, previous)

@@ -98,11 +98,11 @@ def export(
         bool, typer.Option("--prenorm", help="modelopt: export the pre-norm final state (flagged).")
     ] = False,
     draft_vocab: Annotated[
-        int | None, RUN.option("draft_vocab", help="Also write a draft-vocab map of this size.")
+        int | None, TO.option("draft_vocab", help="Also write a draft-vocab map of this size.")
     ] = None,
     target_vocab: TargetVocab = None,
     allow_incomplete: AllowIncomplete = False,
-    pace: Annotated[float, typer.Option(hidden=True, min=0.0, help="Seconds to sleep after each sample.")] = 0.0,
+    pace: Annotated[float, TO.option("pace", hidden=True, help="Seconds to sleep after each sample.")] = 0.0,
 ) -> None:
     """Write OUT's samples in a trainer's own format, verifying each source file; resumable."""
     from hsx.export import ExportOptions, run_export
@@ -110,7 +110,10 @@ def export(
     ids = layer_ids(taps)
     if isinstance(ids, str):
         raise typer.BadParameter(f"takes hsx layer ids, not the preset {ids!r}", param_hint="--taps")
-    opts = ExportOptions(out, dest, to, model, prenorm, allow_incomplete, draft_vocab, target_vocab, pace, draft, ids)
+    with failures():
+        opts = ExportOptions(
+            out, dest, to, model, prenorm, allow_incomplete, draft_vocab, target_vocab, pace, draft, ids
+        )
     with failures(lambda: f"every file exported so far is complete and kept; continue with: {opts.command()}"):
         print_summary(run_export(opts, log=log))
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
+from hsx.bounds import EXPORT
 from hsx.drafts import EAGLE3, EAGLE_TAPS, MTP, eagle3_taps
-from hsx.errors import ExportRefused, NormUnavailable
+from hsx.errors import ExportRefused, NormUnavailable, OptionError
 from hsx.export.norm import diagnose, load_final_norm, norm_error, prenorm_from_post, tolerance
 from hsx.finalnorm import FinalNorm
 from hsx.plan import Plan
@@ -37,6 +38,12 @@ class ExportOptions:
     pace: float = 0.0  # seconds to sleep after each sample (throttling; lets tests kill mid-export)
     draft: str = EAGLE3  # the draft type trained (hsx.export.core.DRAFTS: which trainer takes which)
     taps: list[int] | None = None  # the run's taps to export, hsx ids (default: the draft type's, see Context.taps)
+
+    def __post_init__(self) -> None:
+        """Refuse a value out of its bound, or one that would be ignored, before anything is read."""
+        EXPORT.check(self)
+        if self.target_vocab is not None and self.draft_vocab is None:
+            raise OptionError("--target-vocab sizes the draft-vocab map of --draft-vocab, which is not given")
 
     def command(self) -> str:
         """This export as a command line that works from any directory (it continues a stopped one)."""

@@ -112,6 +112,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     require_start(opts)
     refuse_foreign(opts.out)
     generated = _generated_input(opts)
+    opts.refuse_unused(opts.backend or "transformers", generated is not None)
     for path in opts.data if generated is None else []:
         check_source(path, opts.split, opts.column)
     model_dir = target.resolve(opts.model)
@@ -186,6 +187,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         window=opts.window_asked(),
     )
     spec.save(opts.out)  # last: its presence means the run exists
+    target.record_files(opts.out, model_dir)
     (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
     log(
         f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
@@ -236,5 +238,6 @@ def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     if not (opts.out / layout.SPEC).exists():
         return create_run(opts, log)
     spec = load_spec(opts.out)
+    opts.refuse_unused(opts.backend or spec.backend, spec.generate_spec is not None)
     refuse_drift(opts, differences(spec, asked(opts, spec.model.num_layers)))
     return session_limits(opts, follow(opts.out, spec, log), log)

@@ -57,19 +57,23 @@ class InProcess:
                     todo = verifier.rest()  # nothing missing (or a backend that takes its work whole): no model yet
                     work = bool(todo)
                 if work:
-                    model_dir = target.model_dir_for(run, spec, opts.model, checked=opts.model is not None)
+                    model_dir = target.model_dir_for(run, spec, opts.model, checked=opts.model is not None, keep=True)
                     resources = opts.resources()
                     set_threads(resources.threads, resources.device)
                     session = Session(
                         run, spec, plan, model_dir, resources, progress, begun.space, log,
                         opts.tensor_parallel_size or 1, opts.data_parallel_size or 1, self.peers,
                     )  # fmt: skip
-                    backend(spec.backend).run(session, todo)  # torch or vLLM: imported only when there is work
+                    with target.Digests(run, model_dir):
+                        backend(spec.backend).run(session, todo)  # torch or vLLM: imported only when there is work
                     if not how.whole:
                         _log_verified(verifier, log)
             except DiskFull as e:
                 summary.written, summary.tokens_written, summary.bytes_written = progress.session()
                 raise begun.clean_stop(summary, e.path, e.reason) from e
+            except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the stop message says what is done
+                e.add_note(f"{progress.counts()[0]}/{spec.plan.num_samples} samples are done and durable")
+                raise
             finally:
                 verifier.stop()
                 summary.seconds = progress.elapsed()

@@ -18,12 +18,13 @@ from hsx.consumer import check_name
 from hsx.drafts import check_preset
 from hsx.errors import OptionError
 from hsx.extract.backends import BACKENDS, Resources
-from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm, default_device
+from hsx.job.options import DEVICES, JOB, THREADS, TOKENS, JobOptions, check_device, check_vllm, default_device
 from hsx.spec import Parallel, Window
 from hsx.store.codec import DEFAULT_CODEC, Codec
 from hsx.store.format import FinalStateNorm
 
 Toggle = Literal["auto", "on", "off"]
+MAX_LAYER = 10_000  # a layer id past any model's (the model's own count is checked once it is read)
 DEFAULTS = {
     "max_length": 4096,
     "batch_tokens": 16384,
@@ -37,18 +38,19 @@ DEFAULTS = {
 }
 EXTRACT = Bounds(
     **JOB.bounds,
-    max_length=AT_LEAST_ONE,
-    batch_tokens=AT_LEAST_ONE,
-    writers=AT_LEAST_ONE,
-    tensor_parallel=AT_LEAST_ONE,
-    expert_parallel=AT_LEAST_ONE,
-    data_parallel_size=AT_LEAST_ONE,
-    workers=Bound(min=0),
+    max_length=TOKENS,
+    batch_tokens=TOKENS,
+    writers=THREADS,
+    tensor_parallel=DEVICES,
+    expert_parallel=DEVICES,
+    data_parallel_size=DEVICES,
+    workers=Bound(min=0, max=100_000),
+    quantized_compute=Bound(choices=("fp8", "dequantized")),
     codec=Bound(choices=tuple(Codec)),
     backend=Bound(choices=tuple(BACKENDS)),
     packing=Bound(choices=get_args(Toggle)),
     compile=Bound(choices=get_args(Toggle)),
-    fidelity_stride=AT_LEAST_ONE,
+    fidelity_stride=TOKENS,
     fidelity_floor=Bound(min=0.0, max=1.0),
     fidelity_drop=Bound(min=0.0, max=1.0),
     final_state=Bound(choices=get_args(FinalStateNorm)),
@@ -109,6 +111,26 @@ class ExtractOptions(JobOptions):
             if first is not path:
                 also = "" if path == first else f" (also as {path})"
                 raise OptionError(f"--data names {first} twice{also}: give each file once")
+        layers = self.layers
+        if layers is not None and (
+            not layers or min(layers) < 0 or max(layers) > MAX_LAYER or len(set(layers)) < len(layers)
+        ):
+            given = ",".join(map(str, layers)) or "''"
+            raise OptionError(f"--layers takes distinct layer ids >= 0 and <= {MAX_LAYER}, not {given}")
+        if self.ray_address is not None and not self.workers:
+            raise OptionError("--ray-address is where --workers run; without --workers nothing joins it")
+
+    def refuse_unused(self, backend: str, generated: bool) -> None:
+        """Options the run would ignore, refused by name before anything is written: ``backend`` is
+        the run's (its spec's on a resume), ``generated`` whether its data is a generate run."""
+        engine = [Bounds.flag(k) for k in ("tensor_parallel_size", "data_parallel_size") if getattr(self, k)]
+        if engine and backend != "vllm":
+            raise OptionError(f"{' and '.join(engine)} size vLLM's engine; this run's backend is {backend}")
+        if self.allow_incomplete and not generated:
+            raise OptionError(
+                "--allow-incomplete lets an extraction start on an unfinished generate run; "
+                "this run's --data is not a generate run"
+            )
 
     def window_asked(self) -> Window | None:
         """The window as the spec records it, where one was asked for."""

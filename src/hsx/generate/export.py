@@ -22,6 +22,7 @@ from pathlib import Path
 from hsx.errors import BadFile, ExportRefused
 from hsx.generate.record import ConversationRecord, read_record
 from hsx.generate.samples import GeneratedRun
+from hsx.job.options import writable_folder
 from hsx.store import layout
 from hsx.store.durable import write_parts
 
@@ -85,6 +86,9 @@ def line(rec: ConversationRecord) -> bytes:
 
 
 def export_jsonl(run: Path, dest: Path, allow_incomplete: bool = False) -> Exported:
+    if dest.is_dir():
+        raise ExportRefused(f"{dest} is a folder: name the JSONL file to write (for example {dest / 'gen.jsonl'})")
+    writable_folder(dest.parent, "DEST")
     gen = GeneratedRun.read(run)
     spec, files = gen.spec, gen.files
     missing = spec.plan.num_samples - len(files)

@@ -52,9 +52,11 @@ def open_gen_run(opts: GenerateOptions, log: Callable[[str], None]) -> GenerateS
     """An existing run's spec, checked against the options; None when ``opts.out`` is no run yet."""
     if not (opts.out / layout.SPEC).exists():
         require_start(opts)
+        opts.refuse_unused(opts.get("backend"))
         _check_new(opts)
         return None
     spec = load_generate_spec(opts.out)
+    opts.refuse_unused(opts.backend or spec.engine.name)
     refuse_drift(opts, generate_differences(spec, asked(opts)))
     return spec
 
@@ -164,5 +166,6 @@ def create_spec(opts: GenerateOptions, plan: PlanIdentity, engine: Engine) -> Ge
         drop=sorted(set(opts.drop or [])),
     )
     spec.save(opts.out)  # last: its presence means the run exists
+    target.record_files(opts.out, model_dir)
     (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
     return spec

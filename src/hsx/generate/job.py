@@ -137,21 +137,27 @@ class ConversationLoop:
         queue.reverse()
         try:
             with self.progress.live("generating"):
-                while queue or self.active:
-                    while queue and len(self.active) < max(self.engine.max_pending, 1):
-                        self.start(queue.pop())
-                    for outcome in self.engine.poll(None if self.active else 0):
-                        self.outcome(outcome)
-                    self.collect(wait=False)
-                self.collect(wait=True)
-        except DiskFull:  # the files written whole before the stop count (their shards are sealed on resume)
-            self.writer.close()
-            whole = [f for f in self.writing if f.exception() is None]
-            self.writer.sync()
-            self.count(whole, [f.result() for f in whole], seal_shards=False)
-            raise
+                try:
+                    while queue or self.active:
+                        while queue and len(self.active) < max(self.engine.max_pending, 1):
+                            self.start(queue.pop())
+                        for outcome in self.engine.poll(None if self.active else 0):
+                            self.outcome(outcome)
+                        self.collect(wait=False)
+                    self.collect(wait=True)
+                except BaseException as e:  # a full disk, Ctrl-C, SIGTERM: before the last progress line
+                    self.keep_whole()
+                    e.add_note(f"{self.summary.done}/{self.summary.total} conversations are done and durable")
+                    raise
         finally:
             self.writer.close()  # queued writes finish (or fail and remove their temp files)
+
+    def keep_whole(self) -> None:
+        """At a stop: the files written whole before it count, durable (their shards are sealed on resume)."""
+        self.writer.close()
+        whole = [f for f in self.writing if not f.cancelled() and f.exception() is None]
+        self.writer.sync()
+        self.count(whole, [f.result() for f in whole], seal_shards=False)
 
     def start(self, cid: int) -> None:
         row = self.plan.row(cid)
@@ -289,7 +295,7 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                 verifier.stop()
             summary.already_done, summary.redone = begun.summary.already_done, begun.summary.redone
             if todo:
-                model_dir = target.model_dir_for(run, spec, opts.model, checked=False)
+                model_dir = target.model_dir_for(run, spec, opts.model, keep=True)
                 tokenizer = target.load_tokenizer(model_dir, spec.trust_remote_code)
                 stops = stop_ids(model_dir, tokenizer)  # the engine stops where the job ends a turn
                 if engine is None:
@@ -304,9 +310,10 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                 t0 = time.monotonic()
                 progress.clock()
                 try:
-                    ConversationLoop(
-                        spec, run, plan, engine, prompter, progress, begun.space.reserve, summary
-                    ).run_shards(todo)
+                    with target.Digests(run, model_dir):
+                        ConversationLoop(
+                            spec, run, plan, engine, prompter, progress, begun.space.reserve, summary
+                        ).run_shards(todo)
                 except DiskFull as e:  # the guard's reserve reached, or a real ENOSPC: every file whole or absent
                     raise begun.clean_stop(summary, e.path, e.reason) from e
                 finally:

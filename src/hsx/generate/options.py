@@ -9,6 +9,7 @@ before anything is read.
 
 from __future__ import annotations
 
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -18,7 +19,7 @@ from hsx.errors import OptionError
 from hsx.generate.engine import Sampling
 from hsx.generate.engines import ENGINES, EngineSettings
 from hsx.generate.toolcalls import PARSERS
-from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm
+from hsx.job.options import DAY, FLAG_NAMES, JOB, TOKENS, JobOptions, check_device, check_vllm
 
 DEFAULTS = {
     "backend": "transformers",
@@ -34,22 +35,34 @@ GENERATE = Bounds(
     **JOB.bounds,
     backend=Bound(choices=tuple(ENGINES)),
     turns=Bound(choices=("all", "last")),
-    temperature=Bound(min=0.0),
+    temperature=Bound(min=0.0, max=100.0),
     top_p=Bound(min=0.0, max=1.0, min_open=True),
-    top_k=Bound(min=0),
-    max_new_tokens=AT_LEAST_ONE,
+    top_k=Bound(min=0, max=10**7),  # 0: off; else at most a vocabulary
+    max_new_tokens=TOKENS,
     samples_per_prompt=Bound(min=1, max=1000),
     seed=Bound(min=0, max=2**63 - 1),
-    max_length=Bound(min=2),  # a prompt token and a new one
-    concurrency=AT_LEAST_ONE,
+    max_length=Bound(min=2, max=TOKENS.max),  # a prompt token and a new one
+    concurrency=Bound(min=1, max=100_000),
     server_api=Bound(choices=("openai", "openai-chat", "sglang")),
     tool_parser=Bound(choices=tuple(PARSERS)),
-    max_pending=AT_LEAST_ONE,
-    server_timeout=Bound(min=0.0, min_open=True),
-    server_retries=AT_LEAST_ONE,
-    server_backoff=Bound(min=0.0),
+    max_pending=Bound(min=1, max=10**6),
+    server_timeout=Bound(min=0.0, max=DAY, min_open=True),
+    server_retries=Bound(min=1, max=1000),
+    server_backoff=Bound(min=0.0, max=3600.0),
 )
 DROPS = ("empty", "length")  # --drop: answers rejected rather than kept (an empty one; one cut at the length limit)
+
+
+# the options only the server backend reads
+SERVER_ONLY = (
+    "servers",
+    "concurrency",
+    "server_api",
+    "server_model",
+    "server_timeout",
+    "server_retries",
+    "server_backoff",
+)
 
 
 @dataclass
@@ -86,6 +99,24 @@ class GenerateOptions(JobOptions):
             check_device(self.device)
         if self.backend == "vllm":
             check_vllm("--backend vllm")
+        if self.backend == "server" and not self.servers:
+            raise OptionError("--backend server needs the servers to send requests to: give each with --server URL")
+        for url in self.servers:
+            parts = urllib.parse.urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise OptionError(f"--server takes an http:// or https:// URL of a server, not {url!r}")
+
+    def refuse_unused(self, backend: str) -> None:
+        """Options the run's engine would ignore, refused by name before anything is written:
+        ``backend`` is the run's (its spec's engine on a resume)."""
+        engine = {"server": SERVER_ONLY, "vllm": ("tensor_parallel_size",)}
+        for name, owned in engine.items():
+            given = [FLAG_NAMES.get(k, Bounds.flag(k)) for k in owned if getattr(self, k) not in (None, [])]
+            if given and backend != name:
+                raise OptionError(
+                    f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --backend {name}; "
+                    f"this run generates with {backend}"
+                )
 
     def sampling_given(self) -> dict:
         """The sampling options given on the command line, by the spec's names."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import os
 import shlex
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
@@ -19,18 +21,24 @@ from typing import ClassVar
 
 from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
+from hsx.input import MAX_NESTING, json_depth, json_leaves
 from hsx.progress import LOG_EVERY
 from hsx.telemetry import Telemetry
 
-AT_LEAST_ONE = Bound(min=1)
+# Every number has an upper end, past which it cannot be meant (and a real number is finite):
+# a count of devices, threads or processes of one node, a length in tokens, a span of time.
+DEVICES = Bound(min=1, max=1024)
+THREADS = Bound(min=1, max=1024)
+TOKENS = Bound(min=1, max=10**8)
+DAY = 86_400.0
 JOB = Bounds(
-    shard_size=AT_LEAST_ONE,
+    shard_size=Bound(min=1, max=10**6),
     dtype=Bound(choices=("auto", "bfloat16", "float16", "float32")),
-    tensor_parallel_size=AT_LEAST_ONE,
+    tensor_parallel_size=DEVICES,
     metrics_port=Bound(min=1, max=65535),
-    log_every=Bound(min=0.0, min_open=True),
-    limit=AT_LEAST_ONE,
-    threads=AT_LEAST_ONE,
+    log_every=Bound(min=0.0, max=DAY, min_open=True),
+    limit=Bound(min=1, max=10**9),  # sample ids have 9 digits
+    threads=THREADS,
 )
 NOT_FLAGS = frozenset({"max_inflight_bytes", "reserve_bytes"})  # the Python API's alone
 FLAG_NAMES = {  # fields whose flag is not their name
@@ -72,8 +80,24 @@ class JobOptions:
     def __post_init__(self) -> None:
         """Refuse what cannot be meant, before anything is read or written."""
         self.BOUNDS.check(self)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            for v in value if isinstance(value, list) else [value]:
+                if isinstance(v, str | Path) and not str(v).strip():  # Path("") is "." and cannot be told
+                    raise OptionError(f"{FLAG_NAMES.get(f.name, Bounds.flag(f.name))} takes a value, not {v!r}")
         if self.out.is_file():
             raise OptionError(f"--out {self.out} is a file, not a run folder: name a new or empty folder, or a run")
+        writable_folder(self.out, "--out")
+        if self.metrics_textfile is not None:
+            if self.metrics_textfile.is_dir():
+                raise OptionError(f"--metrics-textfile {self.metrics_textfile} is a folder: name the file to keep")
+            if not self.metrics_textfile.parent.is_dir():
+                raise OptionError(
+                    f"--metrics-textfile {self.metrics_textfile}: {self.metrics_textfile.parent} is not a folder"
+                )
+            writable_folder(self.metrics_textfile.parent, "--metrics-textfile")
+        if self.template_kwargs is not None:
+            check_template_kwargs(self.template_kwargs)
 
     def command(self) -> str:
         """The ``hsx COMMAND`` command that asks for exactly these options (local paths made
@@ -95,11 +119,21 @@ def template_kwargs(text: str | None) -> dict | None:
         return None
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise OptionError(f"--chat-template-kwargs must be a JSON object, not {text!r} ({e.msg})") from e
+    except (ValueError, RecursionError) as e:
+        why = getattr(e, "msg", None) or "nested too deep"
+        raise OptionError(f"--chat-template-kwargs must be a JSON object, not {text[:80]!r} ({why})") from None
     if not isinstance(value, dict):
-        raise OptionError(f"--chat-template-kwargs must be a JSON object, not {text!r}")
+        raise OptionError(f"--chat-template-kwargs must be a JSON object, not {text[:80]!r}")
     return value
+
+
+def check_template_kwargs(value: dict) -> None:
+    """What the spec can hold as JSON and read back the same: finite numbers, nested at most
+    ``MAX_NESTING`` deep (JSON's ``NaN`` would be written as ``null``)."""
+    if json_depth(value) > MAX_NESTING:
+        raise OptionError(f"--chat-template-kwargs is nested deeper than {MAX_NESTING} levels (the nesting limit)")
+    if not all(math.isfinite(v) for v in json_leaves(value) if isinstance(v, float)):
+        raise OptionError("--chat-template-kwargs holds NaN or an infinity, which JSON cannot hold")
 
 
 def command_line(verb: str, opts) -> str:
@@ -137,6 +171,18 @@ def resume_command(run: Path, model: str | None = None, command: str = "extract"
         local = Path(model).expanduser()
         args += ["--model", str(local.absolute()) if local.exists() else model]
     return shlex.join(args)
+
+
+def writable_folder(path: Path, flag: str) -> None:
+    """``path`` is a folder that can be written, or one that can be made: its nearest existing
+    ancestor is a folder this process may write in (not a file, not a read-only mount)."""
+    there = path
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    if not there.is_dir():
+        raise OptionError(f"{flag} {path}: {there} is a file, not a folder")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise OptionError(f"{flag} {path}: {there} is not writable here (read-only, or not this user's)")
 
 
 def check_device(device: str) -> None:

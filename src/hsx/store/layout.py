@@ -4,11 +4,14 @@ OUT/
   hsx.json                 SPEC: the run spec, written once, last of the set-up
   model-location.json      LOCATION: where the model lives now (beside the spec, which never changes)
   fidelity.json            FIDELITY: a dataset run's fidelity baseline (beside the spec: measured after it)
+  model-files.json         MODEL_FILES: each file of the model: where it stands (size, mtime, inode), its digest
   plan/plan.parquet        PLAN_DIR / PLAN_FILE: the frozen, tokenized work list
   plan/growth.json         GROWTH: samples appended since (an extraction following its generate run),
   plan/part-000001.parquet   and the files holding them (part_name)
   rejects.jsonl            REJECTS: every input row not in the plan, with its reason
   shards/000012/000012345.safetensors, shards/000012/SEALED
+  sealed/000012.json       SEALS: the run's own record of each shard it sealed (outside the shard's
+                           folder: a folder deleted whole is data lost, not data not yet written)
   quarantine/              QUARANTINE: files moved aside (never deleted) with the reason
   lock.json, .lock.json.guard, metrics.json, metrics-history.jsonl   while a run is (or was) going
   workers/                 WORKERS: the scale-out workers' heartbeats, and STOP
@@ -25,12 +28,14 @@ from pathlib import Path
 SPEC = "hsx.json"
 LOCATION = "model-location.json"
 FIDELITY = "fidelity.json"
+MODEL_FILES = "model-files.json"  # every file of the run's model as it stands, with digests (target.check_files)
 PLAN_DIR = "plan"
 PLAN_FILE = "plan.parquet"
 GROWTH = "growth.json"
 REJECTS = "rejects.jsonl"
 SHARDS = "shards"
 SEALED = "SEALED"
+SEALS = "sealed"
 QUARANTINE = "quarantine"
 SUFFIX = ".safetensors"
 LOCK = "lock.json"
@@ -71,6 +76,10 @@ def sample_name(sample_id: int) -> str:
 
 def sample_path(run: Path, sample_id: int, shard_size: int) -> Path:
     return shard_dir(run, shard_of(sample_id, shard_size)) / sample_name(sample_id)
+
+
+def seal_record(run: Path, shard: int) -> Path:
+    return run / SEALS / f"{shard:06d}.json"
 
 
 def shard_ids(shard: int, shard_size: int, num_samples: int) -> range:

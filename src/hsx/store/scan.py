@@ -30,7 +30,7 @@ from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import is_temp
 from hsx.store.format import BadFile, check, digest_text
-from hsx.store.writer import FileRecord, read_consumed, read_seal
+from hsx.store.writer import FileRecord, read_consumed, read_seal, sealed_ids
 
 CHUNK = 1 << 20  # one read: big sequential requests, yet hashed while still in the CPU's cache
 BATCH_FILES = 64  # files smaller than CHUNK are checked in batches of up to this many (and CHUNK bytes)
@@ -81,6 +81,7 @@ class ShardScan:
     manifest: dict[int, FileRecord] | None = None  # the SEALED manifest as read, if readable
     manifest_unreadable: bool = False  # a SEALED file is there but does not parse
     consumed: dict[int, FileRecord] = field(default_factory=dict)  # deleted once released (writer.read_consumed)
+    recorded: range = range(0)  # the ids the run's own record says it sealed here (``writer.sealed_ids``)
     opened: int = 0  # sample files opened and checked
     trusted: int = 0  # good by the manifest and the listing alone, unopened
     bytes_read: int = 0
@@ -92,13 +93,12 @@ class ShardScan:
 
     @property
     def gone(self) -> list[int]:
-        """Ids the SEALED manifest lists whose file is absent (not bad, not consumed: gone)."""
+        """Ids that were sealed whose file is absent (not bad, not consumed: gone): data lost, where
+        the ids not yet written are only missing. The SEALED manifest lists them, or, where it is gone
+        with them (the folder deleted whole), the run's own record of the seal."""
         flagged = {p.sample_id for p in self.problems if p.sample_id is not None}
-        return [
-            sid
-            for sid in sorted(self.manifest or {})
-            if sid not in self.good and sid not in flagged and sid not in self.consumed
-        ]
+        listed = sorted(self.manifest or {}) if self.manifest is not None else self.recorded
+        return [sid for sid in listed if sid not in self.good and sid not in flagged and sid not in self.consumed]
 
     @property
     def accounted(self) -> dict[int, FileRecord]:
@@ -214,10 +214,14 @@ def _list(
         with os.scandir(folder) as it:
             entries = sorted(it, key=lambda e: e.name)
     except FileNotFoundError:
-        return out, []
+        entries = []
     if any(e.name == layout.SEALED for e in entries):
         out.manifest = read_seal(run, shard)
         out.manifest_unreadable = out.manifest is None
+    else:
+        out.recorded = sealed_ids(run, shard)
+    if not entries:
+        return out, []
     seal = out.manifest or {}
     prefix = str(folder.relative_to(run))
     batches: list[Future] = []

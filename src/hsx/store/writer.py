@@ -220,7 +220,8 @@ class SampleWriter:
 
 
 def seal(run: Path, shard: int, records: list[FileRecord]) -> None:
-    """Write the shard's SEALED manifest, last and atomically, once all its ids are done.
+    """Write the shard's SEALED manifest, last and atomically, once all its ids are done; then the
+    run's record that it did (``sealed_ids``), outside the shard's folder.
 
     Each file's mtime (ns) is recorded as it is now, so that a fast check can trust a file the
     listing shows unchanged (size and mtime) without opening it. A file whose size on disk is not
@@ -242,6 +243,25 @@ def seal(run: Path, shard: int, records: list[FileRecord]) -> None:
         files.append(entry)
     body = {"format": SEAL_FORMAT, "shard": shard, "files": files}
     write_durable(folder / layout.SEALED, json.dumps(body, indent=0).encode())
+    ids = [r.sample_id for r in records]
+    record = {"shard": shard, "ids": [min(ids), max(ids) + 1], "bytes": sum(r.size for r in records)}
+    layout.seal_record(run, shard).parent.mkdir(exist_ok=True)
+    write_durable(layout.seal_record(run, shard), json.dumps(record | {"sealed": _now()}).encode())
+
+
+def sealed_ids(run: Path, shard: int) -> range:
+    """The ids the run recorded as sealed in ``shard`` (``seal``'s record, kept outside the shard's
+    folder): what existed, verified, whatever the folder holds now; empty where it never sealed it
+    (or the record is unreadable: the SEALED manifest, if there, still says it)."""
+    try:
+        lo, hi = json.loads(layout.seal_record(run, shard).read_bytes())["ids"]
+        return range(int(lo), int(hi))
+    except (OSError, ValueError, KeyError, TypeError):
+        return range(0)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 CONSUMED_FORMAT = "hsx-consumed/1"
