@@ -12,6 +12,7 @@ from hsx.cli.output import failures, log
 
 
 def bench(
+    ctx: typer.Context,
     model: Annotated[
         str | None,
         typer.Option(help="Model folder.", show_default="8B-shape random weights on CUDA, tiny on CPU"),
@@ -58,6 +59,10 @@ def bench(
     ] = 1,
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
+    from hsx.bench import check_mode
+
+    with failures():  # typer's own click: its ParameterSource, by name
+        check_mode([p for p in ctx.params if ctx.get_parameter_source(p).name == "COMMANDLINE"], generate)
     if generate:
         from hsx.bench.generate import generate_table, run_generate_bench
         from hsx.job.options import check_vllm
