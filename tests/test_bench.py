@@ -128,3 +128,20 @@ def test_every_bench_option_combination_it_cannot_run_is_refused_by_name(args, s
     assert r.exit_code == 2 and said in " ".join(r.output.split()), r.output
     assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
     assert list(tmp_path.iterdir()) == []
+
+
+def test_node_bench_times_the_stage_that_sets_a_pipelines_pace():
+    """``--pipeline 8``: Kimi-K2.5's slowest stage under the partition an extraction makes is 8 MoE
+    layers (the dense first layer is lighter); the most any stage hands on is the residual stream
+    and the two aux states captured before the last stage (of [1, 29, 57]); one rank a stage does no
+    all-reduce."""
+    from hsx.bench.node import allreduce_seconds, handoff_seconds, pace_stage, rank_config
+
+    kimi = Path(__file__).parent.parent / "bench" / "kimi-k25-shape"
+    text = json.loads((kimi / "config.json").read_text())["text_config"]
+    pace = pace_stage(kimi, text, 1, 8)
+    assert (pace.layers, pace.dense, pace.embeddings, pace.handoff_states) == (8, 0, False, 3), pace
+    config = rank_config(text, 1, 3, pace.dense)
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.first_k_dense_replace) == (384, 8, 0)
+    assert allreduce_seconds(1000, 7168, 8, 0, 1, 40e9) == 0.0
+    assert handoff_seconds(1000, 7168, 3, 25e9) == 1000 * 3 * 7168 * 2 / 25e9

@@ -29,10 +29,14 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hsx.errors import LayoutTooLarge
 from hsx.spec import RunSpec
 from hsx.target import LanguageModel, held_experts, int4_group
+
+if TYPE_CHECKING:
+    from hsx.capture.stages import Stages
 
 GB = 10**9
 HEADROOM = 0.05  # of the device: the CUDA context, allocator slack
@@ -41,6 +45,7 @@ DTYPE_BYTES |= {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "float32": 4, "bfloat1
 STORED_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_scale_inv")
 EXPERT = re.compile(r"(^|\.)mlp\.experts\.")
 LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+EMBEDDINGS = re.compile(r"(^|\.)embed_tokens\.")
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # the layouts the smallest-fit search tries
 
 
@@ -77,11 +82,17 @@ class Layout:
     batch_tokens: int = 16384
     max_length: int = 4096
     captured: int = 3  # layers whose states the hooks keep per batch (besides the final state)
+    pipeline: int = 1  # stages of contiguous decoder layers, each over ``tensor`` GPUs
 
     def __str__(self) -> str:
         ep = f" + EP{self.expert}" if self.expert > 1 else ""
+        pp = f"PP{self.pipeline} x " if self.pipeline > 1 else ""
         form = f"{self.experts} experts, " if self.experts != "unquantized" else ""
-        return f"TP{self.tensor}{ep}, {form}{self.dtype}"
+        return f"{pp}TP{self.tensor}{ep}, {form}{self.dtype}"
+
+    @property
+    def gpus(self) -> int:
+        return self.pipeline * self.tensor
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,7 @@ class Estimate:
     activations: int
     quantized: bool  # the routed experts are stored quantized
     source: str  # where the shapes came from
+    stage: str = ""  # a pipeline layout: the stage these figures are (its largest), e.g. "stage 0 of 8, layers 0-7"
 
     @property
     def total(self) -> int:
@@ -109,7 +121,7 @@ class Estimate:
         form = f"{lo.experts} ({'as stored' if lo.experts == 'packed' else 'expanded to ' + lo.dtype})"
         share = f"1/{lo.expert} of them" if lo.expert > 1 else "all of them (EP1)"
         out = [
-            f"memory per GPU for {lo} ({self.source}):",
+            f"memory per GPU for {lo} ({self.source}){', the largest stage: ' + self.stage if self.stage else ''}:",
             f"  routed experts, {form if self.quantized else lo.dtype}, {share}: {gb(self.experts)}",
             f"  weights split by the TP plan over {lo.tensor}: {gb(self.sharded)}",
             f"  replicated weights (norms, router, embeddings, ...): {gb(self.replicated)}",
@@ -159,20 +171,31 @@ class Inventory:
         return any(m.quantized and m.expert for m in self.modules)
 
     def estimate(self, layout: Layout) -> Estimate:
+        """One GPU's share of ``layout``; for a pipeline, that of its largest stage."""
+        if layout.pipeline == 1:
+            return self._estimate(layout, self.modules)
+        stages = self.stages(layout)
+        return max(
+            (
+                replace(self._estimate(layout, self.stage_modules(stages, s)), stage=stages.describe(s))
+                for s in range(stages.size)
+            ),
+            key=lambda e: e.total,
+        )
+
+    def _estimate(self, layout: Layout, modules: list[Module]) -> Estimate:
         b = DTYPE_BYTES[layout.dtype]
         experts = sharded = replicated = 0
         per_layer: dict[int, int] = {}
-        for m in self.modules:
-            kept = m.quantized and layout.experts == "packed"
-            size = m.stored if kept else m.numel * (4 if m.fp32 else b)
+        for m in modules:
+            size = self.held(m, layout)
             if m.expert:
-                experts += size / layout.expert
-                if kept:
-                    layer = LAYER.search(m.name)
-                    key = int(layer.group(2)) if layer else -1
+                experts += size
+                if m.quantized and layout.experts == "packed":
+                    key = layer_of(m)
                     per_layer[key] = per_layer.get(key, 0) + m.numel * b
             elif layout.tensor > 1 and self.sharded(m):
-                sharded += size / layout.tensor
+                sharded += size
             else:
                 replicated += size
         expansion = max(per_layer.values(), default=0) / layout.expert
@@ -180,6 +203,70 @@ class Inventory:
             layout, round(experts), round(sharded), round(replicated), round(expansion),
             activations(self.config, layout), self.quantized_experts, self.source,
         )  # fmt: skip
+
+    def held(self, m: Module, layout: Layout) -> float:
+        """Bytes of ``m`` on one GPU of ``layout``: as stored where it stays packed, else in the
+        run's dtype (float32 where transformers keeps it so); split over the expert or TP ranks."""
+        kept = m.quantized and layout.experts == "packed"
+        size = m.stored if kept else m.numel * (4 if m.fp32 else DTYPE_BYTES[layout.dtype])
+        if m.expert:
+            return size / layout.expert
+        return size / layout.tensor if layout.tensor > 1 and self.sharded(m) else size
+
+    def costs(self, layout: Layout) -> tuple[list[tuple[float, float]], tuple[float, float], tuple[float, float]]:
+        """What the partition of a pipeline weighs: per decoder layer (compute, bytes), compute
+        being the weights a token meets (the routed experts at top-k of their number) and bytes
+        those it holds on a GPU of ``layout``; then the same for the embeddings (the first stage's)
+        and for the final norm and head (the last stage's). A token meets one row of the
+        embeddings and the norm; hsx computes no logits."""
+        from hsx.capture.transformers import EXPERT_COUNTS
+
+        layers = int(self.config["num_hidden_layers"])
+        routed = next((int(self.config[k]) for k in EXPERT_COUNTS if self.config.get(k)), 0)
+        met = int(self.config.get("num_experts_per_tok") or 1) / routed if routed else 1.0
+        hidden = int(self.config["hidden_size"])
+        per_layer = [[0.0, 0.0] for _ in range(layers)]
+        ends = {"first": [0.0, 0.0], "last": [0.0, 0.0]}
+        for m in self.modules:
+            k = layer_of(m)
+            if k >= layers:
+                continue  # a checkpoint's extra layers (DeepSeek-V3's multi-token prediction): not loaded
+            if k >= 0:
+                cost = per_layer[k]
+                cost[0] += m.numel * (met if m.expert else 1)
+            else:
+                cost = ends["first" if EMBEDDINGS.search(m.name) else "last"]
+                cost[0] += hidden if m.numel else 0
+            cost[1] += self.held(m, layout)
+        return [(c, b) for c, b in per_layer], tuple(ends["first"]), tuple(ends["last"])
+
+    def stages(self, layout: Layout) -> Stages:
+        """``layout.pipeline`` stages of contiguous decoder layers, balanced by their ``costs``
+        (``capture.stages.partition``): the embeddings go with the first stage, the final norm and
+        the head with the last."""
+        from hsx.capture.stages import Stages, partition
+
+        layers, first, last = self.costs(layout)
+        return Stages(partition(layers, layout.pipeline, first, last), layout.tensor)
+
+    def stage_modules(self, stages: Stages, stage: int) -> list[Module]:
+        """The modules stage ``stage`` holds: its layers, the embeddings on the first (and on the last
+        where the head is tied to them), the final norm and the head on the last."""
+        first, end = stages.ranges[stage]
+        last = stage == stages.size - 1
+        tied = bool(self.config.get("tie_word_embeddings"))
+        out = []
+        for m in self.modules:
+            k = layer_of(m)
+            if k >= 0:
+                keep = first <= k < end
+            elif EMBEDDINGS.search(m.name):
+                keep = stage == 0 or (last and tied)
+            else:
+                keep = last
+            if keep:
+                out.append(m)
+        return out
 
     def smallest(self, layout: Layout, device_bytes: int, most: int = SIZES[-1]) -> Estimate | None:
         """The layout of fewest GPUs (experts split over all of them where the model has routed
@@ -195,6 +282,12 @@ class Inventory:
             if est.fits(device_bytes):
                 return est
         return None
+
+
+def layer_of(m: Module) -> int:
+    """The decoder layer ``m`` belongs to, -1 for none (embeddings, final norm, head)."""
+    found = LAYER.search(m.name)
+    return int(found.group(2)) if found else -1
 
 
 def activations(config: dict, layout: Layout) -> int:

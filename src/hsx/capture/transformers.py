@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,6 +30,9 @@ from hsx import target
 from hsx.capture import CapturedBatch, check_layers, checkpoint, varlen
 from hsx.capture.locate import locate
 from hsx.errors import OptionError
+
+if TYPE_CHECKING:
+    from hsx.capture.stages import Stages
 
 NAME = "transformers"
 
@@ -166,8 +170,12 @@ def _causal_lm_class(config, trust_remote_code: bool):
 class TransformersBackend:
     name = NAME
 
-    def __init__(self, model, layers: list[int], packed: bool = False, compiled: bool = False):
-        """Wrap a loaded model; ``load`` is the usual way in."""
+    def __init__(
+        self, model, layers: list[int], packed: bool = False, compiled: bool = False, owned: range | None = None
+    ):
+        """Wrap a loaded model; ``load`` is the usual way in. ``owned``: the decoder layers this
+        process runs, where the model is one pipeline stage (``capture.stages``): only they are
+        hooked and compiled, and the final state only where the last of them is the model's."""
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -176,7 +184,8 @@ class TransformersBackend:
         self.num_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)
         check_layers(layers, self.num_layers)
-        self.layers = list(layers)
+        self.owned = owned or range(self.num_layers)
+        self.layers = [k for k in layers if k in self.owned]
         self.parts = locate(self.model, self.num_layers)
         from hsx.capture.quantized.experts import stored_modules
 
@@ -185,7 +194,8 @@ class TransformersBackend:
         self._outputs: dict[object, torch.Tensor] = {}
         for k in self.layers:
             self.parts.layers[k].register_forward_hook(self._keep(k))
-        self.parts.norm.register_forward_hook(self._keep("final"))
+        if self.owned.stop == self.num_layers:
+            self.parts.norm.register_forward_hook(self._keep("final"))
         self.compiled = False
         self._cold: set[bool] = set()  # layouts (packed or not) not yet traced since compiling
         self.set_compiled(compiled)
@@ -221,7 +231,8 @@ class TransformersBackend:
             # same batch would then give other bits in another process. Fail instead.
             torch._dynamo.config.fail_on_recompile_limit_hit = True
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-        for layer in self.parts.layers:
+        for k in self.owned:
+            layer = self.parts.layers[k]
             layer.__dict__.pop("forward", None)  # the class's own forward again
             if compiled:
                 layer.forward = torch.compile(layer.forward, dynamic=True)
@@ -242,18 +253,28 @@ class TransformersBackend:
         every process has the same graphs with the same hints, and the real batches reuse them
         (one more graph only for a single one-token batch, whose static sizes need no hints). The
         token ids are fixed too, so that data-dependent paths (routers) trace the same way."""
+        for batch in self.warm_up_batches():
+            self.forward(self.inputs(batch))
+        self._outputs.clear()
+
+    def warm_up_batches(self) -> list[list[np.ndarray]]:
+        """The canonical batches of ``_warm_up``: lengths ``WARM_UP_LENGTHS``, fixed token ids."""
         config = self.model.config.get_text_config()
         vocab = int(config.vocab_size)
         longest = int(getattr(config, "max_position_embeddings", 0) or 0) or max(map(max, WARM_UP_LENGTHS))
-        seqs = 0
+        seqs, out = 0, []
         for lengths in WARM_UP_LENGTHS:
-            lengths = [min(n, longest) for n in lengths]
             batch = []
-            for n in lengths:
+            for n in (min(n, longest) for n in lengths):
                 batch.append((np.arange(seqs, seqs + n, dtype=np.int64) * 7919 + 13) % vocab)
                 seqs += n
-            self.forward(self.inputs(batch))
-        self._outputs.clear()
+            out.append(batch)
+        return out
+
+    def mark_warm(self) -> None:
+        """Take the layout as traced: a pipeline stage is warmed up by batches through the pipe
+        (``capture.stages.PipelineCapture``), since it cannot run a batch alone."""
+        self._cold.clear()
 
     @classmethod
     def load(
@@ -268,10 +289,12 @@ class TransformersBackend:
         tensor: int = 1,
         expert: int = 1,
         quantized_compute: str | None = None,
+        stages: Stages | None = None,
     ) -> TransformersBackend:
         """Load the model onto ``device``; with ``tensor`` > 1 this process is one rank of an
         initialised torch.distributed group and holds its share (transformers' TP/EP plans).
-        ``quantized_compute``: how an FP8 checkpoint computes (None: the default for the device)."""
+        ``quantized_compute``: how an FP8 checkpoint computes (None: the default for the device).
+        ``stages``: a pipeline; this rank loads its stage's layers alone (``capture.stages``)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -280,23 +303,34 @@ class TransformersBackend:
 
         how = checkpoint.prepared(model_dir, device, dtype, quantized_compute)  # quantized / native-class checkpoints
         fmt, model_class = how.experts, None
-        if fmt is not None or expert > 1:
+        if fmt is not None or expert > 1 or stages is not None:
             model_class = _causal_lm_class(how.config or model_dir, trust_remote_code)
         unquantized = how.quantization_config is None and not target.quantization_of(model_dir)
         if fmt is None and expert > 1 and unquantized and model_class and experts.experts_classes(model_class):
             fmt = experts.DENSE  # dense experts split by hsx too: the same on every transformers version
         placement: dict = {}
-        if tensor > 1:
+        pipeline = stages.size if stages is not None else 1
+        if tensor > 1 or pipeline > 1:
             from transformers.distributed import DistributedConfig
 
             # experts hsx holds itself are split by hsx (capture.quantized.experts), not transformers
-            placement["distributed_config"] = DistributedConfig(tp_size=tensor, ep_size=1 if fmt else expert)
-        stored = contextlib.nullcontext()
-        if fmt is not None:
-            rank = torch.distributed.get_rank() if expert > 1 else 0
-            stored = experts.swapped(model_class, fmt, DTYPES[dtype], rank, expert)
-        with stored:
-            model = AutoModelForCausalLM.from_pretrained(
+            placement["distributed_config"] = DistributedConfig(
+                tp_size=tensor, pp_size=pipeline, ep_size=1 if fmt else expert
+            )
+        rank = torch.distributed.get_rank() if expert > 1 or stages is not None else 0
+        loader, owned, group = AutoModelForCausalLM, None, None  # group: the ranks the experts are split over
+        with contextlib.ExitStack() as stack:
+            if stages is not None:
+                from hsx.capture.stages import stage_groups, stage_loader
+
+                groups = stage_groups(stages)  # every rank makes every stage's group, in the same order
+                group = groups[stages.stage_of(rank)] if expert > 1 else None
+                loader = stack.enter_context(stage_loader(model_class, stages, rank))
+                owned = range(*stages.ranges[stages.stage_of(rank)])
+            if fmt is not None:
+                ep_rank = rank % tensor if expert > 1 else 0
+                stack.enter_context(experts.swapped(model_class, fmt, DTYPES[dtype], ep_rank, expert, group))
+            model = loader.from_pretrained(
                 model_dir,
                 dtype=DTYPES[dtype],
                 trust_remote_code=trust_remote_code,
@@ -304,7 +338,7 @@ class TransformersBackend:
                 **placement,
                 **how.kwargs(),
             )
-        if tensor == 1:
+        if tensor == 1 and pipeline == 1:
             model = model.to(device)
         if fmt is not None:
             prefix = target.LanguageModel.of(model_dir).prefix  # a composite's language model: its weights' names
@@ -314,13 +348,24 @@ class TransformersBackend:
             from hsx.capture.quantized import fp8
 
             log.warning("checkpoint: %s", fp8.install(model))
-        return cls(model, layers, packed, compiled)
+        return cls(model, layers, packed, compiled, owned)
 
     def _keep(self, key):
         def hook(_module, _inputs, output):
             self._outputs[key] = output[0] if isinstance(output, tuple) else output
 
         return hook
+
+    def keep_output(self, layer: int) -> None:
+        """Also keep decoder layer ``layer``'s output (a pipeline stage's last: what it hands on)."""
+        if layer not in self.layers:
+            self.parts.layers[layer].register_forward_hook(self._keep(layer))
+
+    def take(self, keys: list) -> list[torch.Tensor]:
+        """The kept outputs of the last forward (layer ids, or "final"), forgetting them all."""
+        out = [self._outputs[k] for k in keys]
+        self._outputs.clear()
+        return out
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """An input's copy to the device that does not stop the host: from pageable memory a CUDA
