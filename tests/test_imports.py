@@ -12,7 +12,8 @@ SRC = Path(hsx.__file__).parent
 LAYERS = [
     ("hsx", "errors", "units", "bounds"),  # the vocabulary: errors and their exit codes, units, option bounds
     ("store",),  # the run folder's files: layout, durable writes, the file format, codecs, scans
-    ("fingerprint", "lock", "registry", "telemetry", "progress", "input", "hfdatasets"),  # run-folder services, input
+    # run-folder services, input, the node's interconnect
+    ("fingerprint", "lock", "registry", "telemetry", "progress", "input", "hfdatasets", "interconnect"),
     ("spec", "target", "finalnorm", "plan", "tinymodel"),  # what a run is: its spec, model, frozen plan
     ("capture", "staging"),  # the target running: token ids in, states out
     ("job",),  # what every job does around its work: options, folder steps, space, the resume prologue

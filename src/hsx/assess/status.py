@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from hsx.assess import gpus, integrity, model, pace, runspec, tally, volume, workers
+from hsx.assess import gpus, integrity, links, model, pace, runspec, tally, volume, workers
 from hsx.assess.checks import Check, exit_code, skipped
 from hsx.errors import Exit, SpecError
 from hsx.generate.spec import GenerateSpec
@@ -23,7 +23,7 @@ from hsx.spec import RunSpec, model_location, same_place
 from hsx.store import layout
 from hsx.telemetry import read_history
 
-ORDER = ("gpus", "volume", "progress", "pace", "integrity", "model", "capture", "spec", "workers")
+ORDER = ("gpus", "interconnect", "volume", "progress", "pace", "integrity", "model", "capture", "spec", "workers")
 VERDICTS = {Exit.OK: "ok", Exit.REDO: "redo", Exit.ACT: "act"}
 STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 
@@ -100,6 +100,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
     local = worker.alive and worker.holder is not None and worker.holder.host == socket.gethostname()
     launcher = worker.group.launcher if worker.group is not None and worker.group.launcher_alive() else None
     checks["gpus"] = gpus.check(worker.pid if local else None, launcher)  # its own GPU use is not foreign
+    parallel = getattr(spec, "parallel", None)  # an extraction's layout (a generate run's engine lays out its own)
+    checks["interconnect"] = links.check(run, parallel.ranks if parallel else 1, worker.alive)
     t = None
     if spec is None:
         for name in ("volume", "progress", "pace", "integrity", "model", "capture"):

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import xxhash
 from pydantic import TypeAdapter
 
-from hsx import errors, registry, target
+from hsx import errors, interconnect, registry, target
 from hsx.capture import CapturedBatch
 from hsx.errors import CleanStop, HsxError, WorkerFailed
 from hsx.extract.backends import Resources
@@ -58,6 +58,7 @@ def extract_group(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None
     """Run the job on ``spec.parallel.ranks`` ranks of this node; returns rank 0's summary, or
     raises its refusal or clean stop as if it had happened here."""
     resources = opts.resources()
+    interconnect.before_job(opts.out, spec.parallel.ranks, resources.device, log)  # a slow ring named before days
     log(f"starting {spec.parallel.ranks} ranks ({spec.parallel}) on {resources.device}")
     result = run_group(spec, resources, opts.out, opts.model, _lead_local, OPTIONS.dump_json(opts).decode())
     return _outcome(result)

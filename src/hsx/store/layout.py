@@ -12,6 +12,7 @@ OUT/
   lock.json, .lock.json.guard, metrics.json, metrics-history.jsonl   while a run is (or was) going
   workers/                 WORKERS: the scale-out workers' heartbeats, and STOP
   group.json               GROUP: the ranks of a running tensor-parallel group (pids, devices)
+  interconnect.json        INTERCONNECT: the node's GPU links as measured before multi-GPU jobs (hsx.interconnect)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ METRICS = "metrics.json"
 HISTORY = "metrics-history.jsonl"
 WORKERS = "workers"
 GROUP = "group.json"
+INTERCONNECT = "interconnect.json"
 FAILED_START = "failed-start.json"  # a start that never became a run: why, and the command that starts it again
 STOP = "STOP"  # in WORKERS: written by a driver that stops handing out work (disk full, a worker failed)
 
