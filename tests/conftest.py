@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -189,3 +190,63 @@ def kill_after_new_files(proc: subprocess.Popen, out: Path, k: int, seed: int, s
         time.sleep(0.005)
     proc.send_signal(sig)
     proc.wait(timeout=HANG_GUARD_S)
+
+
+# ---------------------------------------------------------------- a real small volume that fills
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Mount a size-limited tmpfs: ``tmpfs(name, size="2m", nr_inodes=30)``; unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(name: str, **opts) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        d = tmp_path / name
+        d.mkdir()
+        opt = ",".join(f"{k}={v}" for k, v in opts.items())
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opt, "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"this machine refuses to mount a tmpfs: {r.stderr.strip()}")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def remount(d: Path, **opts) -> None:
+    opt = ",".join(["remount", *(f"{k}={v}" for k, v in opts.items())])
+    subprocess.run(["mount", "-o", opt, str(d)], check=True)
+
+
+def assert_clean_stop(run: Path) -> int:
+    """No temp file left, every sample file passes the deep check; returns how many there are."""
+    from hsx.store.durable import is_temp
+    from hsx.store.format import check
+    from hsx.store.layout import parse_sample_name
+
+    files = list((run / "shards").rglob("*"))
+    assert not [p for p in files if is_temp(p.name)]
+    samples = [p for p in files if p.name.endswith(".safetensors")]
+    for p in samples:
+        check(p, parse_sample_name(p.name), deep=True)
+    return len(samples)
+
+
+def stopped_cleanly(proc: subprocess.CompletedProcess, run: Path, total: int, unit: str = "samples") -> tuple[int, str]:
+    """``proc`` (an ``hsx extract``/``generate`` whose volume filled) stopped as every executor stops on a
+    full disk: exit 3, the same three sentences, no traceback; every file left verifies. Returns how
+    many files it left and the command it said resumes."""
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
+    done = assert_clean_stop(run)
+    stop = re.search(
+        rf"\. Stopped cleanly: {done}/{total} {unit} are done and verified; about [0-9.,]+ [kMG]?B more are needed "
+        r"to finish\. Free space, then resume: (hsx \S+ --out \S+)$",
+        err,
+    )
+    assert stop is not None and 0 < done < total, err
+    return done, stop.group(1)

@@ -8,60 +8,27 @@ byte-identical to one that never ran short.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import subprocess
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from conftest import TINY, conversations, extract_args, hsx, run_files, write_jsonl
+from conftest import (
+    TINY,
+    assert_clean_stop,
+    conversations,
+    extract_args,
+    hsx,
+    remount,
+    run_files,
+    stopped_cleanly,
+    write_jsonl,
+)
 from hsx.cli import app
 from hsx.job import space as volume
-from hsx.store.durable import is_temp
-from hsx.store.format import check
-from hsx.store.layout import parse_sample_name
 
 EXIT_REFUSED, EXIT_DISK_FULL = 2, 3
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    """Mount a size-limited tmpfs: ``tmpfs(name, size="2m", nr_inodes=30)``; unmounted after the test."""
-    mounted: list[Path] = []
-
-    def mount(name: str, **opts) -> Path:
-        if os.geteuid() != 0:
-            pytest.skip("mounting a tmpfs needs root")
-        d = tmp_path / name
-        d.mkdir()
-        opt = ",".join(f"{k}={v}" for k, v in opts.items())
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opt, "tmpfs", str(d)], capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"this machine refuses to mount a tmpfs: {r.stderr.strip()}")
-        mounted.append(d)
-        return d
-
-    yield mount
-    for d in mounted:
-        subprocess.run(["umount", "-l", str(d)], check=False)
-
-
-def remount(d: Path, **opts) -> None:
-    opt = ",".join(["remount", *(f"{k}={v}" for k, v in opts.items())])
-    subprocess.run(["mount", "-o", opt, str(d)], check=True)
-
-
-def assert_clean_stop(run: Path) -> int:
-    """No temp file left, every sample file passes the deep check; returns how many there are."""
-    files = list((run / "shards").rglob("*"))
-    assert not [p for p in files if is_temp(p.name)]
-    samples = [p for p in files if p.name.endswith(".safetensors")]
-    for p in samples:
-        check(p, parse_sample_name(p.name), deep=True)
-    return len(samples)
 
 
 def test_guard_and_projection_on_a_real_small_volume(tmpfs):
@@ -101,12 +68,9 @@ def test_volume_too_small_refuses_then_stops_cleanly_then_resumes_identical(tmpf
     assert "short by" in refused.stderr and "--allow-partial" in refused.stderr
 
     stopped = hsx("extract", "--out", run, "--allow-partial", check=False)
-    err = " ".join(stopped.stderr.split())
-    assert stopped.returncode == EXIT_DISK_FULL, stopped.stderr
-    assert "is under the reserve of" in err and "Stopped cleanly:" in err
-    assert "samples are done and verified; about" in err and "more are needed to finish" in err
-    done = assert_clean_stop(run)
-    assert 0 < done < 40 and f"{done}/40 samples are done" in err
+    assert "is under the reserve of" in " ".join(stopped.stderr.split())
+    done, resume = stopped_cleanly(stopped, run, 40)
+    assert resume == f"hsx extract --out {run}"
 
     r = CliRunner().invoke(app, ["status", str(run)])
     assert r.exit_code == 2 and "fail volume" in " ".join(r.output.split()), r.output
@@ -255,6 +219,28 @@ def test_a_scaled_out_zstd_run_too_large_at_raw_size_is_judged_by_its_workers(tm
     assert again.returncode == EXIT_REFUSED, out
     assert f"measured on {done} files" in out and "not enough space on" in out
     assert run_files(run) == written
+
+
+def test_a_ray_worker_whose_volume_fills_stops_the_run_as_one_process_does(tmpfs, finished_run, tmp_path):
+    """Two Ray workers on a real 2 MB tmpfs: the worker that meets the reserve stops its shard cleanly,
+    its outcome stops the driver, and the run ends with the exit code and words of a process of its
+    own (the space still needed counted by the driver); every file left verifies, and the resume it
+    prints, once the volume grew, finishes the run bit-identical to an uninterrupted one."""
+    from conftest import require
+
+    require("ray")
+    d = tmpfs("workers", size="2m")
+    run = d / "run"
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40))
+    stopped = hsx(*extract_args(data, run, "--workers", "2", "--allow-partial"), check=False)
+    assert "is under the reserve of" in " ".join(stopped.stderr.split())
+    done, resume = stopped_cleanly(stopped, run, 40)
+    assert resume == f"hsx extract --out {run}"
+    assert not (run / "workers").exists() and not (run / "lock.json").exists()
+    remount(d, size="16m")
+    resumed = hsx(*shlex.split(resume)[1:])
+    assert f"{40 - done} written now, {done} were already verified" in resumed.stdout
+    assert run_files(run) == run_files(finished_run)
 
 
 def test_a_generate_run_stopped_by_a_full_volume_prints_the_generate_resume_that_works(tmpfs, tmp_path):

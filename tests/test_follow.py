@@ -19,7 +19,7 @@ from hsx.assess.status import assess
 from hsx.data import HsxDataset
 from hsx.errors import Refused
 from hsx.extract import ExtractOptions, extract
-from hsx.extract.local import extract_local
+from hsx.extract.local import InProcess
 from hsx.generate.job import generate
 from hsx.generate.options import GenerateOptions
 from hsx.generate.record import read_record
@@ -159,5 +159,5 @@ def test_an_unrecorded_part_is_written_again(finished, tmp_path):
     assert load_plan(out, load_spec(out)).input_ids(5).size > 0
     files = _files(out)
     with pytest.raises(Refused, match="grew while this process started"):  # it would seal shards of the old plan
-        extract_local(ExtractOptions(out=out, threads=1), log=lambda m: None, spec=stale)
+        InProcess().run(ExtractOptions(out=out, threads=1), stale, log=lambda m: None)
     assert _files(out) == files

@@ -30,9 +30,11 @@ from conftest import (
     flip_byte,
     hsx,
     kill_after_new_files,
+    remount,
     require,
     run_files,
     save_tiny,
+    stopped_cleanly,
     verified_files,
     write_jsonl,
 )
@@ -45,7 +47,6 @@ from hsx.generate.options import GENERATE, GenerateOptions
 from hsx.generate.record import read_record
 from hsx.input import ROLES
 from hsx.store import layout
-from test_diskguard import assert_clean_stop, remount, tmpfs  # noqa: F401  (the real small volume, its checks)
 
 CONVS = 8
 NEW = 8
@@ -573,7 +574,7 @@ def test_an_engine_giving_up_on_a_request_rejects_that_conversation_only(tmp_pat
     assert generate(_opts(out), log=lambda m: None).written == 0
 
 
-def test_a_volume_that_fills_stops_cleanly_then_resumes_identical(gen_run, tmpfs, tmp_path):  # noqa: F811
+def test_a_volume_that_fills_stops_cleanly_then_resumes_identical(gen_run, tmpfs, tmp_path):
     """A real 64 KiB tmpfs that fills during the run (with --allow-partial, or where the start's
     projection fits but the files' blocks do not): exit 3, every file on it whole and verified, what is
     done and the resume command named; then, the volume grown, resumed to the same bytes as a run that
@@ -583,12 +584,9 @@ def test_a_volume_that_fills_stops_cleanly_then_resumes_identical(gen_run, tmpfs
     out = d / "gen"
     stopped = hsx(*_args(data, out, "--allow-partial"), env=ENV, check=False)
     err = " ".join(stopped.stderr.split())
-    assert stopped.returncode == 3, stopped.stderr
     assert "is under the reserve of" in err or "no space left on the output volume" in err, err
-    assert "Stopped cleanly:" in err and "more are needed to finish" in err
-    assert f"Free space, then resume: hsx generate --out {out}" in err
-    done = assert_clean_stop(out)
-    assert 0 < done < CONVS and f"{done}/{CONVS} conversations are done and verified" in err
+    done, resume = stopped_cleanly(stopped, out, CONVS, "conversations")
+    assert resume == f"hsx generate --out {out}"
 
     remount(d, size="1m")
     resumed = hsx("generate", "--out", out, env=ENV)

@@ -18,9 +18,8 @@ LAYERS = [
     ("capture", "staging"),  # the target running: token ids in, states out
     ("job",),  # what every job does around its work: options, folder steps, space, the resume prologue
     ("generate",),  # the generate stage
-    ("extract",),  # the extraction stage (it reads generate runs)
-    ("scaleout",),  # extraction by Ray workers
-    ("hsx.extract", "assess", "export", "data"),  # extract's dispatcher (local, group or scaleout), status, export
+    ("extract",),  # the extraction stage and its executors (this process, a tensor-parallel group, Ray workers)
+    ("assess", "export", "data"),  # status and verify, the trainers' exports, the training-side reader
     ("bench", "cli", "__main__"),  # benchmarks and the command line
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -104,9 +103,9 @@ def upward(g: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_checker_finds_an_import_running_up():
-    g = {"hsx.store.scan": {"hsx.errors", "hsx.job.space"}, "hsx.extract": {"hsx.scaleout.driver"}}
+    g = {"hsx.store.scan": {"hsx.errors", "hsx.job.space"}, "hsx.extract": {"hsx.extract.workers.driver"}}
     assert upward(g) == ["hsx.store.scan -> hsx.job.space"]
-    assert upward({"hsx.scaleout.driver": {"hsx.extract"}}) == ["hsx.scaleout.driver -> hsx.extract"]
+    assert upward({"hsx.extract.workers.driver": {"hsx.assess"}}) == ["hsx.extract.workers.driver -> hsx.assess"]
 
 
 def test_no_import_cycles():

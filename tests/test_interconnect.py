@@ -6,7 +6,6 @@ judging, the job's warning, the record in the run and ``hsx status`` are the rea
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -70,6 +69,7 @@ def test_a_multi_gpu_job_on_a_slow_ring_warns_before_it_starts_and_status_shows_
     from hsx.errors import Refused
     from hsx.extract import group
     from hsx.extract.options import ExtractOptions
+    from hsx.extract.outcome import Failure, Outcome
     from hsx.spec import Parallel
 
     slow = Measurement(8, 4.6, [50.0, 50.0, 50.0, 6.0, 50.0, 50.0, 50.0, 6.0], {})
@@ -80,14 +80,14 @@ def test_a_multi_gpu_job_on_a_slow_ring_warns_before_it_starts_and_status_shows_
 
     def launch(config, entry):
         said.append("launched")
-        return lambda *args: {0: json.dumps({"error": "Refused", "message": "stopped after the start"})}
+        return lambda *args: {0: Outcome(failure=Failure(error="Refused", message="stopped after the start")).dump()}
 
     monkeypatch.setattr(launcher, "elastic_launch", launch)
     out = tmp_path / "run"
     out.mkdir()
     spec = SimpleNamespace(parallel=Parallel(tensor=8, expert=8), model_dump_json=lambda: "{}")
     with pytest.raises(Refused, match="stopped after the start"):  # CPU ranks: the GPUs' measurement simulated
-        group.extract_group(ExtractOptions(out=out, device="cpu"), spec, log=said.append)
+        group.Group().run(ExtractOptions(out=out, device="cpu"), spec, log=said.append)
     assert measured == [(8, "cpu")]
     warned = next(i for i, line in enumerate(said) if "far below what the link gives" in line)
     assert warned < said.index("launched")

@@ -28,7 +28,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
-from conftest import TINY, conversations, hsx, load_states, require, run_files, save_tiny, verified_files, write_jsonl
+from conftest import (
+    TINY,
+    conversations,
+    hsx,
+    load_states,
+    remount,
+    require,
+    run_files,
+    save_tiny,
+    stopped_cleanly,
+    verified_files,
+    write_jsonl,
+)
 from hsx import registry
 from hsx.errors import Exit
 from hsx.store import layout
@@ -269,6 +281,36 @@ def test_kill9_of_the_launcher_or_of_a_rank_then_resume_is_byte_identical(dense_
 # ---------------------------------------------------------------- scale-out: Ray workers of tensor-parallel groups
 
 
+def test_a_tp2_group_whose_volume_fills_stops_cleanly_and_resumes_bit_identical(dense_tp, models, data, tmpfs):
+    """The story's scenario at the story's layout: a TP2 group on a real 2 MB tmpfs that fills. Rank
+    0's clean stop crosses to the launcher as its outcome: exit 3, the words a process of its own
+    says and the command that resumes, no traceback, every file left verifies, no group record or
+    lock left. A resume while another process holds the run is refused by rank 0 by name (exit 2,
+    nothing written); once the volume grows, the resume printed finishes the run bit-identical to
+    the uninterrupted TP2 run."""
+    from hsx.lock import RunLock
+
+    d = tmpfs("tp2", size="2m")
+    out = d / "run"
+    stopped = hsx(*_args(models["dense"], data, out, "--tensor-parallel", "2", "--allow-partial"), check=False)
+    assert "ranks 0-1 captured the same states" in stopped.stdout + stopped.stderr
+    done, resume = stopped_cleanly(stopped, out, 60)
+    assert resume == f"hsx extract --out {out}"
+    assert not (out / "group.json").exists() and not (out / "lock.json").exists()
+
+    remount(d, size="64m")
+    files = run_files(out)
+    with RunLock(out, command="extract", warn=lambda m: None):  # another extractor holds the run
+        refused = hsx(*resume.split()[1:], check=False)
+    assert refused.returncode == Exit.ACT and "Traceback" not in refused.stderr, refused.stderr
+    assert f"another extractor holds this run: pid {os.getpid()}" in refused.stderr
+    assert run_files(out) == files
+
+    resumed = hsx(*resume.split()[1:])
+    assert f"{60 - done} written now, {done} were already verified" in resumed.stdout
+    assert run_files(out) == run_files(dense_tp[0])
+
+
 def test_ray_workers_of_tp_groups_survive_a_killed_rank_and_equal_one_group(dense_tp, models, data, tmp_path):
     """``--workers 2 --tensor-parallel 2``: two Ray workers, each launching its own group of two
     ranks. Rank 1 of a worker holding an unsealed shard is SIGKILLed (its rank 0 frozen meanwhile,
@@ -362,7 +404,7 @@ def test_a_tp_worker_refused_at_load_stops_the_driver_with_that_refusal(models, 
 
 
 def test_threads_given_reach_every_rank_and_a_rank_without_them_takes_its_share_of_the_cores(tmp_path, monkeypatch):
-    """``--threads`` crosses from the options to the launched ranks (what ``extract_group`` hands the
+    """``--threads`` crosses from the options to the launched ranks (what ``group.Group`` hands the
     elastic launcher) and is what each rank's set-up gives torch; without it, the cores shared out."""
     from types import SimpleNamespace
 
@@ -371,13 +413,15 @@ def test_threads_given_reach_every_rank_and_a_rank_without_them_takes_its_share_
     from hsx.errors import Refused
     from hsx.extract import group
     from hsx.extract.options import ExtractOptions
+    from hsx.extract.outcome import Failure, Outcome
     from hsx.spec import Parallel
 
     handed: list[tuple] = []
 
     def launch(config, entry):
         assert entry is group.rank_main and config.nproc_per_node == 2
-        return lambda *args: handed.append(args) or {0: json.dumps({"error": "Refused", "message": "launched"})}
+        launched = Outcome(failure=Failure(error="Refused", message="launched"))
+        return lambda *args: handed.append(args) or {0: launched.dump()}
 
     monkeypatch.setattr(launcher, "elastic_launch", launch)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
@@ -387,7 +431,7 @@ def test_threads_given_reach_every_rank_and_a_rank_without_them_takes_its_share_
         for threads, want in ((before + 1, before + 1), (None, 8 // 2)):
             opts = ExtractOptions(out=tmp_path / "run", device="cpu", threads=threads)
             with pytest.raises(Refused, match="launched"):
-                group.extract_group(opts, spec, log=lambda m: None)
+                group.Group().run(opts, spec, log=lambda m: None)
             on = group.RESOURCES.validate_json(handed[-1][3])  # rank_main's ``resources``
             assert on.threads == threads
             torch.set_num_threads(before)

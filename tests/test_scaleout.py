@@ -187,7 +187,7 @@ def test_importing_hsx_does_not_import_ray():
 
 def test_workers_without_ray_installed_say_what_to_install(monkeypatch):
     from hsx.extract import Refused
-    from hsx.scaleout.driver import import_ray
+    from hsx.extract.workers.driver import import_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray sees
     with pytest.raises(Refused, match=r"pip install 'hsx\[ray\]'"):
@@ -288,8 +288,8 @@ def test_the_driver_watch_wakes_a_main_thread_blocked_without_timeout(tmp_path):
     timeout (a flag-only interrupt is never seen there: a CI hang of the TP fence test)."""
     import threading
 
+    from hsx.extract.workers.driver import _Watch
     from hsx.lock import LOCK, _me
-    from hsx.scaleout.driver import _Watch
     from hsx.store.durable import write_durable
 
     write_durable(tmp_path / LOCK, _me("extract").model_dump_json().encode())  # held by another session
@@ -314,8 +314,8 @@ def test_a_worker_runs_the_model_on_the_threads_given(finished_run, tmp_path, mo
     import torch
 
     from hsx import registry
+    from hsx.extract.workers.worker import ShardRunner, Where, WorkerTask
     from hsx.lock import RunLock
-    from hsx.scaleout.worker import ShardRunner, Where, WorkerTask
 
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)

@@ -34,6 +34,8 @@ import errno
 from enum import IntEnum, StrEnum
 from pathlib import Path
 
+from hsx.units import size
+
 
 class Exit(IntEnum):
     """Exit codes of every command. ``status``/``verify`` use OK, REDO and ACT for their verdict."""
@@ -132,8 +134,11 @@ class VocabError(Refused):
 class CleanStop(HsxError):
     """The volume filled up; the run stopped cleanly and resumes once space is freed.
 
-    ``summary`` is the job's summary at the stop, ``needed_bytes`` the space the rest still needs;
-    ``command`` resumes it (``hsx COMMAND --out RUN``), whose files are ``unit``."""
+    ``summary`` is the job's summary at the stop (its ``done``, ``total_samples`` and ``run``),
+    ``needed_bytes`` the space the rest still needs, ``path`` the file or folder being written and
+    ``reason`` what stopped it; ``resume`` the command that resumes it, whose files are ``unit``.
+    ``lines()`` says all of it, the same words wherever the stop happened (a process of its own, a
+    tensor-parallel group's rank 0, a scale-out worker)."""
 
     exit_code = Exit.DISK_FULL
 
@@ -143,13 +148,25 @@ class CleanStop(HsxError):
         needed_bytes: int,
         path: Path,
         reason: str | None = None,
-        command: str = "extract",
+        resume: str = "",
         unit: str = "samples",
     ):
-        super().__init__(reason or f"no space left on the output volume while writing {path}")
-        self.summary = summary
-        self.needed_bytes = needed_bytes
-        self.command, self.unit = command, unit
+        self.reason = reason or no_space(path)
+        super().__init__(self.reason)
+        self.summary, self.needed_bytes, self.path = summary, needed_bytes, Path(path)
+        self.resume, self.unit = resume, unit
+
+    def lines(self) -> str:
+        s = self.summary
+        return (
+            f"{self.reason}.\nStopped cleanly: {s.done}/{s.total_samples} {self.unit} are done and verified; "
+            f"about {size(self.needed_bytes)} more are needed to finish.\nFree space, then resume: {self.resume}"
+        )
+
+
+def no_space(path: Path | str) -> str:
+    """What a clean stop says of a real ENOSPC (the guard's reserve says its own words)."""
+    return f"no space left on the output volume while writing {path}"
 
 
 class EngineUnavailable(HsxError):
@@ -167,6 +184,11 @@ class DiskFull(HsxError, OSError):
         self.path = path
         self.cause = cause
 
+    @property
+    def reason(self) -> str | None:
+        """What a clean stop says stopped it (None: ``CleanStop``'s words for a plain ENOSPC)."""
+        return None
+
 
 class LowSpace(DiskFull):
     """Free space fell under the reserve: stop before the volume is full, exactly as on ENOSPC."""
@@ -177,6 +199,10 @@ class LowSpace(DiskFull):
         self.strerror = message
 
     def __str__(self) -> str:
+        return self.strerror
+
+    @property
+    def reason(self) -> str | None:
         return self.strerror
 
 
@@ -209,4 +235,7 @@ def refusal(name: str, message: str) -> Refused:
     """A refusal raised in another process (a rank, a worker's group), rebuilt here from its class
     name and message; a name that is not a refusal of hsx's becomes a plain ``Refused``."""
     cls = globals().get(name)
-    return (cls if isinstance(cls, type) and issubclass(cls, Refused) else Refused)(message)
+    cls = cls if isinstance(cls, type) and issubclass(cls, Refused) else Refused
+    error = cls.__new__(cls)  # its message as said there: a class's own constructor (Locked's holder) is not run
+    Refused.__init__(error, message)
+    return error

@@ -6,7 +6,6 @@ is wrong, 1 ``hsx extract`` repairs what is wrong by itself, 2 a person must act
 
 from __future__ import annotations
 
-import shlex
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from hsx.assess.checks import Check, exit_code, skipped
 from hsx.errors import Exit, SpecError
 from hsx.generate.spec import GenerateSpec
 from hsx.job import space
+from hsx.job.options import resume_command
 from hsx.spec import RunSpec, model_location, same_place
 from hsx.store import layout
 from hsx.telemetry import read_history
@@ -52,17 +52,6 @@ class Report:
             "next": self.next,
             "resume_command": self.resume,
         }
-
-
-def resume_command(run: Path, model: str | None = None, command: str = "extract") -> str:
-    """The command that resumes ``run`` (``command``: extract, or generate for a generate run); with
-    ``model`` (where it moved: a local folder made absolute), which the resume checks against the
-    fingerprint and records."""
-    args = ["hsx", command, "--out", str(run)]
-    if model is not None:
-        local = Path(model).expanduser()
-        args += ["--model", str(local.absolute()) if local.exists() else model]
-    return shlex.join(args)
 
 
 def _projection(run: Path, spec: RunSpec | GenerateSpec, plan, t: tally.Tally, left_tokens: int) -> space.Projection:

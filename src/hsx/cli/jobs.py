@@ -24,7 +24,7 @@ Stage = Callable[..., Any]  # (options, log=) -> a summary with lines()
 def run_job(verb: str, stage: Stage, out: Path, model: str | None, build: Callable[[], Any]) -> None:
     """Build the options and run ``stage`` on them; print its summary. A Ctrl-C prints a command
     that works as printed: a resume needs the spec, a start its options."""
-    from hsx.assess.status import resume_command
+    from hsx.job.options import resume_command
 
     opts = None
 

@@ -50,16 +50,7 @@ def failures(interrupted: Callable[[], str] | None = None) -> Iterator[None]:
     try:
         yield
     except CleanStop as e:
-        from hsx.assess.status import resume_command
-        from hsx.units import size
-
-        s = e.summary
-        raise fail(
-            f"{e}.\nStopped cleanly: {s.done}/{s.total_samples} {e.unit} are done and verified; "
-            f"about {size(e.needed_bytes)} more are needed to finish.\n"
-            f"Free space, then resume: {resume_command(s.run, None, e.command)}",
-            e.exit_code,
-        ) from None
+        raise fail(e.lines(), e.exit_code) from None
     except DiskFull as e:
         raise fail(f"{e}; free space and rerun the same command: it continues", e.exit_code) from None
     except HsxError as e:

@@ -40,8 +40,9 @@ def verify(
     threads: Threads = 8,
 ) -> None:
     """Check every sample file of a run. Exit 0: all good; 1: problems (hsx extract redoes them); 2: refused."""
-    from hsx.assess.status import render_check, resume_command
+    from hsx.assess.status import render_check
     from hsx.assess.verify import verify as run_verify
+    from hsx.job.options import resume_command
 
     with failures():
         result = run_verify(out, deep=deep, repair=repair, threads=threads)

@@ -1,8 +1,8 @@
 """One model replica over N devices of this node: a tensor-parallel group whose rank 0 writes.
 
     launcher: PyTorch's elastic agent, in the calling thread (``hsx extract``, or a scale-out worker)
-      rank 0      its lead: the local job unchanged (lock, resume, disk guard, capture -> staging ->
-                  writer), or a scale-out worker's shards (scaleout.group)
+      rank 0      its lead: the in-process job (``local.InProcess``: lock, resume, disk guard,
+                  capture -> staging -> writer), or a scale-out worker's shards (``workers.group``)
       rank 1..N-1 load their share of the model, then capture each batch rank 0 names; write nothing
 
 Every rank computes every batch, since TP and EP collectives need all of them; after each decoder
@@ -13,7 +13,7 @@ of its lead (the job's end, a clean stop, a refusal) ends them too.
 
 No rank outlives the group: the agent stops every rank when one fails, and a rank whose launcher
 died is killed by the kernel (PR_SET_PDEATHSIG). What crosses processes is JSON text: the options
-or task in, rank 0's outcome out.
+or task in, rank 0's ``extract.outcome.Outcome`` out.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ from pydantic import TypeAdapter
 
 from hsx import errors, interconnect, registry, target
 from hsx.capture import CapturedBatch
-from hsx.errors import CleanStop, HsxError, WorkerFailed
+from hsx.errors import WorkerFailed
 from hsx.extract.backends import Resources
-from hsx.extract.local import extract_local
+from hsx.extract.local import InProcess
 from hsx.extract.options import ExtractOptions, check_gpus
+from hsx.extract.outcome import Outcome
 from hsx.extract.pipeline import open_backend
 from hsx.job.resume import Summary
 from hsx.plan import load_plan
@@ -50,18 +51,20 @@ from hsx.store.format import digest_text
 WAIT = dt.timedelta(days=7)  # the others wait on rank 0 through a whole verification of terabytes
 STOP, LOAD, BATCH = 0, 1, 2
 OPTIONS = TypeAdapter(ExtractOptions)
-SUMMARY = TypeAdapter(Summary)
 RESOURCES = TypeAdapter(Resources)
 
 
-def extract_group(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None] = print) -> Summary:
-    """Run the job on ``spec.parallel.ranks`` ranks of this node; returns rank 0's summary, or
-    raises its refusal or clean stop as if it had happened here."""
-    resources = opts.resources()
-    interconnect.before_job(opts.out, spec.parallel.ranks, resources.device, log)  # a slow ring named before days
-    log(f"starting {spec.parallel.ranks} ranks ({spec.parallel}) on {resources.device}")
-    result = run_group(spec, resources, opts.out, opts.model, _lead_local, OPTIONS.dump_json(opts).decode())
-    return _outcome(result)
+class Group:
+    """The executor of a tensor/expert-parallel group of this node's devices: rank 0 runs the job in
+    its process (``local.InProcess``) with the other ranks as its peers; its ``Outcome`` is raised
+    or returned here as if it had happened here."""
+
+    def run(self, opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None] = print) -> Summary:
+        resources = opts.resources()
+        interconnect.before_job(opts.out, spec.parallel.ranks, resources.device, log)  # a slow ring named before days
+        log(f"starting {spec.parallel.ranks} ranks ({spec.parallel}) on {resources.device}")
+        result = run_group(spec, resources, opts.out, opts.model, _lead_local, OPTIONS.dump_json(opts).decode())
+        return Outcome.load(result).result()
 
 
 Lead = Callable[["Leader", RunSpec, str], str]  # rank 0's job: (its peers, the spec, its payload) -> its outcome
@@ -160,8 +163,8 @@ class Leader:
 
 
 def _lead_local(leader: Leader, spec: RunSpec, options: str) -> str:
-    """Rank 0 of ``hsx extract --tensor-parallel N``: the local job, with the other ranks as its
-    peers, recorded in the run folder (``hsx status`` shows them alive or dead); its outcome as JSON."""
+    """Rank 0 of ``hsx extract --tensor-parallel N``: the in-process job, with the other ranks as its
+    peers, recorded in the run folder (``hsx status`` shows them alive or dead); its ``Outcome``."""
     opts = OPTIONS.validate_json(options)
     launcher = os.getppid()
     record = registry.GroupRecord(
@@ -173,29 +176,11 @@ def _lead_local(leader: Leader, spec: RunSpec, options: str) -> str:
     )
     registry.write_group(opts.out, record)
     try:
-        summary = extract_local(opts, spec=spec, peers=leader)
-        outcome = {"summary": SUMMARY.dump_python(summary, mode="json")}
-    except CleanStop as e:
-        stop = {"needed_bytes": e.needed_bytes, "path": str(e.path), "reason": e.reason}
-        outcome = {"summary": SUMMARY.dump_python(e.summary, mode="json"), "clean_stop": stop}
-    except HsxError as e:
-        outcome = {"error": type(e).__name__, "message": str(e)}
+        outcome = Outcome.of(lambda: InProcess(peers=leader).run(opts, spec))
     finally:
         leader.stop()  # before the record goes: a rank seen gone is then really done
     registry.clear_group(opts.out)
-    return TypeAdapter(dict).dump_json(outcome).decode()
-
-
-def _outcome(result: str) -> Summary:
-    """Rank 0's outcome, raised or returned here as it was there."""
-    out = TypeAdapter(dict).validate_json(result)
-    if "error" in out:
-        raise errors.refusal(out["error"], out["message"])
-    summary = SUMMARY.validate_python(out["summary"])
-    if "clean_stop" in out:
-        s = out["clean_stop"]
-        raise CleanStop(summary, s["needed_bytes"], Path(s["path"]), s["reason"])
-    return summary
+    return outcome.dump()
 
 
 def _follow(run: Path, model: str | None, spec: RunSpec, device: str, control) -> None:

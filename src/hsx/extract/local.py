@@ -1,6 +1,8 @@
-"""The single-process job: open the run, take its lock, check the headers and the space, then load the
-model and extract while the digests are verified (``job.prologue``, the prologue every job runs):
-every shard that is not complete is extracted, once its own scan is settled, and sealed.
+"""The in-process executor (``extract.executor``): the job in this process. It opens the run's lock,
+checks the headers and the space, then loads the model and extracts while the digests are verified
+(``job.prologue``, the prologue every job runs): every shard that is not complete is extracted, once
+its own scan is settled, and sealed. A tensor-parallel group's rank 0 runs it too, with the other
+ranks as its ``peers`` (``extract.group``).
 
 The model is loaded only when something is missing: a resume that finds every file in place verifies
 them and loads nothing, and loads the model afterwards only if a digest was bad."""
@@ -13,7 +15,6 @@ from typing import TYPE_CHECKING
 from hsx import registry, target
 from hsx.errors import DiskFull
 from hsx.extract.backends import Session, backend, entry
-from hsx.extract.folder import open_run
 from hsx.extract.follow import unchanged
 from hsx.extract.options import ExtractOptions
 from hsx.job.options import set_threads
@@ -28,53 +29,53 @@ if TYPE_CHECKING:
     from hsx.extract.backends import Peers
 
 
-def extract_local(
-    opts: ExtractOptions, log: Callable[[str], None] = print, spec: RunSpec | None = None, peers: Peers | None = None
-) -> Summary:
-    """``hsx extract`` in this process: a new run, or the resume of one, to the end or a clean stop.
+class InProcess:
+    """This process runs the whole job; ``peers``: the other ranks of its tensor-parallel group, told
+    when to load the model and which batch comes next (None: a process alone)."""
 
-    ``spec``: the run's, already opened by the caller; ``peers``: the other ranks of this process's
-    tensor-parallel group (extract.group), told when to load the model and which batch comes next."""
-    spec = spec or open_run(opts, log)
-    run = opts.out
-    progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token, opts.out, opts.log_every)
-    with locked(opts, progress.metrics, log) as lock:
-        unchanged(run, spec)
-        registry.settle(run, lock.me, log)  # workers of a crashed scale-out driver: gone first
-        plan = load_plan(run, spec)
-        begun = Prologue.open(opts, spec, plan.lengths, log, measure_first=True)
-        summary, headers = begun.summary, begun.headers
-        progress.start(0, 0)
-        verifier = begun.verify(progress.add_done)
-        summary.verified = verifier.stats
-        progress.verified = verifier.stats.metrics
-        try:
-            how = entry(spec.backend)
-            todo: Iterable[ShardScan] = verifier.todo()  # the shards that miss samples, as they are settled
-            work = True  # the headers say something is missing: load the model now, beside verification
-            if all(s.complete for s in headers) or how.whole:
-                todo = verifier.rest()  # nothing missing (or a backend that takes its work whole): no model yet
-                work = bool(todo)
-            if work:
-                model_dir = target.model_dir_for(run, spec, opts.model, checked=opts.model is not None)
-                resources = opts.resources()
-                set_threads(resources.threads, resources.device)
-                session = Session(
-                    run, spec, plan, model_dir, resources, progress, begun.space, log,
-                    opts.tensor_parallel_size or 1, opts.data_parallel_size or 1, peers,
-                )  # fmt: skip
-                backend(spec.backend).run(session, todo)  # torch or vLLM: imported only when there is work
-                if not how.whole:
-                    _log_verified(verifier, log)
-        except DiskFull as e:
-            summary.written, summary.tokens_written, summary.bytes_written = progress.session()
-            raise begun.clean_stop(e, summary, spec.plan.num_tokens - progress.tokens_done()) from e
-        finally:
-            verifier.stop()
-            summary.seconds = progress.elapsed()
-            summary.written, summary.tokens_written, summary.bytes_written = progress.session()
-            summary.waited_for_disk = progress.waited_for_disk() if progress.waited_for_disk else 0.0
-        return summary
+    def __init__(self, peers: Peers | None = None):
+        self.peers = peers
+
+    def run(self, opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None] = print) -> Summary:
+        run = opts.out
+        progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token, run, opts.log_every)
+        with locked(opts, progress.metrics, log) as lock:
+            unchanged(run, spec)
+            registry.settle(run, lock.me, log)  # workers of a crashed scale-out driver: gone first
+            plan = load_plan(run, spec)
+            begun = Prologue.open(opts, spec, plan.lengths, log, measure_first=True)
+            summary, headers = begun.summary, begun.headers
+            progress.start(0, 0)
+            verifier = begun.verify(progress.add_done)
+            summary.verified = verifier.stats
+            progress.verified = verifier.stats.metrics
+            try:
+                how = entry(spec.backend)
+                todo: Iterable[ShardScan] = verifier.todo()  # the shards that miss samples, as they are settled
+                work = True  # the headers say something is missing: load the model now, beside verification
+                if all(s.complete for s in headers) or how.whole:
+                    todo = verifier.rest()  # nothing missing (or a backend that takes its work whole): no model yet
+                    work = bool(todo)
+                if work:
+                    model_dir = target.model_dir_for(run, spec, opts.model, checked=opts.model is not None)
+                    resources = opts.resources()
+                    set_threads(resources.threads, resources.device)
+                    session = Session(
+                        run, spec, plan, model_dir, resources, progress, begun.space, log,
+                        opts.tensor_parallel_size or 1, opts.data_parallel_size or 1, self.peers,
+                    )  # fmt: skip
+                    backend(spec.backend).run(session, todo)  # torch or vLLM: imported only when there is work
+                    if not how.whole:
+                        _log_verified(verifier, log)
+            except DiskFull as e:
+                summary.written, summary.tokens_written, summary.bytes_written = progress.session()
+                raise begun.clean_stop(summary, e.path, e.reason) from e
+            finally:
+                verifier.stop()
+                summary.seconds = progress.elapsed()
+                summary.written, summary.tokens_written, summary.bytes_written = progress.session()
+                summary.waited_for_disk = progress.waited_for_disk() if progress.waited_for_disk else 0.0
+            return summary
 
 
 def _log_verified(verifier: Verifier, log: Callable[[str], None]) -> None:

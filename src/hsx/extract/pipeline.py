@@ -10,7 +10,7 @@ before each batch is captured, counting the writer's queued bytes as already spe
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -52,7 +52,8 @@ def open_backend(spec: RunSpec, model_dir: Path, device: str) -> TransformersBac
 class Extractor:
     """Captures a shard's missing samples batch by batch and hands them to the writer.
 
-    ``reserve``: bytes of free space to keep (None: no guard). ``staging``: a ring to share
+    ``reserve``: bytes of free space to keep (None: no guard); the guard is the first of ``gates``,
+    called before each batch is captured. ``staging``: a ring to share
     (the benchmark reuses one across variants); by default one is made for the backend's device and
     the run's codec (fp8: encoded on the device, before the copy).
     ``peers``: the other ranks of a tensor-parallel group, which compute every batch with us.
@@ -93,7 +94,11 @@ class Extractor:
         # the codec's ratio from the files this session writes (and a resume's, in ``forecast``)
         self.forecast = forecast or Forecast(spec)
         self.forecast.session = progress.session
-        self.guard = None if reserve is None else DiskGuard(run, reserve, lambda: self.writer.inflight, self.forecast)
+        # called with a batch's raw bytes before it is captured: each may stop the work (the disk guard's
+        # LowSpace) or hold it (a pause would wait here); none without a reserve
+        self.gates: list[Callable[[int], None]] = []
+        if reserve is not None:
+            self.gates.append(DiskGuard(run, reserve, lambda: self.writer.inflight, self.forecast))
         self.sealing_waited = 0.0
         progress.waited_for_disk = self.waited_for_disk
 
@@ -110,9 +115,10 @@ class Extractor:
         for batch in self.plan.batches(scan.expected, self.spec.batch_tokens, self.spec.packed):
             if missing.isdisjoint(batch.ids):
                 continue
-            if self.guard is not None:
+            if self.gates:
                 tokens = sum(int(self.plan.lengths[i]) for i in missing.intersection(batch.ids))
-                self.guard(tokens * self.spec.bytes_per_token)
+                for gate in self.gates:
+                    gate(tokens * self.spec.bytes_per_token)
             seqs = [self.plan.input_ids(i) for i in batch.ids]
             if self.peers is not None:
                 self.peers.batch(list(batch.ids))

@@ -308,8 +308,7 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
                         spec, run, plan, engine, prompter, progress, begun.space.reserve, summary
                     ).run_shards(todo)
                 except DiskFull as e:  # the guard's reserve reached, or a real ENOSPC: every file whole or absent
-                    left = spec.plan.num_tokens - progress.tokens_done()
-                    raise begun.clean_stop(e, summary, left, summary.total - summary.done) from e
+                    raise begun.clean_stop(summary, e.path, e.reason) from e
                 finally:
                     summary.seconds = time.monotonic() - t0
             write_rejects(run, spec)

@@ -110,6 +110,17 @@ def command_line(verb: str, opts) -> str:
     return shlex.join(args)
 
 
+def resume_command(run: Path, model: str | None = None, command: str = "extract") -> str:
+    """The command that resumes ``run`` (``command``: extract, or generate for a generate run); with
+    ``model`` (where it moved: a local folder made absolute), which the resume checks against the
+    fingerprint and records."""
+    args = ["hsx", command, "--out", str(run)]
+    if model is not None:
+        local = Path(model).expanduser()
+        args += ["--model", str(local.absolute()) if local.exists() else model]
+    return shlex.join(args)
+
+
 def check_device(device: str) -> None:
     """A device this machine has; refused before a run folder is made or a dtype chosen for it."""
     import torch

@@ -4,7 +4,8 @@ telemetry), ``Prologue.open`` removes what a killed process left beside the run'
 ``--model`` that matched somewhere new, scans every shard's headers and judges the space the rest
 needs (refused when it does not fit); ``verify`` then checks the digests beside the model load and
 the work (``job.resume.Verifier``), and ``clean_stop`` turns a full disk into the clean stop that
-says how much is done, how much space the rest needs, and the command that resumes.
+says how much is done, how much space the rest needs, and the command that resumes (counted here
+once, for every executor of every stage).
 """
 
 from __future__ import annotations
@@ -12,17 +13,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from hsx.errors import CleanStop, DiskFull, LowSpace
+from hsx.errors import CleanStop
 from hsx.job.folder import record_model, remove_stray_temps
-from hsx.job.options import JobOptions
+from hsx.job.options import JobOptions, resume_command
 from hsx.job.resume import Summary, Verifier, scan_all
-from hsx.job.space import Space, plan_space
+from hsx.job.space import Measured, Space, plan_space, projected_bytes, stored_ratio
 from hsx.lock import RunLock
 from hsx.spec import JobSpec
-from hsx.store.scan import ShardScan
+from hsx.store.scan import ShardScan, scan_run
 
 
 @contextmanager
@@ -80,9 +82,16 @@ class Prologue:
 
         return Verifier(self.opts.out, self.spec, self.headers, self.opts.deep_verify, self.summary, done).start()
 
-    def clean_stop(self, e: DiskFull, summary: object, left_tokens: int, left_files: int = 0) -> CleanStop:
-        """The clean stop of a full disk (the guard's reserve reached, or a real ENOSPC): ``summary``
-        the job's, and the space ``left_files`` files of ``left_tokens`` tokens still need."""
-        reason = str(e) if isinstance(e, LowSpace) else None
-        needed = self.space.forecast.needed(left_tokens, left_files)
-        return CleanStop(summary, needed, e.path, reason, command=self.opts.COMMAND, unit=self.opts.UNIT)
+    def clean_stop(self, summary: object, path: Path, reason: str | None = None) -> CleanStop:
+        """The clean stop of a full disk (the guard's reserve reached, or a real ENOSPC), wherever the
+        work ran (this process, a tensor-parallel group's rank 0, a scale-out worker): ``summary`` the
+        job's. The space the rest still needs is counted here alone, from the files on disk now (their
+        headers: seconds), at the codec's ratio they measure."""
+        spec, lengths = self.spec, self.lengths
+        fp = spec.footprint()
+        scans = scan_run(self.opts.out, spec.plan.num_samples, spec.shard_size, deep=False, codec=fp.codec)
+        missing = np.asarray([i for s in scans for i in s.missing], dtype=np.int64)
+        ratio = stored_ratio(spec, Measured.on_disk(spec, lengths, scans))
+        needed = projected_bytes(int(lengths[missing].sum()), len(missing), fp.bytes_per_token, ratio)
+        resume = resume_command(self.opts.out, None, self.opts.COMMAND)
+        return CleanStop(summary, needed, path, reason, resume, self.opts.UNIT)

@@ -6,7 +6,7 @@
         rank 1..N-1 follow rank 0 batch by batch (extract.group) and write nothing
 
 The actor and rank 0 talk over a local socket (``multiprocessing.connection`` with a random
-authkey; JSON, never pickle): the actor sends a shard id, rank 0 answers with its ``ShardResult``.
+authkey; JSON, never pickle): the actor sends a shard id, rank 0 answers with its ``Outcome``.
 A rank that dies takes its group down (the agent stops the others) and the actor with it, so Ray
 restarts the actor and retries the shard on a fresh group, exactly as for a worker of one process;
 when Ray ends the actor, its ranks die with it (extract.group sets PR_SET_PDEATHSIG).
@@ -19,16 +19,16 @@ import os
 import secrets
 import sys
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 from pydantic import TypeAdapter
 
-from hsx import errors
 from hsx.errors import HsxError
 from hsx.extract.group import Leader, run_group
-from hsx.scaleout.worker import ShardResult, ShardRunner, Where, WorkerTask
+from hsx.extract.outcome import Outcome
+from hsx.extract.workers.worker import ShardRunner, Where, WorkerTask
 from hsx.spec import RunSpec
 
 GROUP_FAILED = 76  # the actor's exit status when its group failed: Ray restarts it
@@ -63,8 +63,8 @@ class GroupClient:
         finally:
             listener.close()
         hello = self._receive()
-        if "error" in hello:  # rank 0 refused (the model on this node is another, say)
-            raise errors.refusal(hello["error"], hello["message"])
+        if hello.failure is not None:  # rank 0 refused (the model on this node is another, say)
+            raise hello.failure.refusal()
 
     @staticmethod
     def _launch(task: WorkerTask, spec: RunSpec, payload: str) -> None:
@@ -74,16 +74,16 @@ class GroupClient:
             print(f"hsx worker pid {os.getpid()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             os._exit(GROUP_FAILED)  # the actor waits on rank 0's socket: only ending it ends the wait
 
-    def _receive(self) -> dict:
+    def _receive(self) -> Outcome:
         try:
-            return json.loads(self._conn.recv_bytes())
+            return Outcome.load(self._conn.recv_bytes())
         except (EOFError, OSError):  # rank 0 is gone: the agent reports the group failed, and we exit
             self._thread.join()
             os._exit(GROUP_FAILED)
 
-    def __call__(self, shard: int) -> ShardResult:
+    def __call__(self, shard: int) -> Outcome:
         self._conn.send_bytes(json.dumps({"shard": shard}).encode())
-        return ShardResult(**self._receive())
+        return self._receive()
 
 
 def serve_shards(leader: Leader, spec: RunSpec, payload: str) -> str:
@@ -94,15 +94,15 @@ def serve_shards(leader: Leader, spec: RunSpec, payload: str) -> str:
     try:
         runner = ShardRunner(job.task, job.where, peers=leader, ranks=leader.ranks)
     except HsxError as e:
-        conn.send_bytes(json.dumps({"error": type(e).__name__, "message": str(e)}).encode())
+        conn.send_bytes(Outcome.failed(e).dump().encode())
         return ""
-    conn.send_bytes(b'{"ready": true}')
+    conn.send_bytes(Outcome().dump().encode())  # ready
     try:
         while True:
             try:
                 shard = json.loads(conn.recv_bytes())["shard"]
             except (EOFError, OSError):
                 return ""
-            conn.send_bytes(json.dumps(asdict(runner(shard))).encode())
+            conn.send_bytes(runner(shard).dump().encode())
     finally:
         runner.extractor.close()

@@ -2,26 +2,23 @@
 
 A shard is done exactly as a resume does it (``job.resume.verify_shard``), so a retried shard (its
 worker died mid-way) keeps its verified samples and redoes the rest with the single-process
-``Extractor`` (same batches, same bytes), then seals. Ray's side is scaleout.actor; this module
-never imports Ray.
+``Extractor`` (same batches, same bytes), then seals; what it did crosses back to the driver as an
+``extract.outcome.Outcome``. Ray's side is ``workers.actor``; this module never imports Ray.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
-
-import numpy as np
 
 from hsx import registry, target
 from hsx.errors import DiskFull, HsxError, ModelChanged, Refused
 from hsx.extract.backends import Peers, Resources
+from hsx.extract.outcome import Outcome, ShardRun
 from hsx.extract.pipeline import Extractor, open_backend
 from hsx.job.options import set_threads
 from hsx.job.resume import Summary, verify_shard
@@ -30,8 +27,6 @@ from hsx.lock import Holder
 from hsx.plan import load_plan
 from hsx.progress import Progress
 from hsx.spec import load_spec
-
-ErrorKind = Literal["", "skipped", "disk_full", "failed"]
 
 
 @dataclass(frozen=True)
@@ -47,40 +42,6 @@ class WorkerTask:
     # what the start found (``job.space.plan_space``): the files on disk (the codec's measured ratio),
     # and whether a zstd run too large at raw size is still to be judged on its first files
     start: Start = field(default_factory=Start)
-
-
-@dataclass
-class ShardResult:
-    """One shard's outcome, a row of the Ray dataset the driver iterates."""
-
-    shard: int
-    host: str
-    pid: int
-    gpus: str
-    began: float
-    ended: float = 0.0
-    kept: int = 0
-    written: int = 0
-    tokens: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    stray: int = 0
-    quarantined: int = 0
-    redone: str = "{}"  # JSON {kind: count}
-    error: str = ""
-    error_kind: ErrorKind = ""
-
-    def to_row(self) -> dict:
-        return {k: np.array([v]) for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_row(cls, row: dict) -> ShardResult:
-        return cls(**{k: v.item() if hasattr(v, "item") else v for k, v in row.items()})
-
-    def summary(self, run: Path) -> Summary:
-        s = Summary(run, 0, 0, self.kept, self.written, self.tokens, self.bytes)
-        s.stray_removed, s.quarantined, s.redone = self.stray, self.quarantined, json.loads(self.redone)
-        return s
 
 
 @dataclass(frozen=True)
@@ -149,34 +110,37 @@ class ShardRunner:
             forecast=forecast,
         )
 
-    def __call__(self, shard: int) -> ShardResult:
-        r = ShardResult(shard, self.beat.record.host, os.getpid(), ",".join(self.beat.record.gpus), time.time())
-        stop = self.broken or registry.stop_requested(self.run)
-        if stop:
-            r.error, r.error_kind, r.ended = stop, "skipped", time.time()
-            return r
+    def __call__(self, shard: int) -> Outcome:
+        """Shard ``shard`` verified, its missing samples extracted, sealed: its ``Outcome`` (no
+        summary where it was skipped: the run is stopping)."""
+        rec = self.beat.record
+        done = ShardRun(shard=shard, host=rec.host, pid=os.getpid(), gpus=",".join(rec.gpus), began=time.time())
+        if self.broken or registry.stop_requested(self.run):
+            return Outcome(shard=done.model_copy(update={"ended": time.time()}))
         self.beat.update(shard=shard, shard_since=time.time(), phase="working")
         before = self.progress.session()
         summary = Summary.of(self.run, self.spec)
         t0 = time.monotonic()
+        outcome = Outcome(summary=summary)
         try:
             scan = verify_shard(self.run, self.spec, shard, self.task.deep_verify, summary)
             if not scan.complete:
                 self.extractor.finish(scan, self.extractor.shard(scan))
-            r.kept = len(scan.good)
         except DiskFull as e:
-            self.broken = f"the output volume filled up on {self.beat.record.host}"
+            self.broken = f"the output volume filled up on {rec.host}"
             self.extractor.close()  # queued writes finish or remove their temp files
-            r.error, r.error_kind = str(e), "disk_full"
+            outcome = Outcome.stopped(summary, e)
         except Exception as e:  # reported to the driver, which stops the run cleanly
             if self.extractor.peers is not None and not isinstance(e, HsxError):
                 raise  # a collective broke (a rank died): the group fails and Ray retries the shard
-            r.error, r.error_kind = f"{type(e).__name__}: {e}", "failed"
+            outcome = Outcome.failed(e, summary)
             traceback.print_exc()
         after = self.progress.session()
-        r.written, r.tokens, r.bytes = (a - b for a, b in zip(after, before, strict=True))
-        r.seconds, r.ended = time.monotonic() - t0, time.time()
-        r.stray, r.quarantined, r.redone = summary.stray_removed, summary.quarantined, json.dumps(summary.redone)
-        done = self.beat.record.shards_done + (0 if r.error else 1)
-        self.beat.update(shard=None, shard_since=None, phase="idle", shards_done=done)
-        return r
+        summary.written, summary.tokens_written, summary.bytes_written = (
+            a - b for a, b in zip(after, before, strict=True)
+        )
+        summary.seconds = time.monotonic() - t0
+        outcome.shard = done.model_copy(update={"ended": time.time()})
+        shards = rec.shards_done + (0 if outcome.stop or outcome.failure else 1)
+        self.beat.update(shard=None, shard_since=None, phase="idle", shards_done=shards)
+        return outcome

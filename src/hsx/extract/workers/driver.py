@@ -1,12 +1,13 @@
-"""``hsx extract --workers N [--ray-address ADDR]``: one run extracted by N Ray workers.
+"""``hsx extract --workers N [--ray-address ADDR]``: one run extracted by N Ray workers (``Workers``,
+an executor of ``extract.executor``).
 
-The driver does what a single-process extractor does around the loop: open or create the run,
-hold the run lock (so a second driver, or a plain extractor, is refused), check the space, and
-tally. The loop itself is Ray Data over the run's shard ids: ``map_batches`` with a callable class
-(an actor pool of N, one shard per call; each actor on one GPU, or on the N GPUs of its own
-tensor-parallel group: scaleout.group). Placement, retries of a shard whose worker died (Ray
-restarts the actor), and backpressure are Ray's; redoing a shard is idempotent because a worker
-redoes it as a resume would. Nothing here needs Ray core actors.
+The driver does what a single-process extractor does around the loop: hold the run lock (so a
+second driver, or a plain extractor, is refused), check the space, and tally. The loop itself is
+Ray Data over the run's shard ids: ``map_batches`` with a callable class (an actor pool of N, one
+shard per call; each actor on one GPU, or on the N GPUs of its own tensor-parallel group:
+``workers.group``). Placement, retries of a shard whose worker died (Ray restarts the actor), and
+backpressure are Ray's; redoing a shard is idempotent because a worker redoes it as a resume would;
+each shard's ``Outcome`` comes back as the dataset's row. Nothing here needs Ray core actors.
 
 Shards go out unsealed first; with digest verification on (the default) sealed shards follow, so
 the workers verify them in parallel instead of the driver reading the whole run.
@@ -23,27 +24,25 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
 
 from hsx import registry
-from hsx.errors import CleanStop, Locked, Refused, WorkerFailed
-from hsx.extract.folder import open_run
+from hsx.errors import Locked, Refused, WorkerFailed, no_space
 from hsx.extract.follow import unchanged
 from hsx.extract.options import ExtractOptions
+from hsx.extract.outcome import Outcome
+from hsx.extract.workers.actor import ShardWorker
+from hsx.extract.workers.worker import WorkerTask
 from hsx.job.prologue import Prologue, locked
 from hsx.job.resume import Summary
-from hsx.job.space import Measured, largest_batch_bytes, projected_bytes, stored_ratio
+from hsx.job.space import largest_batch_bytes
 from hsx.lock import BEAT_EVERY, Liveness, RunLock, read_holder
 from hsx.plan import load_plan
 from hsx.progress import Progress
-from hsx.scaleout.actor import ShardWorker
-from hsx.scaleout.worker import ShardResult, WorkerTask
 from hsx.spec import RunSpec
-from hsx.store import layout
-from hsx.store.scan import scan_run
 
 MAX_SHARD_RETRIES = 3  # a shard whose worker dies this many more times (an OOM-kill loop) fails the run
 CPUS_PER_WORKER = 1  # Ray's logical CPUs per worker: scheduling only; the writer threads are not bound by it
@@ -112,7 +111,10 @@ class Cluster:
             shutil.rmtree(self.temp, ignore_errors=True)
 
 
-def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary:
+@contextlib.contextmanager
+def workers(opts: ExtractOptions, log: Callable[[str], None]) -> Iterator[tuple[ExtractOptions, Workers]]:
+    """The Ray cluster, before the run is opened and until the job ends: its devices decide a new
+    run's (a worker sees only its own GPUs); the options as they resolve there, and the executor."""
     if opts.workers < 1:
         raise Refused("--workers takes a number of workers >= 1")
     if opts.backend not in (None, "transformers"):
@@ -120,15 +122,26 @@ def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print
     holder = read_holder(opts.out)
     if holder is not None and holder.state() == Liveness.ALIVE:  # refuse before spending seconds on Ray
         raise Locked(holder)
-    with contextlib.ExitStack() as stack:
-        cluster = Cluster(opts, log)
-        stack.callback(cluster.stop)
+    cluster = Cluster(opts, log)
+    try:
         gpu = (opts.device or ("cuda" if cluster.gpus else "cpu")).startswith("cuda")
-        opts = dataclasses.replace(opts, device="cuda" if gpu else "cpu")  # a worker sees only its own GPUs
-        spec = open_run(opts, log)
+        yield dataclasses.replace(opts, device="cuda" if gpu else "cpu"), Workers(cluster, gpu)
+    finally:
+        cluster.stop()
+
+
+class Workers:
+    """The executor of Ray workers (``extract.executor``): this process holds the lock and the
+    prologue, the workers extract whole shards, each shard's ``Outcome`` is folded into the job's."""
+
+    def __init__(self, cluster: Cluster, gpu: bool):
+        self.cluster, self.gpu = cluster, gpu
+
+    def run(self, opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None]) -> Summary:
+        cluster = self.cluster
         if spec.backend != "transformers":
             raise Refused(f"--workers runs the transformers backend; this run uses {spec.backend}: omit --workers")
-        if gpu and cluster.gpus < opts.workers * spec.parallel.ranks:
+        if self.gpu and cluster.gpus < opts.workers * spec.parallel.ranks:
             each = f" of {spec.parallel.ranks} GPUs each ({spec.parallel})" if spec.parallel.ranks > 1 else ""
             raise Refused(f"{opts.workers} GPU workers{each} asked for, but the Ray cluster has {cluster.gpus} GPUs")
         progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
@@ -145,7 +158,7 @@ def extract_distributed(opts: ExtractOptions, log: Callable[[str], None] = print
             session["driver"] = registry.driver_id(lock.me)
             registry.settle(opts.out, lock.me, log)
             try:
-                return _extract(opts, spec, lock, progress, gpu, log)
+                return _extract(opts, spec, lock, progress, self.gpu, log)
             finally:
                 cluster.stop()  # no worker of this driver may outlive its lock
                 for s in registry.clear_session(opts.out, session["driver"]):
@@ -208,26 +221,28 @@ def _extract(
     log(f"extracting {len(todo)} shards with {size} {'GPU' if gpu else 'CPU'} workers{each}")
     watch = _Watch(run, registry.driver_id(lock.me), log)
     watch.start()
-    stopped: ShardResult | None = None
+    stopped: Outcome | None = None  # the first shard that stopped the run: a full disk or a failure
     t0 = time.monotonic()
     span = [float("inf"), 0.0]  # first shard begun, last shard ended: the pool's working time
     try:
         for n, raw in enumerate(ds.iter_rows(), 1):
-            row = ShardResult.from_row(raw)
-            if row.error_kind == "skipped":
+            done = Outcome.of_row(raw)
+            where = done.shard
+            if done.summary is None:  # skipped: the run is stopping
                 continue
-            span = [min(span[0], row.began), max(span[1], row.ended)]
-            summary.add(row.summary(run))
-            if row.error:
+            span = [min(span[0], where.began), max(span[1], where.ended)]
+            summary.add(done.summary)
+            if done.stop is not None or done.failure is not None:
                 if stopped is None:  # hand out no more work; shards in flight end cleanly
-                    stopped = row
-                    registry.request_stop(run, row.error)
-                    log(f"stopping: shard {row.shard} on {row.host} (pid {row.pid}): {row.error}")
+                    stopped = done
+                    why = _why(done)
+                    registry.request_stop(run, why)
+                    log(f"stopping: shard {where.shard} on {where.host} (pid {where.pid}): {why}")
                 continue
-            gpus = f" GPU {row.gpus}" if row.gpus else ""
+            gpus = f" GPU {where.gpus}" if where.gpus else ""
             log(
-                f"shard {row.shard} sealed: {row.written} written, {row.kept} kept "
-                f"({row.host} pid {row.pid}{gpus}, {row.seconds:.1f}s) [{n}/{len(todo)}]"
+                f"shard {where.shard} sealed: {done.summary.written} written, {done.summary.already_done} kept "
+                f"({where.host} pid {where.pid}{gpus}, {done.summary.seconds:.1f}s) [{n}/{len(todo)}]"
             )
     except KeyboardInterrupt:
         watch.heard.set()
@@ -254,21 +269,22 @@ def _extract(
             f"{size} workers: {summary.tokens_written / work:,.0f} tok/s while extracting ({work:.1f}s, from the "
             f"first shard begun to the last sealed); {summary.seconds:.1f}s with starting the workers"
         )
+    if stopped is not None and stopped.stop is not None:  # the same clean stop as a process of its own
+        raise begun.clean_stop(summary, Path(stopped.stop.path), stopped.stop.reason)
     if stopped is not None:
-        if stopped.error_kind == "disk_full":
-            scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False, codec=spec.codec)
-            done = {i for s in scans for i in s.good}
-            summary.already_done = len(done) - summary.written
-            left = int(plan.lengths.sum()) - int(sum(int(plan.lengths[i]) for i in done))
-            ratio = stored_ratio(spec, Measured.on_disk(spec, plan.lengths, scans))  # the codec's, as measured
-            needed = projected_bytes(left, len(plan) - len(done), spec.bytes_per_token, ratio)
-            raise CleanStop(summary, needed, layout.shard_dir(run, stopped.shard), stopped.error)
+        where = stopped.shard
         raise WorkerFailed(
-            f"worker pid {stopped.pid} on {stopped.host} failed on shard {stopped.shard}: "
-            f"{stopped.error}\nVerified work is kept; fix the cause, then resume: "
-            f"hsx extract --out {run} --workers {opts.workers}"
+            f"worker pid {where.pid} on {where.host} failed on shard {where.shard}: {_why(stopped)}\n"
+            f"Verified work is kept; fix the cause, then resume: hsx extract --out {run} --workers {opts.workers}"
         )
     return summary
+
+
+def _why(done: Outcome) -> str:
+    """What stopped a shard, in a line."""
+    if done.stop is not None:
+        return done.stop.reason or no_space(done.stop.path)
+    return f"{done.failure.error}: {done.failure.message}"
 
 
 class _Watch:
