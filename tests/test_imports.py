@@ -13,7 +13,7 @@ LAYERS = [
     ("hsx", "errors", "units", "bounds"),  # the vocabulary: errors and their exit codes, units, option bounds
     ("store",),  # the run folder's files: layout, durable writes, the file format, codecs, scans
     # run-folder services, input, the node's interconnect
-    ("fingerprint", "lock", "registry", "telemetry", "progress", "input", "hfdatasets", "interconnect"),
+    ("fingerprint", "lock", "registry", "telemetry", "progress", "input", "hfdatasets", "interconnect", "launch"),
     ("spec", "target", "finalnorm", "plan", "tinymodel"),  # what a run is: its spec, model, frozen plan
     ("capture", "staging"),  # the target running: token ids in, states out
     ("job",),  # what every job does around its work: options, folder steps, space, the resume prologue

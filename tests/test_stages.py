@@ -15,48 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import DeepseekV3Config, LlamaConfig
 
 from conftest import save_random
 from hsx.capture.memory import GB, Inventory, Layout
 from hsx.capture.stages import partition
+from test_parallel import DEEPSEEK_V3, DENSE, NEAR_TIE_SHARE, TOL
 
 KIMI = Path(__file__).parent.parent / "bench" / "kimi-k25-shape"
-TOL = 1e-5
-NEAR_TIE_SHARE = 0.01
-HIDDEN = 64
-
-DENSE = LlamaConfig(
-    vocab_size=512,
-    hidden_size=HIDDEN,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
-DEEPSEEK_V3 = DeepseekV3Config(  # MLA, a dense first layer, routed + shared experts
-    vocab_size=512,
-    hidden_size=HIDDEN,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    first_k_dense_replace=1,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    n_group=1,
-    topk_group=1,
-    q_lora_rank=32,
-    kv_lora_rank=16,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-)
-
-
 # ---------------------------------------------------------------- the partition
 
 
@@ -100,22 +65,11 @@ def test_kimi_k25_over_8_stages_balances_its_layers_and_counts_each_stages_memor
 
 
 def launch(world: int, entry, *args) -> dict:
-    """``entry(*args)`` on ``world`` ranks of this host over gloo (PyTorch's elastic launcher, as
-    ``hsx extract`` runs its groups); every rank's return value."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    """``entry(*args)`` on ``world`` ranks of this host over gloo, as ``hsx extract`` launches its
+    groups; every rank's return value."""
+    from hsx.launch import local_ranks
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world,
-        run_id=f"test-stages-{os.getpid()}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.2,
-        start_method="spawn",
-    )
-    return elastic_launch(config, entry)(*args)
+    return local_ranks(world, entry, f"test-stages-{os.getpid()}")(*args)
 
 
 def batches(lengths: list[list[int]], vocab: int, seed: int = 0) -> list[tuple[list[int], list[np.ndarray]]]:
@@ -158,7 +112,7 @@ def pipeline_ranks(cases: list[tuple[str, list[int], int, int, bool]]) -> dict:
         pipe = PipelineCapture(runner, link, layers)
         vocab = backend.model.config.get_text_config().vocab_size
         got = []
-        for captured in pipe.stream(batches(BATCHES, vocab)):
+        for _, captured in pipe.stream((None, ids, seqs) for ids, seqs in batches(BATCHES, vocab)):
             got.append([tuple(t.clone() for t in captured.sample(i)) for i in range(len(captured.sample_ids))])
         pipe.close()
         results[case] = (str(stages), got)
@@ -204,7 +158,7 @@ def test_pp4_and_tp2_x_pp2_capture_what_one_process_does(models):
         for (aux, final), (ref_aux, ref_final) in zip(batch, ref, strict=True):
             assert torch.equal(aux, ref_aux) and torch.equal(final, ref_final)
     layout, got = results[1]
-    assert layout == "0: layers 0-1; 1: layers 2-3"
+    assert layout == "0: layers 0-0; 1: layers 1-2"
     want = reference(models["deepseek_v3"], [1, 2], False)
     off = total = 0
     worst = 0.0

@@ -276,20 +276,9 @@ def measure(ranks: int, device: str) -> Measurement | None:
     there is nothing to measure (CPU ranks, or one GPU)."""
     if not device.startswith("cuda") or ranks < 2:
         return None
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from hsx.launch import local_ranks
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=ranks,
-        run_id=f"hsx-interconnect-{os.getpid()}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.2,
-        start_method="spawn",
-    )
-    allreduce, p2p = elastic_launch(config, _rank)(BYTES, SECONDS)[0]
+    allreduce, p2p = local_ranks(ranks, _rank, f"hsx-interconnect-{os.getpid()}")(BYTES, SECONDS)[0]
     nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
     return Measurement(ranks, allreduce, p2p, nccl)
 
@@ -340,6 +329,36 @@ def _rank(nbytes: int, seconds: float) -> tuple[float, list[float]]:
         return float(every[0][0]), [float(t[1]) for t in every]
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- what layouts are judged by
+
+
+@dataclass(frozen=True)
+class Links:
+    """How fast a node's GPUs move data between them, GB/s: the all-reduce's bus bandwidth and one
+    GPU's sends to the next; whether NVLink joins them; and where the figures come from."""
+
+    allreduce_gbps: float
+    p2p_gbps: float
+    nvlink: bool
+    source: str
+
+
+def links(
+    gpus: int, allreduce: float | None = None, p2p: float | None = None, nvlink: bool | None = None
+) -> Links | None:
+    """The figures to judge layouts of ``gpus`` GPUs by: as stated where both bandwidths are given,
+    else measured on this node's first ``gpus`` GPUs; None where neither can be had."""
+    if allreduce is not None and p2p is not None:
+        return Links(allreduce, p2p, bool(nvlink), "stated")
+    topology = read_topology(gpus)
+    if topology is None or len(topology.names) < gpus:
+        return None
+    found = measure(gpus, "cuda")
+    if found is None:
+        return None
+    return Links(found.allreduce_gbps, min(found.p2p_gbps), topology.nvlink, f"measured on {topology.names[0]}")
 
 
 # ---------------------------------------------------------------- in the run

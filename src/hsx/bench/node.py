@@ -44,22 +44,29 @@ class NodeEstimate:
     layers: int
     tokens: int
     seconds: float  # the rank's forward over ``tokens``, scaled to every layer (of its stage)
-    collective_seconds: float  # the all-reduces over ``tokens``, added
+    allreduce_at_1: float  # the all-reduces over ``tokens`` at 1 GB/s of bus bandwidth, seconds
     mean_len: float
     hidden: int
     weight_bytes: int
     peak_bytes: int
-    handoff_seconds: float = 0.0  # a pipeline stage: its hand-offs of ``tokens`` to the next stage, added
+    handoff_at_1: float = 0.0  # a pipeline stage's hand-offs of ``tokens`` at 1 GB/s, seconds
 
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / (self.seconds + self.collective_seconds + self.handoff_seconds)
+    def collective_seconds(self, gbps: float | None) -> float:
+        return self.allreduce_at_1 / gbps if self.allreduce_at_1 else 0.0
 
-    def hours(self, samples: int) -> float:
-        return samples * self.mean_len / self.tok_s / 3600
+    def handoff_seconds(self, gbps: float | None) -> float:
+        return self.handoff_at_1 / gbps if self.handoff_at_1 else 0.0
 
-    def storage_gb_per_hour(self) -> float:
-        return self.tok_s * AUX_STATES * self.hidden * 2 * 3600 / 1e9
+    def tok_s(self, allreduce_gbps: float | None = None, p2p_gbps: float | None = None) -> float:
+        """The node's rate: the forward with the all-reduces and hand-offs added, none overlapped."""
+        added = self.collective_seconds(allreduce_gbps) + self.handoff_seconds(p2p_gbps)
+        return self.tokens / (self.seconds + added)
+
+    def hours(self, samples: int, allreduce_gbps: float | None = None, p2p_gbps: float | None = None) -> float:
+        return samples * self.mean_len / self.tok_s(allreduce_gbps, p2p_gbps) / 3600
+
+    def storage_gb_per_hour(self, allreduce_gbps: float | None = None, p2p_gbps: float | None = None) -> float:
+        return self.tok_s(allreduce_gbps, p2p_gbps) * AUX_STATES * self.hidden * 2 * 3600 / 1e9
 
 
 def rank_config(text: dict, ranks: int, layers: int, dense: int | None = None):
@@ -260,24 +267,19 @@ def run(args) -> NodeEstimate:
     kernel, single = (varlen.CALLS[k] - calls[k] for k in ("kernel", "per_sample"))
     print(f"timed: {len(timed)} batches; packed attention ran {kernel} varlen-kernel and {single} per-sample calls")
     tokens = sum(len(s) for row in timed for s in row)
-    scale = total / built
     embeddings = stage.embeddings if stage else True
-    busbw = (args.allreduce_gbps or 0) * 1e9
+    hidden = config.hidden_size
     est = NodeEstimate(
         layers_built=built,
         layers=total,
         tokens=tokens,
-        seconds=seconds * scale,
-        collective_seconds=allreduce_seconds(
-            tokens, config.hidden_size, total, dense_total, args.ranks, busbw, embeddings
-        ),
+        seconds=seconds * total / built,
+        allreduce_at_1=allreduce_seconds(tokens, hidden, total, dense_total, args.ranks, 1e9, embeddings),
         mean_len=float(lengths.mean()),
-        hidden=config.hidden_size,
+        hidden=hidden,
         weight_bytes=weight_bytes,
         peak_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
-        handoff_seconds=handoff_seconds(tokens, config.hidden_size, stage.handoff_states, args.p2p_gbps * 1e9)
-        if stage
-        else 0.0,
+        handoff_at_1=handoff_seconds(tokens, hidden, stage.handoff_states, 1e9) if stage else 0.0,
     )
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -306,8 +308,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-len", type=int, default=8192)
     p.add_argument("--batch-tokens", type=int, default=32768)
     p.add_argument("--warm-up", type=int, default=2, help="batches run first, untimed (compiling)")
-    p.add_argument("--allreduce-gbps", type=float, help="all-reduce bus bandwidth, GB/s (state its source)")
-    p.add_argument("--p2p-gbps", type=float, help="--pipeline: point-to-point bandwidth between stages, GB/s")
+    p.add_argument(
+        "--allreduce-gbps", type=figures, help="all-reduce bus bandwidth, GB/s, or several a,b,c (state their source)"
+    )
+    p.add_argument("--p2p-gbps", type=figures, help="--pipeline: bandwidth between stages, GB/s, or several a,b,c")
     p.add_argument("--job-samples", type=int, default=37312, help="samples of the job whose hours are printed")
     p.add_argument("--profile", type=Path, help="write a profile of two batches of the rank's forward here")
     args = p.parse_args(argv)
@@ -320,23 +324,33 @@ def main(argv: list[str] | None = None) -> None:
     est = run(args)
     gpus = args.ranks * args.pipeline
     where = "stage" if args.pipeline > 1 else "rank"
-    said = f"all-reduces {est.collective_seconds:.2f} s at {args.allreduce_gbps:g} GB/s" if args.ranks > 1 else ""
-    if args.pipeline > 1:
-        said += ("; " if said else "") + f"hand-offs {est.handoff_seconds:.2f} s at {args.p2p_gbps:g} GB/s"
     print(
         f"{where} forward {est.tokens:,} tokens in {est.seconds:.2f} s scaled to {est.layers} layers "
-        f"(measured on {est.layers_built}){', ' + said if said else ''}; "
-        f"weights {est.weight_bytes / 1e9:.1f} GB, peak {est.peak_bytes / 1e9:.1f} GB on "
-        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"
+        f"(measured on {est.layers_built}); weights {est.weight_bytes / 1e9:.1f} GB, peak {est.peak_bytes / 1e9:.1f} "
+        f"GB on {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"
     )
     layout = f"PP{args.pipeline} x TP{args.ranks}+EP{args.ranks}" if args.pipeline > 1 else ""
     layout = layout or f"one TP{args.ranks}+EP{args.ranks} replica"
-    print(
-        f"node ({gpus} GPUs, {layout}): {est.tok_s:,.0f} tok/s, "
-        f"{est.tok_s / est.mean_len:.2f} samples/s (mean {est.mean_len:.0f} tokens); {args.job_samples:,} samples in "
-        f"{est.hours(args.job_samples):.2f} h; stores {est.storage_gb_per_hour():,.0f} GB/h raw "
-        f"({AUX_STATES} states x {est.hidden} x bf16 a token)"
-    )
+    for allreduce in args.allreduce_gbps if args.ranks > 1 else [None]:
+        for p2p in args.p2p_gbps if args.pipeline > 1 else [None]:
+            said = [f"all-reduces {est.collective_seconds(allreduce):.2f} s at {allreduce:g} GB/s"] if allreduce else []
+            said += [f"hand-offs {est.handoff_seconds(p2p):.2f} s at {p2p:g} GB/s"] if p2p else []
+            tok_s = est.tok_s(allreduce, p2p)
+            print(
+                f"node ({gpus} GPUs, {layout}{': ' + ', '.join(said) if said else ''}): {tok_s:,.0f} tok/s, "
+                f"{tok_s / est.mean_len:.2f} samples/s (mean {est.mean_len:.0f} tokens); {args.job_samples:,} "
+                f"samples in {est.hours(args.job_samples, allreduce, p2p):.2f} h; stores "
+                f"{est.storage_gb_per_hour(allreduce, p2p):,.0f} GB/h raw ({AUX_STATES} states x {est.hidden} x bf16 "
+                "a token)"
+            )
+
+
+def figures(text: str) -> list[float]:
+    """One bandwidth, or several comma-separated: each timed forward judged at every one."""
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"takes GB/s above 0, one or several a,b,c; not {text!r}")
+    return values
 
 
 if __name__ == "__main__":

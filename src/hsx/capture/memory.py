@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hsx.errors import LayoutTooLarge
+from hsx.interconnect import Links
 from hsx.spec import RunSpec
 from hsx.target import LanguageModel, held_experts, int4_group
 
@@ -269,14 +270,15 @@ class Inventory:
         return out
 
     def smallest(self, layout: Layout, device_bytes: int, most: int = SIZES[-1]) -> Estimate | None:
-        """The layout of fewest GPUs (experts split over all of them where the model has routed
-        experts) that fits, keeping ``layout``'s expert form, dtype and batch; None up to ``most``."""
+        """The layout of fewest GPUs (experts split over all of a stage's where the model has routed
+        experts) that fits, keeping ``layout``'s pipeline, expert form, dtype and batch; None up to
+        ``most`` GPUs a stage."""
         from hsx.capture.transformers import parallel_refusal
 
         routed = any(m.expert for m in self.modules)
         for n in (s for s in SIZES if s <= most):
             candidate = replace(layout, tensor=n, expert=n if routed else 1)
-            if parallel_refusal(self.config, candidate.tensor, candidate.expert) is not None:
+            if parallel_refusal(self.config, candidate.tensor, candidate.expert, candidate.pipeline) is not None:
                 continue
             est = self.estimate(candidate)
             if est.fits(device_bytes):
@@ -485,8 +487,8 @@ def check(inventory: Inventory, layout: Layout, device_bytes: int, gpus: int) ->
     smallest = inventory.smallest(layout, device_bytes)
     if smallest is None:
         lines.append(f"smallest layout that fits: none up to {SIZES[-1]} GPUs of {gb(device_bytes)}")
-    elif smallest.layout.tensor > gpus:
-        n = smallest.layout.tensor
+    elif smallest.layout.gpus > gpus:
+        n = smallest.layout.gpus
         lines.append(f"smallest layout that fits: none on one node of {gpus} GPUs ({smallest.layout} would, on {n})")
     else:
         lines.append(f"smallest layout that fits: {smallest.layout} ({gb(smallest.total)} per GPU)")
@@ -495,6 +497,99 @@ def check(inventory: Inventory, layout: Layout, device_bytes: int, gpus: int) ->
         if packed.fits(device_bytes):
             lines.append(f"with the experts kept packed, {packed.layout} would fit ({gb(packed.total)} per GPU)")
     raise LayoutTooLarge(f"the model does not fit {layout} on {gpus} x {gb(device_bytes)}:\n  " + "\n  ".join(lines))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout of the node's GPUs: its memory, and what moving data costs a token at its slowest
+    stage (tensor parallelism's all-reduces; a pipeline's hand-off to the next stage), in seconds."""
+
+    estimate: Estimate
+    allreduce: float
+    handoff: float
+    arithmetic: str
+
+    @property
+    def layout(self) -> Layout:
+        return self.estimate.layout
+
+    @property
+    def seconds(self) -> float:
+        return self.allreduce + self.handoff
+
+
+def candidates(inventory: Inventory, base: Layout, gpus: int, links: Links) -> list[Candidate]:
+    """Every layout of ``gpus`` GPUs the model can be split into (a pipeline of P stages, each of
+    TP = EP = gpus / P ranks), ``base``'s expert form, dtype and batch kept, with its memory and
+    what moving data costs a token. A stage's all-reduces: one after the vocabulary-parallel
+    embeddings, two a dense layer, three a MoE layer (attention, shared and routed experts), each
+    of a token's H values, a ring moving 2(T-1)/T of them at the bus bandwidth; the hand-off: the
+    residual stream and every aux state, H values each, at the point-to-point bandwidth."""
+    from hsx.capture.transformers import EXPERT_COUNTS, parallel_refusal
+
+    config = inventory.config
+    routed = any(config.get(k) for k in EXPERT_COUNTS)
+    layers = int(config["num_hidden_layers"])
+    dense = min(layers, int(config.get("first_k_dense_replace") or 0)) if routed else layers
+    value = int(config["hidden_size"]) * DTYPE_BYTES[base.dtype]  # bytes of one state of a token
+    out = []
+    for p in (n for n in range(1, gpus + 1) if gpus % n == 0):
+        t = gpus // p
+        layout = replace(base, tensor=t, expert=t if routed else 1, pipeline=p)
+        if parallel_refusal(config, t, layout.expert, p) is not None:
+            continue
+        pace = (
+            max(((end - first) for first, end in inventory.stages(layout).ranges), default=layers) if p > 1 else layers
+        )
+        reduces = 0 if t == 1 else 1 + 2 * min(dense, pace) + 3 * max(0, pace - dense)
+        ring = 2 * (t - 1) / t
+        allreduce = reduces * value * ring / (links.allreduce_gbps * 1e9) if reduces else 0.0
+        states = 1 + base.captured
+        handoff = states * value / (links.p2p_gbps * 1e9) if p > 1 else 0.0
+        said = []
+        if reduces:
+            said.append(
+                f"{reduces} all-reduces x {value:,} B x {ring:.2f} / {links.allreduce_gbps:g} GB/s = "
+                f"{allreduce * 1e6:,.1f} us"
+            )
+        if p > 1:
+            said.append(f"hand-off {states} x {value:,} B / {links.p2p_gbps:g} GB/s = {handoff * 1e6:,.2f} us")
+        out.append(Candidate(inventory.estimate(layout), allreduce, handoff, "; ".join(said) or "nothing moves"))
+    return out
+
+
+def advise(inventory: Inventory, base: Layout, gpus: int, device_bytes: int, links: Links) -> list[str]:
+    """Which layout of ``gpus`` GPUs of ``device_bytes`` to run, with the arithmetic: every layout
+    the model splits into, its memory and what moving data costs a token at its slowest stage.
+    Among those that fit: on NVLink tensor + expert parallel over all of them (its all-reduces are
+    cheap there); on PCIe the one that moves the least a token (a pipeline, or TP within its
+    stages where a pipeline alone does not fit)."""
+    found = candidates(inventory, base, gpus, links)
+    link = "NVLink" if links.nvlink else "PCIe (no NVLink)"
+    lines = [
+        f"layouts of {gpus} GPUs of {gb(device_bytes)} over {link}: all-reduce {links.allreduce_gbps:g} GB/s, "
+        f"neighbour to neighbour {links.p2p_gbps:g} GB/s ({links.source}); per token at the slowest stage:"
+    ]
+    for c in found:
+        fits = "fits" if c.estimate.fits(device_bytes) else "does NOT fit"
+        ceiling = f"the interconnect allows {1 / c.seconds:,.0f} tok/s" if c.seconds else "no interconnect limit"
+        lines.append(f"  {c.layout}: {gb(c.estimate.total)} a GPU, {fits}; {c.arithmetic}; {ceiling}")
+    fitting = [c for c in found if c.estimate.fits(device_bytes)]
+    if not fitting:
+        lines.append(f"advice: no layout of {gpus} GPUs fits; see the memory of each above")
+        return lines
+    tp = [c for c in fitting if c.layout.pipeline == 1]
+    if links.nvlink and tp:
+        pick, why = tp[0], "its all-reduces run on NVLink"
+    else:
+        pick = min(fitting, key=lambda c: (c.seconds, c.layout.pipeline))
+        why = "it moves the least a token"
+        why += "" if links.nvlink else ": over PCIe the all-reduces, not the forward pass, set TP's pace"
+    lo = pick.layout
+    flags = f"--tensor-parallel {lo.tensor} --expert-parallel {lo.expert}"
+    flags += f" --pipeline-parallel {lo.pipeline}" if lo.pipeline > 1 else ""
+    lines.append(f"advice: {flags} ({lo}), since {why}")
+    return lines
 
 
 def expert_form(model_dir: Path, device: str, dtype: str) -> str:
@@ -550,24 +645,46 @@ def check_run(spec: RunSpec, model_dir: Path, device: str, log: Callable[[str], 
         batch_tokens=spec.batch_tokens,
         max_length=spec.max_length,
         captured=len(spec.layers),
+        pipeline=spec.parallel.pipeline,
     )
     usable, gpus, measured = device_memory(device, spec.parallel.ranks)
-    est = check(inventory, layout, usable, gpus)
+    try:
+        est = check(inventory, layout, usable, gpus)
+    except LayoutTooLarge as e:
+        if spec.parallel.ranks > 1 or gpus < 2:
+            raise
+        from hsx.interconnect import links
+
+        found = links(gpus)  # a run given no layout, on a node of several GPUs: which one, measured
+        if found is None:
+            raise
+        advice = advise(inventory, layout, gpus, usable, found)
+        raise LayoutTooLarge(f"{e}\n  " + "\n  ".join(advice) + "\n  (a new run, in another --out)") from e
     for line in est.lines(usable):
         log(line)
     log(f"  (device memory: {measured})")
     return est
 
 
-def explain(model_dir: Path, layout: Layout, device_bytes: int | None, gpus: int | None) -> list[str]:
+def explain(
+    model_dir: Path,
+    layout: Layout | None,
+    device_bytes: int | None,
+    gpus: int | None,
+    base: Layout = Layout(),
+    stated: tuple[float | None, float | None, bool | None] = (None, None, None),
+) -> list[str]:
     """``hsx memory``: the arithmetic of ``layout`` for the model in ``model_dir``, with the verdict
     for ``gpus`` devices of ``device_bytes`` each (this node's where None; none on a machine without
     GPUs); raises ``LayoutTooLarge`` where it does not fit. Experts ``auto``: held as a CUDA load
-    of the run's dtype would hold them."""
+    of the run's dtype would hold them. No ``layout`` on ``gpus`` > 1: the advice of which layout
+    to run (``advise``), ``base``'s experts, dtype and batch kept, judged by the bandwidths
+    ``stated`` (all-reduce, point to point, NVLink) or, without them, measured on this node."""
     import torch
 
-    if layout.experts == "auto":
-        layout = replace(layout, experts=expert_form(model_dir, "cuda", layout.dtype))
+    if base.experts == "auto":
+        base = replace(base, experts=expert_form(model_dir, "cuda", base.dtype))
+    layout = replace(layout, experts=base.experts) if layout is not None else None
     inventory = Inventory.of(model_dir)
     if inventory is None:
         raise LayoutTooLarge(
@@ -576,7 +693,18 @@ def explain(model_dir: Path, layout: Layout, device_bytes: int | None, gpus: int
     if device_bytes is None and torch.cuda.is_available():
         device_bytes = torch.cuda.mem_get_info(0)[1]
     if gpus is None:
-        gpus = torch.cuda.device_count() or layout.tensor
+        gpus = torch.cuda.device_count() or (layout.gpus if layout else 1)
+    if layout is None and gpus > 1:
+        from hsx.interconnect import links
+
+        found = links(gpus, *stated)
+        if found is None or device_bytes is None:
+            return [
+                f"which layout of {gpus} GPUs: give --gpu-memory, --allreduce-gbps and --p2p-gbps (and --interconnect) "
+                f"to compare them; this machine cannot measure {gpus} GPUs"
+            ]
+        return advise(inventory, base, gpus, device_bytes, found)
+    layout = layout or base
     if device_bytes is None:
         return inventory.estimate(layout).lines()
     return check(inventory, layout, device_bytes, gpus).lines(device_bytes)

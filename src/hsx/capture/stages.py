@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ import torch
 from hsx.capture import CapturedBatch
 
 Cost = tuple[float, ...]  # (compute, bytes): a token's weights met, and the bytes held on a GPU
+Key = TypeVar("Key")  # what a caller tells its batches by, handed back with each capture
 
 
 @dataclass(frozen=True)
@@ -365,7 +367,7 @@ class PipelineCapture:
         the pipe, so that every stage traces its layers on the batches one process would."""
         self.cold = False
         batches = self.runner.backend.warm_up_batches()
-        for _ in self.stream((list(range(-len(b), 0)), b) for b in batches):
+        for _ in self.stream((None, list(range(-len(b), 0)), b) for b in batches):
             pass
 
     def submit(self, sample_ids: list[int], sequences: list[np.ndarray]) -> None:
@@ -398,14 +400,19 @@ class PipelineCapture:
             self.collect()  # an earlier batch nobody took: not what ``capture`` is for
         return self.collect()
 
-    def stream(self, batches: Iterable[tuple[list[int], list[np.ndarray]]]) -> Iterator[CapturedBatch]:
-        """Each batch's capture, in order, with up to ``depth`` batches in the pipe."""
-        for ids, sequences in batches:
+    def stream(
+        self, batches: Iterable[tuple[object, list[int], list[np.ndarray]]]
+    ) -> Iterator[tuple[object, CapturedBatch]]:
+        """Each batch's capture, in order, with up to ``depth`` batches in the pipe: (key, ids,
+        sequences) in, (key, its capture) out."""
+        keys: list[Key] = []
+        for key, ids, sequences in batches:
             self.submit(ids, sequences)
+            keys.append(key)
             if len(self.pending) >= self.depth:
-                yield self.collect()
+                yield keys.pop(0), self.collect()
         while self.pending:
-            yield self.collect()
+            yield keys.pop(0), self.collect()
 
     def close(self) -> None:
         """End the session: the batches still in the pipe are taken (the stages send them whatever

@@ -117,14 +117,19 @@ EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 WARM_UP_LENGTHS = ((2047, 2046), (2047,), (1, 1, 1, 1, 1))
 
 
-def parallel_refusal(config: dict, tensor: int, expert: int) -> str | None:
-    """Why this model cannot be split ``tensor`` ways (experts ``expert`` ways), or None.
+def parallel_refusal(config: dict, tensor: int, expert: int, pipeline: int = 1) -> str | None:
+    """Why this model cannot be split ``tensor`` ways (experts ``expert`` ways) in each of
+    ``pipeline`` stages, or None.
 
-    hsx runs one replica per group, every rank on the same batch: the experts may be split over
-    the same ranks as the dense layers (EP = TP) or not at all; more expert ranks than that would
-    need ranks with their own batches (data parallel), which is what ``--workers`` is for."""
-    if tensor < 1 or expert < 1:
+    hsx runs one replica per group, every rank of a stage on the same batch: the experts may be
+    split over the same ranks as the dense layers (EP = TP) or not at all; more expert ranks than
+    that would need ranks with their own batches (data parallel), which is what ``--workers`` is for.
+    A pipeline needs a decoder layer a stage at least."""
+    if tensor < 1 or expert < 1 or pipeline < 1:
         return "parallel sizes are at least 1"
+    layers = int(config.get("num_hidden_layers") or 0)
+    if pipeline > 1 and pipeline > layers:
+        return f"{pipeline} pipeline stages need as many decoder layers, and the model has {layers}"
     if expert not in (1, tensor):
         return f"the expert-parallel size must be 1 or the tensor-parallel size ({tensor}), not {expert}"
     for key in ("num_attention_heads", "num_key_value_heads"):
@@ -137,6 +142,8 @@ def parallel_refusal(config: dict, tensor: int, expert: int) -> str | None:
     if expert > 1 and experts % expert:
         return f"{experts} routed experts do not split over {expert} ranks"
     method = (config.get("quantization_config") or {}).get("quant_method")
+    if pipeline > 1 and expert > 1 and method in checkpoint.FP8_METHODS:
+        return "FP8 routed experts are split by transformers' own EP plan, which hsx has not run in a pipeline"
     if expert > 1 and method in checkpoint.FP8_METHODS and (found := _older_transformers(FP8_EP_TRANSFORMERS)):
         return (
             f"FP8 routed experts are split by transformers' own EP plan, which fails on transformers {found} "

@@ -101,10 +101,15 @@ def memory(
     model: Annotated[
         str, typer.Option(metavar="PATH", help="Model folder (a shape folder with only config.json will do).")
     ],
-    tensor_parallel: Annotated[int, MEMORY.option("tensor_parallel", help="Ranks of one model replica.")] = 1,
+    tensor_parallel: Annotated[
+        int | None, MEMORY.option("tensor_parallel", help="Ranks of one model replica (of each stage).")
+    ] = None,
     expert_parallel: Annotated[
-        int, MEMORY.option("expert_parallel", help="Ranks the routed experts are split over (1 or N).")
-    ] = 1,
+        int | None, MEMORY.option("expert_parallel", help="Ranks the routed experts are split over (1 or N).")
+    ] = None,
+    pipeline_parallel: Annotated[
+        int | None, MEMORY.option("pipeline_parallel", help="Stages of contiguous layers, each of N ranks.")
+    ] = None,
     experts: Annotated[
         str,
         MEMORY.option(
@@ -121,8 +126,28 @@ def memory(
             "gpu_memory", help="GB (10^9 bytes) per GPU: an H200 is 150.7 (143,771 MiB).", show_default="this node's"
         ),
     ] = None,
+    allreduce_gbps: Annotated[
+        float | None,
+        MEMORY.option(
+            "allreduce_gbps",
+            help="No layout given: the all-reduce bus bandwidth to judge layouts by, GB/s.",
+            show_default="measured on this node",
+        ),
+    ] = None,
+    p2p_gbps: Annotated[
+        float | None,
+        MEMORY.option(
+            "p2p_gbps",
+            help="No layout given: one GPU's bandwidth to the next, GB/s.",
+            show_default="measured on this node",
+        ),
+    ] = None,
+    interconnect: Annotated[
+        str | None, MEMORY.option("interconnect", help="With stated bandwidths: what joins the GPUs.")
+    ] = None,
 ) -> None:
-    """Per-GPU memory of a parallel layout, from config.json and the safetensors headers (no weight read)."""
+    """Per-GPU memory of a parallel layout, from config.json and the safetensors headers (no weight
+    read); given no layout on a node of several GPUs, which layout to run, with the arithmetic."""
     import torch
 
     from hsx import target
@@ -131,10 +156,15 @@ def memory(
 
     with failures():
         model_dir = target.resolve(model)
-        # the layout checks an extraction makes (heads, experts, GPUs of the node), before any arithmetic
-        parallel = resolve_parallel(tensor_parallel, expert_parallel, target.load_config(model_dir), "transformers")
-        if node := gpus if gpus is not None else torch.cuda.device_count():  # unknown on a machine without GPUs
-            check_gpus(parallel, node)
-        layout = mem.Layout(tensor_parallel, expert_parallel, experts, dtype, batch_tokens, max_length)
+        base = mem.Layout(experts=experts, dtype=dtype, batch_tokens=batch_tokens, max_length=max_length)
+        layout = None
+        if any(v is not None for v in (tensor_parallel, expert_parallel, pipeline_parallel)):
+            # the layout checks an extraction makes (heads, experts, layers, GPUs of the node), before any arithmetic
+            config = target.load_config(model_dir)
+            parallel = resolve_parallel(tensor_parallel, expert_parallel, config, "transformers", pipeline_parallel)
+            if node := gpus if gpus is not None else torch.cuda.device_count():  # unknown on a machine without GPUs
+                check_gpus(parallel, node)
+            layout = mem.Layout(parallel.tensor, parallel.expert, pipeline=parallel.pipeline)
         device = None if gpu_memory is None else int(gpu_memory * mem.GB)
-        print(*mem.explain(model_dir, layout, device, gpus), sep="\n")
+        nvlink = None if interconnect is None else interconnect == "nvlink"
+        print(*mem.explain(model_dir, layout, device, gpus, base, (allreduce_gbps, p2p_gbps, nvlink)), sep="\n")

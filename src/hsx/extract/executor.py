@@ -40,7 +40,12 @@ class Executor(Protocol):
 
 
 def executor_for(spec: RunSpec) -> Executor:
-    """The executor of a run on this node: a group where the spec lays the model over several ranks."""
+    """The executor of a run on this node: a pipeline of stages, or a group where the spec lays the
+    model over several ranks."""
+    if spec.parallel.pipeline > 1:
+        from hsx.extract.stages import Pipeline  # torch.distributed: imported only for a pipeline
+
+        return Pipeline()
     if spec.parallel.ranks > 1:
         from hsx.extract.group import Group  # torch.distributed: imported only for a group
 

@@ -10,14 +10,15 @@ before each batch is captured, counting the writer's queued bytes as already spe
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
-from hsx.capture import Capture
+from hsx.capture import Capture, CapturedBatch
 from hsx.capture.memory import check_run
+from hsx.capture.stages import Stages
 from hsx.capture.transformers import TransformersBackend
 from hsx.extract.backends import Peers, Resources, Session
 from hsx.job.space import DiskGuard, Forecast
@@ -31,9 +32,9 @@ from hsx.store.scan import ShardScan
 from hsx.store.writer import FileRecord, SampleWriter, seal
 
 
-def open_backend(spec: RunSpec, model_dir: Path, device: str) -> TransformersBackend:
+def open_backend(spec: RunSpec, model_dir: Path, device: str, stages: Stages | None = None) -> TransformersBackend:
     """The run's model with its capture hooks, laid out as the spec says (packed, compiled, its
-    share of a tensor-parallel group)."""
+    share of a tensor-parallel group; ``stages``: this rank's stage of a pipeline)."""
     p = spec.parallel
     return TransformersBackend.load(
         model_dir,
@@ -46,6 +47,7 @@ def open_backend(spec: RunSpec, model_dir: Path, device: str) -> TransformersBac
         p.tensor,
         p.expert,
         spec.quantized_compute or "dequantized",
+        stages,
     )
 
 
@@ -97,8 +99,11 @@ class Extractor:
         # called with a batch's raw bytes before it is captured: each may stop the work (the disk guard's
         # LowSpace) or hold it (a pause would wait here); none without a reserve
         self.gates: list[Callable[[int], None]] = []
+        # a backend that keeps batches in flight (a pipeline) has captured bytes not yet handed to the
+        # writer: the guard counts them as spent too
+        self.in_flight = 0
         if reserve is not None:
-            self.gates.append(DiskGuard(run, reserve, lambda: self.writer.inflight, self.forecast))
+            self.gates.append(DiskGuard(run, reserve, lambda: self.writer.inflight + self.in_flight, self.forecast))
         self.sealing_waited = 0.0
         progress.waited_for_disk = self.waited_for_disk
 
@@ -110,35 +115,68 @@ class Extractor:
 
     def shard(self, scan: ShardScan) -> list[Future]:
         """Capture and submit every missing sample of one shard; returns the futures to wait on."""
-        missing = set(scan.missing)
         futures: list[Future] = []
-        for batch in self.plan.batches(scan.expected, self.spec.batch_tokens, self.spec.packed):
-            if missing.isdisjoint(batch.ids):
-                continue
-            if self.gates:
-                tokens = sum(int(self.plan.lengths[i]) for i in missing.intersection(batch.ids))
+        for (_, missing, _), captured in self._captured([scan], seal_empty=False):
+            futures += self._submit(captured, missing)
+        return futures
+
+    def _batches(self, scans: Iterable[ShardScan], seal_empty: bool) -> Iterator[tuple[tuple, list[int], list]]:
+        """Each shard's batches that hold a missing sample, in the plan's order, once the gates let
+        them through: ((scan, its missing ids, how many of its batches follow), ids, sequences).
+        ``seal_empty``: a shard with none is sealed as it is (else its caller seals it)."""
+        for scan in scans:
+            missing = set(scan.missing)
+            batches = self.batches_of(scan)
+            if not batches and seal_empty:
+                self.finish(scan, [])
+            for n, batch in enumerate(batches):
+                ids = list(batch.ids)
+                raw = sum(int(self.plan.lengths[i]) for i in missing.intersection(ids)) * self.spec.bytes_per_token
                 for gate in self.gates:
-                    gate(tokens * self.spec.bytes_per_token)
-            seqs = [self.plan.input_ids(i) for i in batch.ids]
-            if self.peers is not None:
-                self.peers.batch(list(batch.ids))
-            captured = self.backend.capture(list(batch.ids), seqs)
+                    gate(raw)
+                if self.peers is not None:
+                    self.peers.batch(ids)
+                self.in_flight += raw
+                yield (scan, missing, len(batches) - 1 - n), ids, [self.plan.input_ids(i) for i in ids]
+
+    def batches_of(self, scan: ShardScan) -> list:
+        """The plan's batches of one shard that hold a missing sample: where its extraction begins."""
+        missing = set(scan.missing)
+        batches = self.plan.batches(scan.expected, self.spec.batch_tokens, self.spec.packed)
+        return [b for b in batches if not missing.isdisjoint(b.ids)]
+
+    def _captured(self, scans: Iterable[ShardScan], seal_empty: bool = True) -> Iterator[tuple[tuple, CapturedBatch]]:
+        """Every batch of ``scans`` captured, in order: one at a time, or through the backend's
+        ``stream`` where it keeps several in flight (a pipeline, across shards)."""
+        items = self._batches(scans, seal_empty)
+        stream = getattr(self.backend, "stream", None)
+        if stream is None:
+            stream = ((key, self.backend.capture(ids, seqs)) for key, ids, seqs in items)
+        else:
+            stream = stream(items)
+        for key, captured in stream:
             if self.peers is not None:
                 self.peers.agree(captured)
-            wanted = [row for row, sid in enumerate(captured.sample_ids) if sid in missing]
-            host = self.staging.stage(captured, wanted)
-            for row, (aux, final) in zip(wanted, host.views, strict=True):
-                sid = captured.sample_ids[row]
-                sample = SampleTensors(
-                    sample_id=sid,
-                    input_ids=torch.from_numpy(self.plan.input_ids(sid).astype("int64")),
-                    loss_mask=torch.from_numpy(self.plan.loss_mask(sid).astype("uint8")),
-                    aux=aux,
-                    final=final,
-                )
-                fut = self.writer.submit(sample, release=host.done_one, ready=host.ready)
-                fut.add_done_callback(self.progress.on_written(captured.lengths[row]))
-                futures.append(fut)
+            yield key, captured
+
+    def _submit(self, captured: CapturedBatch, missing: set[int]) -> list[Future]:
+        """A captured batch's missing samples staged to the host and handed to the writer."""
+        wanted = [row for row, sid in enumerate(captured.sample_ids) if sid in missing]
+        self.in_flight -= sum(captured.lengths[row] for row in wanted) * self.spec.bytes_per_token
+        host = self.staging.stage(captured, wanted)
+        futures = []
+        for row, (aux, final) in zip(wanted, host.views, strict=True):
+            sid = captured.sample_ids[row]
+            sample = SampleTensors(
+                sample_id=sid,
+                input_ids=torch.from_numpy(self.plan.input_ids(sid).astype("int64")),
+                loss_mask=torch.from_numpy(self.plan.loss_mask(sid).astype("uint8")),
+                aux=aux,
+                final=final,
+            )
+            fut = self.writer.submit(sample, release=host.done_one, ready=host.ready)
+            fut.add_done_callback(self.progress.on_written(captured.lengths[row]))
+            futures.append(fut)
         return futures
 
     def finish(self, scan: ShardScan, futures: list[Future]) -> list[FileRecord]:
@@ -149,12 +187,17 @@ class Extractor:
         seal(self.run, scan.shard, list(scan.good.values()) + records)
         return records
 
-    def run_shards(self, todo: list[ShardScan]) -> None:
-        """Every shard of ``todo``, sealing one shard behind so the device never waits on fsync."""
+    def run_shards(self, todo: Iterable[ShardScan]) -> None:
+        """Every shard of ``todo``, sealing one shard behind so the device never waits on fsync (and
+        a pipeline's batches in flight cross from one shard to the next)."""
         pending: list[tuple[ShardScan, list[Future]]] = []
+        writing: list[Future] = []
         with self.progress.live():
-            for scan in todo:
-                pending.append((scan, self.shard(scan)))
+            for (scan, missing, left), captured in self._captured(todo):
+                writing += self._submit(captured, missing)
+                if left == 0:
+                    pending.append((scan, writing))
+                    writing = []
                 while len(pending) > 1:
                     self.finish(*pending.pop(0))
             while pending:
@@ -180,7 +223,8 @@ def run(session: Session, todo: Iterable[ShardScan]) -> None:
     check_run(s.spec, s.model_dir, s.resources.device, s.log)
     if s.peers is not None:
         s.peers.load()
-    backend = open_backend(s.spec, s.model_dir, s.resources.device)
+    opened = s.peers.open if s.peers is not None else open_backend
+    backend = opened(s.spec, s.model_dir, s.resources.device)
     extractor = Extractor(
         s.run, s.spec, s.plan, backend, s.resources, s.progress, s.space.reserve, peers=s.peers,
         forecast=s.space.forecast,
