@@ -108,7 +108,8 @@ def memory(
         int | None, MEMORY.option("expert_parallel", help="Ranks the routed experts are split over (1 or N).")
     ] = None,
     pipeline_parallel: Annotated[
-        int | None, MEMORY.option("pipeline_parallel", help="Stages of contiguous layers, each of N ranks.")
+        int | None,
+        MEMORY.option("pipeline_parallel", help="N stages of contiguous layers, each over --tensor-parallel ranks."),
     ] = None,
     experts: Annotated[
         str,

@@ -68,11 +68,6 @@ class ExtractOptions(JobOptions):
             check_device(self.device)
         if self.backend == "vllm":
             check_vllm("--backend vllm")
-        if self.workers and (self.pipeline_parallel or 1) > 1:
-            raise OptionError(
-                "--workers runs workers of one GPU or of a tensor-parallel group, not pipelines: "
-                "omit --workers (one pipeline over this node's GPUs) or --pipeline-parallel"
-            )
         seen: dict[Path, Path] = {}
         for path in map(Path, self.data):
             first = seen.setdefault(path.resolve(), path)

@@ -10,9 +10,10 @@ elastic launcher as a tensor-parallel group is (``extract.group.run_group``).
                    before them (the first stage's from the lead), run their layers and hand the
                    residual stream and the aux states so far to the rank after them
 
-The partition (``memory.Inventory.stages``) is worked out once here, from the checkpoint's headers,
-logged, and handed to every rank. Everything after the capture is the in-process job's: the same
-files, verification, resume and clean stop. A rank that dies stops the group, as in a
+Each rank works out the partition (``memory.Inventory.stages``) from the checkpoint's headers once
+told to load (the same figures, so the same stages; the lead logs them): a resume that finds every
+file in place reads no model at all. Everything after the capture is the in-process job's: the
+same files, verification, resume and clean stop. A rank that dies stops the group, as in a
 tensor-parallel group.
 """
 
@@ -22,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
-from pydantic import BaseModel, TypeAdapter
 
 from hsx import interconnect, target
 from hsx.capture import Capture, CapturedBatch
@@ -36,15 +36,6 @@ from hsx.extract.pipeline import open_backend
 from hsx.job.resume import Summary
 from hsx.spec import RunSpec
 
-STAGES = TypeAdapter(Stages)
-
-
-class Payload(BaseModel):
-    """What every rank of a pipeline is handed: the lead's options, the stages."""
-
-    options: str
-    stages: str
-
 
 class Pipeline:
     """The executor of a pipeline of stages over this node's devices; the lead's ``Outcome`` is
@@ -52,13 +43,11 @@ class Pipeline:
 
     def run(self, opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None] = print) -> Summary:
         resources = opts.resources()
-        stages = partition(spec, target.model_dir_for(opts.out, spec, opts.model), resources.device)
         interconnect.before_job(opts.out, spec.parallel.ranks, resources.device, log)
-        log(f"starting {spec.parallel.ranks} ranks ({spec.parallel}) on {resources.device}; stages {stages}")
-        payload = Payload(options=OPTIONS.dump_json(opts).decode(), stages=STAGES.dump_json(stages).decode())
-        result = run_group(
-            spec, resources, opts.out, opts.model, _lead, payload.model_dump_json(), _follow, stages.lead
-        )
+        log(f"starting {spec.parallel.ranks} ranks ({spec.parallel}) on {resources.device}")
+        lead = (spec.parallel.pipeline - 1) * spec.parallel.tensor  # the last stage's first rank
+        options = OPTIONS.dump_json(opts).decode()
+        result = run_group(spec, resources, opts.out, opts.model, _lead, options, _follow, lead)
         return Outcome.load(result).result()
 
 
@@ -77,15 +66,17 @@ class StageLeader(Leader):
     batch ever went into the pipe, to stop), and its own capture is the pipe's; the batches travel
     through the pipe, not over the control channel."""
 
-    def __init__(self, leader: Leader, stages: Stages):
+    def __init__(self, leader: Leader, log: Callable[[str], None] = print):
         super().__init__(leader.control, leader.ranks, leader.source)
-        self.leader, self.stages = leader, stages  # ``leader``: the one its rank stops once more on the way out
+        self.leader, self.log = leader, log  # ``leader``: the one its rank stops once more on the way out
         self.pipe: PipelineCapture | None = None
 
     def open(self, spec: RunSpec, model_dir: Path, device: str) -> Capture:
-        backend = open_backend(spec, model_dir, device, self.stages)
-        runner = StageRunner(backend, self.stages, self.source, spec.layers)
-        self.pipe = PipelineCapture(runner, Link(self.stages, self.source, self.control, backend.device), spec.layers)
+        stages = partition(spec, model_dir, device)
+        self.log(f"pipeline stages: {stages}")
+        backend = open_backend(spec, model_dir, device, stages)
+        runner = StageRunner(backend, stages, self.source, spec.layers)
+        self.pipe = PipelineCapture(runner, Link(stages, self.source, self.control, backend.device), spec.layers)
         return self.pipe
 
     def batch(self, ids: list[int]) -> None:
@@ -102,20 +93,19 @@ class StageLeader(Leader):
             self.pipe.close()  # the batches in the pipe taken, then the stop sent down it
 
 
-def _lead(leader: Leader, spec: RunSpec, payload: str) -> str:
+def _lead(leader: Leader, spec: RunSpec, options: str) -> str:
     """The last stage's first rank: the in-process job with the pipe as its capture."""
-    given = Payload.model_validate_json(payload)
-    stages = STAGES.validate_json(given.stages)
-    return lead_job(StageLeader(leader, stages), spec, OPTIONS.validate_json(given.options))
+    return lead_job(StageLeader(leader), spec, OPTIONS.validate_json(options))
 
 
-def _follow(run: Path, model: str | None, spec: RunSpec, device: str, control, lead: int, payload: str) -> None:
+def _follow(run: Path, model: str | None, spec: RunSpec, device: str, control, lead: int, options: str) -> None:
     """Every other rank: load its stage when told, then run each batch the pipe brings until its end."""
     kind, _ = receive(control, lead)
     if kind == STOP:
         return
-    stages = STAGES.validate_json(Payload.model_validate_json(payload).stages)
+    model_dir = target.model_dir_for(run, spec, model)
+    stages = partition(spec, model_dir, device)
     rank = dist.get_rank()
-    backend = open_backend(spec, target.model_dir_for(run, spec, model), device, stages)
+    backend = open_backend(spec, model_dir, device, stages)
     runner = StageRunner(backend, stages, rank, spec.layers)
     follow(runner, Link(stages, rank, control, backend.device), lead)
