@@ -98,3 +98,55 @@ def test_node_bench_builds_one_ranks_shapes_and_counts_its_all_reduces():
     assert allreduce_seconds(1000, 7168, 61, 1, 8, 1e9) == count * 1000 * 7168 * 2 * 2 * 7 / 8 / 1e9
     with pytest.raises(ValueError, match="num_attention_heads 64 does not split over 6 ranks"):
         rank_config(text["text_config"], 6, 61)
+
+
+BENCH_REFUSED = [
+    (("--fp8-model",), "the block-FP8 model cannot run here: torch has no block-scaled FP8 GEMM on cpu"),
+    (("--fp8-model", "--int4-experts"), "--fp8-model and --int4-experts each rebuild the model: one of them per run"),
+    (("--int4-experts",), "--int4-experts packs routed experts, and the default model on cpu has none"),
+    (("--min-len", "100", "--max-len", "10"), "--min-len 100 is above --max-len 10"),
+    (("--workdir", "NOPE"), "/NOPE: no such folder"),
+    (("--model", "NOPE"), "/NOPE: no such model folder"),
+    (("--max-new-tokens", "3"), "--max-new-tokens applies to the generate bench (--generate) only"),
+    (
+        ("--tensor-parallel-size", "2", "--max-new-tokens", "3"),
+        "--max-new-tokens, --tensor-parallel-size apply to the generate bench (--generate) only",
+    ),
+    (("--generate", "--fp8-model", "--device", "cpu"), "--device, --fp8-model apply to the extraction bench"),
+]
+
+
+@pytest.mark.parametrize(("args", "said"), BENCH_REFUSED, ids=[" ".join(a) for a, _ in BENCH_REFUSED])
+def test_every_bench_option_combination_it_cannot_run_is_refused_by_name(args, said, tmp_path):
+    """``hsx bench`` without ``--device`` on a machine without CUDA (``--fp8-model`` ended in an
+    AttributeError there), options one bench does not read given to the other, impossible lengths,
+    missing folders: exit 2 with the reason, no traceback, nothing written."""
+    import torch
+    from typer.testing import CliRunner
+
+    from hsx.cli import app
+
+    if torch.cuda.is_available() and "--device" not in args:
+        pytest.skip("without --device this machine's bench runs on CUDA")
+    args = [str(tmp_path / a) if a == "NOPE" else a for a in args]
+    r = CliRunner().invoke(app, ["bench", *args])
+    assert r.exit_code == 2 and said in " ".join(r.output.split()), r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_node_bench_times_the_stage_that_sets_a_pipelines_pace():
+    """``--pipeline 8``: Kimi-K2.5's slowest stage under the partition an extraction makes is 8 MoE
+    layers (the dense first layer is lighter); the most any stage hands on is the residual stream
+    and the two aux states captured before the last stage (of [1, 29, 57]); one rank a stage does no
+    all-reduce."""
+    from hsx.bench.node import allreduce_seconds, handoff_seconds, pace_stage, rank_config
+
+    kimi = Path(__file__).parent.parent / "bench" / "kimi-k25-shape"
+    text = json.loads((kimi / "config.json").read_text())["text_config"]
+    pace = pace_stage(kimi, text, 1, 8)
+    assert (pace.layers, pace.dense, pace.embeddings, pace.handoff_states) == (8, 0, False, 3), pace
+    config = rank_config(text, 1, 3, pace.dense)
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.first_k_dense_replace) == (384, 8, 0)
+    assert allreduce_seconds(1000, 7168, 8, 0, 1, 40e9) == 0.0
+    assert handoff_seconds(1000, 7168, 3, 25e9) == 1000 * 3 * 7168 * 2 / 25e9

@@ -261,6 +261,13 @@ REFUSED = [
         "the expert-parallel size must be 1 or the tensor-parallel size (8), not 4",
     ),
     (("memory", "--model", TINY, "--tensor-parallel", "2"), "num_key_value_heads = 1 does not split over 2"),
+    (("memory", "--model", TINY, "--pipeline-parallel", "9"), "9 pipeline stages need as many decoder layers"),
+    (
+        ("extract", *NEW, "--pipeline-parallel", "9"),
+        "cannot lay the model over tensor 1, expert 1, pipeline 9: 9 pipeline stages need as many decoder layers, "
+        "and the model has 8",
+    ),
+    (("extract", *NEW, "--pipeline-parallel", "2", "--workers", "2"), "--workers runs workers of one GPU or of a"),
 ]
 
 

@@ -12,7 +12,19 @@ SRC = Path(hsx.__file__).parent
 LAYERS = [
     ("hsx", "errors", "units", "bounds", "drafts"),  # the vocabulary: errors, units, option bounds, draft types
     ("store",),  # the run folder's files: layout, durable writes, the file format, codecs, scans
-    ("fingerprint", "lock", "registry", "consumer", "telemetry", "progress", "input", "hfdatasets"),  # services, input
+    # run-folder services, input, the node's interconnect
+    (
+        "fingerprint",
+        "lock",
+        "registry",
+        "consumer",
+        "telemetry",
+        "progress",
+        "input",
+        "hfdatasets",
+        "interconnect",
+        "launch",
+    ),
     ("spec", "target", "finalnorm", "plan", "tinymodel"),  # what a run is: its spec, model, frozen plan
     ("capture", "staging", "fidelity"),  # the target running: token ids in, states out (and checked)
     ("job",),  # what every job does around its work: options, folder steps, space, the resume prologue

@@ -191,3 +191,66 @@ def test_hsx_memory_prints_the_arithmetic_and_exits_2_where_it_cannot_fit():
     bf16 = LAYERS * EXPERTS * 3 * MOE * HIDDEN * 2
     assert f"routed experts, dequantized (expanded to bfloat16), 1/8 of them: {memory.gb(bf16 / 8)}" in said
     assert "smallest layout that fits: none on one node of 8 GPUs" in said
+
+
+# ---------------------------------------------------------------- which layout, from the node's links
+
+
+def test_the_layout_advised_for_kimi_k25_is_tp_on_nvlink_and_a_pipeline_on_pcie(kimi):
+    """8 GPUs: on PCIe at the published untuned all-reduce bandwidth (22.2 GB/s), TP8 + EP8's 183
+    all-reduces a token cost 14,336 B x 1.75 each; a pipeline of 2 stages of TP4 halves the
+    all-reduces and shortens the ring, and fits 96 GB cards where 4 or 8 stages do not (each holds
+    a whole MoE layer's 384 experts expanded at once): it is advised. On NVLink (8 x H200) TP8 + EP8
+    is advised, its all-reduces cheap there, though every layout fits."""
+    from hsx.interconnect import Links
+
+    pcie = memory.advise(kimi, Layout(experts="packed"), 8, 96 * GB, Links(22.2, 25.0, False, "stated"))
+    tp8 = next(line for line in pcie if line.startswith("  TP8 + EP8"))
+    assert "87.5 GB a GPU, fits; 183 all-reduces x 14,336 B x 1.75 / 22.2 GB/s = 206.8 us" in tp8
+    assert "4,835 tok/s" in tp8  # 1 / 206.8 us: what the interconnect lets TP8 reach
+    assert any(line.startswith("  PP8 x TP1") and "does NOT fit" in line for line in pcie)
+    assert any(line.startswith("  PP4 x TP2 + EP2") and "does NOT fit" in line for line in pcie)
+    assert pcie[-1].startswith("advice: --tensor-parallel 4 --expert-parallel 4 --pipeline-parallel 2 (PP2 x TP4")
+    nvlink = memory.advise(kimi, Layout(experts="packed"), 8, 150_700_000_000, Links(361.0, 380.0, True, "stated"))
+    assert all("fits" in line and "NOT" not in line for line in nvlink[1:-1])
+    assert nvlink[-1] == (
+        "advice: --tensor-parallel 8 --expert-parallel 8 (TP8 + EP8, packed experts, bfloat16), since its "
+        "all-reduces run on NVLink"
+    )
+
+
+def test_hsx_memory_without_a_layout_advises_one_from_stated_bandwidths():
+    from typer.testing import CliRunner
+
+    from hsx.cli import app
+
+    args = ["memory", "--model", str(KIMI), "--gpus", "8", "--gpu-memory", "96", "--allreduce-gbps", "22.2"]
+    r = CliRunner().invoke(app, [*args, "--p2p-gbps", "25", "--interconnect", "pcie"])
+    assert r.exit_code == 0 and "--pipeline-parallel 2" in r.output.splitlines()[-1], r.output
+    r = CliRunner().invoke(app, args)  # no point-to-point figure, and no GPU here to measure
+    assert r.exit_code == 0 and "give --gpu-memory, --allreduce-gbps and --p2p-gbps" in r.output, r.output
+
+
+def test_a_run_given_no_layout_that_one_gpu_cannot_hold_is_refused_with_the_advice(tiny, tmp_path, monkeypatch):
+    """On a node of 4 GPUs (simulated, as its measured links) a new run given no layout whose model
+    one GPU cannot hold is refused before loading with which layout to run and why."""
+    from hsx import interconnect
+    from hsx.capture.transformers import TransformersBackend
+    from hsx.interconnect import Links
+
+    inventory = Inventory.of(tiny["kimi-int4"])
+    tp1 = inventory.estimate(Layout(1, 1, "packed", "float32", 16384, 4096, 2))
+    device = int(tp1.total * 0.9)  # one GPU does not hold it; 2 stages of TP2 + EP2 would
+    loads = []
+    monkeypatch.setattr(TransformersBackend, "load", classmethod(lambda cls, *a, **kw: loads.append(a)))
+    monkeypatch.setattr(memory, "device_memory", lambda device_, ranks: (device, 4, "4 simulated GPUs"))
+    monkeypatch.setattr(interconnect, "links", lambda gpus: Links(20.0, 25.0, False, "measured (simulated)"))
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(2))
+    opts = ExtractOptions(out=tmp_path / "run", model=str(tiny["kimi-int4"]), data=[data], device="cpu", writers=1)
+    with pytest.raises(LayoutTooLarge) as refused:
+        extract(opts, log=lambda m: None)
+    said = str(refused.value)
+    assert "layouts of 4 GPUs" in said and "over PCIe (no NVLink): all-reduce 20 GB/s" in said, said
+    assert "advice: --tensor-parallel 2 --expert-parallel 2 --pipeline-parallel 2 (PP2 x TP2 + EP2" in said
+    assert said.endswith("(a new run, in another --out)")
+    assert loads == []

@@ -1,4 +1,5 @@
-"""Tensor- and expert-parallel extraction (hsx.extract.group) on CPU, two ranks over gloo.
+"""Tensor- and expert-parallel extraction (hsx.extract.group), and pipelines of stages
+(hsx.extract.stages), on CPU, two ranks over gloo.
 
 The references are independent: transformers' own ``output_hidden_states`` of one-sample forwards
 of the same checkpoint in one process. Dense models must match every token within 1e-5 (float32).
@@ -166,7 +167,7 @@ def test_tp2_dense_equals_the_single_process_reference_and_records_the_layout(de
     assert off == 0, f"{off} of {total} tokens beyond {TOL} (a dense model has no near-ties)"
     assert worst <= TOL
     spec = json.loads((out / "hsx.json").read_text())
-    assert spec["parallel"] == {"tensor": 2, "expert": 1}
+    assert spec["parallel"] == {"tensor": 2, "expert": 1, "pipeline": 1}
     assert not (out / layout.GROUP).exists()  # a group that ended cleanly leaves no record behind
     assert_figures(out, models["dense"], spec["fidelity"]["stride"])
 
@@ -192,7 +193,7 @@ def test_tp2_ep2_moe_equals_the_reference_but_for_a_counted_share_of_near_ties(n
     out = tmp_path / "run"
     proc = hsx(*_args(models[name], data, out, "--tensor-parallel", "2", "--expert-parallel", "2"))
     assert "ranks 0-1 captured the same states on the first batch" in proc.stdout + proc.stderr
-    assert json.loads((out / "hsx.json").read_text())["parallel"] == {"tensor": 2, "expert": 2}
+    assert json.loads((out / "hsx.json").read_text())["parallel"] == {"tensor": 2, "expert": 2, "pipeline": 1}
     off, total, worst = off_tokens(out, models[name])
     print(f"{name}: {off} of {total} tokens beyond {TOL} (router near-ties); the others within {worst:.2e}")
     assert total > 2000
@@ -293,6 +294,66 @@ def test_kill9_of_the_launcher_or_of_a_rank_then_resume_is_byte_identical(dense_
     hsx("extract", "--out", out)
     assert run_files(out) == reference
     assert not (out / layout.GROUP).exists()
+
+
+# ---------------------------------------------------------------- a pipeline of stages
+
+
+@pytest.fixture(scope="module")
+def dense_one(models, data, tmp_path_factory) -> Path:
+    """An uninterrupted run of the dense model in one process: the bytes a pipeline must write."""
+    from hsx.extract import ExtractOptions, extract
+
+    out = tmp_path_factory.mktemp("dense-one") / "run"
+    given = dict(layers=list(LAYERS), dtype="float32", shard_size=10, batch_tokens=512, device="cpu")
+    extract(ExtractOptions(out=out, model=str(models["dense"]), data=[data], **given), log=lambda m: None)
+    return out
+
+
+def test_a_pipeline_writes_one_process_bytes_through_a_killed_stage_and_a_full_disk(dense_one, models, data, tmpfs):
+    """``--pipeline-parallel 2`` on a real 2 MB tmpfs. The first stage's rank is SIGKILLed after k new
+    files: the group goes down (exit 2, the rank named), no rank outlives it, every file on disk
+    verifies. The resume (the same pipeline) goes on until the volume fills and stops cleanly
+    (exit 3, the resume line). Once the volume grows the resume finishes, and every file is byte
+    for byte what one process wrote: a pipeline changes no bit."""
+    reference = run_files(dense_one)
+    seed = int(os.environ.get("HSX_CRASH_SEED", time.time_ns() % 10_000))
+    print(f"HSX_CRASH_SEED={seed}")
+    k = random.Random(seed).randint(1, 8)
+    d = tmpfs("pp2", size="2m")
+    out = d / "run"
+    args = _args(models["dense"], data, out, "--pipeline-parallel", "2", "--allow-partial")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hsx", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    _wait("the group record", lambda: _group(out, proc.pid) is not None or proc.poll() is not None, seed)
+    group = _group(out, proc.pid)
+    assert group is not None, f"seed {seed}: the run ended (rc {proc.poll()}) before its ranks registered"
+    pids = [r.pid for r in group.ranks]
+    _wait(f"{k} new files", lambda: len(_sample_files(out)) >= k or proc.poll() is not None, seed)
+    assert proc.poll() is None, f"seed {seed}: the run ended before {k} new files"
+    os.kill(pids[0], signal.SIGKILL)  # rank 0: the first stage (the last stage's rank writes)
+    said, err = proc.communicate(timeout=HANG_GUARD_S)
+    assert "starting 2 ranks (tensor 1, expert 1, pipeline 2) on cpu" in said + err
+    assert "pipeline stages: 0: layers 0-1; 1: layers 2-3" in said + err
+    assert proc.returncode == Exit.ACT and f"rank 0 (pid {pids[0]}) killed by SIGKILL" in err, err
+    _wait("every rank's exit", lambda: _gone(pids), seed)
+    on_disk = _sample_files(out)
+    assert 0 < len(on_disk) < 60 and set(verified_files(out)) == on_disk, (
+        f"seed {seed}: a partial file has a sample's name"
+    )
+
+    done, resume = stopped_cleanly(hsx("extract", "--out", out, "--allow-partial", check=False), out, 60)
+    assert resume == f"hsx extract --out {out}" and done > len(on_disk)
+    remount(d, size="64m")
+    resumed = hsx(*resume.split()[1:])
+    assert f"{60 - done} written now, {done} were already verified" in resumed.stdout
+    assert run_files(out) == reference
+    assert json.loads((out / "hsx.json").read_text())["parallel"] == {"tensor": 1, "expert": 1, "pipeline": 2}
+    assert not (out / layout.GROUP).exists() and not (out / "lock.json").exists()
+    refused = hsx("extract", "--out", out, "--pipeline-parallel", "4", check=False)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode == Exit.ACT and "parallel: run has tensor 1, expert 1, pipeline 2, asked for" in said
 
 
 # ---------------------------------------------------------------- scale-out: Ray workers of tensor-parallel groups
@@ -449,7 +510,7 @@ def test_threads_given_reach_every_rank_and_a_rank_without_them_takes_its_share_
             opts = ExtractOptions(out=tmp_path / "run", device="cpu", threads=threads)
             with pytest.raises(Refused, match="launched"):
                 group.Group().run(opts, spec, log=lambda m: None)
-            on = group.RESOURCES.validate_json(handed[-1][3])  # rank_main's ``resources``
+            on = group.RESOURCES.validate_json(handed[-1][5])  # rank_main's ``resources``
             assert on.threads == threads
             torch.set_num_threads(before)
             assert group.rank_device(on, 1, 2) == "cpu" and torch.get_num_threads() == want

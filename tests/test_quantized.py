@@ -264,7 +264,7 @@ def test_tp2_and_tp2_ep2_of_the_packed_model_equal_one_process_but_for_near_ties
     )  # fmt: skip
     assert "ranks 0-1 captured the same states on the first batch" in proc.stdout + proc.stderr
     spec = json.loads((out / "hsx.json").read_text())
-    assert spec["parallel"] == {"tensor": 2, "expert": expert}
+    assert spec["parallel"] == {"tensor": 2, "expert": expert, "pipeline": 1}
     assert spec["model"]["quantization"]["experts"] == "int4-packed group 32"
     if expert > 1:
         assert f"routed experts held as int4-packed, expanded per layer to float32, each of {expert} ranks" in (

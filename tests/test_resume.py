@@ -39,7 +39,7 @@ def test_extraction_runs_while_verification_reads_and_never_writes_an_unsettled_
 
     events: list[tuple[str, int]] = []
     held = {"waited": False, "timed_out": False}
-    real_hash, real_settle, real_shard = scan._hash, resume.settle, pipeline.Extractor.shard
+    real_hash, real_settle, real_shard = scan._hash, resume.settle, pipeline.Extractor.batches_of
 
     def slow_hash(path, start, end):
         if path.parent.name == f"{2:06d}":
@@ -56,13 +56,13 @@ def test_extraction_runs_while_verification_reads_and_never_writes_an_unsettled_
         events.append(("settled", s.shard))
         return real_settle(run_, s, summary)
 
-    def shard(self, s):
+    def shard(self, s):  # where a shard's extraction begins
         events.append(("extract", s.shard))
         return real_shard(self, s)
 
     monkeypatch.setattr(scan, "_hash", slow_hash)
     monkeypatch.setattr(resume, "settle", settle)
-    monkeypatch.setattr(pipeline.Extractor, "shard", shard)
+    monkeypatch.setattr(pipeline.Extractor, "batches_of", shard)
     logged: list[str] = []
     summary = extract(ExtractOptions(out=run), log=logged.append)
 

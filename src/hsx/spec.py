@@ -158,17 +158,22 @@ class Window(BaseModel):
 
 class Parallel(BaseModel):
     """How one model replica is laid over the devices of a node. Part of the spec, since the
-    numerics depend on it: TP and EP change the order of reductions (and MoE router near-ties)."""
+    numerics depend on it: TP and EP change the order of reductions (and MoE router near-ties).
+    A pipeline changes no bit (each stage runs the same modules on the same inputs as one process:
+    tested byte for byte on CPU); it is recorded with the rest of the layout, and a resume that
+    asks for another is refused like any layout change, until GPUs have shown the same."""
 
-    tensor: int = 1  # ranks the dense layers are split over (transformers' TP plan)
+    tensor: int = 1  # ranks the dense layers are split over (transformers' TP plan), in each stage
     expert: int = 1  # ranks the routed experts are split over (its EP plan): 1 or ``tensor``
+    pipeline: int = 1  # stages of contiguous decoder layers (capture.stages), each over ``tensor`` ranks
 
     @property
     def ranks(self) -> int:
-        return self.tensor
+        return self.tensor * self.pipeline
 
     def __str__(self) -> str:
-        return f"tensor {self.tensor}, expert {self.expert}"
+        staged = f", pipeline {self.pipeline}" if self.pipeline > 1 else ""
+        return f"tensor {self.tensor}, expert {self.expert}{staged}"
 
 
 class FidelityCheck(BaseModel):

@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from hsx.assess import consumers, fidelity, gpus, integrity, model, pace, runspec, tally, volume, workers
+from hsx.assess import consumers, fidelity, gpus, integrity, links, model, pace, runspec, tally, volume, workers
 from hsx.assess.checks import Check, exit_code, skipped
 from hsx.errors import Exit, SpecError
 from hsx.generate.spec import GenerateSpec
@@ -25,6 +25,7 @@ from hsx.telemetry import read_history
 
 ORDER = (
     "gpus",
+    "interconnect",
     "volume",
     "progress",
     "pace",
@@ -100,6 +101,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
     local = worker.alive and worker.holder is not None and worker.holder.host == socket.gethostname()
     launcher = worker.group.launcher if worker.group is not None and worker.group.launcher_alive() else None
     checks["gpus"] = gpus.check(worker.pid if local else None, launcher)  # its own GPU use is not foreign
+    parallel = getattr(spec, "parallel", None)  # an extraction's layout (a generate run's engine lays out its own)
+    checks["interconnect"] = links.check(run, parallel.ranks if parallel else 1, worker.alive)
     t = None
     readers = None  # the consumers line: only for a run a trainer reads
     if spec is None:

@@ -280,14 +280,7 @@ def run_bench(
     dev = torch.device(device or default_device())
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
-    if fp8:
-        from hsx.capture.quantized.fp8 import gemm_blocker
-        from hsx.errors import OptionError
-
-        if int4_experts:
-            raise OptionError("--fp8-model and --int4-experts each rebuild the model: one of them per run")
-        if (blocker := gemm_blocker(device, dtype_name, [128, 128])) is not None:
-            raise OptionError(f"the block-FP8 model cannot run here: {blocker}")
+    model = check_options(model, str(dev), dtype_name, min_len, max_len, workdir, int4_experts, fp8)
     net, name = build_model(model, dev, dtype)
     net.eval()
     n_layers = net.config.num_hidden_layers
@@ -441,6 +434,43 @@ def check_cost(backend, plan, batches, check: FidelityCheck, tag: str, dev: torc
                 checked.tokens, checked.seconds = checked.tokens + b.tokens, checked.seconds + t2 - t1
                 checked.checked += sum(map(len, checks))
     results += [capture, checked]
+
+
+def check_options(
+    model: str | None,
+    device: str,
+    dtype: str,
+    min_len: int,
+    max_len: int,
+    workdir: Path | None,
+    int4_experts: bool,
+    fp8: bool,
+) -> str | None:
+    """Every combination of the extraction bench's options runs or is refused here by name
+    (``OptionError``) before anything is built or written. Returns the model folder, resolved."""
+    from hsx import target
+    from hsx.capture.transformers import EXPERT_COUNTS
+    from hsx.errors import OptionError
+
+    if min_len > max_len:
+        raise OptionError(f"--min-len {min_len} is above --max-len {max_len}")
+    if workdir is not None and not workdir.is_dir():
+        raise OptionError(f"--workdir {workdir}: no such folder")
+    if model is not None:
+        model = str(target.resolve(model))
+    if fp8 and int4_experts:
+        raise OptionError("--fp8-model and --int4-experts each rebuild the model: one of them per run")
+    if fp8:
+        from hsx.capture.quantized.fp8 import gemm_blocker
+
+        if (blocker := gemm_blocker(device, dtype, [128, 128])) is not None:
+            raise OptionError(f"the block-FP8 model cannot run here: {blocker}")
+    if int4_experts:
+        config = target.load_config(Path(model)) if model is not None else {}
+        if not any(config.get(k) for k in EXPERT_COUNTS):
+            which = model or f"the default model on {device}"
+            raise OptionError(f"--int4-experts packs routed experts, and {which} has none: give a MoE --model")
+    return model
 
 
 def to_block_fp8(model) -> tuple[int, int]:

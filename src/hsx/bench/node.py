@@ -1,5 +1,5 @@
 """One node's extraction rate for a model larger than one GPU, timed on one GPU: one rank of a
-tensor + expert parallel replica, built at that rank's shapes with random weights.
+tensor + expert parallel replica, or one stage of a pipeline, built at its shapes with random weights.
 
 At TP = EP = N over a node of N GPUs, every rank runs the same tokens; the node's rate is one rank's
 forward plus the collectives. A rank holds ``heads / N`` attention heads, ``1 / N`` of the dense and
@@ -12,7 +12,16 @@ experts of each layer) are added serially from a stated bus bandwidth, none over
 ``--layers`` below the model's count, the first layers are built and the time is scaled by the
 ratio of layer counts (the dense first layer counted as one of them).
 
+With ``--pipeline P`` the node runs P stages of contiguous layers (``capture.stages``), each over
+``--ranks`` GPUs (TP = EP within the stage): one rank of the stage that sets the pace (the most
+compute, by the partition ``hsx extract --pipeline-parallel`` makes) is built and timed, its
+all-reduces added as above (none at one rank a stage), and its hand-off to the next stage added at
+a stated point-to-point bandwidth (the residual stream and the aux states captured so far, bf16),
+none overlapped. With as many batches in flight as stages every stage runs at once, so the node
+runs at that one stage's pace.
+
     python -m hsx.bench.node --model bench/kimi-k25-shape --ranks 8 --layers 16 --allreduce-gbps 361
+    python -m hsx.bench.node --model bench/kimi-k25-shape --ranks 1 --pipeline 8 --layers 3 --p2p-gbps 25
 """
 
 from __future__ import annotations
@@ -34,26 +43,35 @@ class NodeEstimate:
     layers_built: int
     layers: int
     tokens: int
-    seconds: float  # the rank's forward over ``tokens``, scaled to every layer
-    collective_seconds: float  # the all-reduces over ``tokens``, added
+    seconds: float  # the rank's forward over ``tokens``, scaled to every layer (of its stage)
+    allreduce_at_1: float  # the all-reduces over ``tokens`` at 1 GB/s of bus bandwidth, seconds
     mean_len: float
     hidden: int
     weight_bytes: int
     peak_bytes: int
+    handoff_at_1: float = 0.0  # a pipeline stage's hand-offs of ``tokens`` at 1 GB/s, seconds
 
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / (self.seconds + self.collective_seconds)
+    def collective_seconds(self, gbps: float | None) -> float:
+        return self.allreduce_at_1 / gbps if self.allreduce_at_1 else 0.0
 
-    def hours(self, samples: int) -> float:
-        return samples * self.mean_len / self.tok_s / 3600
+    def handoff_seconds(self, gbps: float | None) -> float:
+        return self.handoff_at_1 / gbps if self.handoff_at_1 else 0.0
 
-    def storage_gb_per_hour(self) -> float:
-        return self.tok_s * AUX_STATES * self.hidden * 2 * 3600 / 1e9
+    def tok_s(self, allreduce_gbps: float | None = None, p2p_gbps: float | None = None) -> float:
+        """The node's rate: the forward with the all-reduces and hand-offs added, none overlapped."""
+        added = self.collective_seconds(allreduce_gbps) + self.handoff_seconds(p2p_gbps)
+        return self.tokens / (self.seconds + added)
+
+    def hours(self, samples: int, allreduce_gbps: float | None = None, p2p_gbps: float | None = None) -> float:
+        return samples * self.mean_len / self.tok_s(allreduce_gbps, p2p_gbps) / 3600
+
+    def storage_gb_per_hour(self, allreduce_gbps: float | None = None, p2p_gbps: float | None = None) -> float:
+        return self.tok_s(allreduce_gbps, p2p_gbps) * AUX_STATES * self.hidden * 2 * 3600 / 1e9
 
 
-def rank_config(text: dict, ranks: int, layers: int):
-    """The text model's config at one rank's shapes (see the module notes)."""
+def rank_config(text: dict, ranks: int, layers: int, dense: int | None = None):
+    """The text model's config at one rank's shapes (see the module notes); ``dense``: how many of
+    the ``layers`` built are dense (a pipeline stage past the model's dense first layers: none)."""
     from transformers import DeepseekV3Config
 
     cfg = {k: v for k, v in text.items() if k not in ("auto_map", "architectures", "quantization_config")}
@@ -72,6 +90,8 @@ def rank_config(text: dict, ranks: int, layers: int):
         topk_group=1,
         num_hidden_layers=layers,
     )
+    if dense is not None:
+        cfg["first_k_dense_replace"] = dense
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "model_type"):
         cfg.pop(key, None)
     config = DeepseekV3Config(**cfg)
@@ -94,10 +114,17 @@ def build_rank(config, experts: str, device: torch.device):
         with jit.swapped(DeepseekV3ForCausalLM, fmt, dtype), torch.device(device):
             model = DeepseekV3ForCausalLM._from_config(config, dtype=dtype)
         E, inter, hidden = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
-        stored = {
-            "gate_up_proj": int4.quantize(torch.randn(E, 2 * inter, hidden, device=device, dtype=dtype) * 0.02),
-            "down_proj": int4.quantize(torch.randn(E, hidden, inter, device=device, dtype=dtype) * 0.02),
-        }
+
+        def packed(rows: int, cols: int) -> dict[str, torch.Tensor]:
+            """E random experts [rows, cols] INT4-packed, a few at a time (a stage's 384 at once in
+            bf16 would take tens of GB before packing)."""
+            parts = [
+                int4.quantize(torch.randn(min(16, E - e), rows, cols, device=device, dtype=dtype) * 0.02)
+                for e in range(0, E, 16)
+            ]
+            return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+        stored = {"gate_up_proj": packed(2 * inter, hidden), "down_proj": packed(hidden, inter)}
         for _, module in jit.stored_modules(model):
             module.compiled = device.type == "cuda"
             for name, tensors in stored.items():
@@ -131,12 +158,54 @@ def batches(lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
     return out + ([cur] if cur else [])
 
 
-def allreduce_seconds(tokens: int, hidden: int, layers: int, dense_layers: int, ranks: int, busbw: float) -> float:
+def allreduce_seconds(
+    tokens: int, hidden: int, layers: int, dense_layers: int, ranks: int, busbw: float, embeddings: bool = True
+) -> float:
     """Serial all-reduces of bf16 [tokens, hidden]: 2 per dense layer (attention, MLP), 3 per MoE
-    layer (attention, shared experts, routed experts), 1 for the vocabulary-parallel embedding; a
-    ring's time is bytes x 2(n-1)/n over the bus bandwidth."""
-    count = 1 + 2 * dense_layers + 3 * (layers - dense_layers)
-    return count * tokens * hidden * 2 * 2 * (ranks - 1) / ranks / busbw
+    layer (attention, shared experts, routed experts), 1 for the vocabulary-parallel embedding
+    (where the rank holds it); a ring's time is bytes x 2(n-1)/n over the bus bandwidth."""
+    count = int(embeddings) + 2 * dense_layers + 3 * (layers - dense_layers)
+    return count * tokens * hidden * 2 * 2 * (ranks - 1) / ranks / busbw if ranks > 1 else 0.0
+
+
+def handoff_seconds(tokens: int, hidden: int, states: int, p2p: float) -> float:
+    """A stage's hand-off of ``tokens`` to the next: ``states`` bf16 vectors a token (the residual
+    stream and the aux states captured so far) at ``p2p`` bytes/s."""
+    return tokens * states * hidden * 2 / p2p
+
+
+@dataclass(frozen=True)
+class PaceStage:
+    """The stage of a pipeline that sets its pace: its layers, how many of them are dense, whether
+    it holds the embeddings, and the states a token carries to the next stage."""
+
+    first: int
+    layers: int
+    dense: int
+    embeddings: bool
+    handoff_states: int
+    stages: str
+
+
+def pace_stage(model: Path, text: dict, ranks: int, pipeline: int) -> PaceStage:
+    """The stage with the most compute under the partition an extraction makes, and the largest
+    hand-off of any stage (the default aux layers' states so far, and the residual stream)."""
+    from hsx.capture import default_layers
+    from hsx.capture.memory import Inventory, Layout
+
+    inventory = Inventory.of(model)
+    if inventory is None:
+        raise ValueError(f"{model}: no weights, and no DeepSeek-V3 shapes in config.json to partition")
+    layout = Layout(ranks, ranks, "packed", pipeline=pipeline)
+    stages = inventory.stages(layout)
+    layers = int(text["num_hidden_layers"])
+    compute = [c for c, _ in inventory.costs(layout)[0]]
+    s = max(range(stages.size), key=lambda i: sum(compute[slice(*stages.ranges[i])]))
+    first, end = stages.ranges[s]
+    dense = max(0, min(end, int(text.get("first_k_dense_replace", 0))) - first)
+    aux = default_layers(layers)
+    carried = max(1 + sum(k < e for k in aux) for _, e in stages.ranges[:-1])
+    return PaceStage(first, end - first, dense, s == 0, carried, str(stages))
 
 
 def sync(device: torch.device) -> None:
@@ -154,13 +223,20 @@ def run(args) -> NodeEstimate:
     raw = json.loads((Path(args.model) / "config.json").read_text())
     text = raw.get("text_config", raw)
     layers = int(text["num_hidden_layers"])
-    built = min(args.layers or layers, layers)
-    config = rank_config(text, args.ranks, built)
+    stage = None
+    if args.pipeline > 1:
+        stage = pace_stage(Path(args.model), text, args.ranks, args.pipeline)
+        print(f"pipeline of {args.pipeline} stages ({stage.stages}); the pace is stage layers "
+              f"{stage.first}-{stage.first + stage.layers - 1} ({stage.dense} dense)", flush=True)  # fmt: skip
+    total = stage.layers if stage else layers  # the layers one rank runs
+    dense_total = stage.dense if stage else int(text.get("first_k_dense_replace", 0))
+    built = min(args.layers or total, total)
+    config = rank_config(text, args.ranks, built, min(dense_total, built) if stage else None)
     t0 = time.perf_counter()
     model = build_rank(config, args.experts, device)
     weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     print(
-        f"rank model: {built} of {layers} layers, experts {args.experts}, {weight_bytes / 1e9:.1f} GB, built in "
+        f"rank model: {built} of {total} layers, experts {args.experts}, {weight_bytes / 1e9:.1f} GB, built in "
         f"{time.perf_counter() - t0:.0f} s",
         flush=True,
     )
@@ -169,6 +245,11 @@ def run(args) -> NodeEstimate:
     lengths = lognormal_lengths(args.samples, args.mean_len, args.min_len, args.max_len, seed=1)
     rng = np.random.default_rng(0)
     rows = [[rng.integers(0, config.vocab_size, n) for n in b] for b in batches(lengths, args.batch_tokens)]
+    if len(rows) <= args.warm_up:
+        raise SystemExit(
+            f"error: --samples {args.samples} make {len(rows)} batch(es) of --batch-tokens {args.batch_tokens}, "
+            f"and the warm-up takes {args.warm_up}: give more samples, or fewer warm-up batches"
+        )
     t0 = time.perf_counter()
     for row in rows[: args.warm_up]:
         backend.forward(backend.inputs(row))
@@ -186,20 +267,19 @@ def run(args) -> NodeEstimate:
     kernel, single = (varlen.CALLS[k] - calls[k] for k in ("kernel", "per_sample"))
     print(f"timed: {len(timed)} batches; packed attention ran {kernel} varlen-kernel and {single} per-sample calls")
     tokens = sum(len(s) for row in timed for s in row)
-    dense = int(text.get("first_k_dense_replace", 0))
-    scale = layers / built
+    embeddings = stage.embeddings if stage else True
+    hidden = config.hidden_size
     est = NodeEstimate(
         layers_built=built,
-        layers=layers,
+        layers=total,
         tokens=tokens,
-        seconds=seconds * scale,
-        collective_seconds=allreduce_seconds(
-            tokens, config.hidden_size, layers, dense, args.ranks, args.allreduce_gbps * 1e9
-        ),
+        seconds=seconds * total / built,
+        allreduce_at_1=allreduce_seconds(tokens, hidden, total, dense_total, args.ranks, 1e9, embeddings),
         mean_len=float(lengths.mean()),
-        hidden=config.hidden_size,
+        hidden=hidden,
         weight_bytes=weight_bytes,
         peak_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
+        handoff_at_1=handoff_seconds(tokens, hidden, stage.handoff_states, 1e9) if stage else 0.0,
     )
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -218,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m hsx.bench.node", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a folder with the model's config.json (weights are random)")
     p.add_argument("--device", default="cuda", help="cuda (timed figures) or cpu (a check of the arithmetic)")
-    p.add_argument("--ranks", type=int, default=8, help="GPUs of the node: TP = EP = ranks")
+    p.add_argument("--ranks", type=int, default=8, help="GPUs of a replica, or of each pipeline stage: TP = EP")
+    p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (the node has pipeline x ranks GPUs)")
     p.add_argument("--layers", type=int, default=0, help="build this many layers and scale (0: all)")
     p.add_argument("--experts", choices=("int4", "fp8"), default="int4")
     p.add_argument("--samples", type=int, default=64, help="samples timed (warm-up batches excluded)")
@@ -228,25 +309,48 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-tokens", type=int, default=32768)
     p.add_argument("--warm-up", type=int, default=2, help="batches run first, untimed (compiling)")
     p.add_argument(
-        "--allreduce-gbps", type=float, required=True, help="all-reduce bus bandwidth, GB/s (state its source)"
+        "--allreduce-gbps", type=figures, help="all-reduce bus bandwidth, GB/s, or several a,b,c (state their source)"
     )
+    p.add_argument("--p2p-gbps", type=figures, help="--pipeline: bandwidth between stages, GB/s, or several a,b,c")
     p.add_argument("--job-samples", type=int, default=37312, help="samples of the job whose hours are printed")
     p.add_argument("--profile", type=Path, help="write a profile of two batches of the rank's forward here")
     args = p.parse_args(argv)
+    if args.ranks > 1 and args.allreduce_gbps is None:
+        p.error(f"--ranks {args.ranks} all-reduces: give --allreduce-gbps (and say where the figure comes from)")
+    if args.pipeline > 1 and args.p2p_gbps is None:
+        p.error(f"--pipeline {args.pipeline} hands batches on: give --p2p-gbps (and say where the figure comes from)")
+    if args.pipeline < 1 or args.ranks < 1:
+        p.error("--pipeline and --ranks take 1 or more")
     est = run(args)
+    gpus = args.ranks * args.pipeline
+    where = "stage" if args.pipeline > 1 else "rank"
     print(
-        f"rank forward {est.tokens:,} tokens in {est.seconds:.2f} s scaled to {est.layers} layers "
-        f"(measured on {est.layers_built}), all-reduces {est.collective_seconds:.2f} s "
-        f"at {args.allreduce_gbps:g} GB/s; "
-        f"weights {est.weight_bytes / 1e9:.1f} GB, peak {est.peak_bytes / 1e9:.1f} GB on "
-        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"
+        f"{where} forward {est.tokens:,} tokens in {est.seconds:.2f} s scaled to {est.layers} layers "
+        f"(measured on {est.layers_built}); weights {est.weight_bytes / 1e9:.1f} GB, peak {est.peak_bytes / 1e9:.1f} "
+        f"GB on {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"
     )
-    print(
-        f"node ({args.ranks} GPUs, one TP{args.ranks}+EP{args.ranks} replica): {est.tok_s:,.0f} tok/s, "
-        f"{est.tok_s / est.mean_len:.2f} samples/s (mean {est.mean_len:.0f} tokens); {args.job_samples:,} samples in "
-        f"{est.hours(args.job_samples):.2f} h; stores {est.storage_gb_per_hour():,.0f} GB/h raw "
-        f"({AUX_STATES} states x {est.hidden} x bf16 a token)"
-    )
+    layout = f"PP{args.pipeline} x TP{args.ranks}+EP{args.ranks}" if args.pipeline > 1 else ""
+    layout = layout or f"one TP{args.ranks}+EP{args.ranks} replica"
+    for allreduce in args.allreduce_gbps if args.ranks > 1 else [None]:
+        for p2p in args.p2p_gbps if args.pipeline > 1 else [None]:
+            said = [f"all-reduces {est.collective_seconds(allreduce):.2f} s at {allreduce:g} GB/s"] if allreduce else []
+            said += [f"hand-offs {est.handoff_seconds(p2p):.2f} s at {p2p:g} GB/s"] if p2p else []
+            tok_s = est.tok_s(allreduce, p2p)
+            print(
+                f"node ({gpus} GPUs, {layout}{': ' + ', '.join(said) if said else ''}): {tok_s:,.0f} tok/s, "
+                f"{tok_s / est.mean_len:.2f} samples/s (mean {est.mean_len:.0f} tokens); {args.job_samples:,} "
+                f"samples in {est.hours(args.job_samples, allreduce, p2p):.2f} h; stores "
+                f"{est.storage_gb_per_hour(allreduce, p2p):,.0f} GB/h raw ({AUX_STATES} states x {est.hidden} x bf16 "
+                "a token)"
+            )
+
+
+def figures(text: str) -> list[float]:
+    """One bandwidth, or several comma-separated: each timed forward judged at every one."""
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"takes GB/s above 0, one or several a,b,c; not {text!r}")
+    return values
 
 
 if __name__ == "__main__":

@@ -29,11 +29,16 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hsx.drafts import storage_lines
 from hsx.errors import LayoutTooLarge
+from hsx.interconnect import Links
 from hsx.spec import RunSpec
 from hsx.target import LanguageModel, held_experts, int4_group
+
+if TYPE_CHECKING:
+    from hsx.capture.stages import Stages
 
 GB = 10**9
 HEADROOM = 0.05  # of the device: the CUDA context, allocator slack
@@ -42,6 +47,7 @@ DTYPE_BYTES |= {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "float32": 4, "bfloat1
 STORED_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_scale_inv")
 EXPERT = re.compile(r"(^|\.)mlp\.experts\.")
 LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+EMBEDDINGS = re.compile(r"(^|\.)embed_tokens\.")
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # the layouts the smallest-fit search tries
 
 
@@ -78,11 +84,17 @@ class Layout:
     batch_tokens: int = 16384
     max_length: int = 4096
     captured: int = 3  # layers whose states the hooks keep per batch (besides the final state)
+    pipeline: int = 1  # stages of contiguous decoder layers, each over ``tensor`` GPUs
 
     def __str__(self) -> str:
         ep = f" + EP{self.expert}" if self.expert > 1 else ""
+        pp = f"PP{self.pipeline} x " if self.pipeline > 1 else ""
         form = f"{self.experts} experts, " if self.experts != "unquantized" else ""
-        return f"TP{self.tensor}{ep}, {form}{self.dtype}"
+        return f"{pp}TP{self.tensor}{ep}, {form}{self.dtype}"
+
+    @property
+    def gpus(self) -> int:
+        return self.pipeline * self.tensor
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,7 @@ class Estimate:
     activations: int
     quantized: bool  # the routed experts are stored quantized
     source: str  # where the shapes came from
+    stage: str = ""  # a pipeline layout: the stage these figures are (its largest), e.g. "stage 0 of 8, layers 0-7"
 
     @property
     def total(self) -> int:
@@ -110,7 +123,7 @@ class Estimate:
         form = f"{lo.experts} ({'as stored' if lo.experts == 'packed' else 'expanded to ' + lo.dtype})"
         share = f"1/{lo.expert} of them" if lo.expert > 1 else "all of them (EP1)"
         out = [
-            f"memory per GPU for {lo} ({self.source}):",
+            f"memory per GPU for {lo} ({self.source}){', the largest stage: ' + self.stage if self.stage else ''}:",
             f"  routed experts, {form if self.quantized else lo.dtype}, {share}: {gb(self.experts)}",
             f"  weights split by the TP plan over {lo.tensor}: {gb(self.sharded)}",
             f"  replicated weights (norms, router, embeddings, ...): {gb(self.replicated)}",
@@ -160,20 +173,31 @@ class Inventory:
         return any(m.quantized and m.expert for m in self.modules)
 
     def estimate(self, layout: Layout) -> Estimate:
+        """One GPU's share of ``layout``; for a pipeline, that of its largest stage."""
+        if layout.pipeline == 1:
+            return self._estimate(layout, self.modules)
+        stages = self.stages(layout)
+        return max(
+            (
+                replace(self._estimate(layout, self.stage_modules(stages, s)), stage=stages.describe(s))
+                for s in range(stages.size)
+            ),
+            key=lambda e: e.total,
+        )
+
+    def _estimate(self, layout: Layout, modules: list[Module]) -> Estimate:
         b = DTYPE_BYTES[layout.dtype]
         experts = sharded = replicated = 0
         per_layer: dict[int, int] = {}
-        for m in self.modules:
-            kept = m.quantized and layout.experts == "packed"
-            size = m.stored if kept else m.numel * (4 if m.fp32 else b)
+        for m in modules:
+            size = self.held(m, layout)
             if m.expert:
-                experts += size / layout.expert
-                if kept:
-                    layer = LAYER.search(m.name)
-                    key = int(layer.group(2)) if layer else -1
+                experts += size
+                if m.quantized and layout.experts == "packed":
+                    key = layer_of(m)
                     per_layer[key] = per_layer.get(key, 0) + m.numel * b
             elif layout.tensor > 1 and self.sharded(m):
-                sharded += size / layout.tensor
+                sharded += size
             else:
                 replicated += size
         expansion = max(per_layer.values(), default=0) / layout.expert
@@ -182,20 +206,91 @@ class Inventory:
             activations(self.config, layout), self.quantized_experts, self.source,
         )  # fmt: skip
 
+    def held(self, m: Module, layout: Layout) -> float:
+        """Bytes of ``m`` on one GPU of ``layout``: as stored where it stays packed, else in the
+        run's dtype (float32 where transformers keeps it so); split over the expert or TP ranks."""
+        kept = m.quantized and layout.experts == "packed"
+        size = m.stored if kept else m.numel * (4 if m.fp32 else DTYPE_BYTES[layout.dtype])
+        if m.expert:
+            return size / layout.expert
+        return size / layout.tensor if layout.tensor > 1 and self.sharded(m) else size
+
+    def costs(self, layout: Layout) -> tuple[list[tuple[float, float]], tuple[float, float], tuple[float, float]]:
+        """What the partition of a pipeline weighs: per decoder layer (compute, bytes), compute
+        being the weights a token meets (the routed experts at top-k of their number) and bytes
+        those it holds on a GPU of ``layout``; then the same for the embeddings (the first stage's)
+        and for the final norm and head (the last stage's). A token meets one row of the
+        embeddings and the norm; hsx computes no logits."""
+        from hsx.capture.transformers import EXPERT_COUNTS
+
+        layers = int(self.config["num_hidden_layers"])
+        routed = next((int(self.config[k]) for k in EXPERT_COUNTS if self.config.get(k)), 0)
+        met = int(self.config.get("num_experts_per_tok") or 1) / routed if routed else 1.0
+        hidden = int(self.config["hidden_size"])
+        per_layer = [[0.0, 0.0] for _ in range(layers)]
+        ends = {"first": [0.0, 0.0], "last": [0.0, 0.0]}
+        for m in self.modules:
+            k = layer_of(m)
+            if k >= layers:
+                continue  # a checkpoint's extra layers (DeepSeek-V3's multi-token prediction): not loaded
+            if k >= 0:
+                cost = per_layer[k]
+                cost[0] += m.numel * (met if m.expert else 1)
+            else:
+                cost = ends["first" if EMBEDDINGS.search(m.name) else "last"]
+                cost[0] += hidden if m.numel else 0
+            cost[1] += self.held(m, layout)
+        return [(c, b) for c, b in per_layer], tuple(ends["first"]), tuple(ends["last"])
+
+    def stages(self, layout: Layout) -> Stages:
+        """``layout.pipeline`` stages of contiguous decoder layers, balanced by their ``costs``
+        (``capture.stages.partition``): the embeddings go with the first stage, the final norm and
+        the head with the last."""
+        from hsx.capture.stages import Stages, partition
+
+        layers, first, last = self.costs(layout)
+        return Stages(partition(layers, layout.pipeline, first, last), layout.tensor)
+
+    def stage_modules(self, stages: Stages, stage: int) -> list[Module]:
+        """The modules stage ``stage`` holds: its layers, the embeddings on the first (and on the last
+        where the head is tied to them), the final norm and the head on the last."""
+        first, end = stages.ranges[stage]
+        last = stage == stages.size - 1
+        tied = bool(self.config.get("tie_word_embeddings"))
+        out = []
+        for m in self.modules:
+            k = layer_of(m)
+            if k >= 0:
+                keep = first <= k < end
+            elif EMBEDDINGS.search(m.name):
+                keep = stage == 0 or (last and tied)
+            else:
+                keep = last
+            if keep:
+                out.append(m)
+        return out
+
     def smallest(self, layout: Layout, device_bytes: int, most: int = SIZES[-1]) -> Estimate | None:
-        """The layout of fewest GPUs (experts split over all of them where the model has routed
-        experts) that fits, keeping ``layout``'s expert form, dtype and batch; None up to ``most``."""
+        """The layout of fewest GPUs (experts split over all of a stage's where the model has routed
+        experts) that fits, keeping ``layout``'s pipeline, expert form, dtype and batch; None up to
+        ``most`` GPUs a stage."""
         from hsx.capture.transformers import parallel_refusal
 
         routed = any(m.expert for m in self.modules)
         for n in (s for s in SIZES if s <= most):
             candidate = replace(layout, tensor=n, expert=n if routed else 1)
-            if parallel_refusal(self.config, candidate.tensor, candidate.expert) is not None:
+            if parallel_refusal(self.config, candidate.tensor, candidate.expert, candidate.pipeline) is not None:
                 continue
             est = self.estimate(candidate)
             if est.fits(device_bytes):
                 return est
         return None
+
+
+def layer_of(m: Module) -> int:
+    """The decoder layer ``m`` belongs to, -1 for none (embeddings, final norm, head)."""
+    found = LAYER.search(m.name)
+    return int(found.group(2)) if found else -1
 
 
 def activations(config: dict, layout: Layout) -> int:
@@ -393,8 +488,8 @@ def check(inventory: Inventory, layout: Layout, device_bytes: int, gpus: int) ->
     smallest = inventory.smallest(layout, device_bytes)
     if smallest is None:
         lines.append(f"smallest layout that fits: none up to {SIZES[-1]} GPUs of {gb(device_bytes)}")
-    elif smallest.layout.tensor > gpus:
-        n = smallest.layout.tensor
+    elif smallest.layout.gpus > gpus:
+        n = smallest.layout.gpus
         lines.append(f"smallest layout that fits: none on one node of {gpus} GPUs ({smallest.layout} would, on {n})")
     else:
         lines.append(f"smallest layout that fits: {smallest.layout} ({gb(smallest.total)} per GPU)")
@@ -403,6 +498,99 @@ def check(inventory: Inventory, layout: Layout, device_bytes: int, gpus: int) ->
         if packed.fits(device_bytes):
             lines.append(f"with the experts kept packed, {packed.layout} would fit ({gb(packed.total)} per GPU)")
     raise LayoutTooLarge(f"the model does not fit {layout} on {gpus} x {gb(device_bytes)}:\n  " + "\n  ".join(lines))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout of the node's GPUs: its memory, and what moving data costs a token at its slowest
+    stage (tensor parallelism's all-reduces; a pipeline's hand-off to the next stage), in seconds."""
+
+    estimate: Estimate
+    allreduce: float
+    handoff: float
+    arithmetic: str
+
+    @property
+    def layout(self) -> Layout:
+        return self.estimate.layout
+
+    @property
+    def seconds(self) -> float:
+        return self.allreduce + self.handoff
+
+
+def candidates(inventory: Inventory, base: Layout, gpus: int, links: Links) -> list[Candidate]:
+    """Every layout of ``gpus`` GPUs the model can be split into (a pipeline of P stages, each of
+    TP = EP = gpus / P ranks), ``base``'s expert form, dtype and batch kept, with its memory and
+    what moving data costs a token. A stage's all-reduces: one after the vocabulary-parallel
+    embeddings, two a dense layer, three a MoE layer (attention, shared and routed experts), each
+    of a token's H values, a ring moving 2(T-1)/T of them at the bus bandwidth; the hand-off: the
+    residual stream and every aux state, H values each, at the point-to-point bandwidth."""
+    from hsx.capture.transformers import EXPERT_COUNTS, parallel_refusal
+
+    config = inventory.config
+    routed = any(config.get(k) for k in EXPERT_COUNTS)
+    layers = int(config["num_hidden_layers"])
+    dense = min(layers, int(config.get("first_k_dense_replace") or 0)) if routed else layers
+    value = int(config["hidden_size"]) * DTYPE_BYTES[base.dtype]  # bytes of one state of a token
+    out = []
+    for p in (n for n in range(1, gpus + 1) if gpus % n == 0):
+        t = gpus // p
+        layout = replace(base, tensor=t, expert=t if routed else 1, pipeline=p)
+        if parallel_refusal(config, t, layout.expert, p) is not None:
+            continue
+        pace = (
+            max(((end - first) for first, end in inventory.stages(layout).ranges), default=layers) if p > 1 else layers
+        )
+        reduces = 0 if t == 1 else 1 + 2 * min(dense, pace) + 3 * max(0, pace - dense)
+        ring = 2 * (t - 1) / t
+        allreduce = reduces * value * ring / (links.allreduce_gbps * 1e9) if reduces else 0.0
+        states = 1 + base.captured
+        handoff = states * value / (links.p2p_gbps * 1e9) if p > 1 else 0.0
+        said = []
+        if reduces:
+            said.append(
+                f"{reduces} all-reduces x {value:,} B x {ring:.2f} / {links.allreduce_gbps:g} GB/s = "
+                f"{allreduce * 1e6:,.1f} us"
+            )
+        if p > 1:
+            said.append(f"hand-off {states} x {value:,} B / {links.p2p_gbps:g} GB/s = {handoff * 1e6:,.2f} us")
+        out.append(Candidate(inventory.estimate(layout), allreduce, handoff, "; ".join(said) or "nothing moves"))
+    return out
+
+
+def advise(inventory: Inventory, base: Layout, gpus: int, device_bytes: int, links: Links) -> list[str]:
+    """Which layout of ``gpus`` GPUs of ``device_bytes`` to run, with the arithmetic: every layout
+    the model splits into, its memory and what moving data costs a token at its slowest stage.
+    Among those that fit: on NVLink tensor + expert parallel over all of them (its all-reduces are
+    cheap there); on PCIe the one that moves the least a token (a pipeline, or TP within its
+    stages where a pipeline alone does not fit)."""
+    found = candidates(inventory, base, gpus, links)
+    link = "NVLink" if links.nvlink else "PCIe (no NVLink)"
+    lines = [
+        f"layouts of {gpus} GPUs of {gb(device_bytes)} over {link}: all-reduce {links.allreduce_gbps:g} GB/s, "
+        f"neighbour to neighbour {links.p2p_gbps:g} GB/s ({links.source}); per token at the slowest stage:"
+    ]
+    for c in found:
+        fits = "fits" if c.estimate.fits(device_bytes) else "does NOT fit"
+        ceiling = f"the interconnect allows {1 / c.seconds:,.0f} tok/s" if c.seconds else "no interconnect limit"
+        lines.append(f"  {c.layout}: {gb(c.estimate.total)} a GPU, {fits}; {c.arithmetic}; {ceiling}")
+    fitting = [c for c in found if c.estimate.fits(device_bytes)]
+    if not fitting:
+        lines.append(f"advice: no layout of {gpus} GPUs fits; see the memory of each above")
+        return lines
+    tp = [c for c in fitting if c.layout.pipeline == 1]
+    if links.nvlink and tp:
+        pick, why = tp[0], "its all-reduces run on NVLink"
+    else:
+        pick = min(fitting, key=lambda c: (c.seconds, c.layout.pipeline))
+        why = "it moves the least a token"
+        why += "" if links.nvlink else ": over PCIe the all-reduces, not the forward pass, set TP's pace"
+    lo = pick.layout
+    flags = f"--tensor-parallel {lo.tensor} --expert-parallel {lo.expert}"
+    flags += f" --pipeline-parallel {lo.pipeline}" if lo.pipeline > 1 else ""
+    lines.append(f"advice: {flags} ({lo}), since {why}")
+    return lines
 
 
 def expert_form(model_dir: Path, device: str, dtype: str) -> str:
@@ -458,24 +646,46 @@ def check_run(spec: RunSpec, model_dir: Path, device: str, log: Callable[[str], 
         batch_tokens=spec.batch_tokens,
         max_length=spec.max_length,
         captured=len(spec.layers),
+        pipeline=spec.parallel.pipeline,
     )
     usable, gpus, measured = device_memory(device, spec.parallel.ranks)
-    est = check(inventory, layout, usable, gpus)
+    try:
+        est = check(inventory, layout, usable, gpus)
+    except LayoutTooLarge as e:
+        if spec.parallel.ranks > 1 or gpus < 2:
+            raise
+        from hsx.interconnect import links
+
+        found = links(gpus)  # a run given no layout, on a node of several GPUs: which one, measured
+        if found is None:
+            raise
+        advice = advise(inventory, layout, gpus, usable, found)
+        raise LayoutTooLarge(f"{e}\n  " + "\n  ".join(advice) + "\n  (a new run, in another --out)") from e
     for line in est.lines(usable):
         log(line)
     log(f"  (device memory: {measured})")
     return est
 
 
-def explain(model_dir: Path, layout: Layout, device_bytes: int | None, gpus: int | None) -> list[str]:
+def explain(
+    model_dir: Path,
+    layout: Layout | None,
+    device_bytes: int | None,
+    gpus: int | None,
+    base: Layout = Layout(),
+    stated: tuple[float | None, float | None, bool | None] = (None, None, None),
+) -> list[str]:
     """``hsx memory``: the arithmetic of ``layout`` for the model in ``model_dir``, with the verdict
     for ``gpus`` devices of ``device_bytes`` each (this node's where None; none on a machine without
     GPUs); raises ``LayoutTooLarge`` where it does not fit. Experts ``auto``: held as a CUDA load
-    of the run's dtype would hold them."""
+    of the run's dtype would hold them. No ``layout`` on ``gpus`` > 1: the advice of which layout
+    to run (``advise``), ``base``'s experts, dtype and batch kept, judged by the bandwidths
+    ``stated`` (all-reduce, point to point, NVLink) or, without them, measured on this node."""
     import torch
 
-    if layout.experts == "auto":
-        layout = replace(layout, experts=expert_form(model_dir, "cuda", layout.dtype))
+    if base.experts == "auto":
+        base = replace(base, experts=expert_form(model_dir, "cuda", base.dtype))
+    layout = replace(layout, experts=base.experts) if layout is not None else None
     inventory = Inventory.of(model_dir)
     if inventory is None:
         raise LayoutTooLarge(
@@ -484,9 +694,20 @@ def explain(model_dir: Path, layout: Layout, device_bytes: int | None, gpus: int
     if device_bytes is None and torch.cuda.is_available():
         device_bytes = torch.cuda.mem_get_info(0)[1]
     if gpus is None:
-        gpus = torch.cuda.device_count() or layout.tensor
+        gpus = torch.cuda.device_count() or (layout.gpus if layout else 1)
     config = inventory.config
-    storage = storage_lines(int(config["num_hidden_layers"]), int(config["hidden_size"]), layout.dtype)
+    storage = storage_lines(int(config["num_hidden_layers"]), int(config["hidden_size"]), (layout or base).dtype)
+    if layout is None and gpus > 1:
+        from hsx.interconnect import links
+
+        found = links(gpus, *stated)
+        if found is None or device_bytes is None:
+            return [
+                f"which layout of {gpus} GPUs: give --gpu-memory, --allreduce-gbps and --p2p-gbps (and --interconnect) "
+                f"to compare them; this machine cannot measure {gpus} GPUs"
+            ]
+        return advise(inventory, base, gpus, device_bytes, found) + storage
+    layout = layout or base
     if device_bytes is None:
         return inventory.estimate(layout).lines() + storage
     return check(inventory, layout, device_bytes, gpus).lines(device_bytes) + storage

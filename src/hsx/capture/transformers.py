@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from hsx import fidelity, target
 from hsx.capture import CapturedBatch, check_layers, checkpoint, varlen
 from hsx.capture.locate import locate
 from hsx.errors import OptionError
+
+if TYPE_CHECKING:
+    from hsx.capture.stages import Stages
 
 NAME = "transformers"
 
@@ -114,14 +118,19 @@ EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 WARM_UP_LENGTHS = ((2047, 2046), (2047,), (1, 1, 1, 1, 1))
 
 
-def parallel_refusal(config: dict, tensor: int, expert: int) -> str | None:
-    """Why this model cannot be split ``tensor`` ways (experts ``expert`` ways), or None.
+def parallel_refusal(config: dict, tensor: int, expert: int, pipeline: int = 1) -> str | None:
+    """Why this model cannot be split ``tensor`` ways (experts ``expert`` ways) in each of
+    ``pipeline`` stages, or None.
 
-    hsx runs one replica per group, every rank on the same batch: the experts may be split over
-    the same ranks as the dense layers (EP = TP) or not at all; more expert ranks than that would
-    need ranks with their own batches (data parallel), which is what ``--workers`` is for."""
-    if tensor < 1 or expert < 1:
+    hsx runs one replica per group, every rank of a stage on the same batch: the experts may be
+    split over the same ranks as the dense layers (EP = TP) or not at all; more expert ranks than
+    that would need ranks with their own batches (data parallel), which is what ``--workers`` is for.
+    A pipeline needs a decoder layer a stage at least."""
+    if tensor < 1 or expert < 1 or pipeline < 1:
         return "parallel sizes are at least 1"
+    layers = int(config.get("num_hidden_layers") or 0)
+    if pipeline > 1 and pipeline > layers:
+        return f"{pipeline} pipeline stages need as many decoder layers, and the model has {layers}"
     if expert not in (1, tensor):
         return f"the expert-parallel size must be 1 or the tensor-parallel size ({tensor}), not {expert}"
     for key in ("num_attention_heads", "num_key_value_heads"):
@@ -134,6 +143,8 @@ def parallel_refusal(config: dict, tensor: int, expert: int) -> str | None:
     if expert > 1 and experts % expert:
         return f"{experts} routed experts do not split over {expert} ranks"
     method = (config.get("quantization_config") or {}).get("quant_method")
+    if pipeline > 1 and expert > 1 and method in checkpoint.FP8_METHODS:
+        return "FP8 routed experts are split by transformers' own EP plan, which hsx has not run in a pipeline"
     if expert > 1 and method in checkpoint.FP8_METHODS and (found := _older_transformers(FP8_EP_TRANSFORMERS)):
         return (
             f"FP8 routed experts are split by transformers' own EP plan, which fails on transformers {found} "
@@ -167,9 +178,20 @@ def _causal_lm_class(config, trust_remote_code: bool):
 class TransformersBackend:
     name = NAME
 
-    def __init__(self, model, layers: list[int], packed: bool = False, compiled: bool = False, prenorm: bool = False):
+    def __init__(
+        self,
+        model,
+        layers: list[int],
+        packed: bool = False,
+        compiled: bool = False,
+        prenorm: bool = False,
+        owned: range | None = None,
+    ):
         """Wrap a loaded model; ``load`` is the usual way in. ``prenorm``: the final state is the final
-        norm's input (the last layer's raw output) instead of its output."""
+        norm's input (the last layer's raw output) instead of its output. ``owned``: the decoder layers
+        this process runs, where the model is one pipeline stage (``capture.stages``): only they are
+        hooked and compiled, and the final state (and the fidelity check's head) only where the last
+        of them is the model's."""
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -179,9 +201,11 @@ class TransformersBackend:
         self.num_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)
         check_layers(layers, self.num_layers)
-        self.layers = list(layers)
+        self.owned = owned or range(self.num_layers)
+        self.layers = [k for k in layers if k in self.owned]
         self.parts = locate(self.model, self.num_layers)
-        self.head = fidelity.Head.of_model(self.model, self.parts.norm)
+        last = self.owned.stop == self.num_layers  # the model's last layer is ours: so are its norm and head
+        self.head = fidelity.Head.of_model(self.model, self.parts.norm) if last else None
         from hsx.capture.quantized.experts import stored_modules
 
         for _, experts in stored_modules(self.model):  # on CUDA a layer's expansion is one fused kernel pass
@@ -189,9 +213,9 @@ class TransformersBackend:
         self._outputs: dict[object, torch.Tensor] = {}
         for k in self.layers:
             self.parts.layers[k].register_forward_hook(self._keep(k))
-        if prenorm:
+        if last and prenorm:
             self.parts.norm.register_forward_pre_hook(lambda _module, args: self._outputs.__setitem__("final", args[0]))
-        else:
+        elif last:
             self.parts.norm.register_forward_hook(self._keep("final"))
         self.compiled = False
         self._cold: set[bool] = set()  # layouts (packed or not) not yet traced since compiling
@@ -228,7 +252,8 @@ class TransformersBackend:
             # same batch would then give other bits in another process. Fail instead.
             torch._dynamo.config.fail_on_recompile_limit_hit = True
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-        for layer in self.parts.layers:
+        for k in self.owned:
+            layer = self.parts.layers[k]
             layer.__dict__.pop("forward", None)  # the class's own forward again
             if compiled:
                 layer.forward = torch.compile(layer.forward, dynamic=True)
@@ -249,18 +274,28 @@ class TransformersBackend:
         every process has the same graphs with the same hints, and the real batches reuse them
         (one more graph only for a single one-token batch, whose static sizes need no hints). The
         token ids are fixed too, so that data-dependent paths (routers) trace the same way."""
+        for batch in self.warm_up_batches():
+            self.forward(self.inputs(batch))
+        self._outputs.clear()
+
+    def warm_up_batches(self) -> list[list[np.ndarray]]:
+        """The canonical batches of ``_warm_up``: lengths ``WARM_UP_LENGTHS``, fixed token ids."""
         config = self.model.config.get_text_config()
         vocab = int(config.vocab_size)
         longest = int(getattr(config, "max_position_embeddings", 0) or 0) or max(map(max, WARM_UP_LENGTHS))
-        seqs = 0
+        seqs, out = 0, []
         for lengths in WARM_UP_LENGTHS:
-            lengths = [min(n, longest) for n in lengths]
             batch = []
-            for n in lengths:
+            for n in (min(n, longest) for n in lengths):
                 batch.append((np.arange(seqs, seqs + n, dtype=np.int64) * 7919 + 13) % vocab)
                 seqs += n
-            self.forward(self.inputs(batch))
-        self._outputs.clear()
+            out.append(batch)
+        return out
+
+    def mark_warm(self) -> None:
+        """Take the layout as traced: a pipeline stage is warmed up by batches through the pipe
+        (``capture.stages.PipelineCapture``), since it cannot run a batch alone."""
+        self._cold.clear()
 
     @classmethod
     def load(
@@ -276,10 +311,12 @@ class TransformersBackend:
         expert: int = 1,
         quantized_compute: str | None = None,
         prenorm: bool = False,
+        stages: Stages | None = None,
     ) -> TransformersBackend:
         """Load the model onto ``device``; with ``tensor`` > 1 this process is one rank of an
         initialised torch.distributed group and holds its share (transformers' TP/EP plans).
-        ``quantized_compute``: how an FP8 checkpoint computes (None: the default for the device)."""
+        ``quantized_compute``: how an FP8 checkpoint computes (None: the default for the device).
+        ``stages``: a pipeline; this rank loads its stage's layers alone (``capture.stages``)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -288,23 +325,34 @@ class TransformersBackend:
 
         how = checkpoint.prepared(model_dir, device, dtype, quantized_compute)  # quantized / native-class checkpoints
         fmt, model_class = how.experts, None
-        if fmt is not None or expert > 1:
+        if fmt is not None or expert > 1 or stages is not None:
             model_class = _causal_lm_class(how.config or model_dir, trust_remote_code)
         unquantized = how.quantization_config is None and not target.quantization_of(model_dir)
         if fmt is None and expert > 1 and unquantized and model_class and experts.experts_classes(model_class):
             fmt = experts.DENSE  # dense experts split by hsx too: the same on every transformers version
         placement: dict = {}
-        if tensor > 1:
+        pipeline = stages.size if stages is not None else 1
+        if tensor > 1 or pipeline > 1:
             from transformers.distributed import DistributedConfig
 
             # experts hsx holds itself are split by hsx (capture.quantized.experts), not transformers
-            placement["distributed_config"] = DistributedConfig(tp_size=tensor, ep_size=1 if fmt else expert)
-        stored = contextlib.nullcontext()
-        if fmt is not None:
-            rank = torch.distributed.get_rank() if expert > 1 else 0
-            stored = experts.swapped(model_class, fmt, DTYPES[dtype], rank, expert)
-        with stored:
-            model = AutoModelForCausalLM.from_pretrained(
+            placement["distributed_config"] = DistributedConfig(
+                tp_size=tensor, pp_size=pipeline, ep_size=1 if fmt else expert
+            )
+        rank = torch.distributed.get_rank() if expert > 1 or stages is not None else 0
+        loader, owned, group = AutoModelForCausalLM, None, None  # group: the ranks the experts are split over
+        with contextlib.ExitStack() as stack:
+            if stages is not None:
+                from hsx.capture.stages import stage_groups, stage_loader
+
+                groups = stage_groups(stages)  # every rank makes every stage's group, in the same order
+                group = groups[stages.stage_of(rank)] if expert > 1 else None
+                loader = stack.enter_context(stage_loader(model_class, stages, rank))
+                owned = range(*stages.ranges[stages.stage_of(rank)])
+            if fmt is not None:
+                ep_rank = rank % tensor if expert > 1 else 0
+                stack.enter_context(experts.swapped(model_class, fmt, DTYPES[dtype], ep_rank, expert, group))
+            model = loader.from_pretrained(
                 model_dir,
                 dtype=DTYPES[dtype],
                 trust_remote_code=trust_remote_code,
@@ -312,7 +360,7 @@ class TransformersBackend:
                 **placement,
                 **how.kwargs(),
             )
-        if tensor == 1:
+        if tensor == 1 and pipeline == 1:
             model = model.to(device)
         if fmt is not None:
             prefix = target.LanguageModel.of(model_dir).prefix  # a composite's language model: its weights' names
@@ -322,13 +370,24 @@ class TransformersBackend:
             from hsx.capture.quantized import fp8
 
             log.warning("checkpoint: %s", fp8.install(model))
-        return cls(model, layers, packed, compiled, prenorm)
+        return cls(model, layers, packed, compiled, prenorm, owned)
 
     def _keep(self, key):
         def hook(_module, _inputs, output):
             self._outputs[key] = output[0] if isinstance(output, tuple) else output
 
         return hook
+
+    def keep_output(self, layer: int) -> None:
+        """Also keep decoder layer ``layer``'s output (a pipeline stage's last: what it hands on)."""
+        if layer not in self.layers:
+            self.parts.layers[layer].register_forward_hook(self._keep(layer))
+
+    def take(self, keys: list) -> list[torch.Tensor]:
+        """The kept outputs of the last forward (layer ids, or "final"), forgetting them all."""
+        out = [self._outputs[k] for k in keys]
+        self._outputs.clear()
+        return out
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """An input's copy to the device that does not stop the host: from pageable memory a CUDA

@@ -104,6 +104,9 @@ FLAGS = {
     "backend": Flag("What runs the model (new run).", default="transformers"),
     "tensor_parallel": Flag("One model replica over N devices of this node (new run).", default="1"),
     "expert_parallel": Flag("Split the routed experts over the tensor-parallel ranks (1 or N).", default="1"),
+    "pipeline_parallel": Flag(
+        "A pipeline of N stages of contiguous layers, each over --tensor-parallel devices (new run).", default="1"
+    ),
     "tensor_parallel_size": Flag("vllm backend: GPUs per model replica.", default="1"),
     "data_parallel_size": Flag("vllm backend: model replicas.", default="1"),
     "workers": Flag(
@@ -221,6 +224,10 @@ BENCH = Bounds(
 MEMORY = Bounds(
     tensor_parallel=DEVICES,
     expert_parallel=DEVICES,
+    pipeline_parallel=DEVICES,
+    allreduce_gbps=Bound(min=0.0, max=100_000.0, min_open=True),
+    p2p_gbps=Bound(min=0.0, max=100_000.0, min_open=True),
+    interconnect=Bound(choices=("nvlink", "pcie")),
     batch_tokens=TOKENS,
     max_length=TOKENS,
     gpus=DEVICES,

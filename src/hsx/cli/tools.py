@@ -12,6 +12,7 @@ from hsx.cli.output import failures, log
 
 
 def bench(
+    ctx: typer.Context,
     model: Annotated[
         str | None,
         typer.Option(help="Model folder.", show_default="8B-shape random weights on CUDA, tiny on CPU"),
@@ -61,6 +62,10 @@ def bench(
     ] = 8,
 ) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
+    from hsx.bench import check_mode
+
+    with failures():  # typer's own click: its ParameterSource, by name
+        check_mode([p for p in ctx.params if ctx.get_parameter_source(p).name == "COMMANDLINE"], generate)
     if generate:
         from hsx.bench.generate import generate_table, run_generate_bench
         from hsx.job.options import check_vllm
@@ -100,10 +105,16 @@ def memory(
     model: Annotated[
         str, typer.Option(metavar="PATH", help="Model folder (a shape folder with only config.json will do).")
     ],
-    tensor_parallel: Annotated[int, MEMORY.option("tensor_parallel", help="Ranks of one model replica.")] = 1,
+    tensor_parallel: Annotated[
+        int | None, MEMORY.option("tensor_parallel", help="Ranks of one model replica (of each stage).")
+    ] = None,
     expert_parallel: Annotated[
-        int, MEMORY.option("expert_parallel", help="Ranks the routed experts are split over (1 or N).")
-    ] = 1,
+        int | None, MEMORY.option("expert_parallel", help="Ranks the routed experts are split over (1 or N).")
+    ] = None,
+    pipeline_parallel: Annotated[
+        int | None,
+        MEMORY.option("pipeline_parallel", help="N stages of contiguous layers, each over --tensor-parallel ranks."),
+    ] = None,
     experts: Annotated[
         str,
         MEMORY.option(
@@ -120,8 +131,28 @@ def memory(
             "gpu_memory", help="GB (10^9 bytes) per GPU: an H200 is 150.7 (143,771 MiB).", show_default="this node's"
         ),
     ] = None,
+    allreduce_gbps: Annotated[
+        float | None,
+        MEMORY.option(
+            "allreduce_gbps",
+            help="No layout given: the all-reduce bus bandwidth to judge layouts by, GB/s.",
+            show_default="measured on this node",
+        ),
+    ] = None,
+    p2p_gbps: Annotated[
+        float | None,
+        MEMORY.option(
+            "p2p_gbps",
+            help="No layout given: one GPU's bandwidth to the next, GB/s.",
+            show_default="measured on this node",
+        ),
+    ] = None,
+    interconnect: Annotated[
+        str | None, MEMORY.option("interconnect", help="With stated bandwidths: what joins the GPUs.")
+    ] = None,
 ) -> None:
-    """Per-GPU memory of a parallel layout, from config.json and the safetensors headers (no weight read)."""
+    """Per-GPU memory of a parallel layout, from config.json and the safetensors headers (no weight
+    read); given no layout on a node of several GPUs, which layout to run, with the arithmetic."""
     import torch
 
     from hsx import target
@@ -130,10 +161,15 @@ def memory(
 
     with failures():
         model_dir = target.resolve(model)
-        # the layout checks an extraction makes (heads, experts, GPUs of the node), before any arithmetic
-        parallel = resolve_parallel(tensor_parallel, expert_parallel, target.load_config(model_dir), "transformers")
-        if node := gpus if gpus is not None else torch.cuda.device_count():  # unknown on a machine without GPUs
-            check_gpus(parallel, node)
-        layout = mem.Layout(tensor_parallel, expert_parallel, experts, dtype, batch_tokens, max_length)
+        base = mem.Layout(experts=experts, dtype=dtype, batch_tokens=batch_tokens, max_length=max_length)
+        layout = None
+        if any(v is not None for v in (tensor_parallel, expert_parallel, pipeline_parallel)):
+            # the layout checks an extraction makes (heads, experts, layers, GPUs of the node), before any arithmetic
+            config = target.load_config(model_dir)
+            parallel = resolve_parallel(tensor_parallel, expert_parallel, config, "transformers", pipeline_parallel)
+            if node := gpus if gpus is not None else torch.cuda.device_count():  # unknown on a machine without GPUs
+                check_gpus(parallel, node)
+            layout = mem.Layout(parallel.tensor, parallel.expert, pipeline=parallel.pipeline)
         device = None if gpu_memory is None else int(gpu_memory * mem.GB)
-        print(*mem.explain(model_dir, layout, device, gpus), sep="\n")
+        nvlink = None if interconnect is None else interconnect == "nvlink"
+        print(*mem.explain(model_dir, layout, device, gpus, base, (allreduce_gbps, p2p_gbps, nvlink)), sep="\n")

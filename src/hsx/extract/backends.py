@@ -27,7 +27,7 @@ from hsx.store.format import FinalStateNorm
 from hsx.store.scan import ShardScan
 
 if TYPE_CHECKING:
-    from hsx.capture import CapturedBatch
+    from hsx.capture import Capture, CapturedBatch
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,11 @@ class Resources:
 
 
 class Peers(Protocol):
-    """The other ranks of a tensor-parallel group, as the writing rank sees them (extract.group)."""
+    """The other ranks of a group, as the writing rank sees them: a tensor-parallel group's
+    (extract.group), or a pipeline's stages (extract.stages)."""
 
     def load(self) -> None: ...  # they load their share of the model, now
+    def open(self, spec: RunSpec, model_dir: Path, device: str) -> Capture: ...  # ours, as the group lays it out
     def batch(self, ids: list[int]) -> None: ...  # they capture the same batch, now
     def agree(self, captured: CapturedBatch) -> None: ...  # their capture equals ours
 

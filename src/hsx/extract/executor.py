@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from hsx.errors import OptionError
 from hsx.extract.folder import open_run
 from hsx.extract.local import InProcess
 from hsx.extract.options import ExtractOptions
@@ -40,7 +41,12 @@ class Executor(Protocol):
 
 
 def executor_for(spec: RunSpec) -> Executor:
-    """The executor of a run on this node: a group where the spec lays the model over several ranks."""
+    """The executor of a run on this node: a pipeline of stages, or a group where the spec lays the
+    model over several ranks."""
+    if spec.parallel.pipeline > 1:
+        from hsx.extract.stages import Pipeline  # torch.distributed: imported only for a pipeline
+
+        return Pipeline()
     if spec.parallel.ranks > 1:
         from hsx.extract.group import Group  # torch.distributed: imported only for a group
 
@@ -53,6 +59,11 @@ def extract(opts: ExtractOptions, log: Callable[[str], None] = print) -> Summary
 
     Raises a ``Refused`` (exit 2) when it cannot start as asked, ``CleanStop`` (exit 3) when the
     volume filled; returns the summary otherwise."""
+    if opts.workers and (opts.pipeline_parallel or 1) > 1:
+        raise OptionError(
+            "--workers runs workers of one GPU or of a tensor-parallel group, not pipelines: "
+            "omit --workers (one pipeline over this node's GPUs) or --pipeline-parallel"
+        )
     if opts.workers:  # Ray first: the workers' devices decide a new run's dtype and packing
         from hsx.extract.workers.driver import workers
 

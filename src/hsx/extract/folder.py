@@ -54,8 +54,10 @@ def asked(opts: ExtractOptions, num_layers: int) -> dict:
     if opts.dtype not in (None, "auto"):
         out["dtype"] = opts.dtype
     out["window"] = opts.window_asked()
-    if opts.tensor_parallel is not None or opts.expert_parallel is not None:
-        out["parallel"] = Parallel(tensor=opts.tensor_parallel or 1, expert=opts.expert_parallel or 1)
+    if any(v is not None for v in (opts.tensor_parallel, opts.expert_parallel, opts.pipeline_parallel)):
+        out["parallel"] = Parallel(
+            tensor=opts.tensor_parallel or 1, expert=opts.expert_parallel or 1, pipeline=opts.pipeline_parallel or 1
+        )
     for key, value in (("packed", opts.packing), ("compiled", opts.compile)):
         if value != "auto":  # said out loud on a resume: it must match the run, never silently ignored
             out[key] = value == "on"
@@ -129,7 +131,9 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         raise OptionError(f"--layers {opts.layers}: the {backend} backend captures at least one tap")
     final_state = backends.backend(backend).final_state(model_dir, final_norm)  # vLLM: a norm it can apply
     compiled = resolve_compile(opts.compile, device, backend)
-    parallel = resolve_parallel(opts.tensor_parallel, opts.expert_parallel, target.load_config(model_dir), backend)
+    parallel = resolve_parallel(
+        opts.tensor_parallel, opts.expert_parallel, target.load_config(model_dir), backend, opts.pipeline_parallel
+    )
     compute = resolve_quantized_compute(opts.quantized_compute, model_dir, device, dtype, parallel, log)
     max_length, codec = given(opts, "max_length"), Codec(given(opts, "codec"))
     opts.out.mkdir(parents=True, exist_ok=True)

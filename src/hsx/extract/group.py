@@ -35,8 +35,8 @@ import torch.distributed as dist
 import xxhash
 from pydantic import TypeAdapter
 
-from hsx import errors, fidelity, registry, target
-from hsx.capture import CapturedBatch
+from hsx import errors, fidelity, interconnect, registry, target
+from hsx.capture import Capture, CapturedBatch
 from hsx.errors import WorkerFailed
 from hsx.extract.backends import Resources
 from hsx.extract.local import InProcess
@@ -44,6 +44,7 @@ from hsx.extract.options import ExtractOptions, check_gpus
 from hsx.extract.outcome import Outcome
 from hsx.extract.pipeline import open_backend
 from hsx.job.resume import Summary
+from hsx.launch import local_ranks
 from hsx.plan import load_plan
 from hsx.spec import RunSpec
 from hsx.store.format import digest_text
@@ -61,49 +62,60 @@ class Group:
 
     def run(self, opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None] = print) -> Summary:
         resources = opts.resources()
+        interconnect.before_job(opts.out, spec.parallel.ranks, resources.device, log)  # a slow ring named before days
         log(f"starting {spec.parallel.ranks} ranks ({spec.parallel}) on {resources.device}")
         result = run_group(spec, resources, opts.out, opts.model, _lead_local, OPTIONS.dump_json(opts).decode())
         return Outcome.load(result).result()
 
 
-Lead = Callable[["Leader", RunSpec, str], str]  # rank 0's job: (its peers, the spec, its payload) -> its outcome
+Lead = Callable[["Leader", RunSpec, str], str]  # the lead's job: (its peers, the spec, its payload) -> its outcome
+# the others: (run, model, spec, device, control group, the lead's rank, the payload) -> None
+Follow = Callable[[Path, "str | None", RunSpec, str, object, int, str], None]
 
 
-def run_group(spec: RunSpec, resources: Resources, run: Path, model: str | None, lead: Lead, payload: str) -> str:
+def run_group(
+    spec: RunSpec,
+    resources: Resources,
+    run: Path,
+    model: str | None,
+    lead: Lead,
+    payload: str,
+    follow: Follow | None = None,
+    lead_rank: int = 0,
+) -> str:
     """Launch ``spec.parallel.ranks`` ranks under PyTorch's elastic agent in this thread, until
-    they end, each on ``resources`` (``rank_device``). Rank 0 runs ``lead(leader, spec, payload)`` (a
-    module-level function: it crosses to the spawned ranks by name) and its return value is returned
-    here; the others follow it. Raises ``WorkerFailed`` naming the ranks that failed."""
+    they end, each on ``resources`` (``rank_device``). Rank ``lead_rank`` runs ``lead(leader, spec,
+    payload)`` and its return value is returned here; the others run ``follow`` (by default:
+    capture each batch the lead names). Both are module-level functions: they cross to the spawned
+    ranks by name. Raises ``WorkerFailed`` naming the ranks that failed."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     n = spec.parallel.ranks
     if resources.device.startswith("cuda"):
         check_gpus(spec.parallel, torch.cuda.device_count())
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=n,
-        run_id=f"hsx-{os.getpid()}-{threading.get_ident()}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # a free port of this host
-        max_restarts=0,  # a failed rank fails the job; the resume is the restart
-        monitor_interval=0.2,
-        start_method="spawn",
-    )
     try:
-        entry = elastic_launch(config, rank_main)
+        entry = local_ranks(n, rank_main, f"hsx-{os.getpid()}-{threading.get_ident()}")
         on = RESOURCES.dump_json(resources).decode()
-        results = entry(lead, str(run), model, on, spec.model_dump_json(), payload, os.getpid())
+        results = entry(
+            lead, follow or _follow, lead_rank, str(run), model, on, spec.model_dump_json(), payload, os.getpid()
+        )
     except ChildFailedError as e:
-        raise WorkerFailed(f"the tensor-parallel group failed: {_failures(e)}") from None
-    return results[0]
+        raise WorkerFailed(f"the group of {n} ranks ({spec.parallel}) failed: {_failures(e)}") from None
+    return results[lead_rank]
 
 
 def rank_main(
-    lead: Lead, run: str, model: str | None, resources: str, run_spec: str, payload: str, launcher: int
+    lead: Lead,
+    follow: Follow,
+    lead_rank: int,
+    run: str,
+    model: str | None,
+    resources: str,
+    run_spec: str,
+    payload: str,
+    launcher: int,
 ) -> str:
-    """One rank's life (the agent's entry point); returns rank 0's outcome."""
+    """One rank's life (the agent's entry point); returns the lead's outcome."""
     _die_with(launcher)
     spec = RunSpec.model_validate_json(run_spec)
     rank, local, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -113,13 +125,13 @@ def rank_main(
     control = dist.new_group(backend="gloo", timeout=WAIT)
     try:
         ranks = _gather_ranks(control, device)
-        if rank == 0:
-            leader = Leader(control, ranks)
+        if rank == lead_rank:
+            leader = Leader(control, ranks, lead_rank)
             try:
                 return lead(leader, spec, payload)
             finally:
                 leader.stop()
-        _follow(Path(run), model, spec, device, control)
+        follow(Path(run), model, spec, device, control, lead_rank, payload)
         return ""
     finally:
         dist.destroy_process_group()
@@ -137,14 +149,18 @@ def rank_device(resources: Resources, local: int, world: int) -> str:
 
 
 class Leader:
-    """Rank 0's side of the control channel (``pipeline.Peers``); ``ranks``: every rank's process."""
+    """The lead's side of the control channel (``backends.Peers``); ``ranks``: every rank's process;
+    ``source``: the lead's rank (the writing rank: 0 in a tensor-parallel group)."""
 
-    def __init__(self, control, ranks: list[registry.Rank]):
-        self.control, self.ranks = control, ranks
+    def __init__(self, control, ranks: list[registry.Rank], source: int = 0):
+        self.control, self.ranks, self.source = control, ranks, source
         self.stopped = self.agreed = False
 
     def load(self) -> None:
-        _send(self.control, LOAD)
+        _send(self.control, LOAD, source=self.source)
+
+    def open(self, spec: RunSpec, model_dir: Path, device: str) -> Capture:
+        return open_backend(spec, model_dir, device)
 
     def batch(self, ids: list[int]) -> None:
         _send(self.control, BATCH, ids)
@@ -157,14 +173,18 @@ class Leader:
 
     def stop(self) -> None:
         if not self.stopped:
-            _send(self.control, STOP)
+            _send(self.control, STOP, source=self.source)
             self.stopped = True
 
 
 def _lead_local(leader: Leader, spec: RunSpec, options: str) -> str:
-    """Rank 0 of ``hsx extract --tensor-parallel N``: the in-process job, with the other ranks as its
-    peers, recorded in the run folder (``hsx status`` shows them alive or dead); its ``Outcome``."""
-    opts = OPTIONS.validate_json(options)
+    """Rank 0 of ``hsx extract --tensor-parallel N``: ``lead_job`` with the other ranks as its peers."""
+    return lead_job(leader, spec, OPTIONS.validate_json(options))
+
+
+def lead_job(leader: Leader, spec: RunSpec, opts: ExtractOptions) -> str:
+    """The lead of a group: the in-process job, with the other ranks as its ``peers``, recorded in
+    the run folder (``hsx status`` shows them alive or dead); its ``Outcome``."""
     launcher = os.getppid()
     record = registry.GroupRecord(
         host=socket.gethostname(),
@@ -182,16 +202,16 @@ def _lead_local(leader: Leader, spec: RunSpec, options: str) -> str:
     return outcome.dump()
 
 
-def _follow(run: Path, model: str | None, spec: RunSpec, device: str, control) -> None:
-    """Ranks 1..N-1: load when told, capture each batch named, until told to stop."""
-    kind, _ = _receive(control)
+def _follow(run: Path, model: str | None, spec: RunSpec, device: str, control, lead: int, payload: str) -> None:
+    """Ranks 1..N-1 of a tensor-parallel group: load when told, capture each batch named, until told to stop."""
+    kind, _ = receive(control)
     if kind == STOP:
         return
     plan = load_plan(run, spec)
     backend = open_backend(spec, target.model_dir_for(run, spec, model), device)
     agreed = False
     while True:
-        kind, ids = _receive(control)
+        kind, ids = receive(control)
         if kind == STOP:
             return
         checks = fidelity.checks_for(spec.fidelity, ids, [plan.loss_mask(i) for i in ids])  # as rank 0's
@@ -212,20 +232,21 @@ def _gather_ranks(control, device: str) -> list[registry.Rank]:
     ]
 
 
-def _send(control, kind: int, ids: list[int] = ()) -> None:
-    dist.broadcast(torch.tensor([kind, len(ids)], dtype=torch.int64), 0, group=control)
+def _send(control, kind: int, ids: list[int] = (), source: int = 0) -> None:
+    dist.broadcast(torch.tensor([kind, len(ids)], dtype=torch.int64), source, group=control)
     if ids:
-        dist.broadcast(torch.tensor(ids, dtype=torch.int64), 0, group=control)
+        dist.broadcast(torch.tensor(ids, dtype=torch.int64), source, group=control)
 
 
-def _receive(control) -> tuple[int, list[int]]:
+def receive(control, source: int = 0) -> tuple[int, list[int]]:
+    """What the lead (rank ``source``) told every rank: STOP, LOAD or BATCH, and a batch's ids."""
     head = torch.zeros(2, dtype=torch.int64)
-    dist.broadcast(head, 0, group=control)
+    dist.broadcast(head, source, group=control)
     kind, n = (int(v) for v in head)
     if not n:
         return kind, []
     ids = torch.zeros(n, dtype=torch.int64)
-    dist.broadcast(ids, 0, group=control)
+    dist.broadcast(ids, source, group=control)
     return kind, ids.tolist()
 
 

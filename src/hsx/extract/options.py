@@ -43,6 +43,7 @@ EXTRACT = Bounds(
     writers=THREADS,
     tensor_parallel=DEVICES,
     expert_parallel=DEVICES,
+    pipeline_parallel=DEVICES,
     data_parallel_size=DEVICES,
     workers=Bound(min=0, max=100_000),
     quantized_compute=Bound(choices=("fp8", "dequantized")),
@@ -76,6 +77,7 @@ class ExtractOptions(JobOptions):
     backend: str | None = None  # transformers | vllm; a new run's default is transformers
     tensor_parallel: int | None = None  # transformers backend: one replica over this many devices (spec)
     expert_parallel: int | None = None  # ... with its routed experts split over this many (1 or the TP size)
+    pipeline_parallel: int | None = None  # ... in this many stages of contiguous layers, each over the TP size (spec)
     data_parallel_size: int | None = None  # vllm backend only; not part of the spec
     workers: int = 0  # scale-out: this many Ray workers, each on 1 GPU or a TP group (0: this process alone)
     ray_address: str | None = None  # join this Ray cluster; None: start a local one for the run
@@ -175,16 +177,21 @@ def resolve_compile(compile: Toggle, device: str, backend: str) -> bool:
     return compile == "on"
 
 
-def resolve_parallel(tensor: int | None, expert: int | None, config: dict, backend: str) -> Parallel:
+def resolve_parallel(
+    tensor: int | None, expert: int | None, config: dict, backend: str, pipeline: int | None = None
+) -> Parallel:
     """The layout of one model replica, checked against the model: refused where it cannot split."""
-    parallel = Parallel(tensor=1 if tensor is None else tensor, expert=1 if expert is None else expert)
+    parallel = Parallel(tensor=tensor or 1, expert=expert or 1, pipeline=pipeline or 1)
     if parallel.ranks == 1 and parallel.expert == 1:
         return parallel
     if backend != "transformers":
-        raise OptionError(f"--tensor-parallel/--expert-parallel are the transformers backend's; {backend} has its own")
+        raise OptionError(
+            f"--tensor-parallel/--expert-parallel/--pipeline-parallel are the transformers backend's; {backend} "
+            "has its own"
+        )
     from hsx.capture.transformers import parallel_refusal
 
-    refusal = parallel_refusal(config, parallel.tensor, parallel.expert)
+    refusal = parallel_refusal(config, parallel.tensor, parallel.expert, parallel.pipeline)
     if refusal is not None:
         raise OptionError(f"cannot lay the model over {parallel}: {refusal}")
     return parallel

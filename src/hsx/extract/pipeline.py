@@ -15,7 +15,7 @@ device never waits for the verdict, and a batch that fails it is never written.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import torch
 from hsx import fidelity
 from hsx.capture import Capture, CapturedBatch
 from hsx.capture.memory import check_run
+from hsx.capture.stages import Stages
 from hsx.capture.transformers import TransformersBackend
 from hsx.extract.backends import Peers, Resources, Session
 from hsx.extract.window import Pause
@@ -38,9 +39,9 @@ from hsx.store.scan import ShardScan
 from hsx.store.writer import FileRecord, SampleWriter, seal
 
 
-def open_backend(spec: RunSpec, model_dir: Path, device: str) -> TransformersBackend:
+def open_backend(spec: RunSpec, model_dir: Path, device: str, stages: Stages | None = None) -> TransformersBackend:
     """The run's model with its capture hooks, laid out as the spec says (packed, compiled, its
-    share of a tensor-parallel group)."""
+    share of a tensor-parallel group; ``stages``: this rank's stage of a pipeline)."""
     p = spec.parallel
     return TransformersBackend.load(
         model_dir,
@@ -54,6 +55,7 @@ def open_backend(spec: RunSpec, model_dir: Path, device: str) -> TransformersBac
         p.expert,
         spec.quantized_compute or "dequantized",
         spec.final_norm == "pre",
+        stages,
     )
 
 
@@ -114,20 +116,18 @@ class Extractor:
         # the codec's ratio from the files this session writes (and a resume's, in ``forecast``)
         self.forecast = forecast or Forecast(spec)
         self.forecast.session = progress.session
-        self.held = 0  # bytes of captured samples awaiting their verdict, not yet the writer's
+        # captured bytes not yet handed to the writer (a batch awaiting its verdict, a pipeline's batches
+        # in flight): the guard counts them as spent too
+        self.in_flight = 0
         # called with a batch's raw bytes before it is captured: each may stop the work (the disk guard's
         # LowSpace) or hold it (a pause would wait here); none without a reserve
         self.gates: list[Callable[[int], None]] = []
         if reserve is not None:
-            self.gates.append(DiskGuard(run, reserve, self.in_flight, self.forecast))
+            self.gates.append(DiskGuard(run, reserve, lambda: self.writer.inflight + self.in_flight, self.forecast))
         if spec.window is not None:  # after the guard: a full disk stops the run even while it would wait
             self.gates.append(Pause(run, spec.window, spec.shard_size, log))
         self.sealing_waited = 0.0
         progress.waited_for_disk = self.waited_for_disk
-
-    def in_flight(self) -> int:
-        """Bytes captured and not yet on disk: the writer's queue and the batch awaiting its verdict."""
-        return self.writer.inflight + self.held
 
     def waited_for_disk(self) -> float:
         """Seconds the forward pass stood still because writes were behind: for a staging slot, for
@@ -136,45 +136,81 @@ class Extractor:
         return self.staging.waited + self.writer.waited + self.sealing_waited
 
     def shard(self, scan: ShardScan) -> list[Future]:
-        """Capture and submit every missing sample of one shard; returns the futures to wait on.
-        A batch is submitted once the next one is captured (or the shard ends), after its verdict."""
-        missing = set(scan.missing)
+        """Capture and submit every missing sample of one shard; returns the futures to wait on."""
         futures: list[Future] = []
-        staged: list[tuple[CapturedBatch, list[int], HostBatch]] = []  # captured, not yet judged
-        try:
-            for batch in self.plan.batches(scan.expected, self.spec.batch_tokens, self.spec.packed):
-                if missing.isdisjoint(batch.ids):
-                    continue
-                if self.gates:
-                    tokens = sum(int(self.plan.lengths[i]) for i in missing.intersection(batch.ids))
-                    for gate in self.gates:
-                        gate(tokens * self.spec.bytes_per_token)
+        for _, submitted in self._judged([scan], seal_empty=False):
+            futures += submitted
+        return futures
+
+    def _batches(
+        self, scans: Iterable[ShardScan], seal_empty: bool
+    ) -> Iterator[tuple[tuple, list[int], list, list | None]]:
+        """Each shard's batches that hold a missing sample, in the plan's order, once the gates let
+        them through: ((scan, its missing ids, how many of its batches follow), ids, sequences, the
+        positions the fidelity check takes). ``seal_empty``: a shard with none is sealed as it is
+        (else its caller seals it)."""
+        for scan in scans:
+            missing = set(scan.missing)
+            batches = self.batches_of(scan)
+            if not batches and seal_empty:
+                self.finish(scan, [])
+            for n, batch in enumerate(batches):
                 ids = list(batch.ids)
+                raw = sum(int(self.plan.lengths[i]) for i in missing.intersection(ids)) * self.spec.bytes_per_token
+                for gate in self.gates:
+                    gate(raw)
                 if self.peers is not None:
                     self.peers.batch(ids)
+                self.in_flight += raw
                 checks = fidelity.checks_for(self.spec.fidelity, ids, [self.plan.loss_mask(i) for i in ids])
-                captured = self.backend.capture(ids, [self.plan.input_ids(i) for i in ids], checks)
-                if self.peers is not None:
-                    self.peers.agree(captured)
-                wanted = [row for row, sid in enumerate(captured.sample_ids) if sid in missing]
-                staged.append((captured, wanted, self.staging.stage(captured, wanted)))
-                self.held += self._bytes(captured, wanted)
+                yield (scan, missing, len(batches) - 1 - n), ids, [self.plan.input_ids(i) for i in ids], checks
+
+    def batches_of(self, scan: ShardScan) -> list:
+        """The plan's batches of one shard that hold a missing sample: where its extraction begins."""
+        missing = set(scan.missing)
+        batches = self.plan.batches(scan.expected, self.spec.batch_tokens, self.spec.packed)
+        return [b for b in batches if not missing.isdisjoint(b.ids)]
+
+    def _captured(self, scans: Iterable[ShardScan], seal_empty: bool) -> Iterator[tuple[tuple, CapturedBatch]]:
+        """Every batch of ``scans`` captured, in order: one at a time, or through the backend's
+        ``stream`` where it keeps several in flight (a pipeline, across shards)."""
+        items = self._batches(scans, seal_empty)
+        stream = getattr(self.backend, "stream", None)
+        if stream is None:
+            stream = ((key, self.backend.capture(ids, seqs, checks)) for key, ids, seqs, checks in items)
+        else:
+            stream = stream(items)
+        for key, captured in stream:
+            if self.peers is not None:
+                self.peers.agree(captured)
+            yield key, captured
+
+    def _judged(self, scans: Iterable[ShardScan], seal_empty: bool = True) -> Iterator[tuple[tuple, list[Future]]]:
+        """Every captured batch's missing samples handed to the writer once the fidelity gate passed
+        them, one batch behind (the next is already queued on the device): (its key, their futures).
+        A batch stopped before its verdict is dropped, never written."""
+        staged: list[tuple[tuple, CapturedBatch, list[int], HostBatch]] = []  # captured, not yet judged
+        try:
+            for key, captured in self._captured(scans, seal_empty):
+                wanted = [row for row, sid in enumerate(captured.sample_ids) if sid in key[1]]
+                staged.append((key, captured, wanted, self.staging.stage(captured, wanted)))
                 if len(staged) > 1:
-                    futures += self._submit(*staged.pop(0))
+                    judged, *batch = staged.pop(0)
+                    yield judged, self._submit(*batch)
             while staged:
-                futures += self._submit(*staged.pop(0))
+                judged, *batch = staged.pop(0)
+                yield judged, self._submit(*batch)
         finally:
-            for captured, wanted, host in staged:  # stopped before their verdict: never written
+            for _, captured, wanted, host in staged:
                 host.drop()
-                self.held -= self._bytes(captured, wanted)
-        return futures
+                self.in_flight -= self._bytes(captured, wanted)
 
     def _bytes(self, captured: CapturedBatch, wanted: list[int]) -> int:
         return sum(captured.lengths[row] for row in wanted) * self.spec.bytes_per_token
 
     def _submit(self, captured: CapturedBatch, wanted: list[int], host: HostBatch) -> list[Future]:
         """Hand a captured batch's wanted samples to the writer, once the gate has passed its figures."""
-        self.held -= self._bytes(captured, wanted)
+        self.in_flight -= self._bytes(captured, wanted)
         figures = None
         if self.gate is not None and host.figures is not None:
             host.ready()
@@ -208,12 +244,17 @@ class Extractor:
         seal(self.run, scan.shard, list(scan.good.values()) + records)
         return records
 
-    def run_shards(self, todo: list[ShardScan]) -> None:
-        """Every shard of ``todo``, sealing one shard behind so the device never waits on fsync."""
+    def run_shards(self, todo: Iterable[ShardScan]) -> None:
+        """Every shard of ``todo``, sealing one shard behind so the device never waits on fsync (and
+        a pipeline's batches in flight cross from one shard to the next)."""
         pending: list[tuple[ShardScan, list[Future]]] = []
+        writing: list[Future] = []
         with self.progress.live():
-            for scan in todo:
-                pending.append((scan, self.shard(scan)))
+            for (scan, _, left), submitted in self._judged(todo):
+                writing += submitted
+                if left == 0:
+                    pending.append((scan, writing))
+                    writing = []
                 while len(pending) > 1:
                     self.finish(*pending.pop(0))
             while pending:
@@ -240,7 +281,8 @@ def run(session: Session, todo: Iterable[ShardScan]) -> None:
     check_run(s.spec, s.model_dir, s.resources.device, s.log)
     if s.peers is not None:
         s.peers.load()
-    backend = open_backend(s.spec, s.model_dir, s.resources.device)
+    opened = s.peers.open if s.peers is not None else open_backend
+    backend = opened(s.spec, s.model_dir, s.resources.device)
     extractor = Extractor(
         s.run, s.spec, s.plan, backend, s.resources, s.progress, s.space.reserve, peers=s.peers,
         forecast=s.space.forecast, log=s.log,

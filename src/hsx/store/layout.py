@@ -19,6 +19,7 @@ OUT/
   consumers/NAME/          CONSUMERS: a trainer's leases, acknowledgements and checkpoint step (hsx.consumer)
   consumed/000012.json     CONSUMED: the files of shard 12 deleted once every consumer released them
                            (--window with --delete-released): done and gone on purpose, never missing
+  interconnect.json        INTERCONNECT: the node's GPU links as measured before multi-GPU jobs (hsx.interconnect)
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ WORKERS = "workers"
 GROUP = "group.json"
 CONSUMERS = "consumers"
 CONSUMED = "consumed"
+INTERCONNECT = "interconnect.json"
 FAILED_START = "failed-start.json"  # a start that never became a run: why, and the command that starts it again
 STOP = "STOP"  # in WORKERS: written by a driver that stops handing out work (disk full, a worker failed)
 

@@ -76,6 +76,7 @@ class StoredExperts(nn.Module):
     dtype: torch.dtype
     ep_rank: int = 0
     ep_size: int = 1
+    group: object = None  # the ranks that hold the other experts (None: the whole world; a pipeline stage's)
     compiled: bool = False  # CUDA: each layer's expansion is one compiled (fused) pass
 
     def __init__(self, config):
@@ -126,7 +127,7 @@ class StoredExperts(nn.Module):
         expanded = Expanded(self, gate_up_proj=gate_up, down_proj=down)
         out = self.experts_class.forward(expanded, hidden_states, top_k_index, top_k_weights)
         if self.ep_size > 1:
-            torch.distributed.all_reduce(out)
+            torch.distributed.all_reduce(out, group=self.group)
         return out
 
 
@@ -152,10 +153,15 @@ _compiled_expand = torch.compile(_expand, dynamic=False)
 
 
 def stored_class(
-    experts_class: type[nn.Module], fmt: ExpertFormat, dtype: torch.dtype, ep_rank: int = 0, ep_size: int = 1
+    experts_class: type[nn.Module],
+    fmt: ExpertFormat,
+    dtype: torch.dtype,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    group: object = None,
 ) -> type[StoredExperts]:
     """The ``StoredExperts`` standing in for ``experts_class`` (its gate and forward functions kept)."""
-    attrs = dict(experts_class=experts_class, fmt=fmt, dtype=dtype, ep_rank=ep_rank, ep_size=ep_size)
+    attrs = dict(experts_class=experts_class, fmt=fmt, dtype=dtype, ep_rank=ep_rank, ep_size=ep_size, group=group)
     if hasattr(experts_class, "_apply_gate"):
         attrs["_apply_gate"] = experts_class._apply_gate
     return type(f"Stored{experts_class.__name__}", (StoredExperts,), attrs)
@@ -176,15 +182,23 @@ def experts_classes(model_class: type[nn.Module]) -> dict[str, type[nn.Module]]:
 
 
 @contextlib.contextmanager
-def swapped(model_class: type[nn.Module], fmt: ExpertFormat, dtype: torch.dtype, ep_rank: int = 0, ep_size: int = 1):
-    """While open, the architecture builds ``StoredExperts`` in place of its experts modules."""
+def swapped(
+    model_class: type[nn.Module],
+    fmt: ExpertFormat,
+    dtype: torch.dtype,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    group: object = None,
+):
+    """While open, the architecture builds ``StoredExperts`` in place of its experts modules;
+    ``group``: the ranks the experts are split over (None: the whole world)."""
     module = sys.modules[model_class.__module__]
     originals = experts_classes(model_class)
     if not originals:
         raise ValueError(f"{model_class.__name__} has no fused routed-experts module to keep in stored form")
     try:
         for name, cls in originals.items():
-            setattr(module, name, stored_class(cls, fmt, dtype, ep_rank, ep_size))
+            setattr(module, name, stored_class(cls, fmt, dtype, ep_rank, ep_size, group))
         yield
     finally:
         for name, cls in originals.items():

@@ -141,6 +141,11 @@ class Workers:
         cluster = self.cluster
         if spec.backend != "transformers":
             raise Refused(f"--workers runs the transformers backend; this run uses {spec.backend}: omit --workers")
+        if spec.parallel.pipeline > 1:
+            raise Refused(
+                f"--workers runs workers of one GPU or of a tensor-parallel group; this run is a pipeline "
+                f"({spec.parallel}): omit --workers"
+            )
         if self.gpu and cluster.gpus < opts.workers * spec.parallel.ranks:
             each = f" of {spec.parallel.ranks} GPUs each ({spec.parallel})" if spec.parallel.ranks > 1 else ""
             raise Refused(f"{opts.workers} GPU workers{each} asked for, but the Ray cluster has {cluster.gpus} GPUs")
