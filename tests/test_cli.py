@@ -30,7 +30,6 @@ from hsx.errors import OptionError
 from hsx.extract.options import EXTRACT, ExtractOptions
 from hsx.job.resume import Summary
 from hsx.store import layout
-from test_diskguard import tmpfs  # noqa: F401  (a real small volume)
 
 
 def cli(*args) -> tuple[int, str]:
@@ -703,7 +702,7 @@ def test_an_option_the_run_would_ignore_is_refused_by_name_before_anything_is_wr
     assert not (tmp_path / "run").exists()
 
 
-def test_an_out_that_cannot_be_written_is_refused_by_name_not_a_traceback(tmp_path, convs, tmpfs):  # noqa: F811
+def test_an_out_that_cannot_be_written_is_refused_by_name_not_a_traceback(tmp_path, convs, tmpfs):
     """A read-only --out and an --out under a regular file were tracebacks; a folder given as
     --data was "no such data file"."""
     readonly = tmpfs("ro", size="1m")
