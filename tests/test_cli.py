@@ -26,7 +26,7 @@ from hsx.bounds import Bound, Bounds
 from hsx.cli import BENCH, MEMORY, RUN, TO, _print_summary, app
 from hsx.errors import OptionError
 from hsx.extract.options import EXTRACT, ExtractOptions
-from hsx.job.resume import Summary
+from hsx.extract.summary import ExtractSummary
 from hsx.store import layout
 
 
@@ -483,7 +483,8 @@ def test_version_and_flags_that_take_no_value(tmp_path):
     ("seconds", "waited", "advice"), [(1.1, 0.1, False), (600.0, 20.0, False), (120.0, 30.0, True)]
 )
 def test_disk_advice_only_where_acting_on_it_would_matter(tmp_path, capsys, seconds, waited, advice):
-    s = Summary(tmp_path, 10, 100, 0, written=10, tokens_written=100, seconds=seconds, waited_for_disk=waited)
+    s = ExtractSummary(tmp_path, 10, written=10, seconds=seconds, total_tokens=100, tokens_written=100)
+    s.waited_for_disk = waited
     _print_summary(s)
     out = capsys.readouterr().out
     assert "10/10 done" in out

@@ -1,8 +1,9 @@
-"""Create an extraction's run folder (plan, rejects, then the spec, last) or open one, refusing any
-drift from its spec (the steps every job's folder shares: ``job.folder``).
+"""An extraction's run folder: a new one's plan and rejects (``create_run``; the job saves the spec
+last: ``job.stage.open_run``), and what a resume asks for in the spec's terms (``asked``).
 
 The spec is the only source of truth for a resume: whatever the operator passes again must match
-it, and is listed by name where it does not (invariant 3).
+it, and is listed by name where it does not (invariant 3; the steps every job's folder shares:
+``job.folder``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from pathlib import Path
 from hsx import target
 from hsx.errors import InputError, PlanError
 from hsx.extract import backends
-from hsx.extract.follow import follow
 from hsx.extract.options import (
     DEFAULTS,
     ExtractOptions,
@@ -25,21 +25,21 @@ from hsx.extract.options import (
 )
 from hsx.generate.spec import is_generate_run
 from hsx.input import check_source, read_conversations
-from hsx.job.folder import record_failed_start, refuse_drift, refuse_foreign, require_start
+from hsx.job.folder import setting_up
+from hsx.job.model import Model
 from hsx.plan import NoUsableSamples, Tokenize, tokenize_all, write_plan
-from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, differences, load_spec, now, who
+from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, now, who
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
 
 
-def asked(opts: ExtractOptions) -> dict:
+def asked(opts: ExtractOptions, model: Model) -> dict:
     """What the operator gave on the command line, in the spec's terms (for the drift check)."""
     out: dict = {}
     if opts.model is not None:
-        model_dir = target.resolve(opts.model)
-        out["model"] = target.identity(opts.model, model_dir)
-        out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
+        out["model"] = model.identity
+        out["tokenizer"] = target.tokenizer_identity(model.tokenizer)
     if opts.data:
         out["data"] = data_files(opts.data, opts.split, opts.limit, opts.column, opts.out)
     out |= opts.rows_asked()
@@ -92,21 +92,18 @@ def write_rejects(run: Path, rejects: list) -> None:
     write_durable(run / layout.REJECTS, "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode())
 
 
-def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
-    """A new run: read and tokenize the data into the frozen plan, write the rejects, then the spec."""
+def create_run(opts: ExtractOptions, model: Model, log: Callable[[str], None]) -> RunSpec:
+    """A new run (``job.stage.open_run``: its folder checked, the spec saved last): read and tokenize the
+    data into the frozen plan, write the rejects; its spec."""
     from hsx.capture import check_layers, default_layers
     from hsx.capture.transformers import resolve_dtype
 
-    require_start(opts)
-    refuse_foreign(opts.out)
     generated = _generated_input(opts)
     for path in opts.data if generated is None else []:
         check_source(path, opts.split, opts.column)
-    model_dir = target.resolve(opts.model)
-    tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
-    model = target.identity(opts.model, model_dir)
-    layers = opts.layers if opts.layers is not None else default_layers(model.num_layers)
-    check_layers(layers, model.num_layers)
+    model_dir, tokenizer, identity = model.dir, model.tokenizer, model.identity
+    layers = opts.layers if opts.layers is not None else default_layers(identity.num_layers)
+    check_layers(layers, identity.num_layers)
     device = opts.resources().device
     dtype = resolve_dtype(given(opts, "dtype"), device)
     packed = resolve_packing(opts.packing, device, target.load_config(model_dir), dtype, log)
@@ -116,9 +113,8 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     parallel = resolve_parallel(opts.tensor_parallel, opts.expert_parallel, target.load_config(model_dir), backend)
     compute = resolve_quantized_compute(opts.quantized_compute, model_dir, device, dtype, parallel, log)
     max_length, codec = given(opts, "max_length"), Codec(given(opts, "codec"))
-    opts.out.mkdir(parents=True, exist_ok=True)
     source_spec, data = None, None
-    try:
+    with setting_up(opts):
         if generated is not None:  # the target's own token ids, as generated: nothing is rendered again
             from hsx.generate.samples import plan_samples
 
@@ -127,7 +123,7 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
             source_spec, data = gen.spec.digest(), [gen.identity()]  # of the listing it planned from
             log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
         else:
-            log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
+            log(f"planning {len(opts.data)} data file(s) with {identity.architecture}'s chat template")
             rows = read_conversations(opts.data, opts.split, opts.limit, opts.column)
             samples = tokenize_all(rows, Tokenize(tokenizer, max_length))
         try:
@@ -137,15 +133,18 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
             see = f" (see {opts.out / layout.REJECTS})" if e.rejects else ""
             raise PlanError(f"{e}{see}: nothing to extract, no run was made") from None
         write_rejects(opts.out, rejects)
-    except BaseException as e:  # what the folder now holds is a start that never became a run: say so in it
-        record_failed_start(opts, e)
-        raise
-    spec = RunSpec(
+    log(
+        f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
+        f"{len(rejects)} rejected (see {layout.REJECTS})"
+    )
+    for line in info.summary():
+        log(f"plan: {line}")
+    return RunSpec(
         created=now(),
         created_by=who(),
         backend=backend,
         final_state=final_state,
-        model=model,
+        model=identity,
         tokenizer=target.tokenizer_identity(tokenizer),
         layers=layers,
         dtype=dtype,
@@ -162,23 +161,3 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         generate_spec=source_spec,
         plan=PlanIdentity.of(info, len(rejects)),
     )
-    spec.save(opts.out)  # last: its presence means the run exists
-    (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
-    log(
-        f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
-        f"{len(rejects)} rejected (see {layout.REJECTS})"
-    )
-    for line in info.summary():
-        log(f"plan: {line}")
-    return spec
-
-
-def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
-    """The run's spec: created for a new run, checked against the options for an existing one
-    (a ``--model`` must match the fingerprint: ``record_model`` keeps where it now is), and grown
-    by what its generate run finished since, if it follows one (``extract.follow``)."""
-    if not (opts.out / layout.SPEC).exists():
-        return create_run(opts, log)
-    spec = load_spec(opts.out)
-    refuse_drift(opts, differences(spec, asked(opts)))
-    return follow(opts.out, spec, log)

@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hsx.errors import OptionError, Refused
 from hsx.generate.engine import Engine
@@ -30,6 +31,7 @@ class EngineSettings:
     a resume may use other servers, or another parallel layout of vLLM, as the operator chooses)."""
 
     model_dir: Path
+    tokenizer: Any = None  # the job's, loaded once (an engine that needs one uses it; None: it loads its own)
     trust_remote_code: bool = False
     dtype: str = "auto"  # torch dtype name or auto (the checkpoint's)
     device: str | None = None  # transformers: cpu, cuda, cuda:1 (None: cuda if present)

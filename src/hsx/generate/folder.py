@@ -1,10 +1,11 @@
-"""Create a generate run folder (plan, rejects, then the spec, last) or open one, refusing any drift.
+"""A generate run's folder: a new one's plan and rejects, its spec (saved last by the job:
+``job.stage.open_run``), and what a resume asks for in the spec's terms (``asked``).
 
 The same commit points as an extraction's folder (``extract.folder``; the steps both share:
 ``job.folder``): the plan and the rejects are written durably first, the spec last, so a folder
 without a spec is an interrupted set-up that the next ``hsx generate`` plans again. The spec records
 the engine's name and version, which are known once it is open: a new run opens its engine before
-writing the spec (under the run's lock).
+its spec is written.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from hsx.generate.engine import Engine
 from hsx.generate.options import GenerateOptions
 from hsx.generate.plan import plan_rows, write_gen_plan
 from hsx.generate.server import CHAT
-from hsx.generate.spec import EngineIdentity, GenerateSpec, SamplingSpec, generate_differences, load_generate_spec
+from hsx.generate.spec import EngineIdentity, GenerateSpec, SamplingSpec
 from hsx.input import Conversation, Reject, check_source, read_conversations
-from hsx.job.folder import refuse_drift, refuse_foreign, remove_stray_temps, require_start
+from hsx.job.folder import remove_stray_temps
+from hsx.job.model import Model
 from hsx.plan import NoUsableSamples, Tokenize
 from hsx.spec import DataFile, PlanIdentity, now, who
 from hsx.store import layout
@@ -30,13 +32,12 @@ from hsx.store.durable import write_durable
 PLAN_REJECTS = "rejects.jsonl"  # in plan/: the rows planning rejected (the run's rejects.jsonl adds later ones)
 
 
-def asked(opts: GenerateOptions) -> dict:
+def asked(opts: GenerateOptions, model: Model) -> dict:
     """What the operator gave, in the spec's terms (for the drift check)."""
     out: dict = {"sampling": opts.sampling_given()}
     if opts.model is not None:
-        model_dir = target.resolve(opts.model)
-        out["model"] = target.identity(opts.model, model_dir)
-        out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
+        out["model"] = model.identity
+        out["tokenizer"] = target.tokenizer_identity(model.tokenizer)
     if opts.data:
         out["data"] = [DataFile.of(p, opts.split, opts.limit, opts.column) for p in opts.data]
     out |= opts.rows_asked()
@@ -46,17 +47,6 @@ def asked(opts: GenerateOptions) -> dict:
         out[key] = getattr(opts, key)
     out["drop"] = sorted(opts.drop) if opts.drop is not None else None
     return out
-
-
-def open_gen_run(opts: GenerateOptions, log: Callable[[str], None]) -> GenerateSpec | None:
-    """An existing run's spec, checked against the options; None when ``opts.out`` is no run yet."""
-    if not (opts.out / layout.SPEC).exists():
-        require_start(opts)
-        _check_new(opts)
-        return None
-    spec = load_generate_spec(opts.out)
-    refuse_drift(opts, generate_differences(spec, asked(opts)))
-    return spec
 
 
 def check_engine(spec: GenerateSpec, engine: Engine) -> None:
@@ -87,21 +77,19 @@ def _without_tools(items: Iterator[tuple[int, Conversation | Reject]]) -> Iterat
         yield file_no, item
 
 
-def _check_new(opts: GenerateOptions) -> None:
-    """Refuse a new run's folder, model, data or sampling before anything is written there."""
-    refuse_foreign(opts.out)
-    target.resolve(opts.model)
+def check_new(opts: GenerateOptions, model: Model) -> None:
+    """Refuse a new run's model, sampling or data before anything is written (its folder: the job)."""
+    model.dir  # noqa: B018  (found, or refused by name)
     opts.sampling()  # refuses what cannot be sampled (several samples per prompt, greedy)
     for path in opts.data:
         check_source(path, opts.split, opts.column)
 
 
-def plan_run(opts: GenerateOptions, log: Callable[[str], None]) -> PlanIdentity:
-    """A new run's plan and rejects, written durably; the spec is written by ``create_spec``.
+def plan_run(opts: GenerateOptions, model: Model, log: Callable[[str], None]) -> PlanIdentity:
+    """A new run's plan and rejects, written durably; the spec is written last, by the job.
     A plan with no usable row writes its rejects where the refusal says, and no plan."""
     remove_stray_temps(opts.out)
-    model_dir = target.resolve(opts.model)
-    tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
+    tokenizer = model.tokenizer
     tokenize = Tokenize(tokenizer, opts.get("max_length"), opts.template_kwargs)
     log(f"planning {len(opts.data)} data file(s) with the model's chat template")
     items = _numbered(opts)
@@ -135,14 +123,13 @@ def _jsonl(rejects: list[Reject]) -> bytes:
     return "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode()
 
 
-def create_spec(opts: GenerateOptions, plan: PlanIdentity, engine: Engine) -> GenerateSpec:
-    """The spec of a new run, saved last: from now on the folder is a run."""
-    model_dir = target.resolve(opts.model)
-    tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
-    spec = GenerateSpec(
+def create_spec(opts: GenerateOptions, model: Model, plan: PlanIdentity, engine: Engine) -> GenerateSpec:
+    """The spec of a new run (the job saves it last: from then on the folder is a run)."""
+    tokenizer = model.tokenizer
+    return GenerateSpec(
         created=now(),
         created_by=who(),
-        model=target.identity(opts.model, model_dir),
+        model=model.identity,
         tokenizer=target.tokenizer_identity(tokenizer),
         template_kwargs=opts.template_kwargs or {},
         tool_parser=toolcalls.ENGINE if engine.renders else toolcalls.choose(tokenizer, opts.tool_parser),
@@ -159,6 +146,3 @@ def create_spec(opts: GenerateOptions, plan: PlanIdentity, engine: Engine) -> Ge
         plan=plan,
         drop=sorted(set(opts.drop or [])),
     )
-    spec.save(opts.out)  # last: its presence means the run exists
-    (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
-    return spec

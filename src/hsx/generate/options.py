@@ -139,9 +139,11 @@ class GenerateOptions(JobOptions):
         seed: int,
         max_length: int,
         stop_ids: frozenset[int],
+        tokenizer=None,
     ) -> EngineSettings:
         return EngineSettings(
             model_dir=model_dir,
+            tokenizer=tokenizer,
             trust_remote_code=trust_remote_code,
             dtype=dtype,
             device=self.device,

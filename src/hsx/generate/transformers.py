@@ -35,8 +35,10 @@ class TransformersEngine(Engine):
             settings.model_dir, dtype=dtype, trust_remote_code=settings.trust_remote_code
         )
         self.model.to(self.device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(settings.model_dir, trust_remote_code=settings.trust_remote_code)
-        self.stop = stop_ids(settings.model_dir, tokenizer)
+        tokenizer = settings.tokenizer or AutoTokenizer.from_pretrained(
+            settings.model_dir, trust_remote_code=settings.trust_remote_code
+        )
+        self.stop = settings.stop_ids or stop_ids(settings.model_dir, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad = pad if pad is not None else min(self.stop, default=0)
         self.queue: deque[Request] = deque()
