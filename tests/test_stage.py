@@ -10,8 +10,8 @@ from hsx.generate.options import GenerateOptions
 
 def test_a_new_generate_run_resolves_its_model_and_loads_its_tokenizer_once(tmp_path, monkeypatch):
     """Planning, the engine's stop tokens, the engine itself and the spec all read the one model the job
-    resolved and the one tokenizer it loaded (it was 4 tokenizer loads and 4 resolutions); its
-    fingerprint is read once too."""
+    resolved and the one tokenizer it loaded (the code before loaded the tokenizer 5 times and resolved
+    the model 5 times); its fingerprint is read once too."""
     from transformers import AutoTokenizer
 
     calls = {"tokenizer": 0, "resolve": 0, "identity": 0}
