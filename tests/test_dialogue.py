@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from conftest import TINY, run_files, write_jsonl
-from hsx.generate.engine import Completion, Engine, Request
+from hsx.generate.engines.base import Completion, Engine, Request
 from hsx.generate.export import openai_message
 from hsx.generate.job import generate
 from hsx.generate.options import GenerateOptions
-from hsx.generate.record import read_record
+from hsx.genrun.record import read_record
 from hsx.input import ToolCall, Turn, to_message
 from hsx.store import layout
 

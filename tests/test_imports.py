@@ -13,7 +13,7 @@ LAYERS = [
     ("hsx", "errors", "units", "bounds"),  # the vocabulary: errors and their exit codes, units, option bounds
     ("store",),  # the run folder's files: layout, durable writes, the file format, codecs, scans
     ("fingerprint", "lock", "registry", "telemetry", "progress", "input", "hfdatasets"),  # run-folder services, input
-    ("spec", "target", "finalnorm", "plan", "tinymodel"),  # what a run is: its spec, model, frozen plan
+    ("spec", "target", "finalnorm", "plan", "tinymodel", "genrun"),  # what a run is: spec, model, plan; a generate run
     ("capture", "staging"),  # the target running: token ids in, states out
     ("job",),  # what every job does around its work: options, folder steps, space, the resume prologue
     ("generate",),  # the generate stage

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hsx.assess import integrity, runspec, workers
+from hsx.assess import integrity, workers
 from hsx.assess.checks import Check
 from hsx.errors import Exit, RepairRefused
-from hsx.generate.spec import GenerateSpec
+from hsx.genrun.spec import GenerateSpec, load_any
 from hsx.spec import RunSpec
 from hsx.store import layout
 from hsx.store.quarantine import Moved, quarantine
@@ -46,8 +46,8 @@ class VerifyResult:
 
     @property
     def command(self) -> str:
-        """The command that redoes what repair moved aside: ``generate`` for a generate run."""
-        return "generate" if isinstance(self.spec, GenerateSpec) else "extract"
+        """The command that redoes what repair moved aside: the run's kind (``generate``, ``extract``)."""
+        return self.spec.kind
 
     def redo_ids(self) -> list[int]:
         return sorted({p.sample_id for p in self.result.problems if p.sample_id is not None})
@@ -55,19 +55,18 @@ class VerifyResult:
 
 def verify(run: Path, deep: bool = False, repair: bool = False, threads: int | None = None) -> VerifyResult:
     """``threads``: parallel readers (None: the store's default for this machine)."""
-    spec = runspec.load_any(run)
+    spec = load_any(run)
     worker = workers.inspect(run)
     if repair and worker.alive:
         h = worker.holder
         raise RepairRefused(f"an {h.noun} is running on this run (pid {h.pid} on {h.host}): repair after it stops")
     result = integrity.inspect(run, spec, deep, worker.alive, threads)
-    command = "generate" if isinstance(spec, GenerateSpec) else "extract"
     moved = []
     if repair:
         for p in result.problems:
             if (m := quarantine(run, p)) is not None:
                 moved.append(m)
-    out = VerifyResult(run, spec, result, integrity.check(result, command=command), moved)
+    out = VerifyResult(run, spec, result, integrity.check(result, command=spec.kind), moved)
     if repair and moved:
         out.check.details.append(f"{len(moved)} files moved to {layout.QUARANTINE}/ with a .reason each")
     return out

@@ -23,7 +23,7 @@ from hsx.extract.options import (
     resolve_parallel,
     resolve_quantized_compute,
 )
-from hsx.generate.spec import is_generate_run
+from hsx.genrun.spec import is_generate_run
 from hsx.input import check_source, read_conversations
 from hsx.job.folder import setting_up
 from hsx.job.model import Model
@@ -60,7 +60,7 @@ def data_files(
 ) -> list[DataFile]:
     """What the spec of ``run`` records of each data path: a file's size and digest, a Hugging Face
     dataset's, or a generate run's (its conversations the run planned: ``GeneratedRun.identity``)."""
-    from hsx.generate.samples import GeneratedRun, not_generated
+    from hsx.genrun.samples import GeneratedRun, not_generated
 
     def one(p: Path) -> DataFile:
         if is_generate_run(p):
@@ -116,7 +116,7 @@ def create_run(opts: ExtractOptions, model: Model, log: Callable[[str], None]) -
     source_spec, data = None, None
     with setting_up(opts):
         if generated is not None:  # the target's own token ids, as generated: nothing is rendered again
-            from hsx.generate.samples import plan_samples
+            from hsx.genrun.samples import plan_samples
 
             digest = target.tokenizer_identity(tokenizer).digest
             gen, samples = plan_samples(generated, digest, max_length, opts.allow_incomplete, log)

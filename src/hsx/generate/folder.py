@@ -11,25 +11,24 @@ its spec is written.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict
 
 from hsx import target
 from hsx.errors import OptionError, PlanError, Refused
 from hsx.generate import toolcalls
-from hsx.generate.engine import Engine
+from hsx.generate.dialogue import episode_end, episode_starts
+from hsx.generate.engines.base import Capabilities, Engine
 from hsx.generate.options import GenerateOptions
-from hsx.generate.plan import plan_rows, write_gen_plan
-from hsx.generate.server import CHAT
-from hsx.generate.spec import EngineIdentity, GenerateSpec, SamplingSpec
-from hsx.input import Conversation, Reject, check_source, read_conversations
+from hsx.genrun.plan import Planned, write_gen_plan
+from hsx.genrun.spec import EngineIdentity, GenerateSpec, SamplingSpec
+from hsx.input import Conversation, Reject, check_source, read_conversations, to_message, tools_of
 from hsx.job.folder import remove_stray_temps
 from hsx.job.model import Model
 from hsx.plan import NoUsableSamples, Tokenize
 from hsx.spec import DataFile, PlanIdentity, now, who
 from hsx.store import layout
 from hsx.store.durable import write_durable
-
-PLAN_REJECTS = "rejects.jsonl"  # in plan/: the rows planning rejected (the run's rejects.jsonl adds later ones)
 
 
 def asked(opts: GenerateOptions, model: Model) -> dict:
@@ -59,6 +58,53 @@ def check_engine(spec: GenerateSpec, engine: Engine) -> None:
         )
 
 
+def too_long(message: int, tokens: int, limit: int) -> str:
+    """The reason a conversation cannot go on: the prompt of one of its turns leaves no room to generate."""
+    return f"prompt of turn {message} is {tokens} tokens, not under --max-length {limit}"
+
+
+def targets_of(messages: list[dict], turns: str) -> list[int]:
+    starts = episode_starts(messages)
+    return starts if turns == "all" else starts[-1:]
+
+
+def plan_rows(
+    items: Iterable[tuple[int, Conversation | Reject]],
+    tokenize: Tokenize,
+    turns: str,
+    samples: int,
+    max_new_tokens: int,
+) -> Iterator[Planned | Reject]:
+    """(index of its data file, conversation or reject) -> planned rows, ``samples`` per conversation."""
+    for file_no, item in items:
+        if isinstance(item, Reject):
+            yield item
+            continue
+        src = item.source
+        messages = [to_message(t) for t in item.turns]
+        tools = tools_of(item)
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        messages = messages[: episode_end(messages, last)]  # its results stay: the target may call for them
+        targets = targets_of(messages, turns)
+        try:
+            first = len(tokenize.ids(tokenize.render(messages[: targets[0]], True, tools)))
+            # each regenerated episode: its prompt (the dataset's prefix stands in for the answers
+            # to come) and its completion, at most the length limit
+            estimate = sum(
+                min(len(tokenize.ids(tokenize.render(messages[:i], True, tools))) + max_new_tokens, tokenize.max_length)
+                for i in targets
+            )
+        except Exception as e:  # a template error on one row must not stop the run
+            yield Reject(src, f"chat template cannot render it: {e}")
+            continue
+        if first >= tokenize.max_length:
+            yield Reject(src, too_long(targets[0], first, tokenize.max_length))
+            continue
+        for s in range(samples):
+            key = f"{file_no}:{src.row}#{s}"
+            yield Planned(key, src.file, src.row, src.id, s, messages, tools, targets, estimate)
+
+
 def _numbered(opts: GenerateOptions) -> Iterator[tuple[int, Conversation | Reject]]:
     """Each row read, with the number of its source among ``--data``."""
     number = {str(p): i for i, p in enumerate(opts.data)}
@@ -85,16 +131,17 @@ def check_new(opts: GenerateOptions, model: Model) -> None:
         check_source(path, opts.split, opts.column)
 
 
-def plan_run(opts: GenerateOptions, model: Model, log: Callable[[str], None]) -> PlanIdentity:
-    """A new run's plan and rejects, written durably; the spec is written last, by the job.
-    A plan with no usable row writes its rejects where the refusal says, and no plan."""
+def plan_run(opts: GenerateOptions, model: Model, engine: Capabilities, log: Callable[[str], None]) -> PlanIdentity:
+    """A new run's plan and rejects, written durably; the spec is written last, by the job. ``engine``:
+    what the engine will do itself (one that parses tool calls takes rows with tools whatever the
+    tokenizer). A plan with no usable row writes its rejects where the refusal says, and no plan."""
     remove_stray_temps(opts.out)
     tokenizer = model.tokenizer
     tokenize = Tokenize(tokenizer, opts.get("max_length"), opts.template_kwargs)
     log(f"planning {len(opts.data)} data file(s) with the model's chat template")
     items = _numbered(opts)
     rows = plan_rows(
-        items if opts.server_api == CHAT or toolcalls.choose(tokenizer, opts.tool_parser) else _without_tools(items),
+        items if engine.parses_tool_calls or toolcalls.choose(tokenizer, opts.tool_parser) else _without_tools(items),
         tokenize,
         opts.get("turns"),
         opts.get("samples_per_prompt"),
@@ -106,7 +153,7 @@ def plan_run(opts: GenerateOptions, model: Model, log: Callable[[str], None]) ->
         write_durable(opts.out / layout.REJECTS, _jsonl(e.rejects))
         see = f" (see {opts.out / layout.REJECTS})" if e.rejects else ""
         raise PlanError(f"{e}{see}: nothing to generate, no run was made") from None
-    write_durable(opts.out / layout.PLAN_DIR / PLAN_REJECTS, _jsonl(rejects))
+    write_durable(opts.out / layout.PLAN_DIR / layout.PLAN_REJECTS, _jsonl(rejects))
     write_durable(opts.out / layout.REJECTS, _jsonl(rejects))
     log(f"plan: {info.num_samples} conversations, {len(rejects)} rows rejected (see {layout.REJECTS})")
     plan = PlanIdentity(
@@ -132,9 +179,11 @@ def create_spec(opts: GenerateOptions, model: Model, plan: PlanIdentity, engine:
         model=model.identity,
         tokenizer=target.tokenizer_identity(tokenizer),
         template_kwargs=opts.template_kwargs or {},
-        tool_parser=toolcalls.ENGINE if engine.renders else toolcalls.choose(tokenizer, opts.tool_parser),
+        tool_parser=toolcalls.ENGINE
+        if engine.capabilities.parses_tool_calls
+        else toolcalls.choose(tokenizer, opts.tool_parser),
         engine=EngineIdentity(name=engine.name, version=engine.version),
-        sampling=SamplingSpec.of(opts.sampling()),
+        sampling=SamplingSpec(**asdict(opts.sampling())),
         seed=opts.get("seed"),
         turns=opts.get("turns"),
         samples_per_prompt=opts.get("samples_per_prompt"),

@@ -28,18 +28,18 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from hsx.errors import BadFile, CaptureFailed, DiskFull
+from hsx.errors import BadFile, CaptureFailed, DiskFull, Refused
 from hsx.generate import toolcalls
 from hsx.generate.dialogue import Dialogue
-from hsx.generate.engine import Completion, Engine, Request, Sampling
-from hsx.generate.engines import EngineSettings, open_engine
-from hsx.generate.folder import PLAN_REJECTS, asked, check_engine, check_new, create_spec, plan_run
+from hsx.generate.engines import EngineSettings, capabilities, open_engine
+from hsx.generate.engines.base import Completion, Engine, Request, Sampling
+from hsx.generate.folder import asked, check_engine, check_new, create_spec, plan_run, too_long
 from hsx.generate.options import GenerateOptions
-from hsx.generate.plan import GenPlan, load_gen_plan, too_long
 from hsx.generate.progress import GenProgress
 from hsx.generate.prompts import Prompter, stop_ids
-from hsx.generate.record import ConversationRecord, GeneratedTurn, Source, encode_record, read_record, statuses
-from hsx.generate.spec import BYTES_PER_TOKEN, GenerateSpec, generate_differences, load_generate_spec
+from hsx.genrun.plan import GenPlan, load_gen_plan
+from hsx.genrun.record import ConversationRecord, GeneratedTurn, Source, encode_record, read_record, statuses
+from hsx.genrun.spec import BYTES_PER_TOKEN, GenerateSpec, generate_differences, load_generate_spec
 from hsx.input import Reject
 from hsx.input import Source as InputSource
 from hsx.job.folder import setting_up
@@ -99,7 +99,7 @@ class ConversationLoop:
     ):
         self.spec, self.run, self.plan, self.engine, self.prompter = spec, run, plan, engine, prompter
         self.progress, self.summary = progress, summary
-        self.sampling = spec.sampling.sampling()
+        self.sampling = Sampling(**spec.sampling.model_dump())
         self.active: dict[str, tuple[Dialogue, np.ndarray]] = {}  # request key -> (dialogue, its prompt)
         self.shards: dict[int, dict[int, FileRecord]] = {}
         self.left: dict[int, int] = {}
@@ -153,7 +153,7 @@ class ConversationLoop:
         seed = request_seed(self.spec.seed, self.plan.row(d.id).key, len(d.done))
         self.active[key] = (d, prompt)
         chat = None
-        if self.engine.renders:  # it renders the messages itself: they go with the request
+        if self.engine.capabilities.renders_chat:  # it renders the messages itself: they go with the request
             chat = json.dumps(
                 {"messages": d.messages, "tools": d.tools, "template_kwargs": self.spec.template_kwargs},
                 ensure_ascii=False,
@@ -164,7 +164,7 @@ class ConversationLoop:
         d, prompt = self.active.pop(outcome.key)
         if not isinstance(outcome, Completion):
             return self.write(d, f"engine failed on turn {d.next_message}: {outcome.reason}")
-        if self.engine.renders:  # what it rendered and ran is the turn's prompt
+        if self.engine.capabilities.renders_chat:  # what it rendered and ran is the turn's prompt
             prompt = np.asarray(outcome.prompt_ids, dtype=np.int32)
         elif tuple(outcome.prompt_ids) != tuple(int(i) for i in prompt):
             raise CaptureFailed(
@@ -245,14 +245,15 @@ class Generate(Stage[GenerateOptions, GenerateSpec, GenerateSummary]):
 
     def create(self, opts: GenerateOptions, model: Model, log: Log) -> GenerateSpec:
         check_new(opts, model)
+        backend = opts.get("backend")
         with setting_up(opts):
-            plan = plan_run(opts, model, log)
             stops = stop_ids(model.dir, model.tokenizer)
             settings = opts.engine_settings(
                 model.dir, opts.get("dtype"), opts.trust_remote_code, opts.get("seed"), opts.get("max_length"), stops,
                 model.tokenizer,
             )  # fmt: skip
-            self.engine = self._open(opts, opts.get("backend"), settings, log)
+            plan = plan_run(opts, model, capabilities(backend, settings), log)
+            self.engine = self._open(opts, backend, settings, log)
             return create_spec(opts, model, plan, self.engine)
 
     def load(self, run: Path) -> GenerateSpec:
@@ -326,6 +327,8 @@ class Generate(Stage[GenerateOptions, GenerateSpec, GenerateSummary]):
             log(message)
 
         engine = open_engine(backend, replace(settings, log=trouble))
+        if not engine.capabilities.returns_token_ids:  # every turn is kept as the ids the target ran and produced
+            raise Refused(f"the {engine.name} engine does not return token ids: hsx generate cannot keep its turns")
         if engine.name == "transformers":
             params = sum(f.stat().st_size for f in settings.model_dir.glob("*.safetensors")) / 2  # bf16 checkpoints
             if params > LARGE:
@@ -347,7 +350,7 @@ def generate(opts: GenerateOptions, log: Log = print) -> GenerateSummary:
 def write_rejects(run, spec: GenerateSpec) -> int:
     """``rejects.jsonl``: the rows planning rejected, then the conversations rejected while generating
     (read from their verified files), replaced whole. Returns how many conversations were rejected."""
-    lines = (run / layout.PLAN_DIR / PLAN_REJECTS).read_text()
+    lines = (run / layout.PLAN_DIR / layout.PLAN_REJECTS).read_text()
     later = 0
     for cid, status in statuses(run, spec.plan.num_samples, spec.shard_size).items():
         if status != "rejected":  # the header says which are rejected: only those are read whole

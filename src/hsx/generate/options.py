@@ -16,8 +16,8 @@ from typing import ClassVar
 
 from hsx.bounds import Bound, Bounds
 from hsx.errors import OptionError
-from hsx.generate.engine import Sampling
 from hsx.generate.engines import ENGINES, EngineSettings
+from hsx.generate.engines.base import Sampling
 from hsx.generate.toolcalls import PARSERS
 from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm
 

@@ -23,6 +23,7 @@ LOCATION = "model-location.json"
 PLAN_DIR = "plan"
 PLAN_FILE = "plan.parquet"
 GROWTH = "growth.json"
+PLAN_REJECTS = "rejects.jsonl"  # in a generate run's plan/: the rows planning rejected (the run's adds later ones)
 REJECTS = "rejects.jsonl"
 SHARDS = "shards"
 SEALED = "SEALED"

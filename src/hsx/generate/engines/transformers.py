@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from hsx.generate.engine import Completion, Engine, Failure, Outcome, Request
 from hsx.generate.engines import EngineSettings
+from hsx.generate.engines.base import Completion, Engine, Failure, Outcome, Request, ids_only
 from hsx.generate.prompts import stop_ids
 
 
@@ -81,6 +81,9 @@ class TransformersEngine(Engine):
     def close(self) -> None:
         self.queue.clear()
         del self.model
+
+
+capabilities = ids_only  # what it does itself (``engines.capabilities``)
 
 
 def open(settings: EngineSettings) -> TransformersEngine:  # the name engines.open_engine calls

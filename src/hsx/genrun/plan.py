@@ -4,21 +4,23 @@ One row per (input conversation, sample): its key (``<data file>:<row>#<sample>`
 run), its source, the messages as the dataset has them (as a chat template reads them, up to its
 last assistant turn and the tool results after it: nothing later is generated), the tools it
 offers, the episodes to regenerate (``generate.dialogue``) and an estimate of the tokens its file
-will hold. The row index is the conversation id, which names its file (``store.layout``). The plan
-is built once (reading and rendering the data), written like an extraction's plan (temp, fsync,
-rename) into ``GEN/plan/``, fingerprinted over its content; a resume reads only this.
+will hold (the rows are planned by the generate stage: ``generate.folder.plan_rows``). The row
+index is the conversation id, which names its file (``store.layout``). The plan is built once
+(reading and rendering the data), written like an extraction's plan (temp, fsync, rename) into
+``GEN/plan/``, fingerprinted over its content; a resume reads only this.
 
 Planning rejects what cannot be regenerated: what the input stage rejects (images, unknown
 roles...), conversations the chat template cannot render, and those whose first prompt
 already reaches ``max_length``. A later turn's prompt grows with the target's own answers, so its
-length is checked when it is generated (``generate.job``).
+length is checked when it is generated (``generate.job``). This module is the plan as data: written
+once, read back, checked against the spec; ``extract`` and ``assess`` read it without the stage.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +30,8 @@ import pyarrow.parquet as pq
 import xxhash
 
 from hsx.errors import PlanError
-from hsx.generate.dialogue import episode_end, episode_starts
-from hsx.input import Conversation, Reject, to_message, tools_of
-from hsx.plan import PLAN_META, NoUsableSamples, Tokenize
+from hsx.input import Reject
+from hsx.plan import PLAN_META, NoUsableSamples
 from hsx.store.durable import durable_rename, write_durable
 from hsx.store.layout import PLAN_DIR, PLAN_FILE
 
@@ -60,55 +61,6 @@ class Planned:
     tools: list[dict] | None
     targets: list[int]
     estimate: int
-
-
-def too_long(message: int, tokens: int, limit: int) -> str:
-    """The reason a conversation cannot go on: the prompt of one of its turns leaves no room to generate."""
-    return f"prompt of turn {message} is {tokens} tokens, not under --max-length {limit}"
-
-
-def targets_of(messages: list[dict], turns: str) -> list[int]:
-    starts = episode_starts(messages)
-    return starts if turns == "all" else starts[-1:]
-
-
-def plan_rows(
-    items: Iterable[tuple[int, Conversation | Reject]],
-    tokenize: Tokenize,
-    turns: str,
-    samples: int,
-    max_new_tokens: int,
-) -> Iterator[Planned | Reject]:
-    """(index of its data file, conversation or reject) -> planned rows, ``samples`` per conversation."""
-    for file_no, item in items:
-        if isinstance(item, Reject):
-            yield item
-            continue
-        src = item.source
-        messages = [to_message(t) for t in item.turns]
-        tools = tools_of(item)
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        messages = messages[: episode_end(messages, last)]  # its results stay: the target may call for them
-        targets = targets_of(messages, turns)
-        try:
-            first = len(tokenize.ids(tokenize.render(messages[: targets[0]], True, tools)))
-            # each regenerated episode: its prompt (the dataset's prefix stands in for the answers
-            # to come) and its completion, at most the length limit
-            estimate = sum(
-                min(len(tokenize.ids(tokenize.render(messages[:i], True, tools))) + max_new_tokens, tokenize.max_length)
-                for i in targets
-            )
-        except Exception as e:  # a template error on one row must not stop the run
-            yield Reject(src, f"chat template cannot render it: {e}")
-            continue
-        if first >= tokenize.max_length:
-            yield Reject(
-                src, f"prompt of turn {targets[0]} is {first} tokens, not under --max-length {tokenize.max_length}"
-            )
-            continue
-        for s in range(samples):
-            key = f"{file_no}:{src.row}#{s}"
-            yield Planned(key, src.file, src.row, src.id, s, messages, tools, targets, estimate)
 
 
 def _row_digest(cid: int, row: Planned) -> bytes:
