@@ -22,9 +22,13 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import SMALL_RUN, TINY, conversations, hsx, write_jsonl
+from hsx.bench import BENCH
 from hsx.bounds import Bound, Bounds
-from hsx.cli import BENCH, MEMORY, RUN, TO, _print_summary, app
+from hsx.cli import app
+from hsx.cli.options import RUN, TO
+from hsx.cli.output import print_summary
 from hsx.errors import OptionError
+from hsx.extract.memory import MEMORY
 from hsx.extract.options import EXTRACT, ExtractOptions
 from hsx.extract.summary import ExtractSummary
 from hsx.store import layout
@@ -485,7 +489,7 @@ def test_version_and_flags_that_take_no_value(tmp_path):
 def test_disk_advice_only_where_acting_on_it_would_matter(tmp_path, capsys, seconds, waited, advice):
     s = ExtractSummary(tmp_path, 10, written=10, seconds=seconds, total_tokens=100, tokens_written=100)
     s.waited_for_disk = waited
-    _print_summary(s)
+    print_summary(s)
     out = capsys.readouterr().out
     assert "10/10 done" in out
     assert ("a faster volume or more --writers" in out) is advice, out

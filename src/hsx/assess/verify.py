@@ -15,6 +15,7 @@ from hsx.assess import integrity, workers
 from hsx.assess.checks import Check
 from hsx.errors import Exit, RepairRefused
 from hsx.genrun.spec import GenerateSpec, load_any
+from hsx.job.options import resume_command
 from hsx.spec import RunSpec
 from hsx.store import layout
 from hsx.store.quarantine import Moved, quarantine
@@ -48,6 +49,12 @@ class VerifyResult:
     def command(self) -> str:
         """The command that redoes what repair moved aside: the run's kind (``generate``, ``extract``)."""
         return self.spec.kind
+
+    def lines(self) -> list[str]:
+        """After a repair: the command that redoes what it moved aside."""
+        if not self.moved:
+            return []
+        return [f"next: {resume_command(self.run, command=self.command)}  # redoes {len(self.redo_ids())} samples"]
 
     def redo_ids(self) -> list[int]:
         return sorted({p.sample_id for p in self.result.problems if p.sample_id is not None})

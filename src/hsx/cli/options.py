@@ -1,154 +1,55 @@
-"""Every option of the command line, declared once.
+"""Every option of the command line, made from the options it sets.
 
-The job commands (``hsx extract``, ``hsx generate``) take exactly the fields of their options
-dataclass: ``parameters`` makes a command's parameters from those fields, each read as ``FLAGS``
-says under the field's name, bounded by the command's ``Bounds`` (in the help, and refused while
-parsing), its default shown from the command's defaults, its flag spelled as ``command_line``
-writes it back. A new option of a job is a field on its dataclass (with its bound), and its entry
-in ``FLAGS``; a field without an entry fails at import, so none is left off the command line.
-The other commands share the aliases below (``RunFolder``, ``Threads``, ...).
+A command whose options are a dataclass (``hsx extract``, ``generate``, ``bench``, ``memory``) takes
+exactly its fields: ``parameters`` makes a parameter of each, read as its ``Flag`` says (the field's
+annotation: ``bounds.Flag``), bounded by the command's ``Bounds`` (in the help, and refused while
+parsing), its default shown from the command's defaults, its flag spelled as ``command_line`` writes
+it back. A new option is a field with its ``Flag`` (and its bound); a field with neither a ``Flag`` nor
+a place in ``NOT_FLAGS`` fails at import, so none is left off the command line. The other commands
+share the aliases below (``RunFolder``, ``Threads``, ...).
 """
 
 from __future__ import annotations
 
 import inspect
-import operator
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_origin, get_type_hints
 
 import typer
 
-from hsx.bounds import Bound, Bounds
-from hsx.extract.options import AT_LEAST_ONE, DEFAULTS, EXTRACT
-from hsx.generate.options import template_kwargs
-from hsx.job.options import FLAG_NAMES, NOT_FLAGS
+from hsx.bounds import Bound, Bounds, Flag
+from hsx.job.options import AT_LEAST_ONE, NOT_FLAGS, flag_name, flag_of
 
 
-def layer_ids(value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        return [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"--layers takes comma-separated integers, got {value!r}") from None
-
-
-@dataclass(frozen=True)
-class Flag:
-    """How a field reads on the command line. ``default``: the default the help shows where the
-    field's own is None (not given) and the command's defaults say none; ``typed`` and ``parse``:
-    what is typed, and the field's value from it, where that is not the field's own type."""
-
-    help: str
-    metavar: str | None = None
-    default: str | None = None
-    typed: Any = None
-    parse: Callable[[Any], Any] | None = None
-
-
-FLAGS = {
-    "out": Flag("Run folder (created, or resumed if it holds hsx.json).", "DIR"),
-    "model": Flag("Model folder or hub id (new run; or its new path on resume).", "PATH"),
-    "data": Flag(
-        "Conversations: .jsonl, .json or .parquet, a datasets folder or a cached Hugging Face dataset name; "
-        "repeatable, each once.",
-        "FILE",
-    ),
-    "split": Flag("The split of a Hugging Face dataset --data.", "NAME", "its only one"),
-    "limit": Flag("Only the first N rows of the data.", default="all"),
-    "column": Flag("The field of each row that holds its turns.", "NAME", "conversations or messages"),
-    "threads": Flag("CPU: torch threads.", default="torch's"),
-    "layers": Flag("hsx layer ids, e.g. 1,15,28.", "IDS", "EAGLE-3's: 1, N/2-1, N-4", str, layer_ids),
-    "max_length": Flag("Truncate samples to this many tokens."),
-    "batch_tokens": Flag("Padded tokens per forward pass."),
-    "dtype": Flag("Model dtype."),
-    "device": Flag("cpu, cuda or cuda:N.", "DEVICE", "cuda if available"),
-    "shard_size": Flag("Samples per shard folder."),
-    "trust_remote_code": Flag("Allow the model's own Python code."),
-    "writers": Flag("Writer threads."),
-    "deep_verify": Flag("On resume, check headers and sizes only, not digests.", parse=operator.not_),
-    "packing": Flag("Pack each batch into one row with no padding (auto: on for CUDA)."),
-    "compile": Flag("torch.compile the decoder layers (auto: on for CUDA)."),
-    "codec": Flag("How states are stored (new run)."),
-    "allow_partial": Flag("Start even if the volume cannot hold the whole run; stop cleanly when it fills."),
-    "allow_incomplete": Flag("--data is an unfinished generate run: extract the conversations it holds."),
-    "backend": Flag("What runs the model (new run).", default="transformers"),
-    "tensor_parallel": Flag("One model replica over N devices of this node (new run).", default="1"),
-    "expert_parallel": Flag("Split the routed experts over the tensor-parallel ranks (1 or N).", default="1"),
-    "tensor_parallel_size": Flag("vllm backend: GPUs per model replica.", default="1"),
-    "data_parallel_size": Flag("vllm backend: model replicas.", default="1"),
-    "workers": Flag(
-        "Scale out: this many Ray workers, on 1 GPU or --tensor-parallel N each; 0: this process alone "
-        "(needs the hsx[ray] extra)."
-    ),
-    "ray_address": Flag("With --workers: join this Ray cluster.", "ADDRESS", "a local Ray for this run"),
-    "metrics_port": Flag("Serve the run's metrics in Prometheus' text format on this port."),
-    "metrics_textfile": Flag("Keep this file in Prometheus' text format (node_exporter's textfile).", "FILE"),
-    "quantized_compute": Flag(
-        "FP8 checkpoints: fp8 (FP8 GEMMs, inputs quantized) | dequantized (weights expanded to the dtype) "
-        "(new run; part of the spec).",
-        "MODE",
-        "fp8 where the GPU can",
-    ),
-    # hsx generate's own
-    "turns": Flag("all: every assistant turn, on the target's own answers; last: the last only."),
-    "temperature": Flag("0: greedy."),
-    "top_p": Flag("Nucleus sampling (1: off)."),
-    "top_k": Flag("Top-k sampling (0: off)."),
-    "max_new_tokens": Flag("New tokens per turn at most."),
-    "drop": Flag(
-        "Reject conversations with an empty or length-cut answer (comma-separated).",
-        "empty,length",
-        "none",
-        parse=lambda v: [x for s in v or [] for x in s.split(",") if x] or None,
-    ),
-    "samples_per_prompt": Flag("Conversations generated per input row."),
-    "seed": Flag("The run's seed; each request's derives from it."),
-    "template_kwargs": Flag(
-        "JSON for the chat template, e.g. '{\"enable_thinking\": false}'.", "JSON", "none", str, template_kwargs
-    ),
-    "tool_parser": Flag("How the target's tool calls are read.", default="the tokenizer's response template"),
-    "servers": Flag("server backend: an OpenAI-compatible base URL; repeatable.", "URL", "none"),
-    "concurrency": Flag("server backend: requests in flight per server.", default="64"),
-    "server_api": Flag(
-        "server backend: openai (/v1/completions), openai-chat (/v1/chat/completions) or sglang (/generate).",
-        default="found out per server",
-    ),
-    "server_model": Flag("server backend: the served model's name.", "NAME", "its only one"),
-    "max_pending": Flag("Requests kept submitted to the engine.", default="the engine's own choice"),
-    "server_timeout": Flag("server backend: seconds a request may take.", "SECONDS", "3600"),
-    "server_retries": Flag("server backend: tries of a request on a server.", default="5"),
-    "server_backoff": Flag("server backend: first wait between tries, doubling.", "SECONDS", "1"),
-    "log_every": Flag("Off a terminal: seconds between progress lines.", "SECONDS"),
-}
-
-
-def option(name: str, bounds: Bounds = EXTRACT, defaults: Mapping[str, Any] = DEFAULTS, flag: Flag | None = None):
-    """The ``typer.Option`` of field ``name`` (``flag``: in place of its ``FLAGS`` entry)."""
-    flag = flag or FLAGS[name]
+def option(cls: type, name: str, bounds: Bounds, defaults: Mapping[str, Any], flag: Flag) -> Any:
+    """The ``typer.Option`` of field ``name`` of ``cls``."""
     shown = defaults.get(name, flag.default)
     kw = {"help": flag.help, "metavar": flag.metavar, "show_default": None if shown is None else str(shown)}
     kw = {k: v for k, v in kw.items() if v is not None}
-    decl = FLAG_NAMES.get(name, Bounds.flag(name))
+    decl = flag_name(cls, name)
     return bounds.option(name, decl, **kw) if name in bounds.bounds else typer.Option(decl, **kw)
 
 
+def field_option(cls: type, name: str, bounds: Bounds, defaults: Mapping[str, Any] = {}) -> Any:
+    """The ``typer.Option`` of field ``name`` of ``cls``, for a command that takes only some of its fields."""
+    return option(cls, name, bounds, defaults, flag_of(cls, name))
+
+
 def parameters(
-    cls: type, bounds: Bounds, defaults: Mapping[str, Any], **flags: Flag
+    cls: type, bounds: Bounds, defaults: Mapping[str, Any] = {}
 ) -> tuple[inspect.Signature, Callable[[dict], Any]]:
-    """A command's parameters, one per field of the options dataclass ``cls`` (``flags``: entries
-    in place of ``FLAGS``' for this command), and what builds ``cls`` from the values given. A flag
-    is off unless given; a list is given by repeating its option."""
+    """A command's parameters, one per field of the options dataclass ``cls``, and what builds ``cls``
+    from the values given. A flag is off unless given; a list is given by repeating its option."""
     hints = get_type_hints(cls)
     params, parse = [], {}
     for f in fields(cls):
         if f.name in NOT_FLAGS:
             continue
-        flag = flags.get(f.name) or FLAGS.get(f.name)
+        flag = flag_of(cls, f.name)
         if flag is None:
-            raise TypeError(f"{cls.__name__}.{f.name}: no entry in hsx.cli.options.FLAGS (or NOT_FLAGS if no option)")
+            raise TypeError(f"{cls.__name__}.{f.name}: no Flag in its annotation (or NOT_FLAGS if no option)")
         typed, default = flag.typed or hints[f.name], f.default
         if get_origin(typed) is Literal:
             typed = str
@@ -160,7 +61,7 @@ def parameters(
             parse[f.name] = flag.parse
         if f.default is MISSING and f.default_factory is MISSING:
             default = inspect.Parameter.empty
-        annotation = Annotated[typed, option(f.name, bounds, defaults, flag)]
+        annotation = Annotated[typed, option(cls, f.name, bounds, defaults, flag)]
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
 
     def build(given: dict) -> Any:
@@ -169,31 +70,21 @@ def parameters(
     return inspect.Signature(params), build
 
 
-# the bounds of the commands without an options dataclass
+def command(cls: type, bounds: Bounds, call: Callable[..., None], defaults: Mapping[str, Any] = {}) -> Callable:
+    """A command whose parameters are ``cls``'s fields: ``call(build, given)`` with what builds the options
+    and the values given (``call``'s name, less a leading underscore, and docstring are the command's)."""
+    signature, build = parameters(cls, bounds, defaults)
+
+    def parsed(**given: Any) -> None:
+        call(lambda: build(given), given)
+
+    parsed.__signature__, parsed.__name__, parsed.__doc__ = signature, call.__name__.lstrip("_"), call.__doc__
+    return parsed
+
+
+# the bounds of the commands that read a run
 RUN = Bounds(threads=AT_LEAST_ONE, size=AT_LEAST_ONE, draft_vocab=AT_LEAST_ONE, target_vocab=AT_LEAST_ONE)
 TO = Bounds(to=Bound(choices=("specforge", "speculators", "modelopt")))
-BENCH = Bounds(
-    samples=AT_LEAST_ONE,
-    mean_len=AT_LEAST_ONE,
-    min_len=AT_LEAST_ONE,
-    max_len=AT_LEAST_ONE,
-    batch_tokens=AT_LEAST_ONE,
-    naive_samples=Bound(min=0),
-    writers=AT_LEAST_ONE,
-    compile=EXTRACT.bounds["compile"],
-    max_new_tokens=AT_LEAST_ONE,
-    tensor_parallel_size=AT_LEAST_ONE,
-)
-MEMORY = Bounds(
-    tensor_parallel=AT_LEAST_ONE,
-    expert_parallel=AT_LEAST_ONE,
-    batch_tokens=AT_LEAST_ONE,
-    max_length=AT_LEAST_ONE,
-    gpus=AT_LEAST_ONE,
-    gpu_memory=Bound(min=0.0, min_open=True),
-    experts=Bound(choices=("auto", "packed", "dequantized")),
-    dtype=Bound(choices=("bfloat16", "float16", "float32")),
-)
 
 RunFolder = Annotated[Path, typer.Argument(metavar="OUT", help="Run folder.", file_okay=False, show_default=False)]
 Json = Annotated[bool, typer.Option("--json", help="Machine-readable report on stdout.")]
@@ -206,5 +97,3 @@ TargetVocab = Annotated[
 AllowIncomplete = Annotated[
     bool, typer.Option("--allow-incomplete", help="Export what an unfinished run has finished.")
 ]
-Device = Annotated[str | None, option("device")]
-Codec = Annotated[str | None, option("codec")]

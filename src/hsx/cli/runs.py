@@ -42,7 +42,6 @@ def verify(
     """Check every sample file of a run. Exit 0: all good; 1: problems (hsx extract redoes them); 2: refused."""
     from hsx.assess.status import render_check
     from hsx.assess.verify import verify as run_verify
-    from hsx.job.options import resume_command
 
     with failures():
         result = run_verify(out, deep=deep, repair=repair, threads=threads)
@@ -50,9 +49,7 @@ def verify(
         print(json.dumps(result.to_json(), indent=1))
     else:
         render_check(result.check, checklist)
-        if result.moved:
-            n = len(result.redo_ids())
-            print(f"next: {resume_command(out, command=result.command)}  # redoes {n} samples")
+        print(*result.lines(), sep="\n")
     raise typer.Exit(result.exit_code)
 
 

@@ -2,134 +2,31 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
+from collections.abc import Callable
 
-import typer
-
-from hsx.cli.options import BENCH, MEMORY, Device
+from hsx.bench import BENCH, BenchOptions
+from hsx.cli.options import command
 from hsx.cli.output import failures, log
+from hsx.extract.memory import MEMORY, MemoryOptions
 
 
-def bench(
-    model: Annotated[
-        str | None,
-        typer.Option(help="Model folder.", show_default="8B-shape random weights on CUDA, tiny on CPU"),
-    ] = None,
-    device: Device = None,
-    samples: Annotated[int, BENCH.option("samples", help="Number of samples.")] = 256,
-    mean_len: Annotated[int, BENCH.option("mean_len", help="Mean sample length (lognormal).")] = 1275,
-    min_len: Annotated[int, BENCH.option("min_len", help="Shortest sample.")] = 64,
-    max_len: Annotated[int, BENCH.option("max_len", help="Longest sample.")] = 4096,
-    batch_tokens: Annotated[int, BENCH.option("batch_tokens", help="Tokens per forward pass.")] = 16384,
-    naive_samples: Annotated[int, BENCH.option("naive_samples", help="Samples for the naive baseline (0: skip).")] = 64,
-    writers: Annotated[int, BENCH.option("writers", help="Writer threads.")] = 8,
-    workdir: Annotated[
-        Path | None, typer.Option(help="Where to write (on the volume to measure).", show_default="a temp folder")
-    ] = None,
-    compile: Annotated[
-        str, BENCH.option("compile", help="Also measure packed with compiled layers (auto: on CUDA).")
-    ] = "auto",
-    codecs: Annotated[
-        str, typer.Option(help="Storage codecs measured next to raw on the last layout (raw: none).")
-    ] = "raw,zstd,fp8",
-    fp8_model: Annotated[
-        bool,
-        typer.Option(
-            "--fp8-model",
-            help="Then build the model as a block-FP8 checkpoint (weights quantized 128x128) and measure it.",
-        ),
-    ] = False,
-    int4_experts: Annotated[
-        bool,
-        typer.Option("--int4-experts", help="MoE models: the last layout again with the routed experts INT4-packed."),
-    ] = False,
-    generate: Annotated[
-        bool,
-        typer.Option(
-            "--generate", help="Instead: hsx generate (vLLM) against vLLM's bare LLM.generate, --samples prompts."
-        ),
-    ] = False,
-    max_new_tokens: Annotated[
-        int, BENCH.option("max_new_tokens", help="--generate: new tokens per prompt at most.")
-    ] = 256,
-    tensor_parallel_size: Annotated[
-        int, BENCH.option("tensor_parallel_size", help="--generate: vLLM's GPUs per model replica.")
-    ] = 1,
-) -> None:
+def _bench(build: Callable[[], BenchOptions], given: dict) -> None:
     """Time forward-only, the naive baseline and hsx's extraction on the same batches, in one run."""
-    if generate:
-        from hsx.bench.generate import generate_table, run_generate_bench
-        from hsx.job.options import check_vllm
-
-        with failures():
-            check_vllm("hsx bench --generate")
-            results, same = run_generate_bench(
-                model, samples, max_new_tokens, tensor_parallel_size=tensor_parallel_size, workdir=workdir, log=noop
-            )
-        print(generate_table(results, same))
-        return
-    from hsx.bench.extract import run_bench, table
+    from hsx.bench import run
 
     with failures():
-        results = run_bench(
-            model, device, samples, mean_len, min_len, max_len, batch_tokens, naive_samples, writers, workdir,
-            compile=compile, log=log, codecs=_codecs(codecs), fp8=fp8_model, int4_experts=int4_experts,
-        )  # fmt: skip
-    print(table(results))
+        table = run(build(), log)
+    print(table)
 
 
-def noop(message: str) -> None:
-    """The generate bench's log: its table says it all."""
-
-
-def _codecs(text: str) -> tuple:
-    from hsx.store.codec import Codec
-
-    try:
-        return tuple(Codec(c.strip()) for c in text.split(",") if c.strip())
-    except ValueError:
-        raise typer.BadParameter(f"takes codecs of {', '.join(Codec)}, not {text!r}", param_hint="--codecs") from None
-
-
-def memory(
-    model: Annotated[
-        str, typer.Option(metavar="PATH", help="Model folder (a shape folder with only config.json will do).")
-    ],
-    tensor_parallel: Annotated[int, MEMORY.option("tensor_parallel", help="Ranks of one model replica.")] = 1,
-    expert_parallel: Annotated[
-        int, MEMORY.option("expert_parallel", help="Ranks the routed experts are split over (1 or N).")
-    ] = 1,
-    experts: Annotated[
-        str,
-        MEMORY.option(
-            "experts", help="Quantized weights as stored (packed) or expanded (dequantized); auto: as loaded."
-        ),
-    ] = "auto",
-    dtype: Annotated[str, MEMORY.option("dtype", help="The run's dtype.")] = "bfloat16",
-    batch_tokens: Annotated[int, MEMORY.option("batch_tokens", help="Tokens per forward pass.")] = 16384,
-    max_length: Annotated[int, MEMORY.option("max_length", help="Longest sample.")] = 4096,
-    gpus: Annotated[int | None, MEMORY.option("gpus", help="GPUs on the node.", show_default="this node's")] = None,
-    gpu_memory: Annotated[
-        float | None,
-        MEMORY.option(
-            "gpu_memory", help="GB (10^9 bytes) per GPU: an H200 is 150.7 (143,771 MiB).", show_default="this node's"
-        ),
-    ] = None,
-) -> None:
+def _memory(build: Callable[[], MemoryOptions], given: dict) -> None:
     """Per-GPU memory of a parallel layout, from config.json and the safetensors headers (no weight read)."""
-    import torch
-
-    from hsx import target
-    from hsx.capture import memory as mem
-    from hsx.extract.options import check_gpus, resolve_parallel
+    from hsx.extract.memory import explain
 
     with failures():
-        model_dir = target.resolve(model)
-        # the layout checks an extraction makes (heads, experts, GPUs of the node), before any arithmetic
-        parallel = resolve_parallel(tensor_parallel, expert_parallel, target.load_config(model_dir), "transformers")
-        if node := gpus if gpus is not None else torch.cuda.device_count():  # unknown on a machine without GPUs
-            check_gpus(parallel, node)
-        layout = mem.Layout(tensor_parallel, expert_parallel, experts, dtype, batch_tokens, max_length)
-        device = None if gpu_memory is None else int(gpu_memory * mem.GB)
-        print(*mem.explain(model_dir, layout, device, gpus), sep="\n")
+        lines = explain(build())
+    print(*lines, sep="\n")
+
+
+bench = command(BenchOptions, BENCH, _bench)
+memory = command(MemoryOptions, MEMORY, _memory)

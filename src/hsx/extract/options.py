@@ -11,9 +11,10 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated as A
 from typing import ClassVar, Literal, get_args
 
-from hsx.bounds import Bound, Bounds
+from hsx.bounds import Bound, Bounds, Flag
 from hsx.errors import OptionError
 from hsx.extract.backends import BACKENDS, Resources
 from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm, default_device
@@ -38,27 +39,61 @@ EXTRACT = Bounds(
 )
 
 
+WORKERS = (
+    "Scale out: this many Ray workers, on 1 GPU or --tensor-parallel N each; 0: this process alone "
+    "(needs the hsx[ray] extra)."
+)
+COMPUTE = (
+    "FP8 checkpoints: fp8 (FP8 GEMMs, inputs quantized) | dequantized (weights expanded to the dtype) "
+    "(new run; part of the spec)."
+)
+
+
+def layer_ids(value: str | None) -> list[int] | None:
+    """``--layers 1,15,28``."""
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise OptionError(f"--layers takes comma-separated integers, got {value!r}") from None
+
+
 @dataclass
 class ExtractOptions(JobOptions):
     COMMAND: ClassVar[str] = "extract"
     UNIT: ClassVar[str] = "samples"
     BOUNDS: ClassVar[Bounds] = EXTRACT
 
-    layers: list[int] | None = None
-    batch_tokens: int | None = None
-    writers: int = 8
+    layers: A[
+        list[int] | None, Flag("hsx layer ids, e.g. 1,15,28.", "IDS", "EAGLE-3's: 1, N/2-1, N-4", str, layer_ids)
+    ] = None
+    batch_tokens: A[int | None, Flag("Padded tokens per forward pass.")] = None
+    writers: A[int, Flag("Writer threads.")] = 8
     max_inflight_bytes: int = 4 << 30
-    packing: Toggle = "auto"  # one packed row per batch (no padding computed) or padded rows
-    compile: Toggle = "auto"  # torch.compile the decoder layers (auto: on for CUDA)
-    codec: str | None = None  # raw | zstd | fp8: how states are stored (a new run's: codec.DEFAULT_CODEC)
-    allow_incomplete: bool = False  # --data is a generate run not finished yet: extract what it holds
-    backend: str | None = None  # transformers | vllm; a new run's default is transformers
-    tensor_parallel: int | None = None  # transformers backend: one replica over this many devices (spec)
-    expert_parallel: int | None = None  # ... with its routed experts split over this many (1 or the TP size)
-    data_parallel_size: int | None = None  # vllm backend only; not part of the spec
-    workers: int = 0  # scale-out: this many Ray workers, each on 1 GPU or a TP group (0: this process alone)
-    ray_address: str | None = None  # join this Ray cluster; None: start a local one for the run
-    quantized_compute: str | None = None  # FP8 checkpoints: fp8 | dequantized (a new run's default: fp8 where it can)
+    # one packed row per batch (no padding computed) or padded rows
+    packing: A[Toggle, Flag("Pack each batch into one row with no padding (auto: on for CUDA).")] = "auto"
+    compile: A[Toggle, Flag("torch.compile the decoder layers (auto: on for CUDA).")] = "auto"
+    # raw | zstd | fp8: how states are stored (a new run's: codec.DEFAULT_CODEC)
+    codec: A[str | None, Flag("How states are stored (new run).")] = None
+    # --data is a generate run not finished yet: extract what it holds
+    allow_incomplete: A[bool, Flag("--data is an unfinished generate run: extract the conversations it holds.")] = False
+    # transformers | vllm; a new run's default is transformers
+    backend: A[str | None, Flag("What runs the model (new run).", default="transformers")] = None
+    # transformers backend: one replica over this many devices (spec), its routed experts split over this many
+    tensor_parallel: A[int | None, Flag("One model replica over N devices of this node (new run).", default="1")] = None
+    expert_parallel: A[
+        int | None, Flag("Split the routed experts over the tensor-parallel ranks (1 or N).", default="1")
+    ] = None
+    data_parallel_size: A[int | None, Flag("vllm backend: model replicas.", default="1")] = None  # not in the spec
+    # scale-out: this many Ray workers, each on 1 GPU or a TP group (0: this process alone)
+    workers: A[int, Flag(WORKERS)] = 0
+    # join this Ray cluster; None: start a local one for the run
+    ray_address: A[
+        str | None, Flag("With --workers: join this Ray cluster.", "ADDRESS", "a local Ray for this run")
+    ] = None
+    # FP8 checkpoints: fp8 | dequantized (a new run's default: fp8 where it can)
+    quantized_compute: A[str | None, Flag(COMPUTE, "MODE", "fp8 where the GPU can")] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,6 +110,16 @@ class ExtractOptions(JobOptions):
 
     def resources(self, device: str | None = None) -> Resources:
         return Resources(device or self.device or default_device(), self.writers, self.max_inflight_bytes, self.threads)
+
+
+def quickstart_options(out: Path, codec: str | None = None) -> ExtractOptions:
+    """``hsx quickstart``: the bundled tiny model and conversations, offline, on CPU."""
+    from hsx.tinymodel import bundled_path
+
+    data = [bundled_path("data/sharegpt_dummy_conversation.json")]
+    return ExtractOptions(
+        out=out, model=str(bundled_path("tiny-llama")), data=data, device="cpu", shard_size=100, codec=codec
+    )
 
 
 def resolve_packing(packing: Toggle, device: str, config: dict, dtype: str, log: Callable[[str], None]) -> bool:
