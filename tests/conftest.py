@@ -138,6 +138,22 @@ def damage(run: Path) -> dict[str, str]:
     }
 
 
+def normed_model(dest: Path) -> Path:
+    """The tiny Llama with a non-trivial final norm (mixed signs and scales), so post/weight is tested."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(TINY, dest)
+    weights = load_file(dest / "model.safetensors")
+    g = torch.Generator().manual_seed(1)
+    w = torch.empty(64).uniform_(0.2, 3.0, generator=g) * torch.where(torch.rand(64, generator=g) < 0.2, -1.0, 1.0)
+    weights["model.norm.weight"] = w
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
 def require(module: str):
     """Import an optional dependency, or skip; where HSX_REQUIRE names it (CI does), fail instead."""
     import importlib

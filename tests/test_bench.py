@@ -49,6 +49,11 @@ def test_bench_measures_every_variant_in_one_run(tmp_path):
     tokens = {name: int(rows[name][0].replace(",", "")) for name in rows if name.startswith(("forward", "hsx"))}
     assert len(set(tokens.values())) == 1 and tokens["hsx extract (packed, compiled)"] > 0  # same work for each
     assert "hsx extract (padded) / naive:" in proc.stdout
+    # the fidelity check's cost: timed on its own after each batch's capture, against the forward
+    assert {"capture (packed, compiled)", "fidelity check (packed, compiled)"} <= rows.keys()
+    assert rows["fidelity check (packed, compiled)"][0] == rows["forward only (packed, compiled)"][0]
+    cost = next(line for line in proc.stdout.splitlines() if line.startswith("fidelity check (packed, compiled): "))
+    assert "% of the forward pass" in cost
     waits = [line for line in proc.stdout.splitlines() if "the forward pass waited" in line]
     assert len(waits) == 5 and all(line.startswith("hsx extract (") for line in waits)
     # the codecs next to raw, on the same batches: stored / raw bytes, tok/s, encode MB/s (1 core, N threads)

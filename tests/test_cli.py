@@ -528,7 +528,9 @@ def test_results_go_to_stdout_and_progress_to_stderr(finished_run, tmp_path):
         proc = subprocess.run([sys.executable, "-m", "hsx", *args], stdout=f, stderr=subprocess.PIPE, text=True)
     assert proc.returncode == 0 and "memory per GPU" not in proc.stderr, proc.stderr
     said = plan.read_text()
-    assert said.startswith("memory per GPU for TP1, ") and said.rstrip().endswith("fits"), said
+    verdict, storage = said.split("storage per token", 1)  # the memory plan and its verdict, then each preset's bytes
+    assert said.startswith("memory per GPU for TP1, ") and verdict.rstrip().endswith("fits"), said
+    assert "--layers dflash:5: 5 taps" in storage, said
     r = CliRunner().invoke(app, ["vocab", str(finished_run), "--size", "48", "--dest", str(tmp_path / "vocab")])
     assert r.exit_code == 0 and r.stdout.startswith("vocab      48 of 2048 tokens") and not r.stderr, r.output
 

@@ -498,8 +498,9 @@ def _recode(src: Path, dest: Path, codec: Codec) -> Path:
     for shard in range(layout.num_shards(spec.plan.num_samples, spec.shard_size)):
         futures = []
         for sid in layout.shard_ids(shard, spec.shard_size, spec.plan.num_samples):
-            t = load_file(layout.sample_path(src, sid, spec.shard_size))
-            s = SampleTensors(sid, t["input_ids"], t["loss_mask"], t["aux_hidden_states"], t["hidden_states"])
+            path = layout.sample_path(src, sid, spec.shard_size)
+            t, figure = load_file(path), read_header(path).fidelity
+            s = SampleTensors(sid, t["input_ids"], t["loss_mask"], t["aux_hidden_states"], t["hidden_states"], figure)
             futures.append(writer.submit(s))
         seal(dest, shard, writer.wait(futures))
     writer.close()
@@ -574,14 +575,13 @@ def test_codec_bench_reports_every_codec():
 
 def expected_files(raw_run: Path, codec: Codec) -> dict[str, bytes]:
     """What an uninterrupted run with ``codec`` holds: the raw run's tensors, encoded (the writer's
-    encoding is a function of the tensors alone), by path under shards/."""
+    encoding is a function of the tensors alone), and their fidelity figure, by path under shards/."""
     layers = list(load_spec(raw_run).layers)
     out = {}
     for p in sorted((raw_run / "shards").rglob("*.safetensors")):
-        t = load_file(p)
-        s = SampleTensors(
-            layout.parse_sample_name(p.name), t["input_ids"], t["loss_mask"], t["aux_hidden_states"], t["hidden_states"]
-        )
+        t, figure = load_file(p), read_header(p).fidelity  # the figure its run measured: the same in any codec
+        sid = layout.parse_sample_name(p.name)
+        s = SampleTensors(sid, t["input_ids"], t["loss_mask"], t["aux_hidden_states"], t["hidden_states"], figure)
         out[str(p.relative_to(raw_run / "shards"))] = b"".join(encode(s, layers, codec)[0])
     return out
 

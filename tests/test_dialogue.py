@@ -213,7 +213,8 @@ def test_calls_are_answered_with_the_datasets_results_paired_by_name_in_order(to
         ("get_weather", {"city": "Paris"}),
         ("get_weather", {"city": "Rome"}),
     ]
-    ids = [c["id"] for c in calls["tool_calls"]]
+    ids = [c["id"] for c in calls["tool_calls"]]  # hsx's where the format writes none: Kimi's form, 9+ characters
+    assert ids == ["functions.get_weather:0", "functions.get_weather:1"]
     assert [(m["content"], m["tool_call_id"]) for m in par.messages[2:4]] == [
         ("RESULT-PARIS 18C", ids[0]),
         ("RESULT-ROME 24C", ids[1]),
@@ -235,6 +236,10 @@ def test_calls_are_answered_with_the_datasets_results_paired_by_name_in_order(to
         "RESULT-LOCAL",
     ]
     assert seq.messages[-1]["content"] == "I have 2 results." and len(seq.turns) == 3
+    assert [c["id"] for m in seq.messages for c in m.get("tool_calls") or []] == [
+        "functions.get_news:0",  # numbered over the conversation's calls, as Kimi numbers its own
+        "functions.get_weather:1",
+    ]
     # the three that cannot be paired end at the target's call, kept with the reason
     assert time_.ended == "turn 1: the target called 'get_time', a tool the dataset's turn has no result of"
     assert more.ended == "turn 1: the target called 'get_weather' more times than the dataset's turn has results of it"
@@ -332,7 +337,49 @@ def test_an_interrupted_tool_loop_resumes_to_the_same_bytes(tool_run, model, tmp
 
 def test_tool_rows_without_a_way_to_read_calls_are_refused_before_a_plan(model, tmp_path, monkeypatch):
     from hsx.errors import OptionError
+    from hsx.generate.toolcalls import PARSERS
 
-    with pytest.raises(OptionError, match=r"row 0 has tools, .* --tool-parser \(hermes, qwen3, kimi_k2, deepseek_v3\)"):
+    with pytest.raises(OptionError, match=rf"row 0 has tools, .* --tool-parser \({', '.join(PARSERS)}\)"):
         _generate(tmp_path / "gen", model, monkeypatch, parser=None)
     assert not (tmp_path / "gen" / "hsx.json").exists() and not list((tmp_path / "gen").rglob("*.parquet"))
+
+
+@pytest.mark.parametrize(
+    ("file", "refusal"),
+    [
+        ("Mistral-Small-3.1-24B-Instruct-2503.jinja", "Tool call IDs should be alphanumeric strings with length >= 9"),
+        ("tool_chat_template_llama3.1_json.jinja", "This model only supports single tool-calls at once!"),
+    ],
+)
+def test_regenerating_every_turn_plans_rows_whose_calls_the_template_refuses(file, refusal):
+    """The dataset's calls (ids of 2 characters, two in one turn) are replaced by the target's own when
+    every episode is regenerated: planning renders only the prompt of the first, and plans the row.
+    With --turns last they stay in the prompt of the last episode: the row is refused in the
+    template's own words."""
+    from hsx.generate.folder import plan_rows
+    from hsx.input import Conversation, Reject, Source, normalize
+    from hsx.plan import Tokenize
+    from hsx.target import load_tokenizer
+
+    tok = load_tokenizer(TINY, False)
+    tok.chat_template = (Path(__file__).parent / "data" / "templates" / file).read_text()
+    weather = {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    row = {
+        "tools": [WEATHER],
+        "messages": [
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {"role": "assistant", "content": None, "tool_calls": [weather | {"id": "c1"}, weather | {"id": "c2"}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "RESULT-PARIS"},
+            {"role": "tool", "tool_call_id": "c2", "content": "RESULT-ROME"},
+            {"role": "assistant", "content": "Both sunny."},
+            {"role": "user", "content": "Thanks"},
+            {"role": "assistant", "content": "Bye."},
+        ],
+    }
+    conv = normalize(row, Source("d.jsonl", 0, ""))
+    assert isinstance(conv, Conversation)
+    tokenize = Tokenize(tok, 4096)
+    (planned,) = plan_rows([(0, conv)], tokenize, "all", 1, 16)
+    assert not isinstance(planned, Reject) and planned.targets == [1, 6]
+    (refused,) = plan_rows([(0, conv)], tokenize, "last", 1, 16)
+    assert isinstance(refused, Reject) and refusal in refused.reason

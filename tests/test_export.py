@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY, conversations, flip_byte, hsx, require, write_jsonl
+from conftest import TINY, conversations, flip_byte, hsx, normed_model, require, write_jsonl
 from hsx.data import HsxDataset
 from hsx.errors import NormUnavailable
 from hsx.export.core import JOB, LOG, MANIFEST
@@ -27,17 +27,6 @@ from hsx.plan import Plan
 
 warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
 RUN_ARGS = ("--shard-size", "10", "--batch-tokens", "512", "--writers", "2", "--device", "cpu")
-
-
-def normed_model(dest: Path) -> Path:
-    """The tiny Llama with a non-trivial final norm (mixed signs and scales), so post/weight is tested."""
-    shutil.copytree(TINY, dest)
-    weights = load_file(dest / "model.safetensors")
-    g = torch.Generator().manual_seed(1)
-    w = torch.empty(64).uniform_(0.2, 3.0, generator=g) * torch.where(torch.rand(64, generator=g) < 0.2, -1.0, 1.0)
-    weights["model.norm.weight"] = w
-    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
-    return dest
 
 
 @pytest.fixture(scope="module")
@@ -120,15 +109,21 @@ def manifest_ok(dest: Path, n: int) -> dict:
 # ---------------------------------------------------------------- SpecForge
 
 
-def specforge_read(dest: Path, lengths: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-    """Every sample of a SpecForge export through its own offline reader and loader, by export
-    index, cut to its length: ``input_ids``, ``hidden_state`` (aux), ``target``, ``loss_mask``."""
+EAGLE3_KEYS = ("input_ids", "hidden_state", "target", "loss_mask")
+
+
+def specforge_read(
+    dest: Path, lengths: list[int], strategy: str = "eagle3", keys: tuple[str, ...] = EAGLE3_KEYS
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Every sample of a SpecForge export through its own offline reader and loader for ``strategy``,
+    by export index, cut to its length: its ``keys`` (EAGLE-3's: ``input_ids``, ``hidden_state``
+    (aux), ``target``, ``loss_mask``)."""
     require("specforge")
     from specforge.algorithms.builtin import builtin_algorithm_registry
     from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore
 
-    prov = builtin_algorithm_registry().resolve("eagle3").providers.offline_for("text")
+    prov = builtin_algorithm_registry().resolve(strategy).providers.offline_for("text")
     max_len = 4096
     refs = prov.build_reader(str(dest), run_id="t", ttt_length=7, max_len=max_len).read()
     loader = FeatureDataLoader(
@@ -138,14 +133,14 @@ def specforge_read(dest: Path, lengths: list[int]) -> dict[int, dict[str, torch.
         drop_last=False,
         collate_fn=prov.build_collator(),
         per_sample_transform=prov.build_normalizer(max_len),
-        strategy="eagle3",
+        strategy=strategy,
     )
     out, n = {}, 0
     for batch in loader:
         t = batch.tensors
         for b in range(t["input_ids"].shape[0]):
             idx = int(refs[n + b].feature_store_uri.rsplit("data_", 1)[1].removesuffix(".ckpt"))
-            out[idx] = {k: t[k][b, : lengths[idx]] for k in ("input_ids", "hidden_state", "target", "loss_mask")}
+            out[idx] = {k: t[k][b, : lengths[idx]] for k in keys}
         n += t["input_ids"].shape[0]
     assert n == len(out) == len(lengths)
     return out
@@ -160,7 +155,7 @@ def test_specforge_reads_a_custom_layer_float32_export_and_its_bf16_head_compute
 
     dest = tmp_path / "sf"
     out = export(runs["last"], dest, "--to", "specforge", "--draft-vocab", "64")
-    assert "model.aux_hidden_state_layer_ids: [1, 3, 7]" in out
+    assert "specforge train -c CONFIG.yaml" in out and '"aux_hidden_state_layer_ids": [1, 3, 7]' in out
     m = manifest_ok(dest, 20)
     assert m["source"]["dtype"] == "float32" and "bfloat16" in m["final_state"]
     src = hsx_samples(runs["last"])
@@ -203,7 +198,7 @@ def test_specforge_refuses_a_run_without_three_aux_layers():
     from hsx.export.specforge import SpecForge
 
     with pytest.raises(ExportRefused, match="exactly 3 aux layers"):
-        SpecForge(SimpleNamespace(spec=SimpleNamespace(layers=[1, 3]))).check()
+        SpecForge(SimpleNamespace(taps=[1, 3], opts=SimpleNamespace(draft="eagle3"))).check()
 
 
 # ---------------------------------------------------------------- speculators

@@ -4,6 +4,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -243,17 +244,59 @@ def test_a_mix_of_chat_reasoning_and_tool_rows_extracts_rejecting_only_broken_ro
     assert summary.complete
     rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rejects] == [
-        "broken-orphan-result", "broken-arguments", "broken-call-id", "broken-function-call", "broken-extra-result"
+        "broken-orphan-result", "broken-arguments", "broken-call-id", "broken-function-call", "broken-extra-result",
+        "glaive-v2",
     ]  # fmt: skip
-    assert all(r["reason"].startswith("turn ") for r in rejects)
+    assert all(r["reason"].startswith("turn ") for r in rejects[:-1])
+    assert rejects[-1]["reason"].startswith("a glaive-function-calling-v2 transcript")
     spec = json.loads((out / "hsx.json").read_text())["plan"]
-    # 10 conversations, two of whose first turns the template renders otherwise once the talk goes on
-    assert spec["num_samples"] == 12 and spec["rendering"] == {"own_sample_turns": 2}
+    # 16 conversations; the template drops the reasoning of every turn before the last user or tool
+    # turn, so 8 turns with reasoning are extracted after their own prompt
+    assert spec["num_samples"] == 24 and spec["rendering"] == {"own_sample_turns": 8, "call_ids_given": 10}
     assert spec["ignored_fields"] == {"category": 2, "messages[].name": 1, "messages[].weight": 1, "subcategory": 1}
-    assert any("2 assistant turns in a sample of their own" in line for line in said)
+    assert any("8 assistant turns extracted in a sample after their own prompt" in line for line in said)
+    assert any("10 tool calls without an id in the data, given one" in line for line in said)
     assert any(line.startswith("plan: metadata fields no template reads") for line in said)
     plan = Plan(out)
     for sid in range(spec["num_samples"]):
         t = load_states(layout.sample_path(out, sid, 10))
         assert t["input_ids"].tolist() == plan.input_ids(sid).tolist()
         assert t["loss_mask"].tolist() == plan.loss_mask(sid).tolist()
+
+
+def test_chat_template_kwargs_render_the_plan_are_recorded_and_a_resume_asking_others_is_refused(tmp_path):
+    """Qwen3's real template told not to think: every prompt ends with the empty reasoning block it
+    forces and the answers are masked after it, the row's reasoning counted; the spec records the
+    arguments, the summary says them, a resume asking others is refused by name, and a generate run
+    (rendered with its own) refuses them."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from hsx.errors import InputError
+    from hsx.plan import Plan
+
+    model = shutil.copytree(TINY, tmp_path / "model")
+    data = Path(__file__).parent / "data"
+    shutil.copy(data / "templates" / "Qwen3.jinja", model / "chat_template.jinja")
+    rows = [json.loads(line) for line in (data / "agentic.jsonl").read_text().splitlines()]
+    chat = write_jsonl(tmp_path / "chat.jsonl", [r for r in rows if r["id"] in ("reason-thinking", "story")])
+    out, said, kwargs = tmp_path / "run", [], {"enable_thinking": False}
+    assert extract(_opts(out, chat, model=str(model), template_kwargs=kwargs), log=said.append).complete
+    spec = json.loads((out / "hsx.json").read_text())
+    assert (
+        spec["template_kwargs"] == kwargs and 'plan: the chat template\'s arguments: {"enable_thinking": false}' in said
+    )
+    assert spec["plan"]["rendering"]["reasoning_unrendered"] == 3  # the two of the story, the one of the answer
+    tok, plan = AutoTokenizer.from_pretrained(model), Plan(out)
+    for sid in range(len(plan)):
+        ids, mask = plan.input_ids(sid), plan.loss_mask(sid)
+        before = tok.decode(ids[: int(np.argmax(mask))].tolist())
+        assert before.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    with pytest.raises(Refused, match=r"template kwargs: run has \{'enable_thinking': False\}, asked for \{\}"):
+        extract(_opts(out, template_kwargs={}), log=lambda m: None)
+    generated = tmp_path / "gen"
+    generated.mkdir()
+    (generated / "hsx.json").write_text(json.dumps({"kind": "generate"}))
+    with pytest.raises(InputError, match="--chat-template-kwargs renders data files and datasets"):
+        extract(_opts(tmp_path / "x", generated, template_kwargs=kwargs), log=lambda m: None)

@@ -11,11 +11,11 @@ import hsx
 SRC = Path(hsx.__file__).parent
 # lowest first: each package (or top-level module) by its name under hsx
 LAYERS = [
-    ("hsx", "errors", "units", "bounds"),  # the vocabulary: errors and their exit codes, units, option bounds
+    ("hsx", "errors", "units", "bounds", "drafts"),  # the vocabulary: errors, units, option bounds, draft types
     ("store",),  # the run folder's files: layout, durable writes, the file format, codecs, scans
     ("fingerprint", "lock", "registry", "telemetry", "progress", "input", "hfdatasets"),  # run-folder services, input
     ("spec", "target", "finalnorm", "plan", "tinymodel", "genrun"),  # what a run is: spec, model, plan; a generate run
-    ("capture", "staging"),  # the target running: token ids in, states out
+    ("capture", "staging", "fidelity"),  # the target running: token ids in, states out (and checked)
     ("job",),  # what every job does around its work: options, folder steps, space, the resume prologue
     ("generate",),  # the generate stage
     ("extract",),  # the extraction stage and its executors (this process, a tensor-parallel group, Ray workers)

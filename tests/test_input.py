@@ -167,20 +167,23 @@ def test_sharegpt_function_calling_rows_read_as_the_same_calls_and_results():
     assert glaive.turns[0] == Turn("system", "SYSP You may call functions.")  # the row-level system prompt
     assert [t.role for t in glaive.turns] == ["system", "user", "assistant", "tool", "tool", "assistant"]
     # one function_call turn holding a list is one assistant turn with parallel calls, paired in order
+    # calls without ids are given Kimi-K2's (functions.NAME:N, N counting the row's calls), and their results too
     assert glaive.turns[2].tool_calls == (
-        ToolCall("get_weather", '{"city": "Rome"}'),
-        ToolCall("get_weather", '{"city": "Cairo"}'),
+        ToolCall("get_weather", '{"city": "Rome"}', "functions.get_weather:0"),
+        ToolCall("get_weather", '{"city": "Cairo"}', "functions.get_weather:1"),
     )
-    assert [(t.content, t.name) for t in glaive.turns[3:5]] == [
-        ("TOOLRES Rome 18 C", "get_weather"),
-        ("TOOLRES Cairo 31 C", "get_weather"),
+    assert glaive.ids_given == 2
+    assert [(t.content, t.name, t.tool_call_id) for t in glaive.turns[3:5]] == [
+        ("TOOLRES Rome 18 C", "get_weather", "functions.get_weather:0"),
+        ("TOOLRES Cairo 31 C", "get_weather", "functions.get_weather:1"),
     ]
     # bare function schemas are offered to the template as OpenAI's tools, as serving passes them
     assert [t["type"] for t in tools_of(glaive)] == ["function"]
     assert tools_of(glaive)[0]["function"]["name"] == "get_weather"
     single = rows["glaive-sharegpt"]
-    assert single.turns[2].tool_calls == (ToolCall("get_stock_price", '{"ticker": "ZETA"}'),)
-    assert single.turns[3] == Turn("tool", '{"price": "TOOLRES 7.05"}', name="get_stock_price")
+    call_id = "functions.get_stock_price:0"
+    assert single.turns[2].tool_calls == (ToolCall("get_stock_price", '{"ticker": "ZETA"}', call_id),)
+    assert single.turns[3] == Turn("tool", '{"price": "TOOLRES 7.05"}', tool_call_id=call_id, name="get_stock_price")
     # calls a dataset writes in the assistant's text (ToolACE, Hermes) stay text; their results stay as given
     for key in ("toolace", "hermes-fc"):
         conv = rows[key]
@@ -222,8 +225,8 @@ def test_a_call_turn_right_after_the_assistants_text_is_that_turns_call():
     row = {"conversations": [SAID, CALLED, *RESULTS[:2], {"from": "gpt", "value": "done"}]}
     conv = normalize(row, Source("f", 0, ""))
     assert [t.role for t in conv.turns] == ["user", "assistant", "tool", "assistant"]
-    assert conv.turns[1] == Turn("assistant", "Let me look.", tool_calls=(ToolCall("f", '{"x": 1}'),))
-    assert conv.turns[2] == Turn("tool", "r", name="f")
+    assert conv.turns[1] == Turn("assistant", "Let me look.", tool_calls=(ToolCall("f", '{"x": 1}', "functions.f:0"),))
+    assert conv.turns[2] == Turn("tool", "r", tool_call_id="functions.f:0", name="f")
 
 
 @pytest.mark.parametrize(
@@ -311,13 +314,22 @@ def test_column_reads_every_rows_turns_from_that_field_and_a_row_without_it_is_a
     assert without["openai"].reason.startswith("unknown schema: no 'conversations' or 'messages' list")
 
 
-def test_column_may_name_a_standard_field_holding_the_other_kind_of_turns():
-    """``conversations`` of role/content turns (common on the Hub): unreadable without --column."""
+def test_either_kind_of_turns_reads_under_either_standard_field():
+    """SpecForge's rows: ``conversations`` of role/content turns (common on the Hub), read as they are,
+    as ShareGPT turns under ``messages`` are; --column names the field without changing how it reads."""
     row = {"conversations": [USER, ASSISTANT], "messages": "ignored"}
-    assert normalize(row, Source("f", 0, "")).reason == "turn 0: unknown role None"
-    got = normalize(row, Source("f", 0, ""), "conversations")
-    assert isinstance(got, Conversation) and [t.role for t in got.turns] == ["user", "assistant"]
-    assert got.ignored == ("messages",)
+    for got in (normalize(row, Source("f", 0, "")), normalize(row, Source("f", 0, ""), "conversations")):
+        assert isinstance(got, Conversation) and [(t.role, t.content) for t in got.turns] == [
+            ("user", "Q"),
+            ("assistant", "A"),
+        ]
+        assert got.ignored == ("messages",)
+    sharegpt = normalize({"messages": [HUMAN, GPT]}, Source("f", 0, ""))
+    assert sharegpt.turns == got.turns
+    no_role = normalize({"conversations": [{"speaker": "user", "text": "Q"}]}, Source("f", 0, ""))
+    assert no_role.reason == (
+        "'conversations' turns have neither 'role' (OpenAI) nor 'from' (ShareGPT) (keys: speaker, text)"
+    )
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
@@ -338,3 +350,34 @@ def test_a_column_no_row_has_is_refused_naming_the_columns_there(tmp_path, suffi
     assert str(refused.value) == (
         f"{path}: no row has a column 'dialog' (--column dialog); its rows have: chat, conversations, id, turns"
     )
+
+
+def test_xlam_rows_read_as_a_request_and_its_calls_and_glaive_transcripts_are_refused_naming_the_conversion():
+    rows = _by_id()
+    xlam = rows["xlam"]
+    assert [t.role for t in xlam.turns] == ["user", "assistant"] and xlam.turns[0].content.startswith("USERQ")
+    assert xlam.turns[1].tool_calls == (
+        ToolCall("get_weather", '{"city": "Rome"}', "functions.get_weather:0"),
+        ToolCall("get_weather", '{"city": "Paris"}', "functions.get_weather:1"),
+    )
+    assert tools_of(xlam)[0]["function"]["name"] == "get_weather" and xlam.ids_given == 2
+    assert rows["glaive-v2"].reason.startswith("a glaive-function-calling-v2 transcript")
+    assert "convert it to ShareGPT turns first" in rows["glaive-v2"].reason
+    specforge = rows["specforge"]  # SpecForge's own rows: conversations of role/content turns
+    assert [(t.role, t.content) for t in specforge.turns] == [("user", "USERQ Name a prime."), ("assistant", "Seven.")]
+
+
+def test_a_call_without_an_id_gets_one_and_a_results_own_id_still_pairs_it():
+    """Ids are given after pairing: a result naming an id its call lacks keeps its own."""
+    row = _openai(
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}] * 2},
+        {"role": "tool", "content": "one", "tool_call_id": "mine"},
+        {"role": "tool", "content": "two"},
+        {"role": "assistant", "tool_calls": [{"id": "kept", "function": {"name": "g", "arguments": "{}"}}]},
+        {"role": "tool", "content": "three"},
+    )
+    conv = normalize(row, Source("f", 0, ""))
+    assert [c.id for c in conv.turns[1].tool_calls] == ["functions.f:0", "functions.f:1"]
+    assert [(t.tool_call_id, t.name) for t in conv.turns[2:4]] == [("mine", "f"), ("functions.f:1", "f")]
+    assert conv.turns[4].tool_calls[0].id == "kept" and conv.turns[5].tool_call_id == "kept"
+    assert conv.ids_given == 2

@@ -168,6 +168,23 @@ def test_tp2_dense_equals_the_single_process_reference_and_records_the_layout(de
     spec = json.loads((out / "hsx.json").read_text())
     assert spec["parallel"] == {"tensor": 2, "expert": 1}
     assert not (out / layout.GROUP).exists()  # a group that ended cleanly leaves no record behind
+    assert_figures(out, models["dense"], spec["fidelity"]["stride"])
+
+
+def assert_figures(out: Path, model_dir: Path, stride: int) -> None:
+    """Every file's fidelity figure, measured by the group's sharded head, is the reference's: the
+    tokens it checks, and the argmax of transformers' own logits there (but for near ties)."""
+    from hsx import fidelity
+    from hsx.store.format import read_header
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for path in sorted((out / "shards").rglob("*.safetensors")):
+        sid, t, figure = layout.parse_sample_name(path.name), load_states(path), read_header(path).fidelity
+        at = fidelity.positions(sid, t["loss_mask"].numpy(), stride)
+        with torch.no_grad():
+            predicted = model(t["input_ids"][None].long()).logits[0, at].argmax(-1)
+        agreed = int((predicted == t["input_ids"][at + 1]).sum())
+        assert figure.checked == len(at) and abs(figure.agreed - agreed) <= figure.near_ties, (sid, figure)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])

@@ -1,12 +1,14 @@
 import json
 import re
+from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import TINY, conversations
-from hsx.input import Conversation, Source, Turn, normalize, read_conversations, to_message
+from hsx.input import Conversation, Source, Turn, normalize, read_conversations, to_message, tools_of
 from hsx.plan import Notes, Plan, Tokenize, batches_for, tokenize_all, write_plan
 from hsx.target import load_tokenizer
 from hsx.tinymodel import LLAMA3_TEMPLATE
@@ -238,14 +240,15 @@ def test_the_plan_counts_what_the_template_leaves_out_and_names_metadata(tmp_pat
     info, rejects = write_plan(tmp_path, tokenize_all(convs, Tokenize(tok, 4096)), 4096)
     assert rejects == [] and info.num_samples == len(convs)
     tool_rows = [c for c in convs if c.tools]
-    calling = [t for c in convs for t in c.turns if t.tool_calls]
+    calls = [call for c in convs for t in c.turns for call in t.tool_calls]
     thinking = [t for c in convs for t in c.turns if t.reasoning]
     assert info.rendering == {
         "reasoning_unrendered": len(thinking),
-        "calls_unrendered": len(calling),
+        "calls_unrendered": len(calls),
         "tools_unrendered": len(tool_rows),
+        "call_ids_given": sum(c.ids_given for c in convs),
     }
-    assert len(thinking) == 4 and len(calling) == 4 and len(tool_rows) == 4
+    assert len(thinking) == 13 and len(calls) == 13 and len(tool_rows) == 8 and info.rendering["call_ids_given"] == 10
     assert info.ignored_fields == {"category": 2, "messages[].name": 1, "messages[].weight": 1, "subcategory": 1}
     assert Plan(tmp_path).info == info  # recorded with the plan
     meta = tmp_path / "plan" / "plan.json"
@@ -253,8 +256,14 @@ def test_the_plan_counts_what_the_template_leaves_out_and_names_metadata(tmp_pat
     meta.write_text(json.dumps(old))  # a plan written before hsx counted: read, with nothing counted
     assert (Plan(tmp_path).info.rendering, Plan(tmp_path).info.ignored_fields) == ({}, {})
     lines = info.summary()
-    assert "4 assistant turns' reasoning the chat template does not render" in lines
-    assert "4 assistant turns' tool calls the chat template does not render" in lines
+    assert "13 assistant turns' reasoning the chat template does not render" in lines
+    assert any(
+        line.startswith("13 tool calls the chat template does not render (by name and argument values")
+        for line in lines
+    )
+    assert any(
+        line.startswith("10 tool calls without an id in the data, given one (functions.NAME:N") for line in lines
+    )
     assert lines[-1] == (
         "metadata fields no template reads, not rendered: category (2 rows), messages[].name (1 rows), "
         "messages[].weight (1 rows), subcategory (1 rows)"
@@ -268,4 +277,166 @@ def test_the_plan_counts_what_the_template_leaves_out_and_names_metadata(tmp_pat
     counted = sum(
         n.counts.get("tool_results_unrendered", 0) for n in tokenize_all(convs, tokenize) if isinstance(n, Notes)
     )
-    assert counted == sum(t.role == "tool" for c in convs for t in c.turns) == 8
+    assert counted == sum(t.role == "tool" for c in convs for t in c.turns) == 13
+
+
+# ---------------------------------------------------------------- the templates users serve: real public ones
+
+EOS = "<|im_end|>"  # the bundled tokenizer's eos_token, which Mistral's template writes after a turn
+# template file; the marker ending each turn it writes (GLM's turn ends at the next turn's role token,
+# none of its own); whose reasoning it renders as the latest turn; and the rows it refuses, in its words
+FAMILIES = {
+    "kimi-k2-thinking": (
+        "Kimi-K2-Thinking/chat_template.jinja", (EOS,), lambda t: bool(t.tool_calls), {}
+    ),  # answers: an empty <think></think>, always; a tool loop's calls keep theirs
+    "gpt-oss": ("gpt-oss-20b.jinja", ("<|return|>", "<|call|>"), lambda t: True, {
+        "toolace": "Message has tool role, but there was no previous assistant message with a tool call!",
+        "hermes-fc": "Message has tool role, but there was no previous assistant message with a tool call!",
+    }),
+    "qwen3": ("Qwen3.jinja", (EOS,), lambda t: True, {}),
+    "glm-4.6": ("GLM-4.6/chat_template.jinja", None, lambda t: True, {}),
+    "llama-3.1-json": ("tool_chat_template_llama3.1_json.jinja", ("<|eot_id|>",), lambda t: False, {
+        "openai-parallel": "This model only supports single tool-calls at once!",
+        "glaive-parallel": "This model only supports single tool-calls at once!",
+        "xlam": "This model only supports single tool-calls at once!",
+    }),
+    "mistral-small-3.1": ("Mistral-Small-3.1-24B-Instruct-2503.jinja", (EOS,), lambda t: False, {
+        "openai-parallel": "Tool call IDs should be alphanumeric strings with length >= 9! (1)call_a1",
+        "openai-tools-string": "Tool call IDs should be alphanumeric strings with length >= 9! (1)call_s1",
+        "toolace": "'dict object' has no attribute 'tool_call_id'",  # results of calls written as text: no id
+        "hermes-fc": "'dict object' has no attribute 'tool_call_id'",
+    }),
+}  # fmt: skip
+
+
+def _served(message: dict) -> dict:
+    """A message as a server hands it to the template: the reasoning under each name templates read."""
+    r = message.get("reasoning_content")
+    return message | {"thinking": r, "reasoning": r} if r else message
+
+
+def _in(value: object, text: str) -> bool:
+    """An argument's keys and scalar values are all in ``text`` (as text or as JSON)."""
+    if isinstance(value, dict):
+        return all(k in text and _in(v, text) for k, v in value.items())
+    return value in text if isinstance(value, str) else json.dumps(value) in text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_real_templates_mask_each_turn_after_its_served_prompt_as_the_template_writes_it(family):
+    """Every assistant turn is one masked run, after exactly the prompt the target was served for it
+    (transformers' rendering of the turns before it with the generation prompt) and as the template's
+    rendering of the conversation up to it ends: in the whole conversation where the template writes
+    it there so, else in a later turn's sample or its own. Each run is checked against the row: its
+    calls' names and argument values, its content and its reasoning where the template renders them
+    (what it leaves out is counted, turn by turn), never a user, system, tool result or tools block."""
+    file, ends, keeps_reasoning, refused = FAMILIES[family]
+    tok = _tokenizer((DATA / "templates" / file).read_text())
+    tokenize = Tokenize(tok, 100_000)
+    for conv in _agentic():
+        if conv.source.id in refused:  # what no rendering can express, in the template's own words
+            with pytest.raises(Exception, match=re.escape(refused[conv.source.id])):
+                tokenize(conv)
+            continue
+        done = tokenize(conv)
+        messages, tools = [_served(to_message(t)) for t in conv.turns], tools_of(conv)
+        turns = [i for i, t in enumerate(conv.turns) if t.role == "assistant"]
+        render = partial(tok.apply_chat_template, tools=tools, tokenize=False)
+        prompt = {i: render(messages[:i], add_generation_prompt=True) for i in turns}
+        upto = {i: render(messages[: i + 1]) for i in turns}
+        runs: dict[int, str] = {}
+        texts = []
+        for sample in done.samples:
+            text = tok.decode(sample.input_ids.tolist())
+            enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            assert enc["input_ids"] == sample.input_ids.tolist()
+            texts.append(text)
+            at = np.flatnonzero(np.diff(np.concatenate([[0], sample.loss_mask, [0]])))
+            for a, b in zip(at[::2], at[1::2], strict=True):  # each masked run: tokens a..b-1
+                (sa, first_end), eb = enc["offset_mapping"][a], enc["offset_mapping"][b - 1][1]
+                (i,) = [i for i in turns if text.startswith(prompt[i]) and sa <= len(prompt[i]) < first_end]
+                assert i not in runs, (conv.source.id, i)
+                runs[i] = text[len(prompt[i]) : eb]
+                assert upto[i].rstrip().endswith(runs[i].rstrip()), (conv.source.id, i, runs[i])
+        assert sorted(runs) == turns, conv.source.id
+        counts = done.notes.counts
+        dropped = Counter()
+        for i in turns:
+            t, run = conv.turns[i], runs[i]
+            assert not any(m in run for m in MARKERS), (conv.source.id, run)
+            assert ends is None or run.rstrip().endswith(ends), (conv.source.id, run)
+            if t.reasoning:
+                assert (t.reasoning in run) == keeps_reasoning(t), (family, conv.source.id, run)
+                dropped["reasoning_unrendered"] += t.reasoning not in run
+            answer = t.content.split("</think>")[-1].strip()  # inline reasoning as Qwen3's and GLM's read it
+            dropped["content_unrendered"] += answer not in run
+            at = 0
+            for call in t.tool_calls:
+                found = run.find(call.name, at)
+                shown = found >= 0 and _in(json.loads(call.arguments), run)
+                at = found + len(call.name) if shown else at
+                dropped["calls_unrendered"] += not shown
+        for key in ("reasoning_unrendered", "content_unrendered", "calls_unrendered"):
+            assert counts.get(key, 0) == dropped[key], (family, conv.source.id, key, counts)
+        for t in conv.turns:  # the context is rendered, unmasked (a marker's phrase survives JSON escaping)
+            if t.role != "assistant":
+                phrase = re.search(r"(USERQ|SYSP|TOOLRES)[^\"\\]*", t.content).group()
+                assert any(phrase in text for text in texts), (conv.source.id, phrase)
+        assert "tool_results_unrendered" not in counts and "tools_unrendered" not in counts
+        calls = [c for i in turns for c in conv.turns[i].tool_calls]
+        if family == "gpt-oss":  # its template writes the first call of a turn only
+            assert dropped["calls_unrendered"] == sum(max(len(conv.turns[i].tool_calls) - 1, 0) for i in turns)
+        elif family == "kimi-k2-thinking":  # it writes a call by its id: one not of its form shows no name
+            assert dropped["calls_unrendered"] == sum(not c.id.startswith(f"functions.{c.name}:") for c in calls)
+        else:
+            assert dropped["calls_unrendered"] == 0
+        if family in ("qwen3", "glm-4.6"):  # they reformat inline reasoning, and render all of it
+            assert not counts.get("content_unrendered") and not counts.get("reasoning_unrendered"), counts
+
+
+def test_the_kimi_thinking_agent_row_is_extracted_as_kimi_serves_it():
+    """The story's traffic under Kimi-K2-Thinking's template: user, a call with reasoning, its result,
+    an answer with reasoning. The call is masked as Kimi writes it (reasoning, its call by the id
+    hsx gave it); the answer after the prompt Kimi was served, which keeps the call's reasoning though
+    the template's rendering of the whole conversation drops it; the answer's reasoning, which no
+    rendering of this template holds, is counted. One sample holds both turns."""
+    tok = _tokenizer((DATA / "templates" / FAMILIES["kimi-k2-thinking"][0]).read_text())
+    conv = next(c for c in _agentic() if c.source.id == "story")
+    done = Tokenize(tok, 10_000)(conv)
+    (sample,) = done.samples
+    messages, tools = [to_message(t) for t in conv.turns], tools_of(conv)
+    served = tok.apply_chat_template(messages[:4], tools=tools, tokenize=False, add_generation_prompt=True)
+    assert "<think>I need the current weather in Oslo first.</think>" in served
+    assert "I need the current weather" not in tok.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert tok.decode(sample.input_ids.tolist()) == served + "<think></think>Yes: 21 C and sunny.<|im_end|>"
+    assert _runs(tok, sample) == [
+        "<think>I need the current weather in Oslo first.</think><|tool_calls_section_begin|><|tool_call_begin|>"
+        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>'
+        "<|tool_calls_section_end|><|im_end|>",
+        "<think></think>Yes: 21 C and sunny.<|im_end|>",
+    ]
+    assert done.notes.counts == {"reasoning_unrendered": 1, "own_sample_turns": 2, "call_ids_given": 1}
+
+
+@pytest.mark.parametrize(
+    ("file", "kwargs", "prompt_end", "run"),
+    [
+        ("Qwen3.jinja", {"enable_thinking": False}, "<think>\n\n</think>\n\n", "No: 91 = 7 x 13.<|im_end|>"),
+        ("GLM-4.6/chat_template.jinja", {"enable_thinking": False}, "<think></think>", "\nNo: 91 = 7 x 13."),
+        ("DeepSeek-R1-Distill-Qwen-32B/chat_template.jinja", {}, "<think>\n", "No: 91 = 7 x 13.<｜end▁of▁sentence｜>"),
+    ],
+)  # fmt: skip
+def test_text_the_prompt_forces_is_context_and_a_turn_that_cannot_follow_it_is_counted(file, kwargs, prompt_end, run):
+    """A template told not to think (its prompt forces an empty reasoning block) or one that forces the
+    reasoning open (DeepSeek-R1): the turn is masked right after its prompt as served, forced text
+    included; the row's reasoning, which cannot follow that prompt, is counted, and where the template
+    writes the turn without the forced text at all, that is counted too."""
+    tok = _tokenizer((DATA / "templates" / file).read_text())
+    conv = next(c for c in _agentic() if c.source.id == "reason-thinking")
+    done = Tokenize(tok, 10_000, kwargs)(conv)
+    (sample,) = done.samples
+    served = tok.apply_chat_template([to_message(conv.turns[0])], tokenize=False, add_generation_prompt=True, **kwargs)
+    assert served.endswith(prompt_end) and tok.decode(sample.input_ids.tolist()).rstrip() == served + run
+    assert _runs(tok, sample) == [run]
+    unforced = {"unforced_turns": 1} if "DeepSeek" in file else {}
+    assert done.notes.counts == {"reasoning_unrendered": 1, "own_sample_turns": 1} | unforced

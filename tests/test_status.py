@@ -59,7 +59,9 @@ def test_finished_run_is_ok_and_json_agrees(finished_run):
     code, text = status(finished_run)
     assert code == 0, text
     lv = levels(text)
-    assert list(lv) == ["gpus", "volume", "progress", "pace", "integrity", "model", "capture", "spec", "workers"]
+    assert list(lv) == [
+        "gpus", "volume", "progress", "pace", "integrity", "fidelity", "model", "capture", "spec", "workers"
+    ]  # fmt: skip
     assert all(lv[k] == "ok" for k in lv if k != "gpus")  # a machine without GPUs warns, never fails
     assert lv["gpus"] in ("ok", "warn")
     assert "40/40 samples" in text and "4 sealed, 0 partial, 0 untouched" in text
@@ -78,7 +80,7 @@ def test_copied_run_is_still_ok_and_holds_no_absolute_path_of_its_own(finished_r
     assert code == 0, report
     assert report["run"] == str(moved)
     assert {k: v for k, v in json_levels(report).items() if k != "gpus"} == dict.fromkeys(
-        ["volume", "progress", "pace", "integrity", "model", "capture", "spec", "workers"], "ok"
+        ["volume", "progress", "pace", "integrity", "fidelity", "model", "capture", "spec", "workers"], "ok"
     )
     for path in moved.rglob("*"):  # only the spec may name outside paths (the model, the source data)
         if path.is_file() and path.name != layout.SPEC:

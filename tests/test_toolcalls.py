@@ -1,15 +1,30 @@
-"""Tool-call recognition: each parser against completions hand-written in its model's format, and the
-tokenizer's own response template through transformers' ``parse_response``."""
+"""Tool-call recognition: each parser against completions hand-written in its model's format and
+against its family's real chat template's rendering of the agentic rows' calls, and the tokenizer's
+own response template through transformers' ``parse_response``."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from conftest import TINY
-from hsx.generate.toolcalls import RESPONSE_TEMPLATE, Malformed, Recognizer, choose, deepseek_v3, hermes, kimi_k2, qwen3
-from hsx.input import ToolCall
+from hsx.generate.toolcalls import (
+    RESPONSE_TEMPLATE,
+    Malformed,
+    Recognizer,
+    choose,
+    deepseek_v3,
+    glm45,
+    gpt_oss,
+    hermes,
+    kimi_k2,
+    llama3_json,
+    mistral,
+    qwen3,
+)
+from hsx.input import Conversation, ToolCall, read_conversations, to_message, tools_of
 
 
 def _args(call: ToolCall) -> dict:
@@ -126,3 +141,102 @@ def test_a_tokenizers_response_template_is_used_when_it_has_one():
     assert p == Recognizer(tok, "hermes")(text, [], [], None)  # the named parser reads it alike
     with pytest.raises(ValueError, match="--tool-parser takes"):
         Recognizer(tok, "llama4")
+
+
+# ---------------------------------------------------------------- each family's parser on its template's real markup
+
+DATA = Path(__file__).parent / "data"
+EOS = "<|im_end|>"  # the bundled tokenizer's eos_token, which Mistral's template writes after a turn
+FAMILIES = {  # template, parser, the end-of-turn marker the template writes (a stop token, not the parser's)
+    "kimi-k2-thinking": ("Kimi-K2-Thinking/chat_template.jinja", kimi_k2, EOS),
+    "gpt-oss": ("gpt-oss-20b.jinja", gpt_oss, "<|call|>"),
+    "qwen3": ("Qwen3.jinja", qwen3, EOS),
+    "glm-4.6": ("GLM-4.6/chat_template.jinja", glm45, ""),
+    "llama-3.1-json": ("tool_chat_template_llama3.1_json.jinja", llama3_json, "<|eot_id|>"),
+    "mistral-small-3.1": ("Mistral-Small-3.1-24B-Instruct-2503.jinja", mistral, EOS),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_parser_reads_back_the_calls_its_familys_template_writes(family):
+    """Every call turn of the agentic rows, rendered by the family's real template (transformers'
+    rendering of the conversation up to the turn, after the prompt it was served): the parser reads
+    back the row's calls (by name and argument values, a number included), in order, their ids where
+    the format writes them, and the reasoning and content the template wrote beside them."""
+    from transformers import AutoTokenizer
+
+    file, parser, end = FAMILIES[family]
+    tok = AutoTokenizer.from_pretrained(TINY)
+    tok.chat_template = (DATA / "templates" / file).read_text()
+    read = 0
+    for conv in read_conversations([DATA / "agentic.jsonl"]):
+        if not isinstance(conv, Conversation) or not any(t.tool_calls for t in conv.turns):
+            continue
+        messages, tools = [to_message(t) for t in conv.turns], tools_of(conv)
+        for m in messages:  # as served: gpt-oss reads the reasoning as thinking
+            m.update({"thinking": m["reasoning_content"]} if "reasoning_content" in m else {})
+        for i, turn in enumerate(conv.turns):
+            if not turn.tool_calls:
+                continue
+            try:
+                prompt = tok.apply_chat_template(messages[:i], tools=tools, tokenize=False, add_generation_prompt=True)
+                upto = tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
+            except Exception:  # a row the template refuses (test_plan checks which, in its words)
+                continue
+            if family == "kimi-k2-thinking" and not all(c.id.startswith("functions.") for c in turn.tool_calls):
+                continue  # a dataset's own ids: Kimi's template writes no name then
+            assert upto.startswith(prompt)
+            p = parser(upto[len(prompt) :].rstrip().removesuffix(end))
+            calls = turn.tool_calls[:1] if family == "gpt-oss" else turn.tool_calls  # it writes the first only
+            assert [(c.name, _args(c)) for c in p.calls] == [(c.name, _args(c)) for c in calls], (
+                family,
+                conv.source.id,
+            )
+            if family in ("kimi-k2-thinking", "mistral-small-3.1"):  # formats that write the id
+                assert [c.id for c in p.calls] == [c.id[-9:] if family.startswith("mistral") else c.id for c in calls]
+            rendered_reasoning = family not in ("llama-3.1-json", "mistral-small-3.1")
+            said = turn.reasoning or (turn.content if family == "gpt-oss" else "")  # gpt-oss: text is analysis
+            assert p.reasoning == (said if rendered_reasoning else ""), (family, conv.source.id, p)
+            kept_content = family in ("kimi-k2-thinking", "qwen3", "glm-4.6")
+            assert p.content == (turn.content if kept_content else ""), (family, conv.source.id, p)
+            read += 1
+    assert read >= 5
+
+
+def test_model_output_variants_and_malformed_calls_of_the_new_families():
+    """What the models write beyond their templates' rendering: gpt-oss' recipient after the channel
+    and its constrain token, Llama's python tag and ``;``-separated calls, Mistral's ``[ARGS]`` form;
+    an answer that is no call stays content; markup that says a call but does not parse is Malformed."""
+    harmony = (
+        "<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+    )
+    p = gpt_oss(harmony)
+    assert (p.reasoning, p.content, [(c.name, _args(c)) for c in p.calls]) == (
+        "Look it up.",
+        "",
+        [("get_weather", {"city": "Oslo"})],
+    )
+    assert gpt_oss("<|channel|>final<|message|>It is 3 C.").content == "It is 3 C."
+    with pytest.raises(Malformed, match="not JSON"):
+        gpt_oss('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"city": ')
+    p = llama3_json('<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "arguments": {}}')
+    assert [(c.name, _args(c)) for c in p.calls] == [("f", {"x": 1}), ("g", {})] and p.content == ""
+    assert llama3_json('{"answer": 42} is the JSON you want.') == type(p)(
+        "", '{"answer": 42} is the JSON you want.', ()
+    )
+    with pytest.raises(Malformed, match="not JSON"):
+        llama3_json('<|python_tag|>{"name": "f", "parameters": {')
+    p = mistral('Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{}')
+    assert p.content == "Sure." and [(c.name, c.id, _args(c)) for c in p.calls] == [
+        ("get_weather", "", {"city": "Rome"}),
+        ("get_time", "a1b2c3d4e", {}),
+    ]
+    with pytest.raises(Malformed, match="not JSON"):
+        mistral('[TOOL_CALLS] [{"name": "f", "arguments": {')
+    with pytest.raises(Malformed, match="no function name"):
+        mistral('[TOOL_CALLS] [{"arguments": {}}]')
+    p = glm45("<think>hm</think>\n<tool_call>search\n<arg_key>q</arg_key>\n<arg_value>3</arg_value>\n</tool_call>")
+    assert (p.reasoning, [(c.name, _args(c)) for c in p.calls]) == ("hm", [("search", {"q": 3})])  # "3" reads as 3
+    with pytest.raises(Malformed, match="without a function name"):
+        glm45("<tool_call><arg_key>q</arg_key><arg_value>x</arg_value></tool_call>")

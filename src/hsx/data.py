@@ -105,7 +105,9 @@ def available_ids(
 
 class HsxDataset(Dataset):
     """A run's samples as dicts of tensors: ``input_ids`` and ``loss_mask`` int64 [T],
-    ``aux_hidden_states`` [T, L*H], ``hidden_states`` [T, H] (post-norm), ``sample_id``.
+    ``aux_hidden_states`` [T, L*H] (absent where the run has no taps: ``--layers mtp``),
+    ``hidden_states`` [T, H] (after the final norm, or before it where ``final_norm`` says
+    ``pre``: the run's ``--final-state``), ``sample_id``.
 
     ``ids`` restricts (and orders) the samples; by default every sample with a good file (header
     and size checked; ``deep``: its digest too, one parallel pass over the run before serving)
@@ -135,6 +137,7 @@ class HsxDataset(Dataset):
         self.verify = verify
         self.keep_fp8 = keep_fp8
         self.layers = list(self.spec.layers)
+        self.final_norm = self.spec.final_norm  # "post" or "pre": the norm of ``hidden_states``
         self.unavailable: dict[int, str] = {}  # id -> why it is not served (ids given: not looked at)
         if ids is None:
             found = available_ids(self.run, self.spec, sealed_only, deep=deep)
@@ -295,6 +298,7 @@ def describe(run: str | Path) -> dict:
         "hidden_size": spec.model.hidden_size,
         "num_layers": spec.model.num_layers,
         "layers": list(spec.layers),
+        "final_norm": spec.final_norm,
         "dtype": spec.dtype,
         "num_samples": spec.plan.num_samples,
     }

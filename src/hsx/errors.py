@@ -13,9 +13,10 @@
     │   ├── NotEnoughSpace         the projected size exceeds free space (--allow-partial starts anyway)
     │   ├── LayoutTooLarge         the model does not fit the devices' memory in the asked parallel layout
     │   ├── CaptureFailed          the backend did not deliver a sample as the plan has it
+    │   ├── FidelityFailed         the captured states do not predict the target's next tokens: the run stopped
     │   ├── WorkerFailed           a scale-out worker failed on a shard; the run stopped
     │   ├── RepairRefused          verify --repair on a run an extractor is writing
-    │   ├── NormUnavailable        the final norm cannot be read or inverted from the checkpoint
+    │   ├── NormUnavailable        the final norm (or LM head) cannot be read or inverted from the checkpoint
     │   ├── ExportRefused          the export cannot go on as asked
     │   └── VocabError             the draft vocabulary cannot be built as asked
     ├── CleanStop                the volume filled; stopped cleanly, resumable once space is freed (exit 3)
@@ -109,6 +110,12 @@ class LayoutTooLarge(Refused):
 
 class CaptureFailed(Refused):
     pass
+
+
+class FidelityFailed(Refused):
+    """The final states of a batch, through the target's own final norm and LM head, do not predict
+    the next tokens as the run's floor or baseline says they must (``hsx.fidelity``); nothing of that
+    batch was written. A person finds the cause (layer, norm, kernel, positions) before resuming."""
 
 
 class WorkerFailed(Refused):

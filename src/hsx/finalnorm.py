@@ -82,7 +82,7 @@ class FinalNorm:
         float32 (Gemma 3n) differs from this by one rounding in half precision."""
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.to(x.dtype)
+        w = self.weight.to(x.device, x.dtype)
         if self.offset:
             return (h * (1.0 + w.float())).to(x.dtype)
         return w * h.to(x.dtype)

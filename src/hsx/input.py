@@ -2,13 +2,13 @@
 
 Accepted files: JSONL (one row per line), JSON (an array of rows) and Parquet; a Hugging Face dataset
 (a ``save_to_disk`` folder, or a name in the local cache: ``hsx.hfdatasets``). Accepted rows:
-ShareGPT (``conversations`` of ``from``/``value``) and OpenAI (``messages`` of ``role``/``content``),
-each with an optional ``id``, ``system`` and ``tools``; ``--column NAME`` reads every row's turns from
-that field instead (either kind of turn, told apart by their keys). A turn keeps everything the
-target's template renders: reasoning (``reasoning_content``, or its aliases ``thinking`` and
-``reasoning``), tool calls (OpenAI ``tool_calls``, or ShareGPT ``function_call`` turns holding a JSON
-call) and tool results (role ``tool``; ShareGPT ``tool`` / ``observation``), each result paired with
-the call it answers.
+``conversations`` or ``messages`` of ShareGPT (``from``/``value``) or OpenAI (``role``/``content``)
+turns, told apart by their keys, each with an optional ``id``, ``system`` and ``tools``; xLAM's
+``query``/``answers``/``tools``; ``--column NAME`` reads every row's turns from that field instead. A
+turn keeps everything the target's template renders: reasoning (``reasoning_content``, or its aliases
+``thinking`` and ``reasoning``), tool calls (OpenAI ``tool_calls``, or ShareGPT ``function_call`` turns
+holding a JSON call) and tool results (role ``tool``; ShareGPT ``tool`` / ``observation``), each result
+paired with the call it answers; a call without an id is given one (``call_id``).
 A field hsx does not use is metadata: named in the conversation's ``ignored``, counted in the plan.
 A row that cannot become a sample is never dropped: it becomes a ``Reject`` carrying its file, row
 number and the reason, and the run goes on.
@@ -48,6 +48,13 @@ IMAGE_FIELDS = ("image", "images")
 TEXT_ONLY = "hsx extracts text conversations only (multimodal extraction is not supported yet)"
 
 
+def call_id(name: str, k: int) -> str:
+    """The id hsx gives the ``k``-th call of a conversation where it has none: Kimi-K2's own form, which
+    templates that render ids need (Kimi-K2's writes a call by its id alone, Mistral's wants 9 characters
+    or more)."""
+    return f"functions.{name}:{k}"
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """One function call an assistant turn makes. ``arguments`` is JSON text (OpenAI's form), whatever
@@ -84,12 +91,14 @@ class Source:
 class Conversation:
     """``tools``: the function schemas the row offers the model (OpenAI's ``tools`` list), JSON text
     per tool, in the row's order; the chat template renders them. ``ignored``: the row's fields that
-    hold something no template reads (metadata such as ``category``, ``conversations[].weight``)."""
+    hold something no template reads (metadata such as ``category``, ``conversations[].weight``).
+    ``ids_given``: its calls that had no id and were given one (``call_id``)."""
 
     source: Source
     turns: tuple[Turn, ...]
     tools: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
+    ids_given: int = 0
 
 
 def to_message(turn: Turn) -> dict:
@@ -139,6 +148,22 @@ def read_rejects(path: Path) -> list[dict]:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except FileNotFoundError:
         return []
+
+
+def split_think(text: str) -> tuple[str, str]:
+    """(reasoning, rest): the text up to ``</think>`` (without a leading ``<think>``, which the
+    prompt may have written), newlines around it dropped as the templates render them. A
+    completion cut inside its reasoning is all reasoning."""
+    end = text.find("</think>")
+    head = text if end < 0 else text[:end]
+    stripped = head.lstrip()
+    opened = stripped.startswith("<think>")
+    if end < 0 and not opened:
+        return "", text
+    if opened:
+        head = stripped[len("<think>") :]
+    rest = "" if end < 0 else text[end + len("</think>") :]
+    return head.strip("\n"), rest.lstrip("\n")
 
 
 def _text(content: object, where: str) -> str:
@@ -287,62 +312,117 @@ def _turns(raw: list, role_key: str, text_key: str, list_key: str) -> tuple[list
     return turns, at, ignored
 
 
-def _paired(turns: list[Turn], at: list[int]) -> list[Turn]:
+def _paired(turns: list[Turn], at: list[int]) -> tuple[list[Turn], int]:
     """Each tool result paired with a call of the assistant turn before it: by id, else by name, else
-    in order; its missing ``name`` / ``tool_call_id`` are the call's (templates render them). Where
-    that turn writes its calls in its text (Hermes, ToolACE datasets), results stay as given."""
+    in order; its missing ``name`` / ``tool_call_id`` are the call's (templates render them). A call
+    without an id is given one (``call_id``), after pairing, so a result's own id still pairs it.
+    Where that turn writes its calls in its text (Hermes, ToolACE datasets), results stay as given.
+    Returns the turns and how many ids were given."""
     out: list[Turn] = []
-    caller: Turn | None = None
-    open_calls: list[ToolCall] = []
+    made: tuple[ToolCall, ...] = ()  # the calls of the last assistant turn, as the row has them
+    ids: list[str] = []  # ... and the id each call has now
+    open_calls: list[int] = []  # positions among them not answered yet
+    caller = False
+    count = 0
     for i, turn in zip(at, turns, strict=True):
         if turn.role == "assistant":
-            caller, open_calls = turn, list(turn.tool_calls)
+            made, caller = turn.tool_calls, True
+            ids = [c.id or call_id(c.name, count + k) for k, c in enumerate(made)]
+            open_calls = list(range(len(made)))
+            count += len(made)
+            if made:
+                calls = tuple(ToolCall(c.name, c.arguments, cid) for c, cid in zip(made, ids, strict=True))
+                turn = Turn("assistant", turn.content, turn.reasoning, calls)
         elif turn.role != "tool":
-            caller, open_calls = None, []
-        elif caller is None:
+            made, caller, open_calls = (), False, []
+        elif not caller:
             raise ValueError(f"turn {i}: a tool result with no assistant turn (no call) before it")
-        elif caller.tool_calls:
-            call = _match(turn, open_calls, caller.tool_calls, i)
-            open_calls.remove(call)
-            turn = Turn("tool", turn.content, tool_call_id=turn.tool_call_id or call.id, name=turn.name or call.name)
+        elif made:
+            k = _match(turn, open_calls, made, i)
+            open_calls.remove(k)
+            turn = Turn("tool", turn.content, tool_call_id=turn.tool_call_id or ids[k], name=turn.name or made[k].name)
         out.append(turn)
-    return out
+    given = sum(not c.id for t in turns if t.role == "assistant" for c in t.tool_calls)
+    return out, given
 
 
-def _match(result: Turn, open_calls: list[ToolCall], made: tuple[ToolCall, ...], i: int) -> ToolCall:
+def _match(result: Turn, open_calls: list[int], made: tuple[ToolCall, ...], i: int) -> int:
+    """The position in ``made`` of the call ``result`` answers, among ``open_calls``."""
     if result.tool_call_id and any(c.id for c in made):
-        call = next((c for c in open_calls if c.id == result.tool_call_id), None)
-        if call is None:
+        k = next((k for k in open_calls if made[k].id == result.tool_call_id), None)
+        if k is None:
             raise ValueError(f"turn {i}: a tool result for call id {result.tool_call_id!r}, which no open call has")
-        return call
+        return k
     if not open_calls:
         raise ValueError(f"turn {i}: more tool results than the {len(made)} call(s) before them")
     if result.name:
-        call = next((c for c in open_calls if c.name == result.name), None)
-        if call is None:
+        k = next((k for k in open_calls if made[k].name == result.name), None)
+        if k is None:
             raise ValueError(f"turn {i}: a result of {result.name!r}, which no open call calls")
-        return call
+        return k
     return open_calls[0]
 
 
-def _keys(turns: list, column: str) -> tuple[str, str]:
-    """The role and text keys of a ``--column``'s turns, OpenAI's or ShareGPT's: a column of any
-    name may hold either (a ``conversations`` of ``role``/``content`` is common). A key held null is
-    absent (Parquet and Arrow give every struct field to every turn)."""
+def _keys(turns: list, field: str) -> tuple[str, str]:
+    """The role and text keys of a list of turns, OpenAI's or ShareGPT's: a field of any name may hold
+    either (SpecForge's ``conversations`` of ``role``/``content`` is common). A key held null is absent
+    (Parquet and Arrow give every struct field to every turn)."""
     first = next((t for t in turns if isinstance(t, dict)), {})
     for keys in (("role", "content"), ("from", "value")):
         if first.get(keys[0]) is not None:
             return keys
-    raise ValueError(f"'{column}' turns have neither 'role' (OpenAI) nor 'from' (ShareGPT) (keys: {_names(first)})")
+    raise ValueError(f"'{field}' turns have neither 'role' (OpenAI) nor 'from' (ShareGPT) (keys: {_names(first)})")
 
 
 def _names(row: dict) -> str:
     return ", ".join(sorted(str(k) for k, v in row.items() if v is not None)) or "none"
 
 
+XLAM = ("query", "answers")  # xLAM function-calling rows: the request, the calls answering it; and "tools"
+GLAIVE_V2 = (
+    "a glaive-function-calling-v2 transcript ('chat' text of USER:/ASSISTANT:/FUNCTION RESPONSE: lines): "
+    "hsx reads turns, not transcripts; convert it to ShareGPT turns first (LLaMA-Factory's glaive_toolcall "
+    "datasets are that conversion)"
+)
+
+
+def _xlam(row: dict) -> tuple[list[Turn], list[int], set[str], set[str]]:
+    """An xLAM row: the user's ``query``, and the assistant's calls (``answers``, JSON text) answering it."""
+    turns = [
+        Turn("user", _text(row["query"], "'query'")),
+        Turn("assistant", "", "", _calls(row["answers"], "'answers'")),
+    ]
+    return turns, [0, 1], set(), set(XLAM)
+
+
+def _row_turns(row: dict, column: str | None) -> tuple[list[Turn], list[int], set[str], set[str]] | str:
+    """The row's turns (``_turns``), the row index of each, the metadata fields among its turns, and
+    the row fields read; or why the row holds no turns hsx reads."""
+    if column is not None:
+        held = row.get(column)  # None: absent (a Parquet or Arrow row holds every column, null where absent)
+        if held is None:
+            return f"no '{column}' field, which --column {column} names (keys: {_names(row)})"
+        if not isinstance(held, list):
+            return f"'{column}' is a {type(held).__name__}, not a list of turns"
+        field = column
+    else:
+        field = next((k for k in ("conversations", "messages") if isinstance(row.get(k), list)), "")
+    if not field:
+        if all(_given(row.get(k)) for k in XLAM):
+            return _xlam(row)
+        if isinstance(row.get("chat"), str):
+            return GLAIVE_V2
+        keys = ", ".join(sorted(map(str, row))) or "none"
+        return f"unknown schema: no 'conversations' or 'messages' list (keys: {keys})"
+    if not row[field]:
+        return "empty conversation"
+    role_key, text_key = _keys(row[field], field)
+    return *_turns(row[field], role_key, text_key, field), {field}
+
+
 def normalize(row: object, source: Source, column: str | None = None) -> Conversation | Reject:
     """One raw row -> a validated conversation, or the reason it cannot be one; ``column``: the
-    field that holds its turns (``--column``), else ``conversations`` or ``messages``."""
+    field that holds its turns (``--column``), else ``conversations``, ``messages`` or xLAM's."""
     if not isinstance(row, dict):
         return Reject(source, f"row is a {type(row).__name__}, not an object")
     row_id = row.get("id")
@@ -351,27 +431,12 @@ def normalize(row: object, source: Source, column: str | None = None) -> Convers
     image = next((k for k in IMAGE_FIELDS if row.get(k)), None)
     if image is not None:  # LLaVA-style ShareGPT: the picture beside the turns, "<image>" in their text
         return Reject(source, f"image content ('{image}' field); {TEXT_ONLY}")
-    if column is not None:
-        held = row.get(column)  # None: absent (a Parquet or Arrow row holds every column, null where absent)
-        if held is None:
-            return Reject(source, f"no '{column}' field, which --column {column} names (keys: {_names(row)})")
-        if not isinstance(held, list):
-            return Reject(source, f"'{column}' is a {type(held).__name__}, not a list of turns")
-        list_key = column
-    elif isinstance(row.get("conversations"), list):
-        list_key, role_key, text_key = "conversations", "from", "value"
-    elif isinstance(row.get("messages"), list):
-        list_key, role_key, text_key = "messages", "role", "content"
-    else:
-        keys = ", ".join(sorted(map(str, row))) or "none"
-        return Reject(source, f"unknown schema: no 'conversations' or 'messages' list (keys: {keys})")
-    if not row[list_key]:
-        return Reject(source, "empty conversation")
     try:
-        if column is not None:
-            role_key, text_key = _keys(row[column], column)
-        turns, at, ignored = _turns(row[list_key], role_key, text_key, list_key)
-        turns = _paired(turns, at)
+        read = _row_turns(row, column)
+        if isinstance(read, str):
+            return Reject(source, read)
+        turns, at, ignored, fields = read
+        turns, given = _paired(turns, at)
         tools = _tools(row.get("tools") if _given(row.get("tools")) else row.get("functions"))
         system = row.get("system")
         if _given(system):  # a row-level system prompt (LLaMA-Factory's ShareGPT, ToolACE)
@@ -387,8 +452,8 @@ def normalize(row: object, source: Source, column: str | None = None) -> Convers
         return Reject(source, "no assistant turn")
     if all(not (t.content.strip() or t.reasoning or t.tool_calls) for t in turns if t.role == "assistant"):
         return Reject(source, "every assistant turn is empty")
-    ignored |= _metadata(row, {list_key, "id", "system", "tools", "functions", *IMAGE_FIELDS}, "")
-    return Conversation(source, tuple(turns), tools, tuple(sorted(ignored)))
+    ignored |= _metadata(row, {*fields, "id", "system", "tools", "functions", *IMAGE_FIELDS}, "")
+    return Conversation(source, tuple(turns), tools, tuple(sorted(ignored)), given)
 
 
 def _rows(path: Path, name: str, split: str | None = None) -> Iterator[tuple[int, object] | Reject]:

@@ -3,15 +3,13 @@
 The chat template of the target's own tokenizer renders each conversation, with its tools, tool
 calls, tool results and reasoning (``input.to_message``). The loss mask marks what the target
 generates: every assistant turn's reasoning, content and call markup and its end-of-turn token;
-never tool results, the tools block, system or user turns. It is derived from the rendering alone,
-by rendering prefixes, so templates without ``{% generation %}`` markers work:
-
-    before = render(turns[:i], add_generation_prompt=True)   # ends where turn i's output starts
-    after  = render(turns[:i+1])                              # ends after its end-of-turn marker
-    mask the tokens in [len(before), len(after.rstrip()))     # trailing newlines are not the turn's
-
-A turn the template renders otherwise once later turns follow (many drop earlier reasoning) gets a
-sample of its own, the conversation up to it. What a template leaves out is counted (``COUNTS``).
+never tool results, the tools block, system or user turns. It is derived from renderings alone, so
+templates without ``{% generation %}`` markers work, and no template need render a conversation the
+same way as it grows (``Tokenize.generated``): each assistant turn is extracted after its prompt as
+the target was served it (``render(turns[:i], add_generation_prompt=True)``), followed by the turn
+as the template writes it when it is the latest (found in ``render(turns[:i+1])``). The whole
+conversation is one sample for every turn it holds exactly so; the others are extracted in the text of
+a later turn that holds them, or in their own. What a template leaves out is counted (``COUNTS``).
 
 The plan is written once into ``OUT/plan/plan.parquet`` with its fingerprint (a digest of the
 token content, not of the file bytes). Sample id = row index in the plan. Resume reads only this.
@@ -37,7 +35,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from hsx.errors import PlanError
-from hsx.input import Conversation, Reject, ToolCall, to_message, tools_of
+from hsx.input import REASONING, Conversation, Reject, ToolCall, Turn, split_think, to_message, tools_of
 from hsx.store.layout import PLAN_DIR, PLAN_FILE, part_name
 
 PLAN_META = "plan.json"
@@ -81,15 +79,21 @@ class Sample:
 
 
 # What rendering counts beside the samples (PlanInfo.rendering, the spec's plan.rendering): per key,
-# how many assistant turns (tool turns, rows) it concerns and what it means in the plan summary.
+# how many assistant turns (calls, tool turns, rows) it concerns and what it means in the plan summary.
 COUNTS = {
     "reasoning_unrendered": "assistant turns' reasoning the chat template does not render",
     "content_unrendered": "assistant turns' content the chat template does not render",
-    "calls_unrendered": "assistant turns' tool calls the chat template does not render",
+    "calls_unrendered": "tool calls the chat template does not render (by name and argument values; a template "
+    "that writes a call by its id alone, as Kimi-K2's, shows no name for an id without it)",
     "tool_results_unrendered": "tool results the chat template does not render",
     "tools_unrendered": "rows' tools the chat template does not render",
-    "own_sample_turns": "assistant turns in a sample of their own (the template renders them otherwise later on)",
+    "own_sample_turns": "assistant turns extracted in a sample after their own prompt, not in the whole "
+    "conversation (the template writes the conversation otherwise once later turns follow)",
     "past_max_length_turns": "assistant turns past --max-length (not extracted)",
+    "unforced_turns": "assistant turns the template writes without the text their prompt forced after the "
+    "generation prompt (DeepSeek-R1's <think>), masked after that prompt as written",
+    "call_ids_given": "tool calls without an id in the data, given one (functions.NAME:N, as Kimi-K2 writes them; "
+    "templates such as Kimi-K2's and Mistral's render ids)",
 }
 
 
@@ -114,8 +118,42 @@ def _shown(text: str, rendered: str) -> bool:
     return not t or any(form in rendered for form in (t, json.dumps(t)[1:-1], json.dumps(t, ensure_ascii=False)[1:-1]))
 
 
-def _call_shown(call: ToolCall, rendered: str) -> bool:
-    return call.name in rendered and all(_shown(str(k), rendered) for k in json.loads(call.arguments))
+def _value_shown(value: object, rendered: str) -> bool:
+    """An argument's value is in ``rendered``: each key and each scalar, as text or as JSON."""
+    if isinstance(value, dict):
+        return all(_shown(str(k), rendered) and _value_shown(v, rendered) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_value_shown(v, rendered) for v in value)
+    if isinstance(value, str):
+        return _shown(value, rendered)
+    return json.dumps(value) in rendered or str(value) in rendered
+
+
+def _calls_unshown(calls: tuple[ToolCall, ...], rendered: str) -> int:
+    """How many of ``calls`` ``rendered`` lacks, one by one: each call's name, in order after the
+    previous one's (a dropped second call of the same tool counts), and its arguments' keys and values
+    between the names of the calls around it (templates write them before or after the name)."""
+    names: list[tuple[ToolCall, int]] = []
+    at = 0
+    for call in calls:
+        pos = rendered.find(call.name, at)
+        if pos >= 0:
+            names.append((call, pos))
+            at = pos + len(call.name)
+    bounds = [0, *(pos for _, pos in names), len(rendered)]
+    shown = sum(
+        _value_shown(json.loads(call.arguments), rendered[bounds[k] : bounds[k + 2]])
+        for k, (call, _) in enumerate(names)
+    )
+    return len(calls) - shown
+
+
+def _said(turn: Turn) -> tuple[str, str]:
+    """The turn's reasoning and content; reasoning written inline (``<think>...</think>`` before the
+    answer, which templates such as Qwen3's and GLM's read as reasoning) is reasoning."""
+    if turn.reasoning or "</think>" not in turn.content:
+        return turn.reasoning, turn.content
+    return split_think(turn.content)
 
 
 def _prompt_end(prompt: str, text: str) -> int | None:
@@ -136,6 +174,59 @@ def _prompt_end(prompt: str, text: str) -> int | None:
     return len(text)  # the turn renders to blanks only
 
 
+def _context_end(context: str, text: str) -> int | None:
+    """Where ``context`` (a rendering of the turns before one) ends in ``text`` (a rendering of them
+    and that turn, which may write them otherwise): after the longest end of ``context`` that ``text``
+    holds, its last place there; None where ``text`` holds none of it."""
+    lo, hi = 0, len(context)  # the longest tail of context found in text has lo <= length <= hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if context[len(context) - mid :] in text:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == 0:
+        return 0 if not context else None
+    tail = context[len(context) - lo :]
+    return text.rfind(tail) + lo
+
+
+def _common(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    return next((k for k in range(n) if a[k] != b[k]), n)
+
+
+def _turn_in(rendered: str, prompt: str, opening: int, i: int) -> tuple[str, bool]:
+    """Turn ``i`` in ``rendered``, a rendering that ends with it: what follows the context
+    ``prompt[:opening]`` and as much of the generation prompt ``prompt[opening:]`` as it begins with;
+    and whether that is all of it (else the prompt forced text the turn's rendering lacks)."""
+    end = _context_end(prompt[:opening], rendered)
+    if end is None:
+        raise TemplateError(f"turn {i}: the chat template writes the turns before it beyond recognition")
+    head = _common(rendered[end:], prompt[opening:])
+    return rendered[end + head :], head == len(prompt) - opening
+
+
+def _unreasoned(message: dict) -> dict:
+    """``message`` without its reasoning, given apart or inline before its answer."""
+    out = {k: v for k, v in message.items() if k not in REASONING}
+    if "</think>" in out.get("content", ""):
+        out["content"] = split_think(out["content"])[1]
+    return out
+
+
+@dataclass(frozen=True)
+class Generated:
+    """An assistant turn in the context it was generated in (``Tokenize.generated``): ``text[:start]``
+    is its prompt as served, ``text[start:]`` the turn; ``unforced``: the template writes the turn
+    without text its prompt forced after the generation prompt (DeepSeek-R1's ``<think>\n``)."""
+
+    text: str
+    start: int
+    unforced: bool = False
+
+
 class Tokenize:
     """Render with the tokenizer's chat template and derive the assistant-token mask."""
 
@@ -149,6 +240,11 @@ class Tokenize:
         self.template_kwargs = dict(template_kwargs or {})  # e.g. enable_thinking, passed to the template
 
     def render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        """The template's text of ``messages``; a turn's reasoning is offered under each name templates
+        read (``input.REASONING``: Qwen3's and Kimi's ``reasoning_content``, gpt-oss' ``thinking``...)."""
+        messages = [
+            m | {k: m["reasoning_content"] for k in REASONING} if m.get("reasoning_content") else m for m in messages
+        ]
         return self.tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
         )
@@ -157,46 +253,71 @@ class Tokenize:
         """A rendered text's token ids, as the plan tokenizes it (the template writes its own specials)."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def generated(self, messages: list[dict], i: int, tools: list[dict] | None) -> Generated:
+        """Turn ``i`` in the context it was generated in: its prompt as the target was served it, then
+        the turn as the template writes it when it is the latest turn (what the target generates:
+        reasoning, content, calls, end-of-turn marker).
+
+        Where the template writes the conversation up to the turn as the prompt has it, that is its
+        rendering. Where it does not (it rewrites earlier turns once this one follows, or the turn does
+        not begin with text the prompt forced after the generation prompt), the turn is found in its
+        rendering after the prompt's context and the generation prompt; where it conflicts with forced
+        text only by its reasoning (a template told not to think), the turn as written without it.
+        """
+        prompt = self.render(messages[:i], True, tools)
+        after = self.render(messages[: i + 1], False, tools)
+        start = _prompt_end(prompt, after)
+        if start is not None:
+            return Generated(after, start)
+        opening = _common(prompt, self.render(messages[:i], False, tools))  # prompt[opening:]: the generation prompt
+        turn, whole = _turn_in(after, prompt, opening, i)
+        if not whole and _unreasoned(messages[i]) != messages[i]:
+            plain, whole = _turn_in(
+                self.render([*messages[:i], _unreasoned(messages[i])], False, tools), prompt, opening, i
+            )
+            turn = plain if whole else turn
+        return Generated(prompt + turn, len(prompt), unforced=not whole)
+
     def pieces(self, conv: Conversation) -> tuple[list[tuple[str, list[tuple[int, int]]]], Counter]:
         """The texts to extract, each with the character spans to mask, and what the template left out.
 
-        The first text is the whole conversation, masking each assistant turn the template renders
-        there as it renders it when that turn is the latest (its prompt, then what the target
-        generated: reasoning, content, calls, end marker). A turn rendered otherwise once later turns
-        follow (templates that drop earlier reasoning) gets a text of its own: the conversation up
-        to it. What a turn held but its own rendering lacks is counted, never silently dropped.
+        Each assistant turn is masked in the context it was generated in (``generated``): in the whole
+        conversation where that begins with the turn's prompt and the turn as generated, else in the
+        text of a later turn that does (a tool loop's prompts grow turn by turn), else in a text of its
+        own. What a turn held but its rendering lacks is counted, never silently dropped.
         """
         messages, tools = [to_message(t) for t in conv.turns], tools_of(conv)
         full = self.render(messages, False, tools)
-        spans: list[tuple[int, int]] = []
-        own: list[tuple[str, list[tuple[int, int]]]] = []
+        found: list[tuple[str, int, int]] = []
         counts: Counter = Counter()
         for i, turn in enumerate(conv.turns):
             if turn.role != "assistant":
                 continue
-            before = self.render(messages[:i], True, tools)
-            after = self.render(messages[: i + 1], False, tools)
-            lo, hi = _prompt_end(before, after), len(after.rstrip())  # trailing newlines are not the turn's
-            if lo is None:
-                raise TemplateError(f"chat template is not prefix-stable at turn {i}: it does not extend its prompt")
-            generated = after[lo:hi]
-            counts["reasoning_unrendered"] += not _shown(turn.reasoning, generated)
-            counts["content_unrendered"] += not _shown(turn.content, generated)
-            counts["calls_unrendered"] += not all(_call_shown(c, generated) for c in turn.tool_calls)
-            if hi <= lo:
-                continue
-            if full.startswith(after[:hi]):
-                spans.append((lo, hi))
-            else:
-                own.append((after, [(lo, hi)]))
-        texts = [full] + [text for text, _ in own]
-        counts["own_sample_turns"] = len(own)
+            made = self.generated(messages, i, tools)
+            text, lo, hi = made.text, made.start, len(made.text.rstrip())  # trailing newlines are not the turn's
+            reasoning, content = _said(turn)
+            counts["reasoning_unrendered"] += not _shown(reasoning, text[lo:hi])
+            counts["content_unrendered"] += not _shown(content, text[lo:hi])
+            counts["calls_unrendered"] += _calls_unshown(turn.tool_calls, text[lo:hi])
+            counts["unforced_turns"] += made.unforced
+            if hi > lo:
+                found.append((text, lo, hi))
+        hosts: list[tuple[str, list[tuple[int, int]]]] = [(full, [])]
+        for text, lo, hi in reversed(found):  # the latest turns' texts hold the most
+            host = next((h for h in hosts if h[0].startswith(text[:hi])), None)
+            if host is None:
+                host = (text, [])
+                hosts.append(host)
+            host[1].insert(0, (lo, hi))
+        counts["own_sample_turns"] = sum(len(spans) for _, spans in hosts[1:])
+        pieces = [(text, spans) for text, spans in [hosts[0], *reversed(hosts[1:])] if spans]
         counts["tool_results_unrendered"] = sum(
-            not any(_shown(t.content, text) for text in texts) for t in conv.turns if t.role == "tool"
+            not any(_shown(t.content, text) for text, _ in pieces) for t in conv.turns if t.role == "tool"
         )
         names = [json.loads(t).get("function", {}).get("name", "") for t in conv.tools]
-        counts["tools_unrendered"] = int(not all(n in full for n in names))
-        return ([(full, spans)] if spans else []) + own, counts
+        counts["tools_unrendered"] = int(not all(any(n in text for text, _ in pieces) for n in names))
+        counts["call_ids_given"] = conv.ids_given
+        return pieces, counts
 
     def __call__(self, conv: Conversation) -> Tokenized:
         pieces, counts = self.pieces(conv)

@@ -57,6 +57,8 @@ class Progress:
         self.waited_for_disk: Callable[[], float] | None = None
         # a resume's verification so far (files, bytes, seconds, extraction's wait): job.resume.Verified
         self.verified: Callable[[], dict] | None = None
+        # this session's fidelity so far (hsx.fidelity.Gate.metrics), where the run checks it
+        self.fidelity: Callable[[], dict] | None = None
 
     def start(self, done_samples: int, done_tokens: int) -> None:
         self.base_samples, self.base_tokens = done_samples, done_tokens
@@ -137,6 +139,7 @@ class Progress:
             }
             | ({"waited_for_disk_s": self.waited_for_disk()} if self.waited_for_disk else {})
             | (self.verified() if self.verified else {})
+            | (self.fidelity() if self.fidelity else {})
         )
 
     @contextmanager

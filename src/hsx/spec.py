@@ -22,15 +22,17 @@ from typing import Any, Literal, Protocol, TypeVar
 from pydantic import BaseModel, ValidationError, model_serializer
 
 from hsx import __version__
+from hsx.drafts import bytes_per_token
 from hsx.errors import SpecError
 from hsx.fingerprint import ModelFingerprint, digest_file
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
-from hsx.store.format import FINAL_STATE, LAYER_CONVENTION
+from hsx.store.format import FINAL_STATE, LAYER_CONVENTION, FinalStateNorm
 
 FORMAT = "hsx-run/1"
 EXTRACT, GENERATE = "extract", "generate"  # the kinds of run; each is the command that resumes it
+Record = TypeVar("Record", bound=BaseModel)
 
 
 class Quantization(BaseModel):
@@ -67,6 +69,7 @@ class TokenizerIdentity(BaseModel):
 
 
 OPTIONAL_DATA = ("split", "limit", "column")  # a DataFile's fields written only where given
+DRAFT_DEFAULTS = {"layers_formula": None, "final_norm": "post"}  # RunSpec's fields written only where not these
 
 
 class DataFile(BaseModel):
@@ -159,6 +162,29 @@ class Parallel(BaseModel):
         return f"tensor {self.tensor}, expert {self.expert}"
 
 
+class FidelityCheck(BaseModel):
+    """How a run checks that its states are the target's own (``hsx.fidelity``): which tokens, and
+    what stops it. Every ``stride``-th loss-masked next token of a sample is checked (the sampling:
+    the same tokens in every process and resume). ``floor``: a run whose data is this model's own
+    temperature-0 output (``mode`` floor) stops where agreement, near ties counted, falls under it;
+    any other data (``mode`` baseline) is held to its first batches' agreement: a fall by more than
+    ``drop`` of it stops the run. The baseline, measured after the spec is written, is recorded
+    beside it (``fidelity.json``), as are limits a resume changed."""
+
+    mode: Literal["floor", "baseline"]
+    stride: int = 8
+    floor: float = 0.98
+    drop: float = 0.5
+
+    def rule(self, baseline: float | None = None) -> str:
+        """What stops the run, in words (``baseline``: its agreement, once measured)."""
+        if self.mode == "floor":
+            return f"the floor {self.floor:.1%} (the data is this model's own temperature-0 output)"
+        if baseline is None:
+            return f"{1 - self.drop:.0%} of the baseline its first batches set"
+        return f"{1 - self.drop:.0%} of the run's baseline {baseline:.1%}"
+
+
 @dataclass(frozen=True)
 class Footprint:
     """What a run's files take on disk, as the space forecast and the store's scan need it:
@@ -208,9 +234,11 @@ class RunSpec(BaseModel):
     backend: str
     model: ModelIdentity
     tokenizer: TokenizerIdentity
-    layers: list[int]
+    layers: list[int]  # the taps, in hsx ids; empty for a run of the final state alone (--layers mtp)
+    layers_formula: str | None = None  # the draft preset's formula that gave them (hsx.drafts); None: given as ids
     layer_convention: str = LAYER_CONVENTION
     final_state: str = FINAL_STATE
+    final_norm: FinalStateNorm = "post"  # the final state stored after the final norm, or before it
     dtype: str
     max_length: int
     batch_tokens: int
@@ -223,14 +251,17 @@ class RunSpec(BaseModel):
     # how an FP8 checkpoint computes: fp8 (block FP8 GEMMs, activations quantized) or dequantized
     # (weights expanded to the dtype); None: unquantized weights, or a run made before hsx recorded it
     quantized_compute: str | None = None
+    # the chat template's arguments the plan rendered with (--chat-template-kwargs); runs made before: none
+    template_kwargs: dict[str, Any] = {}
     data: list[DataFile]
     generate_spec: str | None = None  # the data is a generate run: the digest of its spec
     plan: PlanIdentity
+    fidelity: FidelityCheck | None = None  # None: a run made before hsx checked fidelity checks nothing
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token costs on disk: L aux states + the final state + input id + mask."""
-        return (len(self.layers) + 1) * self.model.hidden_size * self.state_itemsize + 8 + 1
+        return bytes_per_token(len(self.layers), self.model.hidden_size, self.state_itemsize)
 
     @property
     def state_itemsize(self) -> int:
@@ -245,6 +276,13 @@ class RunSpec(BaseModel):
     def save(self, run: Path) -> None:
         write_durable(run / layout.SPEC, self.model_dump_json(indent=2).encode())
 
+    @model_serializer(mode="wrap")
+    def _drafts_where_asked(self, handler) -> dict:
+        """``layers_formula`` and ``final_norm`` only where a run asked for them: a run given ids and
+        the post-norm final state is written as before."""
+        out = handler(self)
+        return {k: v for k, v in out.items() if k not in DRAFT_DEFAULTS or v != DRAFT_DEFAULTS[k]}
+
 
 def now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
@@ -256,9 +294,6 @@ def who() -> str:
     except (KeyError, OSError):
         user = "unknown"
     return f"{user}@{socket.gethostname()}"
-
-
-M = TypeVar("M", bound=BaseModel)
 
 
 class ModelLocation(BaseModel):
@@ -325,15 +360,20 @@ class PlanGrowth(BaseModel):
     data: list[DataFile]  # the generate run as last read (its planned conversations)
 
 
-def plan_growth(run: Path) -> PlanGrowth | None:
-    """The run's growth record, or None when its plan never grew."""
-    path = run / layout.PLAN_DIR / layout.GROWTH
+def read_record(path: Path, kind: type[Record]) -> Record | None:
+    """A record kept beside the spec (invariant 8) as ``kind``: None where there is none yet;
+    ``SpecError`` where it is unreadable or damaged."""
     try:
-        return PlanGrowth.model_validate_json(path.read_bytes())
+        return kind.model_validate_json(path.read_bytes())
     except FileNotFoundError:
         return None
     except (ValidationError, ValueError) as e:
         raise SpecError(f"{path} is unreadable or damaged: {str(e).splitlines()[0]}") from e
+
+
+def plan_growth(run: Path) -> PlanGrowth | None:
+    """The run's growth record, or None when its plan never grew."""
+    return read_record(run / layout.PLAN_DIR / layout.GROWTH, PlanGrowth)
 
 
 def kind_of(run: Path) -> str | None:
@@ -358,7 +398,7 @@ WRONG_KIND = {  # (kind asked for, kind found) -> what the refusal says
 }
 
 
-def read_spec(run: Path, kind: str, model: type[M]) -> M:
+def read_spec(run: Path, kind: str, model: type[Record]) -> Record:
     """The spec of ``run``, a run of ``kind`` (``model``: its class): every spec hsx reads is read here,
     its kind inferred where an older spec does not record it and refused where it is another."""
     path = run / layout.SPEC
@@ -387,8 +427,9 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
 
     ``asked`` holds only what the operator gave: ``model`` (a ModelIdentity), ``tokenizer``,
     ``layers``, ``dtype``, ``max_length``, ``batch_tokens``, ``shard_size``, ``data`` (DataFiles),
-    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``, ``column``,
-    ``split`` and ``limit`` (asked without ``data``; with it, the data's own).
+    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``,
+    ``template_kwargs``, ``column``, ``split`` and ``limit`` (asked without ``data``; with it, the data's own),
+    ``fidelity_stride``.
     """
     out = []
     if (m := asked.get("model")) is not None:
@@ -413,9 +454,16 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
         "codec",
         "parallel",
         "quantized_compute",
+        "template_kwargs",
+        "final_norm",
     ):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
+    if (v := asked.get("fidelity_stride")) is not None:
+        have = getattr(stored, "fidelity", None)
+        if have is None or v != have.stride:
+            run = "checks no fidelity" if have is None else f"checks 1 in {have.stride} masked tokens"
+            out.append(f"fidelity stride: the run {run}, asked for {v}")
     for key in ("split", "limit"):  # asked without --data (with it, the data's own key says it)
         if "data" in asked or (v := asked.get(key)) is None:
             continue

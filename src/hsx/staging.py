@@ -6,6 +6,8 @@ the writer at once; a writer thread waits on the event before hashing, and the s
 the ring when its last sample is written. The compute stream never waits for the disk unless
 every slot is still being written (backpressure, bounded host memory).
 On CPU: the captured tensors already live in host memory; samples are views of them.
+A batch's fidelity figures (``CapturedBatch.fidelity``), where measured, come over with its states,
+behind the same fence.
 
 With the fp8 codec the ring carries encoded states: each batch is quantized on the device, on the
 side stream, before its copy (``codec.encode_early``), so the copy and the pinned slots hold half the
@@ -42,13 +44,28 @@ def _runs(batch: CapturedBatch, wanted: list[int]) -> list[tuple[int, int, int]]
 
 
 class HostBatch:
-    """Host views of one batch's samples plus a readiness fence and a release hook."""
+    """Host views of one batch's samples plus a readiness fence and a release hook; ``figures``:
+    the batch's fidelity figures on the host (valid once ``ready`` returns), where measured."""
 
-    def __init__(self, views: list[tuple[State, State]], ready: Callable[[], None], release: Callable[[], None]):
-        self.views, self.ready = views, ready
+    def __init__(
+        self,
+        views: list[tuple[State, State]],
+        ready: Callable[[], None],
+        release: Callable[[], None],
+        figures: torch.Tensor | None = None,
+    ):
+        self.views, self.ready, self.figures = views, ready, figures
         self._left = len(views)
         self._lock = threading.Lock()
         self._release = release
+
+    def drop(self) -> None:
+        """None of its samples will be written: its buffers go back now."""
+        self.ready()
+        with self._lock:
+            left, self._left = self._left, 0
+        if left:
+            self._release()
 
     def done_one(self) -> None:
         with self._lock:
@@ -85,7 +102,9 @@ class SlotLayout:
         encoding them first where they lie; returns each sample's (aux, final) as held in the slot."""
         off = 0
         for row, start, n in _runs(batch, wanted):  # packed samples are one contiguous run: one copy
-            for bufs, src, (_, groups) in zip(slot, (batch.aux, batch.final), self.states, strict=True):
+            for bufs, src, (cols, groups) in zip(slot, (batch.aux, batch.final), self.states, strict=True):
+                if not cols:  # a run without taps: no aux state to copy
+                    continue
                 part = src[row, start : start + n]
                 parts = encode_early(self.encodes, part, groups).tensors if self.encodes is Codec.FP8 else (part,)
                 for buf, p in zip(bufs, parts, strict=True):
@@ -111,7 +130,7 @@ class CpuStaging:
 
     def stage(self, batch: CapturedBatch, wanted: list[int]) -> HostBatch:
         views = [batch.sample(i) for i in wanted]
-        return HostBatch(views, lambda: None, lambda: None)
+        return HostBatch(views, lambda: None, lambda: None, batch.fidelity)
 
     def close(self) -> None:
         pass
@@ -140,11 +159,16 @@ class CudaStaging:
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):  # any encoding's scratch is allocated on this stream too
             views = self.layout.fill(slot, batch, wanted)
+            figures = None
+            if batch.fidelity is not None:
+                figures = torch.empty(batch.fidelity.shape, dtype=batch.fidelity.dtype, pin_memory=True)
+                figures.copy_(batch.fidelity, non_blocking=True)
+                batch.fidelity.record_stream(self.stream)
             event = torch.cuda.Event()
             event.record(self.stream)
         batch.aux.record_stream(self.stream)  # keep device memory alive until the copy is done
         batch.final.record_stream(self.stream)
-        return HostBatch(views, event.synchronize, lambda: self.free.put(slot))
+        return HostBatch(views, event.synchronize, lambda: self.free.put(slot), figures)
 
     def close(self) -> None:
         self.stream.synchronize()

@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from hsx.assess import gpus, integrity, model, pace, runspec, tally, volume, workers
+from hsx.assess import fidelity, gpus, integrity, model, pace, runspec, tally, volume, workers
 from hsx.assess.checks import Check, exit_code, skipped
 from hsx.errors import Exit, SpecError
 from hsx.genrun.spec import GenerateSpec
@@ -23,7 +23,7 @@ from hsx.spec import EXTRACT, GENERATE, RunSpec, model_location, same_place
 from hsx.store import layout
 from hsx.telemetry import read_history
 
-ORDER = ("gpus", "volume", "progress", "pace", "integrity", "model", "capture", "spec", "workers")
+ORDER = ("gpus", "volume", "progress", "pace", "integrity", "fidelity", "model", "capture", "spec", "workers")
 VERDICTS = {Exit.OK: "ok", Exit.REDO: "redo", Exit.ACT: "act"}
 STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 
@@ -91,12 +91,13 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
     checks["gpus"] = gpus.check(worker.pid if local else None, launcher)  # its own GPU use is not foreign
     t = None
     if spec is None:
-        for name in ("volume", "progress", "pace", "integrity", "model", "capture"):
+        for name in ("volume", "progress", "pace", "integrity", "fidelity", "model", "capture"):
             checks[name] = skipped(name, "no readable run spec")
     else:
         result = integrity.inspect(run, spec, deep, worker.alive, threads)
         t = tally.tally(result.scans, spec.plan.num_samples, spec.plan.num_tokens, plan.lengths if plan else None)
         checks["integrity"] = integrity.check(result, command=command)
+        checks["fidelity"] = fidelity.line(run, spec, result.scans)
         checks["progress"] = tally.check(t, command)
         if spec.kind == GENERATE:
             _outcomes(checks["progress"], run, spec)

@@ -1,4 +1,5 @@
-"""``hsx verify``: the integrity check alone, for scripts; ``repair`` moves bad files aside.
+"""``hsx verify``: the integrity check alone, for scripts; ``repair`` moves bad files aside;
+``--fidelity`` also recomputes the fidelity of a sample of files from the checkpoint (``assess.fidelity``).
 
 Repair never deletes: every bad, stray or foreign file goes to ``OUT/quarantine/<its path>`` with a
 ``.reason`` file next to it (kind, detail, sample id, time), so the next ``hsx extract --out OUT``
@@ -11,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hsx.assess import integrity, workers
+from hsx import target
+from hsx.assess import fidelity, integrity, workers
 from hsx.assess.checks import Check
-from hsx.errors import Exit, RepairRefused
+from hsx.errors import Exit, Refused, RepairRefused
 from hsx.genrun.spec import GenerateSpec, load_any
-from hsx.job.options import resume_command
-from hsx.spec import RunSpec
+from hsx.job.options import check_device, default_device, resume_command
+from hsx.spec import GENERATE, RunSpec
 from hsx.store import layout
 from hsx.store.quarantine import Moved, quarantine
 
@@ -28,10 +30,14 @@ class VerifyResult:
     result: integrity.Integrity
     check: Check
     moved: list[Moved] = field(default_factory=list)
+    fidelity: Check | None = None  # --fidelity: the recomputation
 
     @property
     def exit_code(self) -> int:
-        """0 clean, 1 problems hsx extract redoes (after a repair: the samples it will redo)."""
+        """0 clean, 1 problems hsx extract redoes (after a repair: the samples it will redo), 2 states
+        that fail their fidelity (a person finds the cause: their bytes are good, no resume redoes them)."""
+        if self.fidelity is not None and self.fidelity.level == "fail":
+            return Exit.ACT
         if self.result.problems:
             return Exit.REDO
         return Exit.OK
@@ -41,6 +47,7 @@ class VerifyResult:
             "run": str(self.run),
             "exit_code": self.exit_code,
             "integrity": self.check.to_json(),
+            "fidelity": None if self.fidelity is None else self.fidelity.to_json(),
             "quarantined": [m.__dict__ for m in self.moved],
             "redo_sample_ids": self.redo_ids(),
         }
@@ -60,8 +67,18 @@ class VerifyResult:
         return sorted({p.sample_id for p in self.result.problems if p.sample_id is not None})
 
 
-def verify(run: Path, deep: bool = False, repair: bool = False, threads: int | None = None) -> VerifyResult:
-    """``threads``: parallel readers (None: the store's default for this machine)."""
+def verify(
+    run: Path,
+    deep: bool = False,
+    repair: bool = False,
+    threads: int | None = None,
+    fidelity_files: int = 0,
+    device: str | None = None,
+    model: str | None = None,
+) -> VerifyResult:
+    """``threads``: parallel readers (None: the store's default for this machine). ``fidelity_files``:
+    recompute the fidelity of this many files from the checkpoint (``model``: where it moved) on
+    ``device`` (None: CUDA where there is one)."""
     spec = load_any(run)
     worker = workers.inspect(run)
     if repair and worker.alive:
@@ -74,6 +91,13 @@ def verify(run: Path, deep: bool = False, repair: bool = False, threads: int | N
             if (m := quarantine(run, p)) is not None:
                 moved.append(m)
     out = VerifyResult(run, spec, result, integrity.check(result, command=spec.kind), moved)
+    if fidelity_files:
+        device = device or default_device()
+        check_device(device)
+        if spec.kind == GENERATE:
+            raise Refused(f"{run} is a generate run: it holds token ids, no states whose fidelity to check")
+        model_dir = target.model_dir_for(run, spec, model, checked=model is not None)
+        out.fidelity = fidelity.recompute(run, spec, result.scans, model_dir, fidelity_files, device)
     if repair and moved:
         out.check.details.append(f"{len(moved)} files moved to {layout.QUARANTINE}/ with a .reason each")
     return out

@@ -26,6 +26,7 @@ BENCH = Bounds(
     compile=EXTRACT.bounds["compile"],
     max_new_tokens=AT_LEAST_ONE,
     tensor_parallel_size=AT_LEAST_ONE,
+    fidelity_stride=AT_LEAST_ONE,
 )
 
 
@@ -58,6 +59,7 @@ class BenchOptions:
     generate: A[bool, Flag("Instead: hsx generate (vLLM) against vLLM's bare LLM.generate, --samples prompts.")] = False
     max_new_tokens: A[int, Flag("--generate: new tokens per prompt at most.")] = 256
     tensor_parallel_size: A[int, Flag("--generate: vLLM's GPUs per model replica.")] = 1
+    fidelity_stride: A[int, Flag("The fidelity check's sampling: 1 in N masked tokens.")] = 8
 
     def __post_init__(self) -> None:
         BENCH.check(self)
@@ -81,6 +83,6 @@ def run(opts: BenchOptions, log: Callable[[str], None]) -> str:
     results = run_bench(
         opts.model, opts.device, opts.samples, opts.mean_len, opts.min_len, opts.max_len, opts.batch_tokens,
         opts.naive_samples, opts.writers, opts.workdir, compile=opts.compile, log=log, codecs=codecs(opts.codecs),
-        fp8=opts.fp8_model, int4_experts=opts.int4_experts,
+        fp8=opts.fp8_model, int4_experts=opts.int4_experts, fidelity_stride=opts.fidelity_stride,
     )  # fmt: skip
     return table(results)

@@ -11,6 +11,10 @@ On one model, one set of samples and the same batches it times:
   batches, and after the table the stored / raw bytes of each, its tok/s against raw's, and its
   encode MB/s on one core and on the writer threads at once (a sample of this model's own states,
   on the host), and where the run encoded it (fp8 on CUDA: on the device, before the copy);
+- fidelity: on the last layout, the fidelity check (``hsx.fidelity``: the target's head on 1 in
+  ``--fidelity-stride`` masked tokens, on the device) timed on its own after each batch's capture,
+  the same batches: its cost as a share of the forward pass. Every synthetic token is masked, so
+  this is the most a run's check costs (chat data masks its answers only);
 - disk: fsync'd writes of sample-sized files from the writer threads, alone (is the disk the limit?).
 - fp8 (``fp8=True``, CUDA): the same model then built as a block-FP8 checkpoint loads (its random
   weights quantized 128x128, on hsx's FP8 kernels: ``capture.quantized.fp8``), forward-only and hsx's
@@ -45,7 +49,7 @@ from hsx.capture.transformers import TransformersBackend
 from hsx.extract.options import Toggle, check_device, default_device
 from hsx.fingerprint import ModelFingerprint, digest_json
 from hsx.plan import Sample, batches_for
-from hsx.spec import ModelIdentity, PlanIdentity, RunSpec, TokenizerIdentity, now, who
+from hsx.spec import FidelityCheck, ModelIdentity, PlanIdentity, RunSpec, TokenizerIdentity, now, who
 from hsx.store.codec import Codec
 from hsx.store.format import SampleTensors
 
@@ -76,6 +80,7 @@ class Result:
     encode: CodecResult | None = None  # codec rows: encoding one sample of this model's states
     encoded_on: str | None = None  # codec rows: "device" (before the copy: fp8 on CUDA) or "host" (writers)
     expert_bytes: int | None = None  # MoE rows: bytes of the routed experts as held (bf16, or INT4 packed)
+    checked: int | None = None  # the fidelity check's row: tokens it checked
 
     @property
     def rate(self) -> float:
@@ -152,8 +157,10 @@ def synthetic_run(
     compiled: bool = False,
     seed: int = 0,
     codec: Codec = Codec.RAW,
+    stride: int = 8,
 ) -> tuple[RunSpec, object]:
-    """A run folder whose plan holds random token ids of the given lengths (no tokenizer, no data)."""
+    """A run folder whose plan holds random token ids of the given lengths (no tokenizer, no data),
+    checking its fidelity as a run on dataset data does, 1 in ``stride`` masked tokens."""
     from hsx.plan import Plan, write_plan
 
     rng = np.random.default_rng(seed)
@@ -192,6 +199,7 @@ def synthetic_run(
         codec=codec,
         data=[],
         plan=PlanIdentity.of(info, 0),
+        fidelity=FidelityCheck(mode="baseline", stride=stride),
     )
     spec.save(run)
     return spec, Plan(run)
@@ -251,6 +259,7 @@ def run_bench(
     codecs: tuple[Codec, ...] = tuple(Codec),
     int4_experts: bool = False,
     fp8: bool = False,
+    fidelity_stride: int = 8,
 ) -> list[Result]:
     """``device``: checked as extraction checks it (None: CUDA where there is one).
     ``compile``: also measure the packed layout with compiled layers (auto: on CUDA only).
@@ -258,7 +267,8 @@ def run_bench(
     ``int4_experts``: a MoE model's last layout again with its routed experts INT4-packed
     (compressed-tensors pack-quantized, group 32, from its own weights), expanded per layer.
     ``fp8``: then the same model as a block-FP8 checkpoint, on the last layout (not with
-    ``int4_experts``: each rebuilds the model)."""
+    ``int4_experts``: each rebuilds the model). ``fidelity_stride``: the runs' fidelity sampling,
+    and the check's cost measured on the last layout."""
     from hsx.extract.backends import Resources
     from hsx.extract.pipeline import Extractor
     from hsx.progress import Progress
@@ -316,7 +326,9 @@ def run_bench(
         staging = staging_of(spec.codec)
         earlier = staging.waited  # the ring is shared by the variants
         with measured(f"hsx extract ({tag})", dev, results) as r:
-            extractor = Extractor(run, spec, plan, backend, Resources(device, writers), progress, staging=staging)
+            extractor = Extractor(
+                run, spec, plan, backend, Resources(device, writers), progress, staging=staging, log=log
+            )
             try:
                 extractor.run_shards(todo)
             finally:
@@ -328,8 +340,11 @@ def run_bench(
             r.encoded_on = "device" if staging.encodes is spec.codec else "host"
         return r
 
-    def synthetic(run: Path, packed: bool, compiled: bool):
-        return synthetic_run(run, net, name, layers, dtype_name, lengths, batch_tokens, packed, compiled)
+    def synthetic(run: Path, packed: bool, compiled: bool, codec: Codec = Codec.RAW):
+        return synthetic_run(
+            run, net, name, layers, dtype_name, lengths, batch_tokens, packed, compiled, codec=codec,
+            stride=fidelity_stride,
+        )  # fmt: skip
 
     try:
         compiled_too = dev.type == "cuda" if compile == "auto" else compile == "on"
@@ -339,7 +354,7 @@ def run_bench(
             backend.set_compiled(compiled)
             tag = ("packed" if packed else "padded") + (", compiled" if compiled else "")
             run = root / f"run-{len(results)}"
-            spec, plan = synthetic_run(run, net, name, layers, dtype_name, lengths, batch_tokens, packed, compiled)
+            spec, plan = synthetic(run, packed, compiled)
             batches = [
                 b
                 for s in range(layout.num_shards(samples, spec.shard_size))
@@ -350,6 +365,8 @@ def run_bench(
             log(f"{tag}: warm-up pass (with any compiling) {time.perf_counter() - t0:.1f} s")
             with measured(f"forward only ({tag})", dev, results) as r:
                 r.tokens = forward_only(backend, plan, batches)
+            if (packed, compiled) == variants[-1]:
+                check_cost(backend, plan, batches, spec.fidelity, tag, dev, results)
             if not packed and naive_samples:
                 subset = list(range(0, samples, max(1, samples // naive_samples)))[:naive_samples]
                 with measured("naive (1/forward, all layers, torch.save)", dev, results) as r:
@@ -367,9 +384,7 @@ def run_bench(
                 raw.stored_ratio, raw.encode = 1.0, encoded[Codec.RAW]
                 for codec in (c for c in Codec if c in codecs and c is not Codec.RAW):
                     crun = root / f"run-{len(results)}"
-                    cspec, cplan = synthetic_run(
-                        crun, net, name, layers, dtype_name, lengths, batch_tokens, packed, compiled, codec=codec
-                    )
+                    cspec, cplan = synthetic(crun, packed, compiled, codec)
                     r = extract(crun, cspec, cplan, f"{tag}, {codec}")
                     r.stored_ratio, r.encode = r.bytes / raw.bytes, encoded[codec]
                     shutil.rmtree(crun)
@@ -379,8 +394,9 @@ def run_bench(
 
             def make() -> tuple[Path, RunSpec, object]:
                 spec, plan = synthetic_run(
-                    run, net, f"{name}, block FP8", layers, dtype_name, lengths, batch_tokens, *variants[-1]
-                )
+                    run, net, f"{name}, block FP8", layers, dtype_name, lengths, batch_tokens, *variants[-1],
+                    stride=fidelity_stride,
+                )  # fmt: skip
                 return run, spec, plan
 
             fp8_variant(backend, make, extract, dev, results, log)
@@ -394,6 +410,37 @@ def run_bench(
         shutil.rmtree(root, ignore_errors=True)
     log(f"packed attention calls: {varlen.CALLS['kernel']} varlen kernel, {varlen.CALLS['per_sample']} per-sample")
     return results
+
+
+def check_cost(backend, plan, batches, check: FidelityCheck, tag: str, dev: torch.device, results: list) -> None:
+    """The fidelity check's own time on the forward's batches: each batch captured, then checked as
+    ``capture`` checks it (``fidelity.measure``), the device synchronised around each phase, so the
+    check's time is its own (an upper bound: in a run its launches overlap the next batch). The table
+    gives it as a share of the forward-only row of the same batches, measured just before."""
+    from hsx import fidelity
+
+    def sync() -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter()
+
+    capture = Result(f"capture ({tag})", 0, 0.0)
+    checked = Result(f"fidelity check ({tag})", 0, 0.0, checked=0)
+    for timed in (False, True):  # the first pass warms the head's kernels up
+        for b in batches if timed else batches[:2]:
+            ids, seqs = list(b.ids), [plan.input_ids(i) for i in b.ids]
+            checks = fidelity.checks_for(check, ids, [plan.loss_mask(i) for i in ids])
+            t0 = sync()
+            batch = backend.capture(ids, seqs)
+            t1 = sync()
+            with torch.inference_mode():
+                fidelity.measure(backend.head, batch.final, batch.rows, batch.offsets, seqs, checks)
+            t2 = sync()
+            if timed:
+                capture.tokens, capture.seconds = capture.tokens + b.tokens, capture.seconds + t1 - t0
+                checked.tokens, checked.seconds = checked.tokens + b.tokens, checked.seconds + t2 - t1
+                checked.checked += sum(map(len, checks))
+    results += [capture, checked]
 
 
 def to_block_fp8(model) -> tuple[int, int]:
@@ -547,6 +594,13 @@ def table(results: list[Result]) -> str:
     for r in results:
         if r.waited_for_disk is not None:
             rows.append(f"{r.name}: the forward pass waited {r.waited_for_disk:.2f} s for the disk")
+    for r in (r for r in results if r.checked is not None):
+        tag = r.name.removeprefix("fidelity check (").removesuffix(")")
+        fwd = next(x for x in results if x.name == f"forward only ({tag})")
+        rows.append(
+            f"{r.name}: {100 * r.seconds / fwd.seconds:.2f}% of the forward pass ({r.checked:,} of {r.tokens:,} "
+            "tokens checked, every synthetic token masked; timed apart, on the same batches)"
+        )
     moe = [r for r in results if r.expert_bytes is not None]
     for dense, packed in zip(moe[: len(moe) // 2], moe[len(moe) // 2 :], strict=False):
         rows.append(

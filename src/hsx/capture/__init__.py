@@ -3,7 +3,9 @@
 A backend turns a batch of token-id sequences into device tensors (``Capture``): ``aux`` [R, T, L*H]
 (the hsx layer ids, concatenated in the order asked) and ``final`` [R, T, H] (last layer after the
 final norm). Sample i lives at row ``rows[i]``, tokens ``offsets[i] : offsets[i] + lengths[i]``: one
-sample per row, right-padded (padding is never stored), or all samples packed into one row.
+sample per row, right-padded (padding is never stored), or all samples packed into one row. Given
+the positions to check (``hsx.fidelity.positions``), it also measures each sample's fidelity on the
+device, beside the forward (``fidelity``: ``hsx.fidelity.measure``'s rows).
 Backends: ``transformers`` (forward hooks); ``vllm`` (its hidden-states drafter, whose KV
 connector hands each finished sample's states to the store from inside vLLM's workers). Feeding,
 sealing and the disk guard are the extraction job's (``extract.backends``); the store never sees
@@ -18,6 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from hsx.drafts import eagle3_taps as default_layers  # noqa: F401 - EAGLE-3's, the default taps
 from hsx.errors import OptionError
 
 
@@ -29,6 +32,7 @@ class CapturedBatch:
     final: torch.Tensor  # [R, T, H]
     rows: list[int]
     offsets: list[int]
+    fidelity: torch.Tensor | None = None  # [samples, 4] on the device, where positions were checked
 
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample i's states, [n, L*H] and [n, H], as views."""
@@ -43,23 +47,12 @@ class Capture(Protocol):
     device: torch.device
     dtype: torch.dtype
 
-    def capture(self, sample_ids: list[int], sequences: list[np.ndarray]) -> CapturedBatch: ...
-
-
-def default_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's default aux layers [1, N//2-1, N-4], in hsx ids, de-duplicated for tiny models."""
-    picks = [1, num_layers // 2 - 1, num_layers - 4]
-    out: list[int] = []
-    for k in picks:
-        k = min(max(k, 0), num_layers - 1)
-        if k not in out:
-            out.append(k)
-    return out
+    def capture(
+        self, sample_ids: list[int], sequences: list[np.ndarray], checks: list[np.ndarray] | None = None
+    ) -> CapturedBatch: ...
 
 
 def check_layers(layers: list[int], num_layers: int) -> None:
-    if not layers:
-        raise OptionError("at least one layer id is needed")
     if len(set(layers)) != len(layers):
         raise OptionError(f"duplicate layer ids in {layers}")
     bad = [k for k in layers if not 0 <= k < num_layers]

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from hsx.drafts import storage_lines
 from hsx.errors import LayoutTooLarge
 from hsx.spec import RunSpec
 from hsx.target import LanguageModel, held_experts, int4_group
@@ -484,6 +485,8 @@ def explain(model_dir: Path, layout: Layout, device_bytes: int | None, gpus: int
         device_bytes = torch.cuda.mem_get_info(0)[1]
     if gpus is None:
         gpus = torch.cuda.device_count() or layout.tensor
+    config = inventory.config
+    storage = storage_lines(int(config["num_hidden_layers"]), int(config["hidden_size"]), layout.dtype)
     if device_bytes is None:
-        return inventory.estimate(layout).lines()
-    return check(inventory, layout, device_bytes, gpus).lines(device_bytes)
+        return inventory.estimate(layout).lines() + storage
+    return check(inventory, layout, device_bytes, gpus).lines(device_bytes) + storage

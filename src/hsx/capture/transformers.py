@@ -1,8 +1,9 @@
 """Capture with Hugging Face transformers: forward hooks on the chosen decoder layers and the final norm.
 
-Never ``output_hidden_states=True`` (it keeps every layer alive) and never the lm_head (a
-[tokens, vocab] logits tensor we do not need): the base model runs with hooks and its outputs are
-discarded. Two batch layouts:
+Never ``output_hidden_states=True`` (it keeps every layer alive) and never the lm_head on every
+token (a [tokens, vocab] logits tensor we do not need): the base model runs with hooks and its
+outputs are discarded; the fidelity check runs the model's own head on the sampled tokens only
+(``hsx.fidelity``). Two batch layouts:
 - padded: one sample per row, right-padded, with an attention mask (causal attention means a real
   token never sees padding); works for every model;
 - packed: all samples in one row, per-sample ``position_ids``, attention confined to each sample
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsx import target
+from hsx import fidelity, target
 from hsx.capture import CapturedBatch, check_layers, checkpoint, varlen
 from hsx.capture.locate import locate
 from hsx.errors import OptionError
@@ -166,18 +167,21 @@ def _causal_lm_class(config, trust_remote_code: bool):
 class TransformersBackend:
     name = NAME
 
-    def __init__(self, model, layers: list[int], packed: bool = False, compiled: bool = False):
-        """Wrap a loaded model; ``load`` is the usual way in."""
+    def __init__(self, model, layers: list[int], packed: bool = False, compiled: bool = False, prenorm: bool = False):
+        """Wrap a loaded model; ``load`` is the usual way in. ``prenorm``: the final state is the final
+        norm's input (the last layer's raw output) instead of its output."""
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.packed = packed
+        self.prenorm = prenorm
         config = self.model.config.get_text_config()
         self.num_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)
         check_layers(layers, self.num_layers)
         self.layers = list(layers)
         self.parts = locate(self.model, self.num_layers)
+        self.head = fidelity.Head.of_model(self.model, self.parts.norm)
         from hsx.capture.quantized.experts import stored_modules
 
         for _, experts in stored_modules(self.model):  # on CUDA a layer's expansion is one fused kernel pass
@@ -185,7 +189,10 @@ class TransformersBackend:
         self._outputs: dict[object, torch.Tensor] = {}
         for k in self.layers:
             self.parts.layers[k].register_forward_hook(self._keep(k))
-        self.parts.norm.register_forward_hook(self._keep("final"))
+        if prenorm:
+            self.parts.norm.register_forward_pre_hook(lambda _module, args: self._outputs.__setitem__("final", args[0]))
+        else:
+            self.parts.norm.register_forward_hook(self._keep("final"))
         self.compiled = False
         self._cold: set[bool] = set()  # layouts (packed or not) not yet traced since compiling
         self.set_compiled(compiled)
@@ -268,6 +275,7 @@ class TransformersBackend:
         tensor: int = 1,
         expert: int = 1,
         quantized_compute: str | None = None,
+        prenorm: bool = False,
     ) -> TransformersBackend:
         """Load the model onto ``device``; with ``tensor`` > 1 this process is one rank of an
         initialised torch.distributed group and holds its share (transformers' TP/EP plans).
@@ -314,7 +322,7 @@ class TransformersBackend:
             from hsx.capture.quantized import fp8
 
             log.warning("checkpoint: %s", fp8.install(model))
-        return cls(model, layers, packed, compiled)
+        return cls(model, layers, packed, compiled, prenorm)
 
     def _keep(self, key):
         def hook(_module, _inputs, output):
@@ -375,15 +383,24 @@ class TransformersBackend:
         self.parts.body(**inputs, use_cache=False)
 
     @torch.inference_mode()
-    def capture(self, sample_ids: list[int], sequences: list[np.ndarray]) -> CapturedBatch:
+    def capture(
+        self, sample_ids: list[int], sequences: list[np.ndarray], checks: list[np.ndarray] | None = None
+    ) -> CapturedBatch:
+        """The batch's states; with ``checks`` (each sample's positions to check) its fidelity too,
+        measured on the device after the forward (every rank of a group computes it together)."""
         lengths = [len(s) for s in sequences]
         self._outputs.clear()
         self.forward(self.inputs(sequences))
-        aux = torch.cat([self._outputs[k] for k in self.layers], dim=-1)
         final = self._outputs["final"]
+        aux = torch.cat([self._outputs[k] for k in self.layers], dim=-1) if self.layers else final[..., :0]
         self._outputs.clear()
         if self.packed:
             rows, offsets = [0] * len(lengths), np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
         else:
             rows, offsets = list(range(len(lengths))), [0] * len(lengths)
-        return CapturedBatch(list(sample_ids), lengths, aux, final, rows, offsets)
+        batch = CapturedBatch(list(sample_ids), lengths, aux, final, rows, offsets)
+        if checks is not None:
+            batch.fidelity = fidelity.measure(
+                self.head, final, rows, offsets, sequences, checks, normed=not self.prenorm
+            )
+        return batch

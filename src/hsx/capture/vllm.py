@@ -29,7 +29,7 @@ from hsx.capture.vllm_connector import CONNECTOR, EXTRA_KEY, SinkConfig
 from hsx.errors import CaptureFailed
 from hsx.finalnorm import FinalNorm, locate
 from hsx.spec import RunSpec
-from hsx.store.format import FINAL_STATE
+from hsx.store.format import FINAL_STATE, FinalStateNorm
 from hsx.target import load_config
 
 __version__ = vllm.__version__
@@ -54,8 +54,11 @@ def final_norm(model_dir: Path) -> FinalNorm:
     return norm
 
 
-def final_state(model_dir: Path) -> str:
-    """What the run spec records as its final state for this backend."""
+def final_state(model_dir: Path, stored: FinalStateNorm) -> str:
+    """What the run spec records as its final state for this backend: after the norm only (the
+    connector could store vLLM id N as it is, but no pre-norm run through vLLM has been tested)."""
+    if stored != "post":
+        raise CaptureFailed("the vLLM backend stores the final state after the norm: drop --final-state pre")
     norm = final_norm(model_dir)
     return (
         f"{FINAL_STATE} (vLLM backend: vLLM aux id N, the last layer's output before the norm, "

@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal, get_origin, get_type_hints
 import typer
 
 from hsx.bounds import Bound, Bounds, Flag
+from hsx.drafts import DRAFT_TYPES
+from hsx.extract.options import DEFAULTS, EXTRACT, ExtractOptions
 from hsx.job.options import AT_LEAST_ONE, NOT_FLAGS, flag_name, flag_of
 
 
@@ -83,8 +85,14 @@ def command(cls: type, bounds: Bounds, call: Callable[..., None], defaults: Mapp
 
 
 # the bounds of the commands that read a run
-RUN = Bounds(threads=AT_LEAST_ONE, size=AT_LEAST_ONE, draft_vocab=AT_LEAST_ONE, target_vocab=AT_LEAST_ONE)
-TO = Bounds(to=Bound(choices=("specforge", "speculators", "modelopt")))
+RUN = Bounds(
+    threads=AT_LEAST_ONE,
+    size=AT_LEAST_ONE,
+    draft_vocab=AT_LEAST_ONE,
+    target_vocab=AT_LEAST_ONE,
+    fidelity_files=AT_LEAST_ONE,
+)
+TO = Bounds(to=Bound(choices=("specforge", "speculators", "modelopt")), draft=Bound(choices=DRAFT_TYPES))
 
 RunFolder = Annotated[Path, typer.Argument(metavar="OUT", help="Run folder.", file_okay=False, show_default=False)]
 Json = Annotated[bool, typer.Option("--json", help="Machine-readable report on stdout.")]
@@ -94,6 +102,7 @@ MovedModel = Annotated[str | None, typer.Option(metavar="PATH", help="The run's 
 TargetVocab = Annotated[
     int | None, RUN.option("target_vocab", help="Target vocabulary size.", show_default="the model's config")
 ]
+Device = Annotated[str | None, field_option(ExtractOptions, "device", EXTRACT, DEFAULTS)]
 AllowIncomplete = Annotated[
     bool, typer.Option("--allow-incomplete", help="Export what an unfinished run has finished.")
 ]

@@ -8,14 +8,27 @@ from typing import Annotated
 
 import typer
 
-from hsx.cli.options import RUN, TO, AllowIncomplete, Deep, Json, MovedModel, RunFolder, TargetVocab, Threads
+from hsx.cli.options import (
+    RUN,
+    TO,
+    AllowIncomplete,
+    Deep,
+    Device,
+    Json,
+    MovedModel,
+    RunFolder,
+    TargetVocab,
+    Threads,
+)
 from hsx.cli.output import checklist, failures, log, print_summary
+from hsx.extract.options import layer_ids
 
 
 def status(
     out: RunFolder, deep: Deep = False, json_out: Json = False, threads: Threads = 8, model: MovedModel = None
 ) -> None:
-    """Is it safe to resume? One line per item: GPUs, volume, progress, pace, integrity, model, capture, spec, workers.
+    """Is it safe to resume? One line per item: GPUs, volume, progress, pace, integrity, fidelity, model, capture,
+    spec, workers.
 
     Exit 0: nothing wrong; 1: damage that hsx extract redoes by itself; 2: a person must act first.
     """
@@ -38,18 +51,32 @@ def verify(
     ] = False,
     json_out: Json = False,
     threads: Threads = 8,
+    fidelity: Annotated[
+        bool,
+        typer.Option(
+            "--fidelity", help="Also recompute the fidelity of a sample of files from the checkpoint (slow, exact)."
+        ),
+    ] = False,
+    fidelity_files: Annotated[int, RUN.option("fidelity_files", help="--fidelity: files recomputed.")] = 32,
+    device: Device = None,
+    model: MovedModel = None,
 ) -> None:
-    """Check every sample file of a run. Exit 0: all good; 1: problems (hsx extract redoes them); 2: refused."""
+    """Check every sample file of a run. Exit 0: all good; 1: problems (hsx extract redoes them); 2: refused,
+    or (--fidelity) states that are intact but not the target's numbers."""
     from hsx.assess.status import render_check
     from hsx.assess.verify import verify as run_verify
 
     with failures():
-        result = run_verify(out, deep=deep, repair=repair, threads=threads)
+        files = fidelity_files if fidelity else 0
+        result = run_verify(out, deep, repair, threads, files, device, model)
     if json_out:
         print(json.dumps(result.to_json(), indent=1))
     else:
         render_check(result.check, checklist)
-        print(*result.lines(), sep="\n")
+        if result.fidelity is not None:
+            render_check(result.fidelity, checklist)
+        for line in result.lines():
+            print(line)
     raise typer.Exit(result.exit_code)
 
 
@@ -57,6 +84,13 @@ def export(
     out: RunFolder,
     dest: Annotated[Path, typer.Argument(help="Export folder (created; rerun the same command to resume).")],
     to: Annotated[str, TO.option("to", "--to", help="The trainer's format.")],
+    draft: Annotated[str, TO.option("draft", "--draft", help="The draft type its trainer trains.")] = "eagle3",
+    taps: Annotated[
+        str | None,
+        typer.Option(
+            metavar="IDS", help="The run's taps to export, hsx ids, e.g. 1,9,17.", show_default="the draft type's"
+        ),
+    ] = None,
     model: MovedModel = None,
     prenorm: Annotated[
         bool, typer.Option("--prenorm", help="modelopt: export the pre-norm final state (flagged).")
@@ -71,7 +105,11 @@ def export(
     """Write OUT's samples in a trainer's own format, verifying each source file; resumable."""
     from hsx.export import ExportOptions, run_export
 
-    opts = ExportOptions(out, dest, to, model, prenorm, allow_incomplete, draft_vocab, target_vocab, pace)
+    with failures():
+        ids = layer_ids(taps)
+    if isinstance(ids, str):
+        raise typer.BadParameter(f"takes hsx layer ids, not the preset {ids!r}", param_hint="--taps")
+    opts = ExportOptions(out, dest, to, model, prenorm, allow_incomplete, draft_vocab, target_vocab, pace, draft, ids)
     with failures(lambda: f"every file exported so far is complete and kept; continue with: {opts.command()}"):
         print_summary(run_export(opts, log=log))
 

@@ -20,22 +20,22 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hsx.data import available_ids, read_verified
+from hsx.drafts import EAGLE3
 from hsx.errors import BadFile, ExportRefused, OptionError
 from hsx.export.modelopt import ModelOpt
 from hsx.export.specforge import SpecForge
 from hsx.export.speculators import Speculators
-from hsx.export.trainer import Context, ExportOptions, TrainerFormat, Written
+from hsx.export.trainer import Context, ExportOptions, TrainerFormat, Written, export_taps
 from hsx.export.vocab import draft_map, target_vocab_size, token_counts
 from hsx.plan import load_plan
 from hsx.progress import Progress
 from hsx.spec import RunSpec, load_spec, model_location, now
 from hsx.store import layout
 from hsx.store.durable import is_temp, write_durable
-from hsx.target import model_dir_for
 
 EXPORT_FORMAT = "hsx-export/1"
 JOB = ".hsx-export-job.json"
@@ -169,16 +169,28 @@ class ExportSummary:
     final_state: str
     max_norm_error: float | None
     train: str  # what the trainer must be told (its command, or the setting) for the run's layers
+    draft: str = EAGLE3
+    taps: list[int] = field(default_factory=list)  # hsx ids
+    filtered: dict[int, str] = field(default_factory=dict)  # sample id -> why its trainer cannot take it
 
     def lines(self) -> list[str]:
         err = "" if self.max_norm_error is None else f", max norm error {self.max_norm_error:.1e}"
-        return [
-            f"exported   {self.samples} samples to {self.dest} ({self.to}): {self.written} written now, "
-            f"{self.already_done} already done",
+        out = [
+            f"exported   {self.samples} samples to {self.dest} ({self.to}, {self.draft} draft, taps {self.taps} "
+            f"in hsx ids): {self.written} written now, {self.already_done} already done",
             f"files      {self.files}, {self.bytes / 1e6:,.1f} MB in {self.seconds:.1f}s; manifest hsx-export.json",
             f"final      {self.final_state}{err}",
             f"train      {self.train}",
         ]
+        if self.filtered:
+            reasons = sorted(set(self.filtered.values()))
+            first = ", ".join(map(str, sorted(self.filtered)[:10])) + (", ..." if len(self.filtered) > 10 else "")
+            out.insert(
+                1,
+                f"filtered   {len(self.filtered)} samples its trainer cannot take: {'; '.join(reasons)} "
+                f"(ids {first}; all in hsx-export.json)",
+            )
+        return out
 
 
 def export_ids(opts: ExportOptions, spec: RunSpec) -> list[int]:
@@ -198,29 +210,39 @@ def export_ids(opts: ExportOptions, spec: RunSpec) -> list[int]:
 def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> ExportSummary:
     if opts.to not in FORMATS:
         raise ExportRefused(f"--to takes one of {', '.join(FORMATS)}, not {opts.to!r}")
+    cls = FORMATS[opts.to]
+    if opts.draft not in cls.drafts:
+        takes = [f"{to} ({', '.join(f.drafts)})" for to, f in FORMATS.items() if opts.draft in f.drafts]
+        raise ExportRefused(
+            f"{opts.to}'s trainer takes the draft types {', '.join(cls.drafts)}, not {opts.draft}"
+            + (f"; {opts.draft} is trained by {'; '.join(takes)}" if takes else "")
+        )
+    if opts.prenorm and not cls.takes_prenorm:
+        raise OptionError(
+            f"--prenorm does not apply to --to {opts.to}: its trainer reads the final state post-norm "
+            "and nothing else; drop --prenorm"
+        )
     run = opts.run
     spec = load_spec(run)
     plan = load_plan(run, spec)
     ids = export_ids(opts, spec)
-    ctx = Context(opts, spec, plan, ids)
-    fmt = FORMATS[opts.to](ctx)
-    if opts.prenorm and not fmt.takes_prenorm:
-        raise OptionError(
-            f"--prenorm does not apply to --to {opts.to}: its trainer reads the final state {fmt.final_state()} "
-            "and nothing else; drop --prenorm"
-        )
+    ctx = Context(opts, spec, plan, ids, export_taps(spec, opts.draft, opts.taps))
+    fmt = cls(ctx)
     fmt.check()
-    if fmt.needs_prenorm:
-        ctx.load_norm()
+    filtered = {sid: why for sid in ids if (why := fmt.refuse(sid)) is not None}
+    ids = [sid for sid in ids if sid not in filtered]
+    if not ids:
+        raise ExportRefused(f"none of the run's samples can be exported for {opts.to}: {next(iter(filtered.values()))}")
+    ctx.load_norm(fmt.side())
+    converted = fmt.side() == "pre" and spec.final_norm == "post"  # the pre-norm state derived, checked
     vocab_size = None
     if opts.draft_vocab is not None:
-        if opts.target_vocab is None:
-            ctx.model_dir = ctx.model_dir or model_dir_for(run, spec, opts.model)
-        vocab_size = opts.target_vocab or target_vocab_size(ctx.model_dir)
+        vocab_size = opts.target_vocab or target_vocab_size(ctx.model())
+    drafted = {"draft": opts.draft, "taps": ctx.taps} if opts.draft != EAGLE3 or opts.taps is not None else {}
     job = {
         "format": EXPORT_FORMAT,
         "to": opts.to,
-        "options": fmt.job() | {"draft_vocab": opts.draft_vocab, "target_vocab": vocab_size},
+        "options": fmt.job() | {"draft_vocab": opts.draft_vocab, "target_vocab": vocab_size} | drafted,
         "source_plan": spec.plan.origin,  # a plan grown since (extract.follow) is the same export's source
         "source_model": spec.model.fingerprint.config,
         "source_layers": spec.layers,
@@ -277,11 +299,15 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
             "model": model_location(run, spec),
             "layers": spec.layers,
             "layer_convention": spec.layer_convention,
+            "final_norm": spec.final_norm,
             "dtype": spec.dtype,
         },
+        "draft": opts.draft,
+        "taps": ctx.taps,
         "final_state": fmt.final_state(),
         "train": fmt.train_hint(),
-        "max_norm_error": ctx.max_norm_error if fmt.needs_prenorm else None,
+        "max_norm_error": ctx.max_norm_error if converted else None,
+        "filtered": [{"sample_id": sid, "why": why} for sid, why in sorted(filtered.items())],
         "samples": [{"index": i, "sample_id": sid} for i, sid in enumerate(ids)],
         "files": [w.to_json() for w in files],
     }
@@ -296,6 +322,9 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
         bytes=sum(w.size for w in files),
         seconds=time.monotonic() - t0,
         final_state=fmt.final_state(),
-        max_norm_error=ctx.max_norm_error if fmt.needs_prenorm else None,
+        max_norm_error=ctx.max_norm_error if converted else None,
         train=fmt.train_hint(),
+        draft=opts.draft,
+        taps=ctx.taps,
+        filtered=filtered,
     )

@@ -1,11 +1,13 @@
-"""Model-Optimizer 0.47 offline EAGLE-3 dumps: a tree of ``*.pt`` files, one torch.save dict each.
+"""Model-Optimizer 0.47 offline EAGLE-3 and DFlash/DSpark dumps: a tree of ``*.pt`` files, one torch.save dict each.
 
 Its ``OfflineSupervisedDataset`` loads each with ``weights_only=True``: ``input_ids`` [T] int64,
 ``hidden_states`` [T, H], ``aux_hidden_states`` [T, L*H], ``loss_mask`` [T] int64 and
 ``conversation_id`` (a str, so the safe loader accepts it); 2-D, no batch dim (a batch dim is not
 rejected there, it silently yields wrong shapes). ``hidden_states`` is post-norm by default; with
 ``--prenorm`` it is the pre-norm state and ``hidden_states_prenorm: True`` tells the trainer to
-apply the base model's norm. The draft-vocab map is written as ``d2t-{K}.pth``: the example
+apply the base model's norm. Its DFlash (and DSpark, a DFlash projector) reads the same files, the
+taps as ``aux_hidden_states``: one per draft layer, named by ``dflash_architecture_config.target_layer_ids``
+(it refuses another count). The draft-vocab map is written as ``d2t-{K}.pth``: the example
 scripts glob ``*.pt`` for samples, so it must not end in ``.pt``.
 """
 
@@ -15,43 +17,45 @@ import torch
 
 from hsx.export.serialize import torch_bytes
 from hsx.export.trainer import TrainerFormat, Written, put
+from hsx.store.format import FinalStateNorm
 
 PER_FOLDER = 1000
 
 
 class ModelOpt(TrainerFormat):
     name = "modelopt"
+    drafts = ("eagle3", "dflash", "dspark")
     takes_prenorm = True
     description = (
-        "Model-Optimizer 0.47 offline eagle: {k:06d}/{i:09d}.pt = torch.save({input_ids [T] int64, "
+        "Model-Optimizer 0.47 offline eagle / dflash: {k:06d}/{i:09d}.pt = torch.save({input_ids [T] int64, "
         "hidden_states [T,H], aux_hidden_states [T,L*H], loss_mask [T] int64, conversation_id str"
         "[, hidden_states_prenorm True]})"
     )
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        self.needs_prenorm = ctx.opts.prenorm
+    def side(self) -> FinalStateNorm:
+        return "pre" if self.ctx.opts.prenorm else "post"
 
     def job(self) -> dict:
         return {"prenorm": self.ctx.opts.prenorm}
 
     def final_state(self) -> str:
-        if self.ctx.opts.prenorm:
-            return f"pre-norm, flagged hidden_states_prenorm ({self.ctx.prenorm_source})"
-        return super().final_state()
+        flag = ", flagged hidden_states_prenorm" if self.ctx.opts.prenorm else ""
+        return f"{super().final_state()}{flag}"
 
     def train_hint(self) -> str:
-        return (
-            f"in the eagle config: eagle_aux_hidden_state_layer_ids: {self.ctx.spec.layers} (its ids are hsx's); "
-            f"load the base model in {self.ctx.spec.dtype}, the states' dtype"
-        )
+        taps, dtype = self.ctx.taps, self.ctx.spec.dtype
+        if self.draft == "eagle3":
+            setting = f"in the eagle config: eagle_aux_hidden_state_layer_ids: {taps}"
+        else:
+            kind = ", projector_type: dspark" if self.draft == "dspark" else ""
+            setting = f"in dflash_architecture_config: num_hidden_layers: {len(taps)}, target_layer_ids: {taps}{kind}"
+        return f"{setting} (its ids are hsx's); load the base model in {dtype}, the states' dtype"
 
     def sample(self, index: int, sid: int, t: dict[str, torch.Tensor]) -> list[Written]:
-        final = self.ctx.prenorm(sid, t) if self.ctx.opts.prenorm else t["hidden_states"]
         record = {
             "input_ids": t["input_ids"].to(torch.int64),
-            "hidden_states": final,
-            "aux_hidden_states": t["aux_hidden_states"],
+            "hidden_states": self.ctx.final(sid, t, self.side()),
+            "aux_hidden_states": self.ctx.aux(t),
             "loss_mask": t["loss_mask"].to(torch.int64),
             "conversation_id": self.ctx.source_id(sid),
         }

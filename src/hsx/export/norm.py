@@ -1,14 +1,21 @@
-"""Pre-norm final states for exports: post-norm from pre-norm (exact), pre-norm from post-norm (up to eps).
+"""Pre-norm final states for exports: post-norm from pre-norm (exact), pre-norm from post-norm.
 
 The norm itself (which tensor, which family, how it is applied) is ``hsx.finalnorm``'s; ``w`` below
-is its per-channel scale. hsx stores the final state AFTER the norm: ``post = w * x / sqrt(mean(x^2)
-+ eps)``. Some trainers want the state BEFORE it and apply the norm themselves. ``x`` is lost, but
-an RMSNorm is invariant to a per-token scale of its input, so ``y = post / w`` (= ``x /
-sqrt(mean(x^2) + eps)``) gives ``norm(y) = post / sqrt(mean(y^2) + eps)`` with ``mean(y^2) = m /
-(m + eps)``, m = mean(x^2): a per-token scale of the logits by 1 - O(eps), plus one rounding in
-the storage dtype. Where the run holds the last decoder layer's raw output (hsx layer N-1) the
-pre-norm state is exact instead. Every converted sample is checked: the norm of what is exported
-must give back the stored state.
+is its per-channel scale. A run stores the final state after the norm (``post = w * x / sqrt(m +
+eps)``, m = mean(x^2)) unless it was asked to keep it before (``--final-state pre``); some trainers
+want the other one. From ``x`` the norm gives ``post`` exactly. The other way, ``y = post / w``
+(= ``x / sqrt(m + eps)``) holds ``x``'s direction, and its mean square tells its length:
+``mean(y^2) = m / (m + eps)``, so the deficit ``d = 1 - mean(y^2) = eps / (m + eps)`` and ``x = y *
+sqrt(eps / d)``. Measured on the stored ``post``, ``d`` also carries its rounding, and then
+``norm(y * sqrt(eps / d)) = post / sqrt(mean(y^2) + d)`` is the stored ``post`` exactly (to the
+arithmetic's own rounding): what the trainer's norm must give back. Where ``d`` is below the
+dtype's rounding (``finfo.eps``: m beyond about eps / finfo.eps, or no deficit at all), it tells
+nothing: the state is ``y`` itself, whose norm errs by ``d / 2``, under half that rounding.
+Dividing by ``w`` alone everywhere (what hsx did before) left ``norm(y)`` off by ``eps / (2m)``:
+3.4e-3 on a small float32 model whose final states have a mean square of 1.5e-3, refused as a wrong
+model. A lossy state (fp8) has no meaningful deficit: its pre-norm state is ``y``. Every converted
+sample is checked: the norm of what is exported must give back the stored state, and ``diagnose``
+says what was measured where it does not.
 
     python -m hsx.export.norm OUT [--model PATH] [--samples 16]
 
@@ -57,16 +64,60 @@ def load_final_norm(model_dir: Path, hidden_size: int) -> FinalNorm:
     return norm
 
 
-def prenorm_from_post(norm: FinalNorm, post: torch.Tensor) -> torch.Tensor:
-    """A valid input to ``norm`` that gives back ``post`` (to 1 - O(eps)), in post's dtype."""
-    return (post.float() / norm.scale).to(post.dtype)
+def prenorm_from_post(norm: FinalNorm, post: torch.Tensor, lossless: bool = True) -> torch.Tensor:
+    """The pre-norm state ``post`` came from (its length from the mean-square deficit where the
+    dtype's rounding leaves it measurable, see above), in post's dtype; ``lossless`` False (a
+    quantized ``post``): its direction, ``post / w``."""
+    y = post.double() / norm.scale.double()
+    if lossless:
+        deficit = 1.0 - y.pow(2).mean(-1, keepdim=True)
+        measurable = deficit > torch.finfo(post.dtype).eps
+        y = y * torch.where(measurable, torch.sqrt(norm.eps / deficit.clamp_min(1e-300)), 1.0)
+    return y.to(post.dtype)
 
 
 def norm_error(norm: FinalNorm, pre: torch.Tensor, post: torch.Tensor) -> float:
     """Largest per-token relative L2 error of norm(pre), in float32, against ``post``."""
-    ref = post.float()
-    diff = (norm.apply(pre.float()) - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
+    diff = _token_errors(norm, pre, post)
     return float(diff.max()) if diff.numel() else 0.0
+
+
+def _token_errors(norm: FinalNorm, pre: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+    ref = post.float()
+    return (norm.apply(pre.float()) - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
+
+
+def diagnose(norm: FinalNorm, pre: torch.Tensor, post: torch.Tensor, limit: float, model: str) -> str:
+    """Why norm(pre) is not ``post``: what was measured at the worst token, then the likely causes,
+    most likely first, as the measurement orders them. ``model`` is the folder the norm was read from."""
+    errors = _token_errors(norm, pre, post).nan_to_num(float("inf"))
+    t = int(errors.argmax())
+    got, want = norm.apply(pre[t].float()), post[t].float()
+    cosine = float(torch.nn.functional.cosine_similarity(got, want, dim=0))
+    ratio = float(got.norm() / want.norm().clamp_min(1e-30))
+    bad = int((~torch.isfinite(post)).any(-1).sum())
+    measured = (
+        f"token {t} of {post.shape[0]} errs by {float(errors[t]):.2e} (limit {limit:.0e}): norm(exported) has "
+        f"{ratio:.6f} times the stored state's length, cosine {cosine:.6f} to it; {bad} tokens hold NaN or inf"
+    )
+    where = f"the final norm read from {model} ({norm.tensor}, eps {norm.eps}{', scale 1 + w' if norm.offset else ''})"
+    causes = []
+    if bad:
+        causes.append("the stored state overflowed (NaN or inf): the model does so in the run's dtype on this sample")
+    if cosine < 1 - limit:  # another direction: another per-channel weight
+        causes += [
+            f"{where} is not the one the run was made with: its weights differ (a checkpoint changed in place can "
+            "pass the fingerprint, which reads parts of each weight file)",
+            f"{norm.tensor} is not the norm the model applies last (hsx located it by name; see hsx.finalnorm)",
+        ]
+    else:  # the direction holds: only the length differs, which eps and the family set
+        causes += [
+            f"the model's final norm computes otherwise than {where}: another eps, or not a plain RMSNorm",
+            f"{where} is not the one the run was made with (a changed weight scale)",
+        ]
+    return f"measured: {measured}. Likely causes, most likely first: " + "; ".join(
+        f"({i}) {c}" for i, c in enumerate(causes, 1)
+    )
 
 
 # ---------------------------------------------------------------- measuring against the reference

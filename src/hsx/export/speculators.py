@@ -5,9 +5,10 @@ each file's ``token_ids`` with the row's ``input_ids`` through ``torch.equal``, 
 tensors; a mismatch silently drops the sample), columns ``input_ids``, ``loss_mask`` (0/1) and
 ``seq_len``, written here with pyarrow alone (one Arrow stream file, ``dataset_info.json``,
 ``state.json``), so the export needs no ``datasets``. File i holds ``hidden_states`` [T, L+1, H]
-(the aux layers, then the final state BEFORE the norm, which the trainer applies itself) and
-``token_ids`` [T] int64. The dataset is written last, ``state.json`` (what ``load_from_disk`` opens)
-at its very end, so a folder that loads has every hidden-state file.
+(the exported taps, then the final state BEFORE the norm, which the trainer applies itself) and
+``token_ids`` [T] int64; every speculator type reads it so (MTP: no taps, [T, 1, H]). The
+dataset is written last, ``state.json`` (what ``load_from_disk`` opens) at its very end, so a folder
+that loads has every hidden-state file.
 
 speculators reads no layer ids from its data: its trainer assumes EAGLE-3's default layers unless
 ``--target-layer-ids`` is passed (vLLM's ids, hsx id + 1), so the export prints its training command.
@@ -23,9 +24,10 @@ import pyarrow as pa
 import torch
 from safetensors.torch import save
 
+from hsx.drafts import DRAFT_TYPES
 from hsx.export.serialize import npy_bytes, torch_bytes
 from hsx.export.trainer import TrainerFormat, Written, put
-from hsx.store.format import digest
+from hsx.store.format import FinalStateNorm, digest
 
 ARROW = "data-00000-of-00001.arrow"
 TOKENS = {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "List"}
@@ -60,20 +62,23 @@ def dataset_files(columns: dict[str, list]) -> list[tuple[str, bytes]]:
 
 class Speculators(TrainerFormat):
     name = "speculators"
-    needs_prenorm = True
+    drafts = DRAFT_TYPES
     takes_prenorm = True  # always pre-norm: --prenorm asks for what it writes anyway
     description = (
         "speculators 0.9 offline: DEST = datasets.save_to_disk (format torch) with input_ids, loss_mask, seq_len; "
-        "hidden_states/hs_{i}.safetensors = {hidden_states [T,L+1,H] (aux..., final pre-norm), token_ids [T] int64}"
+        "hidden_states/hs_{i}.safetensors = {hidden_states [T,L+1,H] (taps..., final pre-norm), token_ids [T] int64}"
     )
 
+    def side(self) -> FinalStateNorm:
+        return "pre"  # its verifier_norm is applied in the trainer, even for its CE loss's target argmax
+
     def final_state(self) -> str:
-        return f"pre-norm, last slot of hidden_states ({self.ctx.prenorm_source})"
+        return f"{super().final_state()}, last slot of hidden_states"
 
     def sample(self, index: int, sid: int, t: dict[str, torch.Tensor]) -> list[Written]:
         T, H = t["hidden_states"].shape
-        aux = t["aux_hidden_states"].reshape(T, -1, H)
-        pre = self.ctx.prenorm(sid, t)
+        aux = self.ctx.aux(t).reshape(T, -1, H)
+        pre = self.ctx.final(sid, t, "pre")
         states = torch.cat([aux, pre[:, None]], dim=1).contiguous()
         ids = t["input_ids"].to(torch.int64).contiguous()
         data = save({"hidden_states": states, "token_ids": ids})
@@ -81,9 +86,10 @@ class Speculators(TrainerFormat):
 
     def train_hint(self) -> str:
         ctx = self.ctx
-        args = ["speculators", "train", "--speculator-type", "eagle3"]
-        args += ["--verifier-name-or-path", ctx.model_dir, "--data-path", ctx.dest.absolute()]
-        args += ["--target-layer-ids", *(k + 1 for k in ctx.spec.layers)]  # vLLM's aux ids: hsx id + 1
+        args = ["speculators", "train", "--speculator-type", self.draft]
+        args += ["--verifier-name-or-path", ctx.model_named(), "--data-path", ctx.dest.absolute()]
+        if ctx.taps:  # vLLM's aux ids: hsx id + 1; MTP reads the final state alone
+            args += ["--target-layer-ids", *(k + 1 for k in ctx.taps)]
         args += ["--draft-vocab-size", ctx.opts.draft_vocab] if ctx.opts.draft_vocab is not None else []
         return shlex.join(map(str, args))
 

@@ -7,19 +7,20 @@ Each trainer module subclasses ``TrainerFormat``; ``core`` drives them through a
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from hsx.drafts import EAGLE3, EAGLE_TAPS, MTP, eagle3_taps
 from hsx.errors import ExportRefused, NormUnavailable
-from hsx.export.norm import load_final_norm, norm_error, prenorm_from_post, tolerance
+from hsx.export.norm import diagnose, load_final_norm, norm_error, prenorm_from_post, tolerance
 from hsx.finalnorm import FinalNorm
 from hsx.plan import Plan
-from hsx.spec import RunSpec
+from hsx.spec import RunSpec, model_location
 from hsx.store.codec import is_lossless
 from hsx.store.durable import write_durable
-from hsx.store.format import digest
+from hsx.store.format import FinalStateNorm, digest
 from hsx.target import location, model_dir_for
 
 
@@ -34,10 +35,14 @@ class ExportOptions:
     draft_vocab: int | None = None  # also write the trainer's draft-vocab map of this size
     target_vocab: int | None = None  # target vocabulary size (default: the model's config)
     pace: float = 0.0  # seconds to sleep after each sample (throttling; lets tests kill mid-export)
+    draft: str = EAGLE3  # the draft type trained (hsx.export.core.DRAFTS: which trainer takes which)
+    taps: list[int] | None = None  # the run's taps to export, hsx ids (default: the draft type's, see Context.taps)
 
     def command(self) -> str:
         """This export as a command line that works from any directory (it continues a stopped one)."""
         args = ["hsx", "export", self.run.absolute(), self.dest.absolute(), "--to", self.to]
+        args += ["--draft", self.draft] if self.draft != EAGLE3 else []
+        args += ["--taps", ",".join(map(str, self.taps))] if self.taps is not None else []
         args += ["--model", location(self.model)] if self.model is not None else []
         args += ["--prenorm"] if self.prenorm else []
         args += ["--draft-vocab", self.draft_vocab] if self.draft_vocab is not None else []
@@ -70,16 +75,51 @@ def put(dest: Path, rel: str, data: bytes) -> Written:
     return Written(rel, size, digest(data))
 
 
+def export_taps(spec: RunSpec, draft: str, asked: list[int] | None) -> list[int]:
+    """The run's taps a draft type is exported with, hsx ids: those asked (each one the run's), none
+    for MTP, EAGLE-3's three for it and P-EAGLE (the run's nearest to its defaults where the run has
+    more), or every tap of the run for the DFlash family (one per draft layer). Refused where the run
+    cannot feed it."""
+    have = list(spec.layers)
+    if asked is not None:
+        missing = [k for k in asked if k not in have]
+        if missing or len(set(asked)) != len(asked):
+            raise ExportRefused(f"--taps {asked}: the run holds taps {have} (hsx ids); name each of them once")
+        if (draft == MTP) != (not asked):
+            raise ExportRefused(
+                f"an MTP draft reads the final state alone, any other type taps: --taps {asked} with {draft}"
+            )
+        return list(asked)
+    if draft == MTP:
+        return []
+    if not have:
+        raise ExportRefused(
+            f"a {draft} draft reads taps, and this run has none (it was made with --layers mtp: the final state "
+            "alone); extract with --layers eagle3 or dflash:N"
+        )
+    if draft not in EAGLE_TAPS:
+        return have
+    if len(have) < 3:
+        raise ExportRefused(f"an EAGLE-3-style ({draft}) draft reads 3 taps; this run has {len(have)} ({have})")
+    if len(have) == 3:
+        return have
+    picked: list[int] = []
+    for want in eagle3_taps(spec.model.num_layers):
+        picked.append(min((k for k in have if k not in picked), key=lambda k: (abs(k - want), k)))
+    return sorted(picked)
+
+
 @dataclass
 class Context:
-    """Everything a trainer format needs while writing: the run, its plan, the final norm."""
+    """Everything a trainer format needs while writing: the run, its plan, the taps exported, the final norm."""
 
     opts: ExportOptions
     spec: RunSpec
     plan: Plan
     ids: list[int]  # sample id of each export index
+    taps: list[int] = field(default_factory=list)  # the taps exported, hsx ids, in the run's order or as asked
     norm: FinalNorm | None = None
-    prenorm_source: str = ""  # how the pre-norm state is obtained, for the manifest
+    conversion: str = ""  # how the final state is turned into the other norm's, for the manifest
     max_norm_error: float = 0.0
     model_dir: Path | None = None
 
@@ -93,18 +133,51 @@ class Context:
 
     @property
     def exact_prenorm(self) -> bool:
-        """The run holds the last decoder layer's raw output, stored losslessly. An fp8 run's copy of
-        it is quantized apart from the final state, so its norm would not give the stored target
-        back (it errs by both roundings): there the pre-norm state is derived from the final state,
-        like any run without that layer, and the trainer's target is the one the other exports carry."""
+        """The run holds the last decoder layer's raw output as a tap, stored losslessly (runs made
+        before the final state could be stored pre-norm captured it so). An fp8 run's copy of it is
+        quantized apart from the final state, so its norm would not give the stored target back (it
+        errs by both roundings): there the pre-norm state is derived from the final state, like any
+        run without that layer, and the trainer's target is the one the other exports carry."""
         return self.spec.model.num_layers - 1 in self.spec.layers and is_lossless(self.spec.codec)
+
+    def model(self) -> Path:
+        """The run's model folder (checked against its fingerprint), which training commands name."""
+        self.model_dir = self.model_dir or model_dir_for(self.opts.run, self.spec, self.opts.model)
+        return self.model_dir
+
+    def model_named(self) -> str:
+        """The model a training command names: the folder checked, where the export read it, else
+        the one given or where the run looks (an export that reads no weight never fails on it)."""
+        if self.model_dir is not None:
+            return str(self.model_dir)
+        return location(self.opts.model) if self.opts.model is not None else model_location(self.opts.run, self.spec)
 
     def source_id(self, sid: int) -> str:
         value = self.plan.sources.column("source_id")[sid].as_py()
         return value if value else str(sid)
 
+    def aux(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The exported taps' states of a sample, [T, len(taps)*H], in ``taps``' order."""
+        if self.taps == self.spec.layers:
+            return t["aux_hidden_states"]
+        T, H = t["hidden_states"].shape
+        if not self.taps:
+            return t["hidden_states"].new_empty(T, 0)
+        rows = [self.spec.layers.index(k) for k in self.taps]
+        return t["aux_hidden_states"].view(T, -1, H)[:, rows].reshape(T, -1)
+
+    def final(self, sid: int, t: dict[str, torch.Tensor], side: FinalStateNorm) -> torch.Tensor:
+        """The final state after the norm or before it, [T, H]: as stored, or converted (checked)."""
+        if side == self.spec.final_norm:
+            return t["hidden_states"]
+        if side == "post":  # from the stored pre-norm state: the norm as transformers computes it
+            assert self.norm is not None
+            return self.norm.apply(t["hidden_states"])
+        return self.prenorm(sid, t)
+
     def prenorm(self, sid: int, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The final state before the norm, [T, H], checked to give back the stored post-norm state."""
+        """The final state before the norm, [T, H], from a post-norm run, checked to give back the
+        stored post-norm state."""
         assert self.norm is not None
         post = t["hidden_states"]
         last = self.spec.model.num_layers - 1
@@ -112,37 +185,42 @@ class Context:
             k = self.spec.layers.index(last)
             pre = t["aux_hidden_states"][:, k * self.hidden : (k + 1) * self.hidden].clone()
         else:
-            pre = prenorm_from_post(self.norm, post)
+            pre = prenorm_from_post(self.norm, post, is_lossless(self.spec.codec))
         err = norm_error(self.norm, pre, post)
         limit = tolerance(self.spec.dtype, self.spec.codec)
         if not err <= limit:
             raise ExportRefused(
-                f"sample {sid}: the final norm ({self.norm.tensor}, eps {self.norm.eps}) applied to the exported "
-                f"pre-norm state differs from the stored post-norm state by {err:.2e} (limit {limit:.0e}); "
-                "the model given is not the one that produced the run, or its final norm is not a plain "
-                "RMSNorm. Refusing to write wrong targets."
+                f"sample {sid}: the final norm of the exported pre-norm state does not give back the stored "
+                "post-norm state; refusing to write wrong targets. "
+                + diagnose(self.norm, pre, post, limit, str(self.model_dir))
             )
         self.max_norm_error = max(self.max_norm_error, err)
         return pre
 
-    def load_norm(self) -> None:
-        self.model_dir = self.model_dir or model_dir_for(self.opts.run, self.spec, self.opts.model)
+    def load_norm(self, side: FinalStateNorm) -> None:
+        """Read the final norm where the export's final state is on its other side than the run's."""
+        if side == self.spec.final_norm:
+            return
         try:
-            self.norm = load_final_norm(self.model_dir, self.hidden)
+            self.norm = load_final_norm(self.model(), self.hidden)
         except NormUnavailable as e:
-            raise ExportRefused(f"this export needs the pre-norm final state, and {e}") from e
+            raise ExportRefused(f"this export needs the final state {side}-norm, and {e}") from e
+        if side == "post":
+            self.conversion = f"the stored pre-norm state through {self.norm.tensor} (eps {self.norm.eps}): exact"
+            return
         last = self.spec.model.num_layers - 1
         if self.exact_prenorm:
-            self.prenorm_source = f"exact: the run holds hsx layer {last} (the last decoder layer's raw output)"
-        else:
-            self.prenorm_source = (
-                f"post-norm state / {self.norm.tensor} (RMSNorm is scale-invariant: norm(pre) = post to 1 - O(eps), "
-                f"eps {self.norm.eps}); each sample checked within {tolerance(self.spec.dtype, self.spec.codec):.0e}"
+            self.conversion = f"exact: the run holds hsx layer {last} (the last decoder layer's raw output)"
+            return
+        self.conversion = (
+            f"post-norm state / {self.norm.tensor}, its length from the mean-square deficit (eps {self.norm.eps}): "
+            "norm(pre) = post to rounding; each sample checked within "
+            f"{tolerance(self.spec.dtype, self.spec.codec):.0e}"
+        )
+        if not is_lossless(self.spec.codec):
+            self.conversion += (
+                f"; {self.spec.codec} run: norm(pre) is the stored state times a per-token scale within 1/15 of 1"
             )
-            if not is_lossless(self.spec.codec):
-                self.prenorm_source += (
-                    f"; {self.spec.codec} run: norm(pre) is the stored state times a per-token scale within 1/15 of 1"
-                )
 
 
 class TrainerFormat:
@@ -150,18 +228,30 @@ class TrainerFormat:
 
     name = ""
     description = ""
-    needs_prenorm = False
+    drafts: tuple[str, ...] = (EAGLE3,)  # the draft types its trainer trains from such files
     takes_prenorm = False  # --prenorm changes what it writes (else it is refused as meaningless)
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
 
+    @property
+    def draft(self) -> str:
+        return self.ctx.opts.draft
+
     def check(self) -> None:
         """Refuse before writing anything when the run cannot be expressed in this format."""
+
+    def side(self) -> FinalStateNorm:
+        """The final state's norm this trainer reads."""
+        return "post"
 
     def job(self) -> dict:
         """Options that change the bytes written (part of the export's identity)."""
         return {}
+
+    def refuse(self, sid: int) -> str | None:
+        """Why the trainer cannot take sample ``sid`` (read from the plan, no state), or None."""
+        return None
 
     def sample(self, index: int, sid: int, t: dict[str, torch.Tensor]) -> list[Written]:
         raise NotImplementedError
@@ -170,7 +260,9 @@ class TrainerFormat:
         return []
 
     def final_state(self) -> str:
-        return "post-norm (hsx's stored state)"
+        """The final state written, in words: its norm, and how it was obtained from the run's."""
+        side = "post-norm" if self.side() == "post" else "pre-norm"
+        return f"{side} ({self.ctx.conversion or 'as the run stores it'})"
 
     def train_hint(self) -> str:
         """What the trainer must be told that its files cannot say (the run's layers, in its ids)."""

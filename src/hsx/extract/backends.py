@@ -23,6 +23,7 @@ from hsx.job.space import Space
 from hsx.plan import Plan
 from hsx.progress import Progress
 from hsx.spec import RunSpec
+from hsx.store.format import FinalStateNorm
 from hsx.store.scan import ShardScan
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Entry:
-    module: str  # its extraction side: ``final_state(model_dir)``, ``run(session, todo)``
+    module: str  # its extraction side: ``final_state(model_dir, norm)``, ``run(session, todo)``
     package: str  # what must import for it to run
     whole: bool  # it schedules a run's missing samples itself: handed them all at once, once verified
 
@@ -85,7 +86,8 @@ class Session:
 class Backend(Protocol):
     """A backend's extraction side (a module named in ``BACKENDS``)."""
 
-    def final_state(self, model_dir: Path) -> str: ...  # what a new run's spec records as its final state
+    # what a new run's spec records as its final state, stored after the norm or before it (refused where it cannot)
+    def final_state(self, model_dir: Path, norm: FinalStateNorm) -> str: ...
     def run(self, session: Session, todo: Iterable[ShardScan]) -> None: ...
 
 

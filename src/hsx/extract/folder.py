@@ -1,5 +1,6 @@
 """An extraction's run folder: a new one's plan and rejects (``create_run``; the job saves the spec
-last: ``job.stage.open_run``), and what a resume asks for in the spec's terms (``asked``).
+last: ``job.stage.open_run``), what a resume asks for in the spec's terms (``asked``), and the
+fidelity limits a resume sets for its own session (``session_limits``).
 
 The spec is the only source of truth for a resume: whatever the operator passes again must match
 it, and is listed by name where it does not (invariant 3; the steps every job's folder shares:
@@ -12,8 +13,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from hsx import target
-from hsx.errors import InputError, PlanError
+from hsx import drafts, target
+from hsx.errors import InputError, OptionError, PlanError
 from hsx.extract import backends
 from hsx.extract.options import (
     DEFAULTS,
@@ -28,14 +29,15 @@ from hsx.input import check_source, read_conversations
 from hsx.job.folder import setting_up
 from hsx.job.model import Model
 from hsx.plan import NoUsableSamples, Tokenize, tokenize_all, write_plan
-from hsx.spec import DataFile, Parallel, PlanIdentity, RunSpec, now, who
+from hsx.spec import DataFile, FidelityCheck, Parallel, PlanIdentity, RunSpec, now, who
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
 
 
-def asked(opts: ExtractOptions, model: Model) -> dict:
-    """What the operator gave on the command line, in the spec's terms (for the drift check)."""
+def asked(opts: ExtractOptions, model: Model, num_layers: int) -> dict:
+    """What the operator gave on the command line, in the spec's terms (for the drift check);
+    ``num_layers``: the run's model's, which a draft preset's taps depend on."""
     out: dict = {}
     if opts.model is not None:
         out["model"] = model.identity
@@ -43,8 +45,13 @@ def asked(opts: ExtractOptions, model: Model) -> dict:
     if opts.data:
         out["data"] = data_files(opts.data, opts.split, opts.limit, opts.column, opts.out)
     out |= opts.rows_asked()
-    for key in ("layers", "max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute"):
+    keys = ("max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute")
+    for key in (*keys, "template_kwargs", "fidelity_stride"):
         out[key] = getattr(opts, key)
+    if opts.layers is not None:  # a preset is resolved against the run's model
+        out["layers"] = drafts.resolve(opts.layers, num_layers).ids
+    if opts.final_state is not None:
+        out["final_norm"] = opts.final_state
     if opts.dtype not in (None, "auto"):
         out["dtype"] = opts.dtype
     if opts.tensor_parallel is not None or opts.expert_parallel is not None:
@@ -79,6 +86,11 @@ def _generated_input(opts: ExtractOptions) -> Path | None:
         raise InputError(
             f"--split, --limit and --column select rows of files and datasets, not of a generate run ({runs[0]})"
         )
+    if runs and opts.template_kwargs is not None:
+        raise InputError(
+            f"--chat-template-kwargs renders data files and datasets; a generate run ({runs[0]}) is extracted "
+            "from the token ids it generated, rendered with its own (hsx generate --chat-template-kwargs)"
+        )
     return runs[0] if runs else None
 
 
@@ -92,28 +104,31 @@ def write_rejects(run: Path, rejects: list) -> None:
     write_durable(run / layout.REJECTS, "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode())
 
 
-def create_run(opts: ExtractOptions, model: Model, log: Callable[[str], None]) -> RunSpec:
+def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None]) -> RunSpec:
     """A new run (``job.stage.open_run``: its folder checked, the spec saved last): read and tokenize the
     data into the frozen plan, write the rejects; its spec."""
-    from hsx.capture import check_layers, default_layers
+    from hsx.capture import check_layers
     from hsx.capture.transformers import resolve_dtype
 
     generated = _generated_input(opts)
     for path in opts.data if generated is None else []:
         check_source(path, opts.split, opts.column)
-    model_dir, tokenizer, identity = model.dir, model.tokenizer, model.identity
-    layers = opts.layers if opts.layers is not None else default_layers(identity.num_layers)
-    check_layers(layers, identity.num_layers)
+    model_dir, tokenizer, model = job_model.dir, job_model.tokenizer, job_model.identity
+    taps = drafts.resolve(opts.layers, model.num_layers)
+    check_layers(taps.ids, model.num_layers)
     device = opts.resources().device
     dtype = resolve_dtype(given(opts, "dtype"), device)
     packed = resolve_packing(opts.packing, device, target.load_config(model_dir), dtype, log)
     backend = opts.backend or "transformers"
-    final_state = backends.backend(backend).final_state(model_dir)  # vLLM refuses a final norm it cannot apply
+    final_norm = given(opts, "final_state")
+    if backend != "transformers" and not taps.ids:
+        raise OptionError(f"--layers {opts.layers}: the {backend} backend captures at least one tap")
+    final_state = backends.backend(backend).final_state(model_dir, final_norm)  # vLLM: a norm it can apply
     compiled = resolve_compile(opts.compile, device, backend)
     parallel = resolve_parallel(opts.tensor_parallel, opts.expert_parallel, target.load_config(model_dir), backend)
     compute = resolve_quantized_compute(opts.quantized_compute, model_dir, device, dtype, parallel, log)
     max_length, codec = given(opts, "max_length"), Codec(given(opts, "codec"))
-    source_spec, data = None, None
+    source_spec, data, own = None, None, False
     with setting_up(opts):
         if generated is not None:  # the target's own token ids, as generated: nothing is rendered again
             from hsx.genrun.samples import plan_samples
@@ -121,11 +136,14 @@ def create_run(opts: ExtractOptions, model: Model, log: Callable[[str], None]) -
             digest = target.tokenizer_identity(tokenizer).digest
             gen, samples = plan_samples(generated, digest, max_length, opts.allow_incomplete, log)
             source_spec, data = gen.spec.digest(), [gen.identity()]  # of the listing it planned from
+            own = gen.spec.sampling.temperature == 0 and not gen.spec.model.fingerprint.differences(model.fingerprint)
             log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
         else:
-            log(f"planning {len(opts.data)} data file(s) with {identity.architecture}'s chat template")
+            log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
+            if opts.template_kwargs:
+                log(f"plan: the chat template's arguments: {json.dumps(opts.template_kwargs)}")
             rows = read_conversations(opts.data, opts.split, opts.limit, opts.column)
-            samples = tokenize_all(rows, Tokenize(tokenizer, max_length))
+            samples = tokenize_all(rows, Tokenize(tokenizer, max_length, opts.template_kwargs))
         try:
             info, rejects = write_plan(opts.out, samples, max_length)
         except NoUsableSamples as e:
@@ -133,20 +151,16 @@ def create_run(opts: ExtractOptions, model: Model, log: Callable[[str], None]) -
             see = f" (see {opts.out / layout.REJECTS})" if e.rejects else ""
             raise PlanError(f"{e}{see}: nothing to extract, no run was made") from None
         write_rejects(opts.out, rejects)
-    log(
-        f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
-        f"{len(rejects)} rejected (see {layout.REJECTS})"
-    )
-    for line in info.summary():
-        log(f"plan: {line}")
-    return RunSpec(
+    spec = RunSpec(
         created=now(),
         created_by=who(),
         backend=backend,
         final_state=final_state,
-        model=identity,
+        final_norm=final_norm,
+        model=model,
         tokenizer=target.tokenizer_identity(tokenizer),
-        layers=layers,
+        layers=taps.ids,
+        layers_formula=taps.formula,
         dtype=dtype,
         max_length=max_length,
         batch_tokens=given(opts, "batch_tokens"),
@@ -157,7 +171,49 @@ def create_run(opts: ExtractOptions, model: Model, log: Callable[[str], None]) -
         codec=codec,
         parallel=parallel,
         quantized_compute=compute,
+        template_kwargs=opts.template_kwargs or {},
         data=data or data_files(opts.data, opts.split, opts.limit, opts.column, opts.out),
         generate_spec=source_spec,
         plan=PlanIdentity.of(info, len(rejects)),
+        fidelity=_fidelity(opts, backend, own, log),
     )
+    log(
+        f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
+        f"{len(rejects)} rejected (see {layout.REJECTS})"
+    )
+    for line in info.summary():
+        log(f"plan: {line}")
+    if spec.fidelity is not None:
+        f = spec.fidelity
+        log(f"fidelity: 1 in {f.stride} masked tokens checked; the run stops under {f.rule()}")
+    return spec
+
+
+def _fidelity(opts: ExtractOptions, backend: str, own: bool, log: Callable[[str], None]) -> FidelityCheck | None:
+    """How a new run checks its fidelity: ``own``, its data is this model's temperature-0 output (a
+    floor), else a baseline. The vLLM backend's connector writes files inside vLLM without it."""
+    if backend == "vllm":
+        if any(v is not None for v in (opts.fidelity_stride, opts.fidelity_floor, opts.fidelity_drop)):
+            raise OptionError("the vllm backend does not check fidelity: --fidelity-* apply to the transformers one")
+        log("fidelity: not checked by the vllm backend (hsx verify --fidelity recomputes it from the checkpoint)")
+        return None
+    return FidelityCheck(
+        mode="floor" if own else "baseline",
+        stride=given(opts, "fidelity_stride"),
+        floor=given(opts, "fidelity_floor"),
+        drop=given(opts, "fidelity_drop"),
+    )
+
+
+def session_limits(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None]) -> RunSpec:
+    """The spec this session runs under: a resume's ``--fidelity-floor``/``--fidelity-drop`` hold for
+    it alone (they change no number written; the spec keeps the run's own)."""
+    asked = {k: v for k, v in (("floor", opts.fidelity_floor), ("drop", opts.fidelity_drop)) if v is not None}
+    if not asked:
+        return spec
+    if spec.fidelity is None:
+        raise OptionError("this run was made before hsx checked fidelity (its files carry no figure): "
+                          "--fidelity-floor and --fidelity-drop apply to runs that check it")  # fmt: skip
+    limits = spec.fidelity.model_copy(update=asked)
+    log(f"fidelity: this session stops under {limits.rule()} (the run's own: {spec.fidelity.rule()})")
+    return spec.model_copy(update={"fidelity": limits})

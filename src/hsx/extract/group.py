@@ -35,7 +35,7 @@ import torch.distributed as dist
 import xxhash
 from pydantic import TypeAdapter
 
-from hsx import errors, registry, target
+from hsx import errors, fidelity, registry, target
 from hsx.capture import CapturedBatch
 from hsx.errors import WorkerFailed
 from hsx.extract.backends import Resources
@@ -194,7 +194,8 @@ def _follow(run: Path, model: str | None, spec: RunSpec, device: str, control) -
         kind, ids = _receive(control)
         if kind == STOP:
             return
-        captured = backend.capture(ids, [plan.input_ids(i) for i in ids])
+        checks = fidelity.checks_for(spec.fidelity, ids, [plan.loss_mask(i) for i in ids])  # as rank 0's
+        captured = backend.capture(ids, [plan.input_ids(i) for i in ids], checks)
         if not agreed:
             _agree(control, captured)
             agreed = True

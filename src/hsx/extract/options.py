@@ -15,14 +15,26 @@ from typing import Annotated as A
 from typing import ClassVar, Literal, get_args
 
 from hsx.bounds import Bound, Bounds, Flag
+from hsx.drafts import check_preset
 from hsx.errors import OptionError
 from hsx.extract.backends import BACKENDS, Resources
 from hsx.job.options import AT_LEAST_ONE, JOB, JobOptions, check_device, check_vllm, default_device
 from hsx.spec import Parallel
 from hsx.store.codec import DEFAULT_CODEC, Codec
+from hsx.store.format import FinalStateNorm
 
 Toggle = Literal["auto", "on", "off"]
-DEFAULTS = {"max_length": 4096, "batch_tokens": 16384, "shard_size": 1000, "dtype": "auto", "codec": DEFAULT_CODEC}
+DEFAULTS = {
+    "max_length": 4096,
+    "batch_tokens": 16384,
+    "shard_size": 1000,
+    "dtype": "auto",
+    "codec": DEFAULT_CODEC,
+    "fidelity_stride": 8,
+    "fidelity_floor": 0.98,
+    "fidelity_drop": 0.5,
+    "final_state": "post",
+}
 EXTRACT = Bounds(
     **JOB.bounds,
     max_length=AT_LEAST_ONE,
@@ -36,6 +48,10 @@ EXTRACT = Bounds(
     backend=Bound(choices=tuple(BACKENDS)),
     packing=Bound(choices=get_args(Toggle)),
     compile=Bound(choices=get_args(Toggle)),
+    fidelity_stride=AT_LEAST_ONE,
+    fidelity_floor=Bound(min=0.0, max=1.0),
+    fidelity_drop=Bound(min=0.0, max=1.0),
+    final_state=Bound(choices=get_args(FinalStateNorm)),
 )
 
 
@@ -49,14 +65,23 @@ COMPUTE = (
 )
 
 
-def layer_ids(value: str | None) -> list[int] | None:
-    """``--layers 1,15,28``."""
+LAYERS = (
+    "hsx layer ids, e.g. 1,15,28, or a draft preset: eagle3, dflash[:N] (N taps by DFlash's formula), "
+    "mtp (none: the final state alone)."
+)
+FLOOR = "Stop where agreement with the target's own temperature-0 tokens falls under this (a resume: its session's)."
+DROP = "On other data, stop where agreement falls by this share of the run's baseline (a resume: its session's)."
+
+
+def layer_ids(value: str | None) -> list[int] | str | None:
+    """``--layers``: explicit hsx layer ids, or a draft preset's name (``hsx.drafts``: resolved against
+    the model); refused (``OptionError``) otherwise."""
     if value is None:
         return None
     try:
         return [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
-        raise OptionError(f"--layers takes comma-separated integers, got {value!r}") from None
+        return check_preset(value)
 
 
 @dataclass
@@ -65,9 +90,12 @@ class ExtractOptions(JobOptions):
     UNIT: ClassVar[str] = "samples"
     BOUNDS: ClassVar[Bounds] = EXTRACT
 
-    layers: A[
-        list[int] | None, Flag("hsx layer ids, e.g. 1,15,28.", "IDS", "EAGLE-3's: 1, N/2-1, N-4", str, layer_ids)
-    ] = None
+    # hsx layer ids, or a draft preset (hsx.drafts: eagle3, dflash:N, mtp)
+    layers: A[list[int] | str | None, Flag(LAYERS, "IDS|PRESET", "eagle3: 1, N/2-1, N-4", str, layer_ids)] = None
+    # the final state stored post-norm (a new run's default) or pre-norm
+    final_state: A[FinalStateNorm | None, Flag("The final state stored before or after the final norm (new run).")] = (
+        None
+    )
     batch_tokens: A[int | None, Flag("Padded tokens per forward pass.")] = None
     writers: A[int, Flag("Writer threads.")] = 8
     max_inflight_bytes: int = 4 << 30
@@ -94,6 +122,13 @@ class ExtractOptions(JobOptions):
     ] = None
     # FP8 checkpoints: fp8 | dequantized (a new run's default: fp8 where it can)
     quantized_compute: A[str | None, Flag(COMPUTE, "MODE", "fp8 where the GPU can")] = None
+    # hsx.fidelity: every N-th loss-masked token checked (spec); the floor and the drop that stop a
+    # run (the spec's; a resume giving them sets its own session's)
+    fidelity_stride: A[int | None, Flag("Check every N-th loss-masked token against the target's head (new run).")] = (
+        None
+    )
+    fidelity_floor: A[float | None, Flag(FLOOR)] = None
+    fidelity_drop: A[float | None, Flag(DROP)] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -101,6 +136,10 @@ class ExtractOptions(JobOptions):
             check_device(self.device)
         if self.backend == "vllm":
             check_vllm("--backend vllm")
+        if isinstance(self.layers, str):
+            check_preset(self.layers)
+        elif self.layers is not None and not self.layers:
+            raise OptionError("--layers names no layer: give ids, or the preset mtp for the final state alone")
         seen: dict[Path, Path] = {}
         for path in map(Path, self.data):
             first = seen.setdefault(path.resolve(), path)

@@ -33,14 +33,14 @@ class Extract(Stage[ExtractOptions, RunSpec, ExtractSummary]):
     def load(self, run: Path) -> RunSpec:
         return load_spec(run)
 
-    def asked(self, opts: ExtractOptions, model: Model) -> dict:
-        return folder.asked(opts, model)
+    def asked(self, opts: ExtractOptions, model: Model, spec: RunSpec) -> dict:
+        return folder.asked(opts, model, spec.model.num_layers)
 
     def differences(self, spec: RunSpec, asked: dict) -> list[str]:
         return differences(spec, asked)
 
     def opened(self, opts: ExtractOptions, spec: RunSpec, log: Log) -> RunSpec:
-        return follow(opts.out, spec, log)
+        return folder.session_limits(opts, follow(opts.out, spec, log), log)
 
     def progress(self, opts: ExtractOptions, spec: RunSpec) -> Progress:
         return Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token, opts.out, opts.log_every)

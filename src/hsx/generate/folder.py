@@ -25,7 +25,7 @@ from hsx.genrun.spec import EngineIdentity, GenerateSpec, SamplingSpec
 from hsx.input import Conversation, Reject, check_source, read_conversations, to_message, tools_of
 from hsx.job.folder import remove_stray_temps
 from hsx.job.model import Model
-from hsx.plan import NoUsableSamples, Tokenize
+from hsx.plan import COUNTS, NoUsableSamples, Tokenize
 from hsx.spec import DataFile, PlanIdentity, now, who
 from hsx.store import layout
 from hsx.store.durable import write_durable
@@ -75,7 +75,13 @@ def plan_rows(
     samples: int,
     max_new_tokens: int,
 ) -> Iterator[Planned | Reject]:
-    """(index of its data file, conversation or reject) -> planned rows, ``samples`` per conversation."""
+    """(index of its data file, conversation or reject) -> planned rows, ``samples`` per conversation.
+
+    Only what the target is prompted with must render: the turns before the first episode
+    regenerated, and with ``--turns last`` the dataset's earlier episodes (their calls and results
+    stay in the prompt). With ``--turns all`` the dataset's calls are replaced by the target's own,
+    so a template that could not render them (Mistral's call ids, Llama 3.1's single call per turn)
+    refuses nothing here."""
     for file_no, item in items:
         if isinstance(item, Reject):
             yield item
@@ -87,22 +93,29 @@ def plan_rows(
         messages = messages[: episode_end(messages, last)]  # its results stay: the target may call for them
         targets = targets_of(messages, turns)
         try:
-            first = len(tokenize.ids(tokenize.render(messages[: targets[0]], True, tools)))
-            # each regenerated episode: its prompt (the dataset's prefix stands in for the answers
-            # to come) and its completion, at most the length limit
-            estimate = sum(
-                min(len(tokenize.ids(tokenize.render(messages[:i], True, tools))) + max_new_tokens, tokenize.max_length)
-                for i in targets
-            )
+            prompts = _prompt_tokens(tokenize, messages, tools, targets)
         except Exception as e:  # a template error on one row must not stop the run
             yield Reject(src, f"chat template cannot render it: {e}")
             continue
-        if first >= tokenize.max_length:
-            yield Reject(src, too_long(targets[0], first, tokenize.max_length))
+        if prompts[0] >= tokenize.max_length:
+            yield Reject(src, too_long(targets[0], prompts[0], tokenize.max_length))
             continue
+        # each regenerated episode: its prompt and its completion, at most the length limit
+        estimate = sum(min(n + max_new_tokens, tokenize.max_length) for n in prompts)
         for s in range(samples):
             key = f"{file_no}:{src.row}#{s}"
-            yield Planned(key, src.file, src.row, src.id, s, messages, tools, targets, estimate)
+            yield Planned(key, src.file, src.row, src.id, s, messages, tools, targets, estimate, item.ids_given)
+
+
+def _prompt_tokens(tokenize: Tokenize, messages: list[dict], tools: list[dict] | None, targets: list[int]) -> list[int]:
+    """The tokens of each regenerated episode's prompt, the dataset's turns standing in for the
+    target's answers to come: rendered where they are the prompt (the first episode; every episode
+    of ``--turns last``, one only); for a later episode of ``--turns all``, the first prompt and the
+    dataset's turns since as JSON text, never rendered (the target's own calls will replace them)."""
+    first = len(tokenize.ids(tokenize.render(messages[: targets[0]], True, tools)))
+    return [first] + [
+        first + len(tokenize.ids(json.dumps(messages[targets[0] : i], ensure_ascii=False))) for i in targets[1:]
+    ]
 
 
 def _numbered(opts: GenerateOptions) -> Iterator[tuple[int, Conversation | Reject]]:
@@ -139,6 +152,8 @@ def plan_run(opts: GenerateOptions, model: Model, engine: Capabilities, log: Cal
     tokenizer = model.tokenizer
     tokenize = Tokenize(tokenizer, opts.get("max_length"), opts.template_kwargs)
     log(f"planning {len(opts.data)} data file(s) with the model's chat template")
+    if opts.template_kwargs:
+        log(f"plan: the chat template's arguments: {json.dumps(opts.template_kwargs)}")
     items = _numbered(opts)
     rows = plan_rows(
         items if engine.parses_tool_calls or toolcalls.choose(tokenizer, opts.tool_parser) else _without_tools(items),
@@ -156,6 +171,8 @@ def plan_run(opts: GenerateOptions, model: Model, engine: Capabilities, log: Cal
     write_durable(opts.out / layout.PLAN_DIR / layout.PLAN_REJECTS, _jsonl(rejects))
     write_durable(opts.out / layout.REJECTS, _jsonl(rejects))
     log(f"plan: {info.num_samples} conversations, {len(rejects)} rows rejected (see {layout.REJECTS})")
+    if info.call_ids_given:
+        log(f"plan: {info.call_ids_given} {COUNTS['call_ids_given']}")
     plan = PlanIdentity(
         fingerprint=info.fingerprint,
         num_samples=info.num_samples,

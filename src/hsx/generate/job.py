@@ -259,7 +259,7 @@ class Generate(Stage[GenerateOptions, GenerateSpec, GenerateSummary]):
     def load(self, run: Path) -> GenerateSpec:
         return load_generate_spec(run)
 
-    def asked(self, opts: GenerateOptions, model: Model) -> dict:
+    def asked(self, opts: GenerateOptions, model: Model, spec: GenerateSpec) -> dict:
         return asked(opts, model)
 
     def differences(self, spec: GenerateSpec, asked: dict) -> list[str]:

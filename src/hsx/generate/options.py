@@ -9,7 +9,6 @@ before anything is read.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated as A
@@ -54,27 +53,14 @@ GENERATE = Bounds(
 DROPS = ("empty", "length")  # --drop: answers rejected rather than kept (an empty one; one cut at the length limit)
 
 
-def template_kwargs(text: str | None) -> dict | None:
-    """``--template-kwargs '{"enable_thinking": false}'``: a JSON object, or a refusal naming the option."""
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise OptionError(f"--template-kwargs must be a JSON object, not {text!r} ({e.msg})") from e
-    if not isinstance(value, dict):
-        raise OptionError(f"--template-kwargs must be a JSON object, not {text!r}")
-    return value
-
-
 def drops(given: list[str] | None) -> list[str] | None:
     """``--drop empty,length`` (repeatable)."""
     return [x for s in given or [] for x in s.split(",") if x] or None
 
 
 DROP = "Reject conversations with an empty or length-cut answer (comma-separated)."
-KWARGS = "JSON for the chat template, e.g. '{\"enable_thinking\": false}'."
 API = "server backend: openai (/v1/completions), openai-chat (/v1/chat/completions) or sglang (/generate)."
+TOOL_PARSER = f"How the target's tool calls are read: {', '.join(PARSERS)}."
 
 
 @dataclass
@@ -95,11 +81,8 @@ class GenerateOptions(JobOptions):
     max_new_tokens: A[int | None, Flag("New tokens per turn at most.")] = None
     samples_per_prompt: A[int | None, Flag("Conversations generated per input row.")] = None
     seed: A[int | None, Flag("The run's seed; each request's derives from it.")] = None
-    template_kwargs: A[dict | None, Flag(KWARGS, "JSON", "none", str, template_kwargs)] = None
     # generate.toolcalls.PARSERS (None: the tokenizer's response template, if any)
-    tool_parser: A[
-        str | None, Flag("How the target's tool calls are read.", default="the tokenizer's response template")
-    ] = None
+    tool_parser: A[str | None, Flag(TOOL_PARSER, "NAME", "the tokenizer's response template")] = None
     # how this session reaches its engine: not part of the spec
     servers: A[
         list[str], Flag("server backend: an OpenAI-compatible base URL; repeatable.", "URL", "none", name="--server")

@@ -24,7 +24,7 @@ import numpy as np
 from hsx.generate.dialogue import Dialogue
 from hsx.generate.toolcalls import Malformed, Recognizer, from_message
 from hsx.genrun.record import GeneratedTurn
-from hsx.input import ToolCall, Turn, to_message
+from hsx.input import ToolCall, Turn, call_id, to_message
 from hsx.plan import Tokenize
 
 
@@ -90,7 +90,9 @@ class Prompter:
                 parsed = self.recognize(text, prompt.tolist(), self.body(completion).tolist(), d.tools)
         except Malformed as e:
             return d.end({"role": "assistant", "content": text}, f"the target's tool call does not parse ({e})")
-        # calls without an id of the model's own get one that is the same on every run
-        step = len(d.done) - 1
-        calls = tuple(ToolCall(c.name, c.arguments, c.id or f"call_{step}_{k}") for k, c in enumerate(parsed.calls))
+        # calls without an id of the model's own get one that is the same on every run, as the data's do
+        made = sum(len(m.get("tool_calls") or ()) for m in d.messages)
+        calls = tuple(
+            ToolCall(c.name, c.arguments, c.id or call_id(c.name, made + k)) for k, c in enumerate(parsed.calls)
+        )
         d.step(to_message(Turn("assistant", parsed.content, parsed.reasoning, calls)), calls)

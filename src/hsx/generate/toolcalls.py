@@ -17,6 +17,17 @@ parser named by ``--tool-parser`` (it changes the output, so the run spec record
 - ``deepseek_v3``: ``<｜tool▁calls▁begin｜>`` then per call ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME``
   and the arguments in a ```` ```json ```` fence, ``<｜tool▁call▁end｜>`` (V3.1's
   ``NAME<｜tool▁sep｜>{json}`` too); reasoning in ``<think>``.
+- ``glm45`` (GLM-4.5, GLM-4.6): ``<tool_call>NAME`` then per argument ``<arg_key>KEY</arg_key>``
+  ``<arg_value>VALUE</arg_value>`` (a string as it is, anything else as JSON), ``</tool_call>``;
+  reasoning in ``<think>``.
+- ``gpt_oss`` (gpt-oss' harmony format; vLLM calls it ``openai``): messages of channels, each
+  ``<|channel|>NAME<|message|>TEXT`` up to ``<|end|>``, ``<|call|>`` or ``<|return|>``: ``analysis``
+  is reasoning, ``final`` the content, and a message to ``functions.NAME`` (``to=`` in its header)
+  a call with its JSON arguments.
+- ``llama3_json`` (Llama 3.1, 3.2, 3.3): the turn is JSON ``{"name": ..., "parameters": {...}}``
+  (``arguments`` too), several separated by ``;``, after ``<|python_tag|>`` or alone.
+- ``mistral``: the content, then ``[TOOL_CALLS]`` and a JSON list of ``{"name", "arguments", "id"}``
+  (Mistral Small 3.x), or per call ``NAME[ARGS]{json}`` (later tokenizers, ``[CALL_ID]ID`` beside).
 
 A call whose markup is there but does not parse is ``Malformed``: the conversation ends there, with
 the reason, rather than going on with a call the target did not make.
@@ -29,7 +40,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hsx.input import ToolCall
+from hsx.input import ToolCall, split_think
 
 RESPONSE_TEMPLATE = "response_template"  # what the spec records when the tokenizer's own template parses
 ENGINE = "engine"  # what it records when the engine parses (a server's chat completions)
@@ -58,30 +69,21 @@ def _arguments(value: object) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def split_think(text: str) -> tuple[str, str]:
-    """(reasoning, rest): the text up to ``</think>`` (without a leading ``<think>``, which the
-    prompt may have written), newlines around it dropped as the templates render them. A
-    completion cut inside its reasoning is all reasoning."""
-    end = text.find("</think>")
-    head = text if end < 0 else text[:end]
-    stripped = head.lstrip()
-    opened = stripped.startswith("<think>")
-    if end < 0 and not opened:
-        return "", text
-    if opened:
-        head = stripped[len("<think>") :]
-    rest = "" if end < 0 else text[end + len("</think>") :]
-    return head.strip("\n"), rest.lstrip("\n")
-
-
 def _json_call(body: str, where: str) -> ToolCall:
     try:
         call = json.loads(body)
     except ValueError as e:
         raise Malformed(f"{where} is not JSON: {body.strip()[:80]!r}") from e
+    return _named_call(call, where)
+
+
+def _named_call(call: object, where: str) -> ToolCall:
+    """``{"name", "arguments"}`` (or ``parameters``; an ``id`` where the format writes one) -> a call."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        raise Malformed(f"{where} has no function name: {body.strip()[:80]!r}")
-    return ToolCall(call["name"], _arguments(call.get("arguments", call.get("parameters", {}))))
+        raise Malformed(f"{where} has no function name: {json.dumps(call)[:80]!r}")
+    return ToolCall(
+        call["name"], _arguments(call.get("arguments", call.get("parameters", {}))), str(call.get("id") or "")
+    )
 
 
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
@@ -150,11 +152,123 @@ def deepseek_v3(text: str) -> Parsed:
     return Parsed(reasoning, rest[:start], tuple(calls))
 
 
+_GLM_CALL = re.compile(r"<tool_call>(?P<body>.*?)(?:</tool_call>|$)", re.DOTALL)
+_GLM_ARG = re.compile(r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>", re.DOTALL)
+
+
+def _glm_value(text: str) -> object:
+    """GLM writes a string argument as it is and anything else as JSON: what reads as JSON is that
+    (a string that reads as JSON, such as "3", cannot be told apart without the tool's schema)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def glm45(text: str) -> Parsed:
+    reasoning, rest = split_think(text)
+    start = rest.find("<tool_call>")
+    if start < 0:
+        return Parsed(reasoning, rest.strip(), ())
+    calls = []
+    for m in _GLM_CALL.finditer(rest, start):
+        name, _, args = m.group("body").strip().partition("\n")
+        if not name.strip() or "<arg_" in name:
+            raise Malformed(f"a GLM tool call without a function name: {m.group(0)[:80]!r}")
+        arguments = {a.group("key").strip(): _glm_value(a.group("value")) for a in _GLM_ARG.finditer(args)}
+        calls.append(ToolCall(name.strip(), json.dumps(arguments, ensure_ascii=False)))
+    return Parsed(reasoning, rest[:start].strip(), tuple(calls))
+
+
+_HARMONY = re.compile(
+    r"(?:<\|start\|>)?(?P<head>[^<]*(?:<\|(?:channel|constrain)\|>[^<]*)*)<\|message\|>"
+    r"(?P<body>.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|$)",
+    re.DOTALL,
+)
+
+
+def gpt_oss(text: str) -> Parsed:
+    reasoning, content, calls = [], [], []
+    for m in _HARMONY.finditer(text):
+        head, body = m.group("head"), m.group("body")
+        channel = re.search(r"<\|channel\|>\s*(\w+)", head)
+        recipient = re.search(r"to=functions\.([^\s<]+)", head)
+        if recipient:
+            calls.append(ToolCall(recipient.group(1), _arguments(body)))
+        elif channel is not None and channel.group(1) == "analysis":
+            reasoning.append(body)
+        else:
+            content.append(body)
+    if not (reasoning or content or calls):
+        return Parsed("", text, ())
+    return Parsed("\n".join(reasoning), "\n".join(content), tuple(calls))
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def llama3_json(text: str) -> Parsed:
+    body = text.strip()
+    tagged = body.startswith(_PYTHON_TAG)  # after the tag it is a call, whatever else it may say
+    body = body.removeprefix(_PYTHON_TAG).lstrip()
+    if not tagged and not body.startswith("{"):
+        return Parsed("", text, ())
+    calls, at = [], 0
+    try:
+        while at < len(body):
+            call, at = _decoded(body, "a Llama tool call", at)
+            calls.append(_named_call(call, "a Llama tool call"))
+            at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+    except Malformed:
+        if tagged:
+            raise
+        return Parsed("", text, ())  # an answer that begins with a brace
+    return Parsed("", "", tuple(calls))
+
+
+_MISTRAL = "[TOOL_CALLS]"
+_MISTRAL_CALL = re.compile(
+    r"\[TOOL_CALLS\](?P<name>[^\[]+?)(?:\[CALL_ID\](?P<id>[^\[]*))?\[ARGS\](?P<args>.*?)(?=\[TOOL_CALLS\]|$)", re.DOTALL
+)
+
+
+def mistral(text: str) -> Parsed:
+    start = text.find(_MISTRAL)
+    if start < 0:
+        return Parsed("", text, ())
+    rest = text[start + len(_MISTRAL) :].lstrip()
+    if not rest.startswith("["):  # NAME[ARGS]{json} per call
+        calls = []
+        for m in _MISTRAL_CALL.finditer(text, start):
+            args, _ = _decoded(m.group("args").strip(), "a Mistral tool call's arguments")
+            calls.append(ToolCall(m.group("name").strip(), _arguments(args), (m.group("id") or "").strip()))
+        if not calls:
+            raise Malformed(f"a Mistral tool call without its name and [ARGS]: {text[start:][:80]!r}")
+        return Parsed("", text[:start].rstrip(), tuple(calls))
+    listed, _ = _decoded(rest, "a Mistral [TOOL_CALLS] list")
+    if not isinstance(listed, list):
+        raise Malformed(f"a Mistral [TOOL_CALLS] is a {type(listed).__name__}, not a list")
+    return Parsed("", text[:start].rstrip(), tuple(_named_call(c, "a Mistral tool call") for c in listed))
+
+
+def _decoded(text: str, what: str, at: int = 0) -> tuple[object, int]:
+    """The JSON value at ``at`` in ``text`` and where it ends (what follows it, such as an end-of-turn
+    marker, is left)."""
+    try:
+        return json.JSONDecoder().raw_decode(text, at)
+    except ValueError as e:
+        raise Malformed(f"{what} is not JSON: {text[at:][:80]!r}") from e
+
+
 PARSERS: dict[str, Callable[[str], Parsed]] = {
     "hermes": hermes,
     "qwen3": qwen3,
     "kimi_k2": kimi_k2,
     "deepseek_v3": deepseek_v3,
+    "glm45": glm45,
+    "gpt_oss": gpt_oss,
+    "llama3_json": llama3_json,
+    "mistral": mistral,
 }
 
 

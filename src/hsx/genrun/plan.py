@@ -61,6 +61,7 @@ class Planned:
     tools: list[dict] | None
     targets: list[int]
     estimate: int
+    ids_given: int = 0  # the dataset's calls planning gave an id (``input.call_id``; not stored: for the summary)
 
 
 def _row_digest(cid: int, row: Planned) -> bytes:
@@ -76,6 +77,7 @@ class GenPlanInfo:
     num_tokens: int  # the estimate, summed
     num_truncated: int
     max_length: int
+    call_ids_given: int = 0  # the data's calls without an id that planning gave one (input.call_id)
 
 
 def write_gen_plan(run: Path, rows: Iterable[Planned | Reject], max_length: int) -> tuple[GenPlanInfo, list[Reject]]:
@@ -103,7 +105,8 @@ def write_gen_plan(run: Path, rows: Iterable[Planned | Reject], max_length: int)
     except BaseException:  # a failed write or Ctrl-C: no half-written plan stays behind
         tmp.unlink(missing_ok=True)
         raise
-    info = GenPlanInfo(h.hexdigest(), len(planned), sum(r.estimate for r in planned), 0, max_length)
+    given = sum(r.ids_given for r in planned if r.sample == 0)
+    info = GenPlanInfo(h.hexdigest(), len(planned), sum(r.estimate for r in planned), 0, max_length, given)
     write_durable(plan_dir / PLAN_META, json.dumps(info.__dict__, indent=1).encode())
     return info, rejects
 

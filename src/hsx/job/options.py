@@ -40,6 +40,7 @@ DATA = (
     "Conversations: .jsonl, .json or .parquet, a datasets folder or a cached Hugging Face dataset name; "
     "repeatable, each once."
 )
+KWARGS = "The chat template's arguments as JSON, e.g. '{\"enable_thinking\": false}' (new run)."
 
 
 @dataclass
@@ -61,6 +62,10 @@ class JobOptions:
     column: A[str | None, Flag("The field of each row that holds its turns.", "NAME", "conversations or messages")] = (
         None
     )
+    # the chat template's arguments (enable_thinking...): a new run's, in its spec (vLLM's and SGLang's name)
+    template_kwargs: A[
+        dict | None, Flag(KWARGS, "JSON", "none", str, template_kwargs, name="--chat-template-kwargs")
+    ] = None
     threads: A[int | None, Flag("CPU: torch threads.", default="torch's")] = None  # None: torch's own choice
     max_length: A[int | None, Flag("Truncate samples to this many tokens.")] = None
     shard_size: A[int | None, Flag("Samples per shard folder.")] = None
@@ -103,6 +108,19 @@ class JobOptions:
         return Telemetry(self.out, metrics, self.metrics_port, self.metrics_textfile)
 
 
+def template_kwargs(text: str | None) -> dict | None:
+    """``--chat-template-kwargs '{"enable_thinking": false}'``: a JSON object, or a refusal naming the option."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise OptionError(f"--chat-template-kwargs must be a JSON object, not {text!r} ({e.msg})") from e
+    if not isinstance(value, dict):
+        raise OptionError(f"--chat-template-kwargs must be a JSON object, not {text!r}")
+    return value
+
+
 def command_line(verb: str, opts) -> str:
     """The ``hsx VERB`` command that asks for exactly the options of ``opts`` (a dataclass of a
     command's options; local paths made absolute)."""
@@ -115,7 +133,7 @@ def command_line(verb: str, opts) -> str:
         if value is True or f.name == "deep_verify":  # flags take no value (--fast-verify: deep_verify off)
             args.append(flag)
         elif f.name == "layers":
-            args += [flag, ",".join(map(str, value))]
+            args += [flag, ",".join(map(str, value)) if isinstance(value, list) else value]  # ids or a preset
         elif isinstance(value, dict):
             args += [flag, json.dumps(value)]
         elif isinstance(value, list):

@@ -84,8 +84,8 @@ class Stage(ABC, Generic[Opts, S, R]):
         """The run's spec, refused where it is of another kind."""
 
     @abstractmethod
-    def asked(self, opts: Opts, model: Model) -> dict:
-        """What a resume asks for, in its spec's terms (only what the operator gave)."""
+    def asked(self, opts: Opts, model: Model, spec: S) -> dict:
+        """What a resume of the run of ``spec`` asks for, in its spec's terms (only what the operator gave)."""
 
     @abstractmethod
     def differences(self, spec: S, asked: dict) -> list[str]:
@@ -148,7 +148,7 @@ def open_run(stage: Stage[Opts, S, R], opts: Opts, model: Model, log: Log) -> S:
         return spec
     spec = stage.load(opts.out)
     model.resumes(opts.out, spec)
-    refuse_drift(opts, stage.differences(spec, stage.asked(opts, model)))
+    refuse_drift(opts, stage.differences(spec, stage.asked(opts, model, spec)))
     return stage.opened(opts, spec, log)
 
 

@@ -3,10 +3,12 @@
     [8 bytes: header length n, little endian][n bytes: JSON header, space padded to 8][data]
 
 Tensors, in data order: ``aux_hidden_states`` [T, L*H] and ``hidden_states`` [T, H] in the model's
-dtype, ``input_ids`` [T] int64, ``loss_mask`` [T] uint8. No padding tokens are stored.
+dtype, ``input_ids`` [T] int64, ``loss_mask`` [T] uint8. No padding tokens are stored. A run with no
+taps (``--layers mtp``) stores no ``aux_hidden_states``: the final state alone.
 ``__metadata__`` (all strings): ``format``, ``sample_id``, ``num_tokens``, ``layers`` (JSON list of
-hsx layer ids), ``layer_convention``, ``final_state``, ``digest`` = ``xxh3_128:<hex>`` of the data
-section. Cheap check: the header parses and the file size matches it. Deep check: the digest.
+hsx layer ids), ``layer_convention``, ``final_state`` (the label of its norm: ``FINAL_STATES``, read
+back by ``final_norm_of``), ``digest`` = ``xxh3_128:<hex>`` of the data section. Cheap check: the
+header parses and the file size matches it. Deep check: the digest.
 
 With a storage codec (``hsx.store.codec``) the two states are stored encoded, under the names the
 codec gives (``aux_hidden_states.zstd``, or ``.fp8`` + ``.scale``), and ``input_ids`` and
@@ -17,6 +19,12 @@ every one is aligned for any reader. ``format`` is then ``hsx-sample/2`` and ``_
 refuses an encoded file by its format instead of handing out its payload as hidden states. The
 digest covers the stored bytes, so every check above works on encoded files unchanged and never
 decodes; only ``decode`` does.
+
+A run that checks its fidelity (``hsx.fidelity``) adds ``fidelity`` to ``__metadata__``: the
+sample's ``Figure`` as JSON. It sits in the header beside the sample id and the layers, where the
+cheap check reads it without touching the data; like them it is outside the data digest (any
+reader's hash of the stored bytes stays the file's digest), and the shard's SEALED lists it too.
+A file without it (a run made before, or one that checks nothing) is as it was.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import xxhash
 
@@ -45,6 +53,9 @@ CONVERSATION = "hsx-conversation/1"  # a generate run's file (``hsx.genrun.recor
 STATES = ("aux_hidden_states", "hidden_states")
 LAYER_CONVENTION = "hsx/1: layer k = output of decoder layer k (0-based) = HF hidden_states[k+1]"
 FINAL_STATE = "last decoder layer output after the final norm"
+FINAL_STATE_PRENORM = "last decoder layer output before the final norm"
+FinalStateNorm = Literal["post", "pre"]  # the final state as stored: after the final norm, or before it
+FINAL_STATES: dict[str, str] = {"post": FINAL_STATE, "pre": FINAL_STATE_PRENORM}  # the file's label of each
 MAX_HEADER = 1 << 20
 
 
@@ -109,6 +120,54 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
+@dataclass(frozen=True)
+class Figure:
+    """A sample's fidelity, as ``hsx.fidelity`` measures it: of its ``checked`` tokens, how many the
+    target's LM head on the final state predicts (``agreed``: the argmax is the actual next token),
+    how many more it misses by a near tie only, and the sum of the actual next tokens' log-probabilities."""
+
+    checked: int
+    agreed: int
+    near_ties: int
+    logprob: float
+
+    @property
+    def matched(self) -> int:
+        """Agreed, or missed by a near tie only: what a floor counts."""
+        return self.agreed + self.near_ties
+
+    @property
+    def agreement(self) -> float:
+        return self.agreed / self.checked if self.checked else 1.0
+
+    def __add__(self, other: Figure) -> Figure:
+        return Figure(
+            self.checked + other.checked,
+            self.agreed + other.agreed,
+            self.near_ties + other.near_ties,
+            self.logprob + other.logprob,
+        )
+
+    def text(self) -> str:
+        """As ``__metadata__`` keeps it (the log-probability to 6 significant digits)."""
+        body = {"checked": self.checked, "agreed": self.agreed, "near_ties": self.near_ties}
+        return json.dumps(body | {"logprob": float(f"{self.logprob:.6g}")}, separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, text: str | dict | None) -> Figure | None:
+        """From ``text`` (or its JSON already parsed); None where there is none. Raises ``ValueError``."""
+        if text is None:
+            return None
+        body = json.loads(text) if isinstance(text, str) else text
+        try:
+            return cls(int(body["checked"]), int(body["agreed"]), int(body["near_ties"]), float(body["logprob"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a fidelity figure: {text!r}") from e
+
+
+NO_FIGURE = Figure(0, 0, 0, 0.0)
+
+
 @dataclass
 class SampleTensors:
     """One sample's host-side tensors, ready to be written. The states may come already encoded by
@@ -119,14 +178,12 @@ class SampleTensors:
     loss_mask: torch.Tensor  # uint8 [T]
     aux: torch.Tensor | Encoded  # [T, L*H]
     final: torch.Tensor | Encoded  # [T, H]
+    fidelity: Figure | None = None  # where the run checks its fidelity
 
     def tensors(self) -> list[tuple[str, torch.Tensor | Encoded]]:
-        return [
-            ("aux_hidden_states", self.aux),
-            ("hidden_states", self.final),
-            ("input_ids", self.input_ids),
-            ("loss_mask", self.loss_mask),
-        ]
+        """The file's tensors in data order; no aux states where the run has no taps (width 0)."""
+        aux = [] if self.aux.shape[-1] == 0 else [("aux_hidden_states", self.aux)]
+        return [*aux, ("hidden_states", self.final), ("input_ids", self.input_ids), ("loss_mask", self.loss_mask)]
 
     @property
     def nbytes(self) -> int:
@@ -135,10 +192,12 @@ class SampleTensors:
         return sum(t.captured_nbytes if isinstance(t, Encoded) else t.nbytes for _, t in self.tensors())
 
 
-def encode(sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW) -> tuple[list[memoryview | bytes], str]:
+def encode(
+    sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW, final: FinalStateNorm = "post"
+) -> tuple[list[memoryview | bytes], str]:
     """The file's parts (header, then each tensor's bytes) and the data digest. Raw parts are views
     of the sample's own buffers; encoded ones are new buffers made here, in the caller's thread, or
-    the sample's own where its states came encoded."""
+    the sample's own where its states came encoded. ``final``: the final state's norm, labelled."""
     import torch
 
     codec = Codec(codec)
@@ -150,8 +209,8 @@ def encode(sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW) -
     else:
         metadata["codec"] = codec.value
         groups = {"aux_hidden_states": len(layers), "hidden_states": 1}
-        states = dict(sample.tensors()[:2])
-        stored = sample.tensors()[2:]
+        states = {k: t for k, t in sample.tensors() if k in STATES}
+        stored = [(k, t) for k, t in sample.tensors() if k not in STATES]
         for name, t in states.items():
             stored += encode_state(codec, name, t, groups[name])
         stored.sort(key=lambda e: -_align(e[1]))  # stable: 8-byte, then 4-byte, then 1-byte types
@@ -166,8 +225,10 @@ def encode(sample: SampleTensors, layers: list[int], codec: Codec = Codec.RAW) -
         "num_tokens": str(sample.input_ids.shape[0]),
         "layers": json.dumps(layers),
         "layer_convention": LAYER_CONVENTION,
-        "final_state": FINAL_STATE,
+        "final_state": FINAL_STATES[final],
     }
+    if sample.fidelity is not None:
+        metadata["fidelity"] = sample.fidelity.text()
     if codec is not Codec.RAW:
         metadata["states"] = json.dumps(
             {name: {"dtype": _dtypes()[t.dtype], "shape": list(t.shape)} for name, t in states.items()},
@@ -222,7 +283,7 @@ def decode_tensors(
     try:
         codec = codec_of(metadata)
         if codec is Codec.RAW:
-            return {k: stored[k] for k in (*STATES, "input_ids", "loss_mask")}
+            return {k: stored[k] for k in (*STATES, "input_ids", "loss_mask") if k in stored or k != STATES[0]}
         out = {k: stored[k] for k in ("input_ids", "loss_mask")}
         for name, info in json.loads(metadata["states"]).items():
             if name not in STATES:
@@ -231,9 +292,20 @@ def decode_tensors(
             out |= decode_state(codec, name, stored, dtype, list(info["shape"]), keep_fp8)
     except (KeyError, ValueError, TypeError) as e:
         raise BadFile("corrupt", f"stored tensors do not decode ({e!r})") from e
-    if set(STATES) - set(out):
-        raise BadFile("corrupt", f"states missing from the file: {sorted(set(STATES) - set(out))}")
+    missing = set(STATES) - set(out) - ({STATES[0]} if metadata.get("layers") == "[]" else set())
+    if missing:
+        raise BadFile("corrupt", f"states missing from the file: {sorted(missing)}")
     return out
+
+
+def final_norm_of(metadata: dict[str, str]) -> FinalStateNorm:
+    """The norm of a sample file's final state, by its label (files made before hsx could store it
+    before the norm say it is after). Raises ``ValueError`` for a label hsx never writes."""
+    label = metadata.get("final_state", FINAL_STATE)
+    for side, text in FINAL_STATES.items():
+        if label.startswith(text):
+            return side  # type: ignore[return-value]
+    raise ValueError(f"unknown final state {label!r}")
 
 
 def codec_of(metadata: dict[str, str]) -> Codec:
@@ -268,6 +340,11 @@ class Header:
         return int(self.metadata["num_tokens"])
 
     @property
+    def fidelity(self) -> Figure | None:
+        """The sample's fidelity figure, where its run checked it."""
+        return Figure.parse(self.metadata.get("fidelity"))
+
+    @property
     def codec(self) -> Codec | None:
         """None for a conversation file, which stores no states."""
         return None if self.metadata.get("format") == CONVERSATION else codec_of(self.metadata)
@@ -282,6 +359,7 @@ def read_header(path: Path) -> Header:
         metadata = header.pop("__metadata__")
         if metadata.get("format") != CONVERSATION:
             codec_of(metadata)
+            Figure.parse(metadata.get("fidelity"))
         ends = sorted((v["data_offsets"][0], v["data_offsets"][1]) for v in header.values())
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise BadFile("corrupt", f"header does not parse ({e})") from e

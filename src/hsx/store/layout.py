@@ -3,6 +3,7 @@
 OUT/
   hsx.json                 SPEC: the run spec, written once, last of the set-up
   model-location.json      LOCATION: where the model lives now (beside the spec, which never changes)
+  fidelity.json            FIDELITY: a dataset run's fidelity baseline (beside the spec: measured after it)
   plan/plan.parquet        PLAN_DIR / PLAN_FILE: the frozen, tokenized work list
   plan/growth.json         GROWTH: samples appended since (an extraction following its generate run),
   plan/part-000001.parquet   and the files holding them (part_name)
@@ -20,6 +21,7 @@ from pathlib import Path
 
 SPEC = "hsx.json"
 LOCATION = "model-location.json"
+FIDELITY = "fidelity.json"
 PLAN_DIR = "plan"
 PLAN_FILE = "plan.parquet"
 GROWTH = "growth.json"

@@ -156,7 +156,7 @@ def _check_batch(
                 read = header.data_start
             elif _hash(path, header.data_start, size) != header.digest:
                 raise BadFile(Damage.CORRUPT, "digest mismatch")
-            out.append((rel, FileRecord(sid, size, header.digest), read))
+            out.append((rel, FileRecord(sid, size, header.digest, fidelity=header.fidelity), read))
         except BadFile as e:
             out.append((rel, Problem(rel, e.kind, e.detail, sid), read))
         except OSError as e:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from hsx.store import layout
 from hsx.store.codec import Codec, Encoded, encode_early, prepare
 from hsx.store.durable import fsync_dir, write_durable, write_parts
-from hsx.store.format import SampleTensors, encode
+from hsx.store.format import Figure, FinalStateNorm, SampleTensors, encode
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +44,7 @@ class FileRecord:
     digest: str
     # as sealed, where it proves the file unchanged since (see ``read_seal``); not part of identity
     mtime_ns: int | None = field(default=None, compare=False)
+    fidelity: Figure | None = field(default=None, compare=False)  # its header's, where its run checks it
 
 
 class SampleWriter:
@@ -56,11 +57,14 @@ class SampleWriter:
         max_inflight_bytes: int = 1 << 30,
         codec: Codec = Codec.RAW,
         encoders: int | None = None,
+        final: FinalStateNorm = "post",
     ):
-        """``encoders``: threads that encode states on the host [one per core this process may use]."""
+        """``encoders``: threads that encode states on the host [one per core this process may use];
+        ``final``: the norm of the final state, as each file labels it."""
         self.run = run
         self.shard_size = shard_size
         self.layers = list(layers)
+        self.final = final
         self.codec = Codec(codec)
         self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hsx-write")
@@ -129,7 +133,9 @@ class SampleWriter:
         finally:
             self._release(n)
 
-    def _store(self, sample_id: int, parts: list[memoryview | bytes], digest: str) -> FileRecord:
+    def _store(
+        self, sample_id: int, parts: list[memoryview | bytes], digest: str, fidelity: Figure | None = None
+    ) -> FileRecord:
         """Write one file under its final name (its folder is fsynced by ``sync``)."""
         path = layout.sample_path(self.run, sample_id, self.shard_size)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +143,7 @@ class SampleWriter:
         with self.cond:
             self.dirty.add(path.parent)
             self.bytes_written += size
-        return FileRecord(sample_id, size, digest)
+        return FileRecord(sample_id, size, digest, fidelity=fidelity)
 
     def _fail(self, e: BaseException) -> None:
         with self.cond:
@@ -149,12 +155,13 @@ class SampleWriter:
             self.inflight -= n
             self.cond.notify_all()
 
-    def _encode(self, t: torch.Tensor, groups: int, ready: Callable[[], None] | None) -> Encoded:
+    def _encode(self, t: torch.Tensor, groups: int, ready: Callable[[], None] | None) -> Encoded | torch.Tensor:
+        """State ``t`` encoded; the empty aux state of a run without taps as it is (never stored)."""
         if ready is not None:
             ready()
         if self.error is not None:
             raise self.error
-        return encode_early(self.codec, t, groups)
+        return encode_early(self.codec, t, groups) if groups else t
 
     def _write(
         self,
@@ -175,8 +182,8 @@ class SampleWriter:
                     free()
             if self.error is not None:
                 raise self.error
-            parts, digest = encode(sample, self.layers, self.codec)
-            return self._store(sample.sample_id, parts, digest)
+            parts, digest = encode(sample, self.layers, self.codec, self.final)
+            return self._store(sample.sample_id, parts, digest, sample.fidelity)
         except BaseException as e:
             self._fail(e)
             raise
@@ -218,11 +225,14 @@ def seal(run: Path, shard: int, records: list[FileRecord]) -> None:
     Each file's mtime (ns) is recorded as it is now, so that a fast check can trust a file the
     listing shows unchanged (size and mtime) without opening it. A file whose size on disk is not
     its record's gets no mtime: it is never trusted, always checked. Manifests without mtimes
-    (older ones) read as before; readers that predate mtimes ignore them."""
+    (older ones) read as before; readers that predate mtimes ignore them. A file's fidelity figure,
+    where its run checks it, is listed too, so status sums a sealed shard's without opening a file."""
     folder = layout.shard_dir(run, shard)
     files = []
     for r in sorted(records, key=lambda r: r.sample_id):
-        entry = {"name": layout.sample_name(r.sample_id), "size": r.size, "digest": r.digest}
+        entry: dict = {"name": layout.sample_name(r.sample_id), "size": r.size, "digest": r.digest}
+        if r.fidelity is not None:
+            entry["fidelity"] = json.loads(r.fidelity.text())
         try:
             st = os.stat(folder / entry["name"])
             if st.st_size == r.size:
@@ -252,7 +262,7 @@ def read_seal(run: Path, shard: int) -> dict[int, FileRecord] | None:
             sid = layout.parse_sample_name(e["name"])
             mtime = e.get("mtime_ns")
             mtime = int(mtime) if mtime is not None and int(mtime) < sealed_ns else None
-            out[sid] = FileRecord(sid, int(e["size"]), e["digest"], mtime)
+            out[sid] = FileRecord(sid, int(e["size"]), e["digest"], mtime, Figure.parse(e.get("fidelity")))
         return out
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
