@@ -7,7 +7,7 @@ stage fills in (``Stage``: extract, generate, and every later stage).
                   (a start that fails in it leaves failed-start.json), the spec saved last;
                   a resume: the stage's spec (by the kind it records), the drift check (``asked``
                   against the spec: refused by name), the stage's ``opened``
-      launch      where the rest runs (``launch``: here; an extraction's executor elsewhere)
+      launch      where the rest runs: here, or where ``run``'s ``launch`` puts it (an extraction's executors)
     session(stage, opts, spec, model, log)
       lock        the run's lock, its heartbeat writing the stage's progress (``job.prologue``)
       prologue    stray temps, the model's new location, header scan, the space
@@ -40,6 +40,7 @@ S = TypeVar("S", bound=JobSpec)
 R = TypeVar("R", bound=Summary)
 Log = Callable[[str], None]
 Open = Callable[[Opts], S]  # the run opened with these options (a new one created): its spec
+Launch = Callable[[Opts, Open, Model, Log], R]  # where a job runs once opened (``run``'s ``launch``)
 
 
 @dataclass
@@ -95,10 +96,6 @@ class Stage(ABC, Generic[Opts, S, R]):
         """After the drift check, before the lock: the spec the job goes on with."""
         return spec
 
-    def launch(self, opts: Opts, open_run: Open, model: Model, log: Log) -> R:
-        """Open the run and take it to its end: here, by default."""
-        return session(self, opts, open_run(opts), model, log)
-
     def lock_command(self, opts: Opts) -> str:
         """What the run's lock says its holder is doing."""
         return opts.COMMAND
@@ -126,12 +123,19 @@ class Stage(ABC, Generic[Opts, S, R]):
         """Release what the job held (an engine), however it ended."""
 
 
-def run(stage: Stage[Opts, S, R], opts: Opts, log: Log, launch: Callable[..., R] | None = None) -> R:
+def run(stage: Stage[Opts, S, R], opts: Opts, log: Log, launch: Launch | None = None) -> R:
     """The job of ``stage`` on ``opts.out``, a new run or the resume of one, to its end or a clean
-    stop. ``launch``: where it runs, in place of ``stage.launch`` (an extraction's executors)."""
+    stop: opened, then its session here, or where ``launch`` runs it (an extraction's executors:
+    ``launch(opts, open, model, log)`` opens the run when it is ready to)."""
     model = Model(opts.model, opts.trust_remote_code)
+
+    def opened(o: Opts) -> S:
+        return open_run(stage, o, model, log)
+
     try:
-        return (launch or stage.launch)(opts, lambda o: open_run(stage, o, model, log), model, log)
+        if launch is None:
+            return session(stage, opts, opened(opts), model, log)
+        return launch(opts, opened, model, log)
     finally:
         stage.close()
 
