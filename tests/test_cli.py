@@ -24,11 +24,15 @@ from click.testing import CliRunner as ClickRunner
 from typer.testing import CliRunner
 
 from conftest import SMALL_RUN, TINY, conversations, hsx, write_jsonl
+from hsx.bench import BENCH
 from hsx.bounds import Bound, Bounds
-from hsx.cli import BENCH, MEMORY, RUN, TO, _print_summary, app
+from hsx.cli import app
+from hsx.cli.options import RUN, TO
+from hsx.cli.output import print_summary
 from hsx.errors import OptionError
+from hsx.extract.memory import MEMORY
 from hsx.extract.options import EXTRACT, ExtractOptions
-from hsx.job.resume import Summary
+from hsx.extract.summary import ExtractSummary
 from hsx.store import layout
 
 
@@ -498,8 +502,9 @@ def test_version_and_flags_that_take_no_value(tmp_path):
     ("seconds", "waited", "advice"), [(1.1, 0.1, False), (600.0, 20.0, False), (120.0, 30.0, True)]
 )
 def test_disk_advice_only_where_acting_on_it_would_matter(tmp_path, capsys, seconds, waited, advice):
-    s = Summary(tmp_path, 10, 100, 0, written=10, tokens_written=100, seconds=seconds, waited_for_disk=waited)
-    _print_summary(s)
+    s = ExtractSummary(tmp_path, 10, written=10, seconds=seconds, total_tokens=100, tokens_written=100)
+    s.waited_for_disk = waited
+    print_summary(s)
     out = capsys.readouterr().out
     assert "10/10 done" in out
     assert ("a faster volume or more --writers" in out) is advice, out
@@ -612,7 +617,7 @@ def _hostile_cases(tmp_path: Path, convs: Path) -> list[tuple[str, ...]]:
     from typing import get_type_hints
 
     from hsx.generate.options import GENERATE, GenerateOptions
-    from hsx.job.options import FLAG_NAMES, NOT_FLAGS
+    from hsx.job.options import NOT_FLAGS, flag_name
 
     cases = []
     for verb, cls, bounds in (("extract", ExtractOptions, EXTRACT), ("generate", GenerateOptions, GENERATE)):
@@ -621,7 +626,7 @@ def _hostile_cases(tmp_path: Path, convs: Path) -> list[tuple[str, ...]]:
             hint = str(hints[f.name])
             if f.name in NOT_FLAGS or hint == "<class 'bool'>":  # a flag takes no value
                 continue
-            flag = FLAG_NAMES.get(f.name, Bounds.flag(f.name))
+            flag = flag_name(cls, f.name)
             base = {"--model": str(TINY), "--data": str(convs), "--out": str(tmp_path / "run")}
             for value in _hostile(hint, bounds.bounds.get(f.name)):
                 args = base | {flag: value}

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from conftest import TINY, run_files, write_jsonl
-from hsx.generate.engine import Completion, Engine, Request
+from hsx.generate.engines.base import Completion, Engine, Request
 from hsx.generate.export import openai_message
 from hsx.generate.job import generate
 from hsx.generate.options import GenerateOptions
-from hsx.generate.record import read_record
+from hsx.genrun.record import read_record
 from hsx.input import ToolCall, Turn, to_message
 from hsx.store import layout
 
@@ -356,7 +356,7 @@ def test_regenerating_every_turn_plans_rows_whose_calls_the_template_refuses(fil
     every episode is regenerated: planning renders only the prompt of the first, and plans the row.
     With --turns last they stay in the prompt of the last episode: the row is refused in the
     template's own words."""
-    from hsx.generate.plan import plan_rows
+    from hsx.generate.folder import plan_rows
     from hsx.input import Conversation, Reject, Source, normalize
     from hsx.plan import Tokenize
     from hsx.target import load_tokenizer

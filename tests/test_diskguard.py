@@ -222,14 +222,14 @@ def test_a_scaled_out_zstd_run_too_large_at_raw_size_is_judged_by_its_workers(tm
 
 
 def test_a_ray_worker_whose_volume_fills_stops_the_run_as_one_process_does(tmpfs, finished_run, tmp_path):
-    """Two Ray workers on a real 2 MB tmpfs: the worker that meets the reserve stops its shard cleanly,
+    """Two Ray workers on a real 3 MB tmpfs: the worker that meets the reserve stops its shard cleanly,
     its outcome stops the driver, and the run ends with the exit code and words of a process of its
     own (the space still needed counted by the driver); every file left verifies, and the resume it
     prints, once the volume grew, finishes the run bit-identical to an uninterrupted one."""
     from conftest import require
 
     require("ray")
-    d = tmpfs("workers", size="2m")
+    d = tmpfs("workers", size="3m")  # the reserve counts the other worker's batch too
     run = d / "run"
     data = write_jsonl(tmp_path / "convs.jsonl", conversations(40))
     stopped = hsx(*extract_args(data, run, "--workers", "2", "--allow-partial"), check=False)

@@ -22,8 +22,8 @@ from hsx.extract import ExtractOptions, extract
 from hsx.extract.local import InProcess
 from hsx.generate.job import generate
 from hsx.generate.options import GenerateOptions
-from hsx.generate.record import read_record
-from hsx.generate.samples import NOT_GENERATED
+from hsx.genrun.record import read_record
+from hsx.genrun.samples import NOT_GENERATED
 from hsx.plan import load_plan
 from hsx.spec import load_spec
 from hsx.store import layout

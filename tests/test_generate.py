@@ -40,11 +40,11 @@ from conftest import (
 )
 from hsx.cli import app
 from hsx.errors import OptionError, Refused
-from hsx.generate.engine import Request, Sampling
 from hsx.generate.engines import EngineSettings
+from hsx.generate.engines.base import Request, Sampling
 from hsx.generate.job import generate
 from hsx.generate.options import GENERATE, GenerateOptions
-from hsx.generate.record import read_record
+from hsx.genrun.record import read_record
 from hsx.input import ROLES
 from hsx.store import layout
 
@@ -263,7 +263,7 @@ def test_a_resume_with_other_settings_is_refused_by_name(gen_run, tmp_path):
         name, version = "transformers", "0.0-other"
 
     from hsx.generate.folder import check_engine
-    from hsx.generate.spec import load_generate_spec
+    from hsx.genrun.spec import load_generate_spec
 
     with pytest.raises(Refused, match=r"0\.0-other"):
         check_engine(load_generate_spec(out), Newer())
@@ -329,7 +329,7 @@ def test_a_start_with_no_usable_row_leaves_its_rejects_and_a_start_command_that_
 
 
 def test_a_redone_request_draws_what_the_first_try_drew():
-    from hsx.generate.transformers import open as open_transformers
+    from hsx.generate.engines.transformers import open as open_transformers
 
     engine = open_transformers(EngineSettings(model_dir=TINY, device="cpu"))
     sampling = Sampling(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12)
@@ -344,7 +344,7 @@ def test_a_redone_request_draws_what_the_first_try_drew():
 
 def test_extract_takes_the_generated_ids_as_they_are(gen_run, tmp_path):
     from hsx.extract import ExtractOptions, extract
-    from hsx.generate.spec import load_generate_spec
+    from hsx.genrun.spec import load_generate_spec
     from hsx.plan import Plan
     from hsx.spec import load_spec
 
@@ -414,7 +414,7 @@ def test_an_unfinished_generate_run_is_extracted_only_when_asked(gen_run, tmp_pa
 def test_a_template_that_rewrites_history_gives_one_sample_per_turn(tmp_path):
     """A template that replaces earlier answers (as reasoning templates drop the thinking): the later
     prompts do not hold the earlier completions, so each turn is its own sample."""
-    from hsx.generate.samples import samples_of, whole
+    from hsx.genrun.samples import samples_of, whole
 
     model = tmp_path / "model"
     shutil.copytree(TINY, model)
@@ -476,7 +476,7 @@ def test_a_prompt_grown_past_the_limit_ends_its_conversation_keeping_the_turns_b
     prompt that does not fit rejects its row when planning (nothing to generate)."""
     from hsx.assess.status import assess
     from hsx.generate.export import export_jsonl
-    from hsx.generate.samples import samples_of
+    from hsx.genrun.samples import samples_of
 
     long = {"id": "long", "conversations": [{"from": "human", "value": "word " * 40}, {"from": "gpt", "value": "ok"}]}
     rows = conversations(2, start=0)  # 4 and 2 messages
@@ -554,7 +554,7 @@ def test_template_kwargs_reach_the_chat_template(tmp_path):
 
 
 def test_an_engine_giving_up_on_a_request_rejects_that_conversation_only(tmp_path, monkeypatch):
-    from hsx.generate import transformers as engine_module
+    from hsx.generate.engines import transformers as engine_module
 
     real = engine_module.TransformersEngine.generate
 
@@ -616,7 +616,7 @@ def test_a_datasets_folder_split_limit_drop_and_threads(tmp_path, one_thread):
     """--data a save_to_disk folder with --split and --limit 3: the first 3 rows only, recorded in the
     spec (a resume asking for another limit is refused); --drop length rejects each conversation at
     its first answer cut by the length limit, with that reason; --threads sets torch's threads."""
-    from hsx.generate.record import GeneratedTurn
+    from hsx.genrun.record import GeneratedTurn
 
     datasets = require("datasets")
     folder = tmp_path / "saved"

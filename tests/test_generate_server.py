@@ -13,8 +13,8 @@ import pytest
 
 from conftest import TINY, conversations, hsx, verified_files, write_jsonl
 from hsx.errors import EngineUnavailable, OptionError
-from hsx.generate.engine import Completion, Failure, Request, Sampling
-from hsx.generate.server import ServerEngine, ServerOptions
+from hsx.generate.engines.base import Completion, Failure, Request, Sampling
+from hsx.generate.engines.server import ServerEngine, ServerOptions
 
 BOUND = 60  # seconds: only a safety net that fails a test whose engine hangs, never what a test waits for
 SAMPLING = Sampling(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=5)
@@ -377,7 +377,7 @@ def test_a_malformed_answer_once_is_retried_and_the_request_completes(fakes):
 def test_a_bug_in_a_worker_thread_stops_the_job_naming_it(fakes, monkeypatch):
     """Anything else a worker thread meets is a bug of hsx: poll raises it with the request and the
     original error chained (exit 1, a traceback), where the thread's death would have left it waiting."""
-    import hsx.generate.server as server_module
+    import hsx.generate.engines.server as server_module
 
     def broken(*args):
         raise KeyError("finish_reason")
@@ -434,11 +434,11 @@ def test_hsx_generate_through_a_server_stops_cleanly_then_resumes(fakes, tmp_pat
     EngineUnavailable keeping what finished, and the same command completes it once the server answers."""
     from functools import partial
 
-    import hsx.generate.server as server_module
+    import hsx.generate.engines.server as server_module
     from hsx.generate.job import generate
     from hsx.generate.options import GenerateOptions
-    from hsx.generate.record import read_record
-    from hsx.generate.spec import load_generate_spec
+    from hsx.genrun.record import read_record
+    from hsx.genrun.spec import load_generate_spec
     from hsx.store import layout
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the tokenizer is local: no hub lookups
@@ -471,7 +471,7 @@ def test_a_stalled_server_times_out_logs_each_retry_and_the_run_stops_resumable(
     last progress line names it, and the run stops cleanly (exit 2); the resume completes it."""
     from hsx.generate.job import generate
     from hsx.generate.options import GenerateOptions
-    from hsx.generate.record import read_record
+    from hsx.genrun.record import read_record
     from hsx.store import layout
 
     stalled = fakes(stall=True)
@@ -527,8 +527,8 @@ def test_chat_completions_let_the_servers_own_parsers_read_the_calls(fakes, tmp_
     from hsx.generate.export import openai_message
     from hsx.generate.job import generate
     from hsx.generate.options import GenerateOptions
-    from hsx.generate.record import read_record
-    from hsx.generate.spec import load_generate_spec
+    from hsx.genrun.record import read_record
+    from hsx.genrun.spec import load_generate_spec
     from hsx.input import ToolCall, Turn, to_message
     from hsx.store import layout
     from test_dialogue import TEMPLATE, TOOLS

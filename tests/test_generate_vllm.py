@@ -25,7 +25,7 @@ import torch
 
 from conftest import TINY, conversations
 from hsx.errors import EngineUnavailable
-from hsx.generate.engine import Completion, Failure, Request, Sampling
+from hsx.generate.engines.base import Completion, Failure, Request, Sampling
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
 GREEDY = Sampling(temperature=0.0, max_new_tokens=24)
@@ -180,7 +180,7 @@ class Server:
 
 
 def test_server_engine_through_a_real_vllm_server_killed_and_restarted(vllm, reference, tmp_path):
-    from hsx.generate.server import ServerEngine, ServerOptions
+    from hsx.generate.engines.server import ServerEngine, ServerOptions
 
     greedy, tokenizer = reference
     server = Server(tmp_path / "server.log")

@@ -1,6 +1,7 @@
 """The house's shape, checked: no import cycles among hsx's modules (imports inside functions
-count too), and every module imports only from its own layer or those below it (``LAYERS``; the
-same list as docs/DESIGN.md's house)."""
+count too), nor among the packages and modules of any package, and every module imports only from
+its own layer or those below it (``LAYERS``: by package, a package's ``__init__`` with it; the same
+list as docs/DESIGN.md's house)."""
 
 import ast
 from pathlib import Path
@@ -25,7 +26,7 @@ LAYERS = [
         "interconnect",
         "launch",
     ),
-    ("spec", "target", "finalnorm", "plan", "tinymodel"),  # what a run is: its spec, model, frozen plan
+    ("spec", "target", "finalnorm", "plan", "tinymodel", "genrun"),  # what a run is: spec, model, plan; a generate run
     ("capture", "staging", "fidelity"),  # the target running: token ids in, states out (and checked)
     ("job",),  # what every job does around its work: options, folder steps, space, the resume prologue
     ("generate",),  # the generate stage
@@ -103,9 +104,35 @@ def test_the_checker_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+def package(mod: str) -> str:
+    """The package (or top-level module) under hsx that ``mod`` belongs to, its ``__init__`` included."""
+    return mod.split(".")[1] if "." in mod else mod
+
+
 def layer(mod: str) -> int:
-    """``mod``'s layer: its own entry (a package's front module), else its package's."""
-    return LAYER[mod] if mod in LAYER else LAYER[mod.split(".")[1] if "." in mod else mod]
+    return LAYER[package(mod)]
+
+
+def package_cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Cycles between the parts of every package: its modules and subpackages, each taken whole (the
+    package ``hsx.extract``'s parts are ``hsx.extract.local``, ``hsx.extract.workers``, ...; hsx's are
+    its packages and top-level modules). A package's own ``__init__`` is the package itself."""
+    found = []
+    packages = {".".join(m.split(".")[:i]) for m in g for i in range(1, m.count(".") + 1)}
+    for pkg in sorted(packages):
+        depth = pkg.count(".") + 1
+
+        def part(mod: str, pkg: str = pkg, depth: int = depth) -> str | None:
+            if mod == pkg or not mod.startswith(pkg + "."):
+                return None  # the package itself, or outside it
+            return ".".join(mod.split(".")[: depth + 1])
+
+        parts: dict[str, set[str]] = {}
+        for m, deps in g.items():
+            if (a := part(m)) is not None:
+                parts.setdefault(a, set()).update(b for d in deps if (b := part(d)) is not None and b != a)
+        found += cycles(parts)
+    return found
 
 
 def upward(g: dict[str, set[str]]) -> list[str]:
@@ -117,17 +144,36 @@ def test_the_checker_finds_an_import_running_up():
     g = {"hsx.store.scan": {"hsx.errors", "hsx.job.space"}, "hsx.extract": {"hsx.extract.workers.driver"}}
     assert upward(g) == ["hsx.store.scan -> hsx.job.space"]
     assert upward({"hsx.extract.workers.driver": {"hsx.assess"}}) == ["hsx.extract.workers.driver -> hsx.assess"]
+    assert upward({"hsx.extract": {"hsx.assess.status"}}) == ["hsx.extract -> hsx.assess.status"]  # no special layer
+
+
+def test_the_checker_finds_a_cycle_between_packages_where_modules_make_none():
+    """``extract.local -> generate.job`` and ``generate.folder -> extract.options``: no module cycle,
+    but the packages import each other; the same between a package's subpackage and its modules."""
+    g = {
+        "hsx.extract.local": {"hsx.generate.job"},
+        "hsx.generate.job": set(),
+        "hsx.generate.folder": {"hsx.extract.options"},
+        "hsx.extract.options": set(),
+    }
+    assert cycles(g) == [] and package_cycles(g) == [["hsx.extract", "hsx.generate"]]
+    inner = {"hsx.extract.workers.driver": {"hsx.extract.local"}, "hsx.extract.local": set()}
+    inner |= {"hsx.extract.executor": {"hsx.extract.workers.actor"}, "hsx.extract.workers.actor": set()}
+    assert package_cycles(inner) == []
+    inner["hsx.extract.local"] = {"hsx.extract.executor"}
+    assert package_cycles(inner) == [["hsx.extract.executor", "hsx.extract.local", "hsx.extract.workers"]]
 
 
 def test_no_import_cycles():
     g = graph()
-    assert len(g) > 40 and "hsx.job.prologue" in g["hsx.extract.local"]  # the walk sees the real tree
+    assert len(g) > 40 and "hsx.job.stage" in g["hsx.extract.local"]  # the walk sees the real tree
     assert cycles(g) == []
+    assert package_cycles(g) == []
 
 
 def test_every_module_has_a_layer_and_none_imports_upward():
     g = graph()
-    unplaced = sorted(m for m in g if m not in LAYER and (m.split(".")[1] if "." in m else m) not in LAYER)
+    unplaced = sorted(m for m in g if package(m) not in LAYER)
     assert unplaced == []
     assert upward(g) == []
 

@@ -8,7 +8,8 @@ import pytest
 
 from hsx.errors import CleanStop, Locked, NotEnoughSpace
 from hsx.extract.outcome import Outcome, ShardRun
-from hsx.job.resume import Summary, Verified
+from hsx.extract.summary import ExtractSummary
+from hsx.job.resume import Verified
 from hsx.lock import _me
 
 
@@ -20,7 +21,8 @@ def _across(outcome: Outcome) -> Outcome:
 
 
 def test_every_outcome_crosses_a_process_and_is_raised_or_returned_as_it_was(tmp_path):
-    summary = Summary(tmp_path, 40, 4000, 10, written=5, tokens_written=500, bytes_written=9000, redone={"corrupt": 1})
+    summary = ExtractSummary(tmp_path, 40, already_done=10, written=5, redone={"corrupt": 1}, total_tokens=4000)
+    summary.tokens_written, summary.bytes_written = 500, 9000
     summary.verified = Verified(files=10, bytes=123456, seconds=0.5, waited=0.1)
     assert _across(Outcome.of(lambda: summary)).result() == summary
 

@@ -1,6 +1,8 @@
 """The values each option allows, declared once per command: the command line shows and enforces
 them while parsing, and the Python API refuses the same values (``OptionError``) before anything
-is written. A given value is never swapped for a default: it is allowed or refused.
+is written. A given value is never swapped for a default: it is allowed or refused. How a field of
+an options dataclass reads on the command line (its help, metavar, what is typed) is its ``Flag``,
+beside it in its annotation; the command line is made from them (``cli.options.parameters``).
 
     EXTRACT = Bounds(max_length=Bound(min=1), dtype=Bound(choices=("auto", "float32")))
 
@@ -13,11 +15,28 @@ is written. A given value is never swapped for a default: it is allowed or refus
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from hsx.drafts import DRAFT_TYPES
 from hsx.errors import OptionError
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a field of an options dataclass reads on the command line, in its annotation:
+    ``model: Annotated[str | None, Flag("Model folder or hub id.", "PATH")] = None``. ``default``: the
+    default the help shows where the field's own is None (not given) and the command's defaults say
+    none; ``typed`` and ``parse``: what is typed, and the field's value from it, where that is not the
+    field's own type; ``name``: the flag where it is not the field's name."""
+
+    help: str
+    metavar: str | None = None
+    default: str | None = None
+    typed: Any = None
+    parse: Callable[[Any], Any] | None = None
+    name: str | None = None
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,10 @@
 It pins everything the output is a function of: model identity, tokenizer and chat template,
 layers and their convention, dtype, max length, batching, the source data and the plan. A resume
 whose settings differ from it is refused with the differences listed (invariant 3).
+
+Every spec records its run's kind (``extract``: ``RunSpec``; ``generate``: ``genrun.spec.GenerateSpec``)
+and is read by ``read_spec`` alone, which infers the kind of an older spec that does not record it
+and refuses a run of another kind by name; the rest of hsx reads ``spec.kind``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from hsx.store.format import FINAL_STATE, LAYER_CONVENTION, FinalStateNorm
 from hsx.units import size
 
 FORMAT = "hsx-run/1"
+EXTRACT, GENERATE = "extract", "generate"  # the kinds of run; each is the command that resumes it
 Record = TypeVar("Record", bound=BaseModel)
 
 
@@ -216,8 +221,11 @@ class Footprint:
 
 class JobSpec(Protocol):
     """What the job layer (``hsx.job``: lock, verification, space, model location) reads of a run's
-    spec, whatever the run's kind: an extraction's ``RunSpec``, a generate run's ``GenerateSpec``."""
+    spec, whatever the run's kind: an extraction's ``RunSpec``, a generate run's ``GenerateSpec``
+    (``genrun.spec``). ``kind`` says which, and names the command that resumes it."""
 
+    @property
+    def kind(self) -> str: ...
     @property
     def model(self) -> ModelIdentity: ...
     @property
@@ -230,10 +238,14 @@ class JobSpec(Protocol):
     def shard_size(self) -> int: ...
     @property
     def plan(self) -> PlanIdentity: ...
+    @property
+    def trust_remote_code(self) -> bool: ...
     def footprint(self) -> Footprint: ...
+    def save(self, run: Path) -> None: ...
 
 
 class RunSpec(BaseModel):
+    kind: Literal["extract"] = EXTRACT  # runs made before hsx recorded it have none: ``kind_of`` says extract
     format: Literal["hsx-run/1"] = FORMAT
     hsx_version: str = __version__
     created: str
@@ -384,19 +396,48 @@ def plan_growth(run: Path) -> PlanGrowth | None:
     return read_record(run / layout.PLAN_DIR / layout.GROWTH, PlanGrowth)
 
 
-def load_spec(run: Path) -> RunSpec:
-    """The run's spec, with its plan and data as grown since (``PlanGrowth``), if they grew."""
+def kind_of(run: Path) -> str | None:
+    """The kind of run ``run`` holds, as its spec records it (``extract`` or ``generate``); None when it
+    has no readable spec."""
+    try:
+        body = json.loads((run / layout.SPEC).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return _kind(body) if isinstance(body, dict) else None
+
+
+def _kind(body: dict) -> str:
+    """The kind a spec records; an extraction's spec written before hsx recorded it has none (a generate
+    run's always had one)."""
+    return body.get("kind", EXTRACT)
+
+
+WRONG_KIND = {  # (kind asked for, kind found) -> what the refusal says
+    (EXTRACT, GENERATE): "{run} is a generate run (hsx generate), not an extraction: extract it with --data {run}",
+    (GENERATE, EXTRACT): "{run} is an extraction run (hsx extract), not a generate run",
+}
+
+
+def read_spec(run: Path, kind: str, model: type[Record]) -> Record:
+    """The spec of ``run``, a run of ``kind`` (``model``: its class): every spec hsx reads is read here,
+    its kind inferred where an older spec does not record it and refused where it is another."""
     path = run / layout.SPEC
     try:
         raw = path.read_bytes()
         body = json.loads(raw)
-        if isinstance(body, dict) and body.get("kind") == "generate":  # hsx.generate.spec's run
-            raise SpecError(f"{run} is a generate run (hsx generate), not an extraction: extract it with --data {run}")
-        spec = RunSpec.model_validate_json(raw)
+        found = _kind(body) if isinstance(body, dict) else kind
+        if found != kind:
+            raise SpecError(WRONG_KIND.get((kind, found), "{run} is a run of another kind: " + found).format(run=run))
+        return model.model_validate_json(raw)
     except FileNotFoundError as e:
         raise SpecError(f"{run} has no run spec ({layout.SPEC}): not an hsx run folder") from e
-    except (ValidationError, ValueError, json.JSONDecodeError) as e:
+    except (ValidationError, ValueError) as e:
         raise SpecError(f"{path} is unreadable or damaged: {str(e).splitlines()[0]}") from e
+
+
+def load_spec(run: Path) -> RunSpec:
+    """An extraction's spec, with its plan and data as grown since (``PlanGrowth``), if they grew."""
+    spec = read_spec(run, EXTRACT, RunSpec)
     growth = plan_growth(run)
     return spec if growth is None else spec.model_copy(update={"plan": growth.plan, "data": growth.data})
 

@@ -22,8 +22,8 @@ import numpy as np
 from hsx import fidelity
 from hsx.assess.checks import Check, ranges, skipped
 from hsx.errors import SpecError
-from hsx.generate.spec import GenerateSpec
-from hsx.spec import RunSpec
+from hsx.genrun.spec import GenerateSpec
+from hsx.spec import GENERATE, RunSpec
 from hsx.store import layout
 from hsx.store.format import FINAL_STATE, NO_FIGURE, Figure, decode, read_checked
 from hsx.store.scan import ShardScan
@@ -45,7 +45,7 @@ def _spread(figures: Iterable[Figure]) -> list[float]:
 
 def line(run: Path, spec: RunSpec | GenerateSpec, scans: list[ShardScan]) -> Check:
     """The status line (module docstring)."""
-    if isinstance(spec, GenerateSpec):
+    if spec.kind == GENERATE:
         return Check("fidelity", "ok", "a generate run holds token ids: no states to check")
     if spec.fidelity is None:
         return Check(

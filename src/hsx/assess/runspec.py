@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsx.assess.checks import Check
-from hsx.generate.plan import GenPlan
-from hsx.generate.spec import KIND, GenerateSpec, kind_of, load_generate_spec
+from hsx.genrun.plan import GenPlan
+from hsx.genrun.spec import GenerateSpec, load_any
 from hsx.plan import PLAN_DIR, PLAN_FILE, Plan
-from hsx.spec import RunSpec, SpecError, load_spec
+from hsx.spec import GENERATE, RunSpec, SpecError
 from hsx.store import layout
 from hsx.units import size
 
@@ -25,11 +25,6 @@ class RunFiles:
     check: Check
     spec: RunSpec | GenerateSpec | None
     plan: Plan | GenPlan | None
-
-
-def load_any(run: Path) -> RunSpec | GenerateSpec:
-    """The spec of an extraction or of a generate run (by its ``kind``), assessed alike."""
-    return load_generate_spec(run) if kind_of(run) == KIND else load_spec(run)
 
 
 def inspect(run: Path) -> RunFiles:
@@ -53,7 +48,7 @@ def inspect(run: Path) -> RunFiles:
         "plan_ok": False,
     }
     try:
-        plan = GenPlan(run) if isinstance(spec, GenerateSpec) else Plan(run, spec.plan.parts)
+        plan = GenPlan(run) if spec.kind == GENERATE else Plan(run, spec.plan.parts)
     except (OSError, ValueError, KeyError, TypeError) as e:
         return RunFiles(
             Check(

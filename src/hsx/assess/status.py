@@ -16,10 +16,10 @@ from rich.markup import escape
 from hsx.assess import consumers, fidelity, gpus, integrity, links, model, pace, runspec, tally, volume, workers
 from hsx.assess.checks import Check, exit_code, skipped
 from hsx.errors import Exit, SpecError
-from hsx.generate.spec import GenerateSpec
+from hsx.genrun.spec import GenerateSpec
 from hsx.job import space
 from hsx.job.options import resume_command
-from hsx.spec import RunSpec, model_location, same_place
+from hsx.spec import EXTRACT, GENERATE, RunSpec, model_location, same_place
 from hsx.store import layout
 from hsx.telemetry import read_history
 
@@ -46,7 +46,7 @@ class Report:
     checks: list[Check]
     next: list[str] = field(default_factory=list)  # what to do, in order
     resume: str | None = None  # the command that resumes, once the steps above are done
-    generate: bool = False  # a generate run's (``hsx generate`` resumes it)
+    command: str = "extract"  # what resumes it: the run's kind (``hsx generate`` for a generate run)
 
     @property
     def exit_code(self) -> int:
@@ -96,7 +96,7 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
     files = runspec.inspect(run)
     worker = workers.inspect(run)
     spec, plan = files.spec, files.plan
-    command = "generate" if isinstance(spec, GenerateSpec) else "extract"
+    command = spec.kind if spec is not None else EXTRACT
     checks = {"spec": files.check, "workers": workers.check(worker, command)}
     local = worker.alive and worker.holder is not None and worker.holder.host == socket.gethostname()
     launcher = worker.group.launcher if worker.group is not None and worker.group.launcher_alive() else None
@@ -116,7 +116,7 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         window = getattr(spec, "window", None)  # an extraction's (a generate run has none)
         readers = consumers.check(run, result.scans, spec.plan.num_samples, spec.shard_size, window, worker.alive)
         checks["progress"] = tally.check(t, command)
-        if isinstance(spec, GenerateSpec):
+        if spec.kind == GENERATE:
             _outcomes(checks["progress"], run, spec)
         elif spec.generate_spec is not None:
             _waiting(checks["progress"], run, Path(spec.data[0].name))
@@ -135,10 +135,10 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         model_dir = model.locate(where)
         if "model" not in checks:
             checks["model"] = model.check_model(spec, model_dir, where, same_place(where, recorded))
-        generated = isinstance(spec, GenerateSpec)
+        generated = spec.kind == GENERATE
         checks["capture"] = model.check_engine(spec) if generated else model.check_capture(spec, model_dir, deep)
     listed = [checks[n] for n in ORDER] + ([readers] if readers is not None else [])
-    report = Report(run, listed, generate=isinstance(spec, GenerateSpec))
+    report = Report(run, listed, command=command)
     _next_steps(report, t, given_model)
     return report
 
@@ -148,7 +148,7 @@ def _outcomes(progress: Check, run: Path, spec: GenerateSpec) -> None:
     last turn that fit), rejected."""
     from collections import Counter
 
-    from hsx.generate.record import statuses
+    from hsx.genrun.record import statuses
 
     n = Counter(statuses(run, spec.plan.num_samples, spec.shard_size).values())
     progress.data["conversations"] = {k: n[k] for k in ("ok", "ended", "rejected")}
@@ -176,7 +176,7 @@ def _rejects(progress: Check, run: Path, spec) -> None:
 def _waiting(progress: Check, run: Path, gen: Path) -> None:
     """An extraction of an unfinished generate run: the conversations it found not generated, and
     how many the generate run holds by now (an extraction takes the generate run as it was)."""
-    from hsx.generate.samples import waiting
+    from hsx.genrun.samples import waiting
 
     missing, since = waiting(run, gen)
     progress.data["not_generated"], progress.data["generated_since"] = missing, since
@@ -200,7 +200,7 @@ def _next_steps(report: Report, t: tally.Tally | None, given_model: str | None =
         return
     model = report.get("model")
     given = given_model if model.level != "fail" else None  # it matched: the resume records it
-    cmd = resume_command(report.run, given, "generate" if report.generate else "extract")
+    cmd = resume_command(report.run, given, report.command)
     if model.level == "fail" and model.data.get("found") is False:
         cmd += " --model NEW_PATH"
     report.next = [f"fix first: {c.name}: {c.action or c.figure}" for c in act]
@@ -214,10 +214,7 @@ def _next_steps(report: Report, t: tally.Tally | None, given_model: str | None =
         report.next.append(f"{since:,} conversations its generate run finished since wait: a resume plans them")
     report.resume = cmd
     if not act and redo:
-        report.next.append(
-            f"hsx {'generate' if report.generate else 'extract'} redoes the damaged samples by itself "
-            "(or first: hsx verify --repair)"
-        )
+        report.next.append(f"hsx {report.command} redoes the damaged samples by itself (or first: hsx verify --repair)")
 
 
 def render(report: Report, console: Console) -> None:
@@ -229,8 +226,7 @@ def render(report: Report, console: Console) -> None:
     if report.resume:
         label = "then resume" if report.exit_code == Exit.ACT else "resume"
         console.print(f"[bold]{label}:[/] {escape(report.resume)}", highlight=False)
-    command = "generate" if report.generate else "extract"
-    verdict = {0: "[green]nothing wrong[/]", 1: f"[yellow]hsx {command} repairs this[/]", 2: "[red]act first[/]"}
+    verdict = {0: "[green]nothing wrong[/]", 1: f"[yellow]hsx {report.command} repairs this[/]", 2: "[red]act first[/]"}
     console.print(f"exit {report.exit_code}: {verdict[report.exit_code]}", highlight=False)
 
 

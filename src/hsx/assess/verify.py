@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hsx import target
-from hsx.assess import fidelity, integrity, runspec, workers
+from hsx.assess import fidelity, integrity, workers
 from hsx.assess.checks import Check
 from hsx.errors import Exit, Refused, RepairRefused
-from hsx.generate.spec import GenerateSpec
-from hsx.job.options import check_device, default_device
-from hsx.spec import RunSpec
+from hsx.genrun.spec import GenerateSpec, load_any
+from hsx.job.options import check_device, default_device, resume_command
+from hsx.spec import GENERATE, RunSpec
 from hsx.store import layout
 from hsx.store.quarantine import Moved, quarantine
 
@@ -54,8 +54,14 @@ class VerifyResult:
 
     @property
     def command(self) -> str:
-        """The command that redoes what repair moved aside: ``generate`` for a generate run."""
-        return "generate" if isinstance(self.spec, GenerateSpec) else "extract"
+        """The command that redoes what repair moved aside: the run's kind (``generate``, ``extract``)."""
+        return self.spec.kind
+
+    def lines(self) -> list[str]:
+        """After a repair: the command that redoes what it moved aside."""
+        if not self.moved:
+            return []
+        return [f"next: {resume_command(self.run, command=self.command)}  # redoes {len(self.redo_ids())} samples"]
 
     def redo_ids(self) -> list[int]:
         return sorted({p.sample_id for p in self.result.problems if p.sample_id is not None})
@@ -73,23 +79,22 @@ def verify(
     """``threads``: parallel readers (None: the store's default for this machine). ``fidelity_files``:
     recompute the fidelity of this many files from the checkpoint (``model``: where it moved) on
     ``device`` (None: CUDA where there is one)."""
-    spec = runspec.load_any(run)
+    spec = load_any(run)
     worker = workers.inspect(run)
     if repair and worker.alive:
         h = worker.holder
         raise RepairRefused(f"an {h.noun} is running on this run (pid {h.pid} on {h.host}): repair after it stops")
     result = integrity.inspect(run, spec, deep, worker.alive, threads)
-    command = "generate" if isinstance(spec, GenerateSpec) else "extract"
     moved = []
     if repair:
         for p in result.problems:
             if (m := quarantine(run, p)) is not None:
                 moved.append(m)
-    out = VerifyResult(run, spec, result, integrity.check(result, command=command), moved)
+    out = VerifyResult(run, spec, result, integrity.check(result, command=spec.kind), moved)
     if fidelity_files:
         device = device or default_device()
         check_device(device)
-        if isinstance(spec, GenerateSpec):
+        if spec.kind == GENERATE:
             raise Refused(f"{run} is a generate run: it holds token ids, no states whose fidelity to check")
         model_dir = target.model_dir_for(run, spec, model, checked=model is not None)
         out.fidelity = fidelity.recompute(run, spec, result.scans, model_dir, fidelity_files, device)

@@ -23,12 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx.generate.engine import Completion, Engine, Request, Sampling
+from hsx.generate.engines.base import Completion, Engine, Request, Sampling
 from hsx.generate.job import generate, request_seed
 from hsx.generate.options import GenerateOptions
 from hsx.generate.prompts import stop_ids
-from hsx.generate.record import read_record
-from hsx.generate.spec import load_generate_spec
+from hsx.genrun.record import read_record
+from hsx.genrun.spec import load_generate_spec
 from hsx.store import layout
 from hsx.target import load_tokenizer, resolve
 from hsx.tinymodel import bundled_path
@@ -71,7 +71,7 @@ def run_generate_bench(
     from vllm.inputs import TokensPrompt
 
     from hsx.capture.vllm import close_llm
-    from hsx.generate.vllm import VllmEngine, open_llm, sampling_params
+    from hsx.generate.engines.vllm import VllmEngine, open_llm, sampling_params
 
     model = model or str(bundled_path("tiny-llama"))
     with tempfile.TemporaryDirectory(dir=workdir, prefix="hsx-bench-gen-") as tmp:
@@ -93,7 +93,7 @@ def run_generate_bench(
 
         records = [read_record(layout.sample_path(out, i, spec.shard_size), i) for i in range(spec.plan.num_samples)]
         turns = [(r, t) for r in records for t in r.turns]
-        s = spec.sampling.sampling()
+        s = Sampling(**spec.sampling.model_dump())
         prompts = [TokensPrompt(prompt_token_ids=t.prompt_ids.tolist()) for _, t in turns]
         requests = [
             Request(

@@ -1,5 +1,5 @@
-"""The ``hsx`` command line: parse, call a stage, print. No logic lives here: the job commands'
-options are their stage's options dataclasses (``options``), errors become exit codes in one place
+"""The ``hsx`` command line: parse, call a stage, print. No logic lives here: a command's options are
+its stage's options dataclass where it has one (``options``), errors become exit codes in one place
 (``output.failures``), and what a command did prints itself (``lines()``)."""
 
 from __future__ import annotations
@@ -9,10 +9,8 @@ from typing import Annotated
 import typer
 
 from hsx.cli import jobs, runs, tools
-from hsx.cli.options import BENCH, MEMORY, RUN, TO
-from hsx.cli.output import print_summary as _print_summary
 
-__all__ = ["BENCH", "MEMORY", "RUN", "TO", "_print_summary", "app", "main"]
+__all__ = ["app", "main"]
 
 app = typer.Typer(
     add_completion=False,

@@ -19,9 +19,9 @@ from hsx.cli.options import (
     RunFolder,
     TargetVocab,
     Threads,
-    layer_ids,
 )
 from hsx.cli.output import checklist, failures, log, print_summary
+from hsx.extract.options import layer_ids
 
 
 def status(
@@ -65,7 +65,6 @@ def verify(
     or (--fidelity) states that are intact but not the target's numbers."""
     from hsx.assess.status import render_check
     from hsx.assess.verify import verify as run_verify
-    from hsx.job.options import resume_command
 
     with failures():
         files = fidelity_files if fidelity else 0
@@ -76,9 +75,8 @@ def verify(
         render_check(result.check, checklist)
         if result.fidelity is not None:
             render_check(result.fidelity, checklist)
-        if result.moved:
-            n = len(result.redo_ids())
-            print(f"next: {resume_command(out, command=result.command)}  # redoes {n} samples")
+        for line in result.lines():
+            print(line)
     raise typer.Exit(result.exit_code)
 
 
@@ -107,7 +105,8 @@ def export(
     """Write OUT's samples in a trainer's own format, verifying each source file; resumable."""
     from hsx.export import ExportOptions, run_export
 
-    ids = layer_ids(taps)
+    with failures():
+        ids = layer_ids(taps)
     if isinstance(ids, str):
         raise typer.BadParameter(f"takes hsx layer ids, not the preset {ids!r}", param_hint="--taps")
     with failures():

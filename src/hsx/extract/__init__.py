@@ -7,7 +7,8 @@ The extraction job, stage by stage (what every job shares, lock, verification, s
 prologue, lives in ``hsx.job``):
 
 - ``options``: what the operator asked for (``ExtractOptions``), parsed once, defaults in one place;
-- ``folder``: create a run (plan, rejects, spec last) or open one and refuse any drift from its spec;
+- ``stage``: the extraction's parts of a job (``job.stage``): how a run is created and opened;
+- ``folder``: a new run's plan and rejects, and what a resume asks for in the spec's terms;
 - ``pipeline``: one process's capture -> staging -> writer pipeline (``Extractor``);
 - ``executor``: the contract the three ways it runs meet, and ``extract``, which picks one:
   ``local`` (this process), ``group`` (a tensor/expert-parallel group of this node's devices),
@@ -19,6 +20,6 @@ from __future__ import annotations
 from hsx.errors import CleanStop, Refused
 from hsx.extract.executor import extract
 from hsx.extract.options import ExtractOptions
-from hsx.job.resume import Summary
+from hsx.extract.summary import ExtractSummary
 
-__all__ = ["CleanStop", "ExtractOptions", "Refused", "Summary", "extract"]
+__all__ = ["CleanStop", "ExtractOptions", "ExtractSummary", "Refused", "extract"]

@@ -1,8 +1,10 @@
-"""Create an extraction's run folder (plan, rejects, then the spec, last) or open one, refusing any
-drift from its spec (the steps every job's folder shares: ``job.folder``).
+"""An extraction's run folder: a new one's plan and rejects (``create_run``; the job saves the spec
+last: ``job.stage.open_run``), what a resume asks for in the spec's terms (``asked``), and the
+fidelity limits a resume sets for its own session (``session_limits``).
 
 The spec is the only source of truth for a resume: whatever the operator passes again must match
-it, and is listed by name where it does not (invariant 3).
+it, and is listed by name where it does not (invariant 3; the steps every job's folder shares:
+``job.folder``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from pathlib import Path
 from hsx import drafts, target
 from hsx.errors import InputError, OptionError, PlanError
 from hsx.extract import backends
-from hsx.extract.follow import follow
 from hsx.extract.options import (
     DEFAULTS,
     ExtractOptions,
@@ -23,24 +24,24 @@ from hsx.extract.options import (
     resolve_parallel,
     resolve_quantized_compute,
 )
-from hsx.generate.spec import is_generate_run
+from hsx.genrun.spec import is_generate_run
 from hsx.input import check_source, read_conversations
-from hsx.job.folder import record_failed_start, refuse_drift, refuse_foreign, require_start
+from hsx.job.folder import setting_up
+from hsx.job.model import Model
 from hsx.plan import NoUsableSamples, Tokenize, tokenize_all, write_plan
-from hsx.spec import DataFile, FidelityCheck, Parallel, PlanIdentity, RunSpec, differences, load_spec, now, who
+from hsx.spec import DataFile, FidelityCheck, Parallel, PlanIdentity, RunSpec, now, who
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
 
 
-def asked(opts: ExtractOptions, num_layers: int) -> dict:
+def asked(opts: ExtractOptions, model: Model, num_layers: int) -> dict:
     """What the operator gave on the command line, in the spec's terms (for the drift check);
     ``num_layers``: the run's model's, which a draft preset's taps depend on."""
     out: dict = {}
     if opts.model is not None:
-        model_dir = target.resolve(opts.model)
-        out["model"] = target.identity(opts.model, model_dir)
-        out["tokenizer"] = target.tokenizer_identity(target.load_tokenizer(model_dir, opts.trust_remote_code))
+        out["model"] = model.identity
+        out["tokenizer"] = target.tokenizer_identity(model.tokenizer)
     if opts.data:
         out["data"] = data_files(opts.data, opts.split, opts.limit, opts.column, opts.out)
     out |= opts.rows_asked()
@@ -69,7 +70,7 @@ def data_files(
 ) -> list[DataFile]:
     """What the spec of ``run`` records of each data path: a file's size and digest, a Hugging Face
     dataset's, or a generate run's (its conversations the run planned: ``GeneratedRun.identity``)."""
-    from hsx.generate.samples import GeneratedRun, not_generated
+    from hsx.genrun.samples import GeneratedRun, not_generated
 
     def one(p: Path) -> DataFile:
         if is_generate_run(p):
@@ -106,20 +107,17 @@ def write_rejects(run: Path, rejects: list) -> None:
     write_durable(run / layout.REJECTS, "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode())
 
 
-def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
-    """A new run: read and tokenize the data into the frozen plan, write the rejects, then the spec."""
+def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None]) -> RunSpec:
+    """A new run (``job.stage.open_run``: its folder checked, the spec saved last): read and tokenize the
+    data into the frozen plan, write the rejects; its spec."""
     from hsx.capture import check_layers
     from hsx.capture.transformers import resolve_dtype
 
-    require_start(opts)
-    refuse_foreign(opts.out)
     generated = _generated_input(opts)
     opts.refuse_unused(opts.backend or "transformers", generated is not None)
     for path in opts.data if generated is None else []:
         check_source(path, opts.split, opts.column)
-    model_dir = target.resolve(opts.model)
-    tokenizer = target.load_tokenizer(model_dir, opts.trust_remote_code)
-    model = target.identity(opts.model, model_dir)
+    model_dir, tokenizer, model = job_model.dir, job_model.tokenizer, job_model.identity
     taps = drafts.resolve(opts.layers, model.num_layers)
     check_layers(taps.ids, model.num_layers)
     device = opts.resources().device
@@ -136,11 +134,10 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
     )
     compute = resolve_quantized_compute(opts.quantized_compute, model_dir, device, dtype, parallel, log)
     max_length, codec = given(opts, "max_length"), Codec(given(opts, "codec"))
-    opts.out.mkdir(parents=True, exist_ok=True)
     source_spec, data, own = None, None, False
-    try:
+    with setting_up(opts):
         if generated is not None:  # the target's own token ids, as generated: nothing is rendered again
-            from hsx.generate.samples import plan_samples
+            from hsx.genrun.samples import plan_samples
 
             digest = target.tokenizer_identity(tokenizer).digest
             gen, samples = plan_samples(generated, digest, max_length, opts.allow_incomplete, log)
@@ -160,9 +157,6 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
             see = f" (see {opts.out / layout.REJECTS})" if e.rejects else ""
             raise PlanError(f"{e}{see}: nothing to extract, no run was made") from None
         write_rejects(opts.out, rejects)
-    except BaseException as e:  # what the folder now holds is a start that never became a run: say so in it
-        record_failed_start(opts, e)
-        raise
     spec = RunSpec(
         created=now(),
         created_by=who(),
@@ -190,9 +184,6 @@ def create_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
         fidelity=_fidelity(opts, backend, own, log),
         window=opts.window_asked(),
     )
-    spec.save(opts.out)  # last: its presence means the run exists
-    target.record_files(opts.out, model_dir)
-    (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
     log(
         f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
         f"{len(rejects)} rejected (see {layout.REJECTS})"
@@ -233,15 +224,3 @@ def session_limits(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], Non
     limits = spec.fidelity.model_copy(update=asked)
     log(f"fidelity: this session stops under {limits.rule()} (the run's own: {spec.fidelity.rule()})")
     return spec.model_copy(update={"fidelity": limits})
-
-
-def open_run(opts: ExtractOptions, log: Callable[[str], None]) -> RunSpec:
-    """The run's spec: created for a new run, checked against the options for an existing one
-    (a ``--model`` must match the fingerprint: ``record_model`` keeps where it now is), and grown
-    by what its generate run finished since, if it follows one (``extract.follow``)."""
-    if not (opts.out / layout.SPEC).exists():
-        return create_run(opts, log)
-    spec = load_spec(opts.out)
-    opts.refuse_unused(opts.backend or spec.backend, spec.generate_spec is not None)
-    refuse_drift(opts, differences(spec, asked(opts, spec.model.num_layers)))
-    return session_limits(opts, follow(opts.out, spec, log), log)

@@ -2,7 +2,7 @@
 samples appended to its plan.
 
 An extraction of an unfinished generate run (``--allow-incomplete``) rejects every conversation not
-generated yet (``generate.samples.NOT_GENERATED``). Each resume looks again, under the run's lock:
+generated yet (``genrun.samples.NOT_GENERATED``). Each resume looks again, under the run's lock:
 the conversations the generate run has finished since are planned token for token
 (``GeneratedRun.samples``) and appended as a part of the plan, ids after the last
 (``plan.write_part``); the growth is recorded beside the spec (``spec.PlanGrowth``: the commit
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hsx.errors import HsxError, Refused
-from hsx.generate.samples import NOT_GENERATED, GeneratedRun, not_generated
+from hsx.genrun.samples import NOT_GENERATED, GeneratedRun, not_generated
 from hsx.input import read_rejects
 from hsx.lock import RunLock
 from hsx.plan import Plan, write_part

@@ -43,7 +43,7 @@ from hsx.extract.local import InProcess
 from hsx.extract.options import ExtractOptions, check_gpus
 from hsx.extract.outcome import Outcome
 from hsx.extract.pipeline import open_backend
-from hsx.job.resume import Summary
+from hsx.extract.summary import ExtractSummary
 from hsx.launch import local_ranks
 from hsx.plan import load_plan
 from hsx.spec import RunSpec
@@ -60,7 +60,7 @@ class Group:
     its process (``local.InProcess``) with the other ranks as its peers; its ``Outcome`` is raised
     or returned here as if it had happened here."""
 
-    def run(self, opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None] = print) -> Summary:
+    def run(self, opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None] = print) -> ExtractSummary:
         resources = opts.resources()
         interconnect.before_job(opts.out, spec.parallel.ranks, resources.device, log)  # a slow ring named before days
         log(f"starting {spec.parallel.ranks} ranks ({spec.parallel}) on {resources.device}")

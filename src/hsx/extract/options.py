@@ -11,9 +11,10 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated as A
 from typing import ClassVar, Literal, get_args
 
-from hsx.bounds import Bound, Bounds
+from hsx.bounds import Bound, Bounds, Flag
 from hsx.consumer import check_name
 from hsx.drafts import check_preset
 from hsx.errors import OptionError
@@ -59,37 +60,100 @@ EXTRACT = Bounds(
 )
 
 
+WORKERS = (
+    "Scale out: this many Ray workers, on 1 GPU or --tensor-parallel N each; 0: this process alone "
+    "(needs the hsx[ray] extra)."
+)
+COMPUTE = (
+    "FP8 checkpoints: fp8 (FP8 GEMMs, inputs quantized) | dequantized (weights expanded to the dtype) "
+    "(new run; part of the spec)."
+)
+
+
+LAYERS = (
+    "hsx layer ids, e.g. 1,15,28, or a draft preset: eagle3, dflash[:N] (N taps by DFlash's formula), "
+    "mtp (none: the final state alone)."
+)
+FLOOR = "Stop where agreement with the target's own temperature-0 tokens falls under this (a resume: its session's)."
+DROP = "On other data, stop where agreement falls by this share of the run's baseline (a resume: its session's)."
+
+
+def layer_ids(value: str | None) -> list[int] | str | None:
+    """``--layers``: explicit hsx layer ids, or a draft preset's name (``hsx.drafts``: resolved against
+    the model); refused (``OptionError``) otherwise."""
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        return check_preset(value)
+
+
 @dataclass
 class ExtractOptions(JobOptions):
     COMMAND: ClassVar[str] = "extract"
     UNIT: ClassVar[str] = "samples"
     BOUNDS: ClassVar[Bounds] = EXTRACT
 
-    layers: list[int] | str | None = None  # hsx layer ids, or a draft preset (hsx.drafts: eagle3, dflash:N, mtp)
-    final_state: FinalStateNorm | None = None  # the final state stored post-norm (a new run's default) or pre-norm
-    batch_tokens: int | None = None
-    writers: int = 8
+    # hsx layer ids, or a draft preset (hsx.drafts: eagle3, dflash:N, mtp)
+    layers: A[list[int] | str | None, Flag(LAYERS, "IDS|PRESET", "eagle3: 1, N/2-1, N-4", str, layer_ids)] = None
+    # the final state stored post-norm (a new run's default) or pre-norm
+    final_state: A[FinalStateNorm | None, Flag("The final state stored before or after the final norm (new run).")] = (
+        None
+    )
+    batch_tokens: A[int | None, Flag("Padded tokens per forward pass.")] = None
+    writers: A[int, Flag("Writer threads.")] = 8
     max_inflight_bytes: int = 4 << 30
-    packing: Toggle = "auto"  # one packed row per batch (no padding computed) or padded rows
-    compile: Toggle = "auto"  # torch.compile the decoder layers (auto: on for CUDA)
-    codec: str | None = None  # raw | zstd | fp8: how states are stored (a new run's: codec.DEFAULT_CODEC)
-    allow_incomplete: bool = False  # --data is a generate run not finished yet: extract what it holds
-    backend: str | None = None  # transformers | vllm; a new run's default is transformers
-    tensor_parallel: int | None = None  # transformers backend: one replica over this many devices (spec)
-    expert_parallel: int | None = None  # ... with its routed experts split over this many (1 or the TP size)
-    pipeline_parallel: int | None = None  # ... in this many stages of contiguous layers, each over the TP size (spec)
-    data_parallel_size: int | None = None  # vllm backend only; not part of the spec
-    workers: int = 0  # scale-out: this many Ray workers, each on 1 GPU or a TP group (0: this process alone)
-    ray_address: str | None = None  # join this Ray cluster; None: start a local one for the run
-    quantized_compute: str | None = None  # FP8 checkpoints: fp8 | dequantized (a new run's default: fp8 where it can)
+    # one packed row per batch (no padding computed) or padded rows
+    packing: A[Toggle, Flag("Pack each batch into one row with no padding (auto: on for CUDA).")] = "auto"
+    compile: A[Toggle, Flag("torch.compile the decoder layers (auto: on for CUDA).")] = "auto"
+    # raw | zstd | fp8: how states are stored (a new run's: codec.DEFAULT_CODEC)
+    codec: A[str | None, Flag("How states are stored (new run).")] = None
+    # --data is a generate run not finished yet: extract what it holds
+    allow_incomplete: A[bool, Flag("--data is an unfinished generate run: extract the conversations it holds.")] = False
+    # transformers | vllm; a new run's default is transformers
+    backend: A[str | None, Flag("What runs the model (new run).", default="transformers")] = None
+    # transformers backend: one replica over this many devices (spec), its routed experts split over this many
+    tensor_parallel: A[int | None, Flag("One model replica over N devices of this node (new run).", default="1")] = None
+    expert_parallel: A[
+        int | None, Flag("Split the routed experts over the tensor-parallel ranks (1 or N).", default="1")
+    ] = None
+    # ... in this many stages of contiguous layers, each over the TP size (spec)
+    pipeline_parallel: A[
+        int | None,
+        Flag(
+            "A pipeline of N stages of contiguous layers, each over --tensor-parallel devices (new run).", default="1"
+        ),
+    ] = None
+    data_parallel_size: A[int | None, Flag("vllm backend: model replicas.", default="1")] = None  # not in the spec
+    # scale-out: this many Ray workers, each on 1 GPU or a TP group (0: this process alone)
+    workers: A[int, Flag(WORKERS)] = 0
+    # join this Ray cluster; None: start a local one for the run
+    ray_address: A[
+        str | None, Flag("With --workers: join this Ray cluster.", "ADDRESS", "a local Ray for this run")
+    ] = None
+    # FP8 checkpoints: fp8 | dequantized (a new run's default: fp8 where it can)
+    quantized_compute: A[str | None, Flag(COMPUTE, "MODE", "fp8 where the GPU can")] = None
     # hsx.fidelity: every N-th loss-masked token checked (spec); the floor and the drop that stop a
     # run (the spec's; a resume giving them sets its own session's)
-    fidelity_stride: int | None = None
-    fidelity_floor: float | None = None
-    fidelity_drop: float | None = None
-    window: float | None = None  # GB (10^9 bytes) of samples the named consumers have not released, at most
-    consumer: list[str] | None = None  # the consumers the window waits for (hsx.data.StreamDataset's names)
-    delete_released: bool = False  # with --window: delete each file once every named consumer released it
+    fidelity_stride: A[int | None, Flag("Check every N-th loss-masked token against the target's head (new run).")] = (
+        None
+    )
+    fidelity_floor: A[float | None, Flag(FLOOR)] = None
+    fidelity_drop: A[float | None, Flag(DROP)] = None
+    # GB (10^9 bytes) of samples the named consumers have not released, at most (spec)
+    window: A[
+        float | None,
+        Flag("Pause while the samples the --consumer trainers have not released exceed this many GB (new run).", "GB"),
+    ] = None
+    # the consumers the window waits for (hsx.data.StreamDataset's names)
+    consumer: A[
+        list[str] | None, Flag("A trainer the window waits for (its StreamDataset name); repeatable.", "NAME")
+    ] = None
+    # with --window: delete each file once every named consumer released it
+    delete_released: A[
+        bool, Flag("With --window: delete each sample file once every --consumer released it (new run).")
+    ] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -121,6 +185,11 @@ class ExtractOptions(JobOptions):
             raise OptionError(f"--layers takes distinct layer ids >= 0 and <= {MAX_LAYER}, not {given}")
         if self.ray_address is not None and not self.workers:
             raise OptionError("--ray-address is where --workers run; without --workers nothing joins it")
+        if self.workers and (self.pipeline_parallel or 1) > 1:
+            raise OptionError(
+                "--workers runs workers of one GPU or of a tensor-parallel group, not pipelines: "
+                "omit --workers (one pipeline over this node's GPUs) or --pipeline-parallel"
+            )
 
     def refuse_unused(self, backend: str, generated: bool) -> None:
         """Options the run would ignore, refused by name before anything is written: ``backend`` is
@@ -143,6 +212,16 @@ class ExtractOptions(JobOptions):
 
     def resources(self, device: str | None = None) -> Resources:
         return Resources(device or self.device or default_device(), self.writers, self.max_inflight_bytes, self.threads)
+
+
+def quickstart_options(out: Path, codec: str | None = None) -> ExtractOptions:
+    """``hsx quickstart``: the bundled tiny model and conversations, offline, on CPU."""
+    from hsx.tinymodel import bundled_path
+
+    data = [bundled_path("data/sharegpt_dummy_conversation.json")]
+    return ExtractOptions(
+        out=out, model=str(bundled_path("tiny-llama")), data=data, device="cpu", shard_size=100, codec=codec
+    )
 
 
 def resolve_packing(packing: Toggle, device: str, config: dict, dtype: str, log: Callable[[str], None]) -> bool:

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from hsx import errors
 from hsx.errors import CleanStop, DiskFull, HsxError
-from hsx.job.resume import Summary
+from hsx.extract.summary import ExtractSummary
 
 
 class Stop(BaseModel):
@@ -55,13 +55,13 @@ class ShardRun(BaseModel):
 
 
 class Outcome(BaseModel):
-    summary: Summary | None = None  # None: the work never began (a worker that skipped its shard)
+    summary: ExtractSummary | None = None  # None: the work never began (a worker that skipped its shard)
     stop: Stop | None = None
     failure: Failure | None = None
     shard: ShardRun | None = None  # a scale-out worker's: which shard, where, when
 
     @classmethod
-    def of(cls, work: Callable[[], Summary]) -> Outcome:
+    def of(cls, work: Callable[[], ExtractSummary]) -> Outcome:
         """Run ``work``: its summary, or the clean stop or hsx error it raised (a bug propagates)."""
         try:
             return cls(summary=work())
@@ -72,15 +72,15 @@ class Outcome(BaseModel):
             return cls.failed(e)
 
     @classmethod
-    def failed(cls, e: BaseException, summary: Summary | None = None) -> Outcome:
+    def failed(cls, e: BaseException, summary: ExtractSummary | None = None) -> Outcome:
         return cls(summary=summary, failure=Failure(error=type(e).__name__, message=str(e)))
 
     @classmethod
-    def stopped(cls, summary: Summary, e: DiskFull) -> Outcome:
+    def stopped(cls, summary: ExtractSummary, e: DiskFull) -> Outcome:
         """A full disk met by a worker of one shard: the driver's prologue counts what the rest needs."""
         return cls(summary=summary, stop=Stop(path=str(e.path), reason=e.reason))
 
-    def result(self) -> Summary:
+    def result(self) -> ExtractSummary:
         """The summary; or the clean stop or refusal, raised here as it was raised there."""
         if self.failure is not None:
             raise self.failure.refusal()

@@ -119,8 +119,8 @@ class Extractor:
         # captured bytes not yet handed to the writer (a batch awaiting its verdict, a pipeline's batches
         # in flight): the guard counts them as spent too
         self.in_flight = 0
-        # called with a batch's raw bytes before it is captured: each may stop the work (the disk guard's
-        # LowSpace) or hold it (a pause would wait here); none without a reserve
+        # called with a batch's raw bytes before it is captured (fidelity's ``gate`` judges it after):
+        # each may stop the work (the disk guard's LowSpace) or hold it (the window's pause waits here)
         self.gates: list[Callable[[int], None]] = []
         if reserve is not None:
             self.gates.append(DiskGuard(run, reserve, lambda: self.writer.inflight + self.in_flight, self.forecast))

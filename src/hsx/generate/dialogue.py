@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hsx.generate.record import GeneratedTurn
+from hsx.genrun.record import GeneratedTurn
 from hsx.input import ToolCall
 
 EPISODE = ("assistant", "tool")  # the roles of an episode's turns

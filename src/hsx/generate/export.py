@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsx.errors import BadFile, ExportRefused
-from hsx.generate.record import ConversationRecord, read_record
-from hsx.generate.samples import GeneratedRun
+from hsx.genrun.record import ConversationRecord, read_record
+from hsx.genrun.samples import GeneratedRun
 from hsx.job.options import writable_folder
 from hsx.store import layout
 from hsx.store.durable import write_parts

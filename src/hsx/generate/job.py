@@ -22,29 +22,32 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import xxhash
 
 from hsx import target
-from hsx.errors import BadFile, CaptureFailed, DiskFull
+from hsx.errors import BadFile, CaptureFailed, Refused
 from hsx.generate import toolcalls
 from hsx.generate.dialogue import Dialogue
-from hsx.generate.engine import Completion, Engine, Request, Sampling
-from hsx.generate.engines import EngineSettings, open_engine
-from hsx.generate.folder import PLAN_REJECTS, check_engine, create_spec, open_gen_run, plan_run
+from hsx.generate.engines import EngineSettings, capabilities, open_engine
+from hsx.generate.engines.base import Completion, Engine, Request, Sampling
+from hsx.generate.folder import asked, check_engine, check_new, create_spec, plan_run, too_long
 from hsx.generate.options import GenerateOptions
-from hsx.generate.plan import GenPlan, load_gen_plan, too_long
 from hsx.generate.progress import GenProgress
 from hsx.generate.prompts import Prompter, stop_ids
-from hsx.generate.record import ConversationRecord, GeneratedTurn, Source, encode_record, read_record, statuses
-from hsx.generate.spec import BYTES_PER_TOKEN, GenerateSpec
+from hsx.genrun.plan import GenPlan, load_gen_plan
+from hsx.genrun.record import ConversationRecord, GeneratedTurn, Source, encode_record, read_record, statuses
+from hsx.genrun.spec import BYTES_PER_TOKEN, GenerateSpec, generate_differences, load_generate_spec
 from hsx.input import Reject
 from hsx.input import Source as InputSource
-from hsx.job.folder import record_failed_start
-from hsx.job.prologue import Prologue, locked
+from hsx.job.folder import setting_up
+from hsx.job.model import Model
+from hsx.job.resume import Summary
 from hsx.job.space import DiskGuard
+from hsx.job.stage import Job, Stage, run
 from hsx.plan import Tokenize
 from hsx.store import layout
 from hsx.store.durable import write_durable
@@ -54,47 +57,26 @@ from hsx.store.writer import FileRecord, SampleWriter, seal
 LARGE = 2e9  # parameters above which the transformers engine is said not to be the production route
 WRITERS = 8  # writer threads: a batch finishing in one engine step is written in parallel, off the engine's path
 WRITE_AHEAD = 256 << 20  # bytes of finished conversations queued for the writers at most (then the engine waits)
+Log = Callable[[str], None]
 
 
 @dataclass
-class GenerateSummary:
+class GenerateSummary(Summary):
     """What a generate session did, and where the run stands."""
 
-    run: object
-    total: int
-    already_done: int = 0
-    written: int = 0
     rejected_now: int = 0  # conversations this session rejected (prompt over the limit, engine failure)
     ended_now: int = 0  # conversations this session kept up to where they ended (a prompt too long, a call unpaired)
     turns: int = 0
     new_tokens: int = 0
-    seconds: float = 0.0
-    redone: dict[str, int] = field(default_factory=dict)
 
-    @property
-    def done(self) -> int:
-        return self.already_done + self.written
-
-    @property
-    def total_samples(self) -> int:  # the name a clean stop's message reads (as an extraction's summary)
-        return self.total
-
-    @property
-    def complete(self) -> bool:
-        return self.done == self.total
-
-    def lines(self) -> list[str]:
+    def own_lines(self) -> list[str]:
         rate = f" ({self.new_tokens / self.seconds:,.0f} new tokens/s)" if self.seconds > 0 and self.new_tokens else ""
-        out = [
-            f"run        {self.run}  ({'complete' if self.complete else 'incomplete'})",
-            f"convs      {self.done}/{self.total} done, {self.written} written now "
+        return [
+            f"convs      {self.done}/{self.total_samples} done, {self.written} written now "
             f"({self.rejected_now} of them rejected, {self.ended_now} ended early), "
             f"{self.already_done} were already verified",
             f"generated  {self.turns} turns, {self.new_tokens:,} new tokens in {self.seconds:.1f}s{rate}",
         ]
-        if self.redone:
-            out.append("redone     " + ", ".join(f"{n} {k}" for k, n in sorted(self.redone.items())))
-        return out
 
 
 def request_seed(seed: int, key: str, turn: int) -> int:
@@ -118,7 +100,7 @@ class ConversationLoop:
     ):
         self.spec, self.run, self.plan, self.engine, self.prompter = spec, run, plan, engine, prompter
         self.progress, self.summary = progress, summary
-        self.sampling = spec.sampling.sampling()
+        self.sampling = Sampling(**spec.sampling.model_dump())
         self.active: dict[str, tuple[Dialogue, np.ndarray]] = {}  # request key -> (dialogue, its prompt)
         self.shards: dict[int, dict[int, FileRecord]] = {}
         self.left: dict[int, int] = {}
@@ -178,7 +160,7 @@ class ConversationLoop:
         seed = request_seed(self.spec.seed, self.plan.row(d.id).key, len(d.done))
         self.active[key] = (d, prompt)
         chat = None
-        if self.engine.renders:  # it renders the messages itself: they go with the request
+        if self.engine.capabilities.renders_chat:  # it renders the messages itself: they go with the request
             chat = json.dumps(
                 {"messages": d.messages, "tools": d.tools, "template_kwargs": self.spec.template_kwargs},
                 ensure_ascii=False,
@@ -189,7 +171,7 @@ class ConversationLoop:
         d, prompt = self.active.pop(outcome.key)
         if not isinstance(outcome, Completion):
             return self.write(d, f"engine failed on turn {d.next_message}: {outcome.reason}")
-        if self.engine.renders:  # what it rendered and ran is the turn's prompt
+        if self.engine.capabilities.renders_chat:  # what it rendered and ran is the turn's prompt
             prompt = np.asarray(outcome.prompt_ids, dtype=np.int32)
         elif tuple(outcome.prompt_ids) != tuple(int(i) for i in prompt):
             raise CaptureFailed(
@@ -260,95 +242,125 @@ def dropped(turn: GeneratedTurn, drop: list[str]) -> str | None:
     return None
 
 
-def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> GenerateSummary:
-    """Generate into ``opts.out`` (a new run, or the resume of one) to the end or a clean stop."""
-    spec = open_gen_run(opts, log)
-    run = opts.out
-    run.mkdir(parents=True, exist_ok=True)
-    engine: Engine | None = None
-    progress = GenProgress(BYTES_PER_TOKEN, run, opts.log_every)
-    with locked(opts, progress.metrics, log):
+class Generate(Stage[GenerateOptions, GenerateSpec, GenerateSummary]):
+    """The generate stage's parts of a job (``job.stage``). A new run opens its engine before its spec
+    is written (the spec records the engine's name and version) and keeps it for the work."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.counts: GenProgress | None = None
+
+    def create(self, opts: GenerateOptions, model: Model, log: Log) -> GenerateSpec:
+        backend = opts.get("backend")
+        opts.refuse_unused(backend)
+        check_new(opts, model)
+        with setting_up(opts):
+            stops = stop_ids(model.dir, model.tokenizer)
+            settings = opts.engine_settings(
+                model.dir, opts.get("dtype"), opts.trust_remote_code, opts.get("seed"), opts.get("max_length"), stops,
+                model.tokenizer,
+            )  # fmt: skip
+            plan = plan_run(opts, model, capabilities(backend, settings), log)
+            self.engine = self._open(opts, backend, settings, log)
+            return create_spec(opts, model, plan, self.engine)
+
+    def load(self, run: Path) -> GenerateSpec:
+        return load_generate_spec(run)
+
+    def asked(self, opts: GenerateOptions, model: Model, spec: GenerateSpec) -> dict:
+        opts.refuse_unused(opts.backend or spec.engine.name)  # options its engine would ignore
+        return asked(opts, model)
+
+    def differences(self, spec: GenerateSpec, asked: dict) -> list[str]:
+        return generate_differences(spec, asked)
+
+    def progress(self, opts: GenerateOptions, spec: GenerateSpec) -> GenProgress:
+        progress = self._progress(opts)
+        progress.total_samples, progress.total_tokens = spec.plan.num_samples, spec.plan.num_tokens
+        return progress
+
+    def plan(self, run: Path, spec: GenerateSpec) -> GenPlan:
+        return load_gen_plan(run, spec)
+
+    def summary(self, run: Path, spec: GenerateSpec) -> GenerateSummary:
+        return GenerateSummary(run, spec.plan.num_samples)
+
+    def work(self, job: Job[GenerateOptions, GenerateSpec, GenerateSummary]) -> None:
+        """Verify every file first (the engine runs beside nothing), then generate what is missing."""
+        opts, spec, progress, summary = job.opts, job.spec, job.progress, job.summary
+        progress.start(0, 0)
+        verifier = job.verify()
         try:
-            if spec is None:  # a new run: plan, engine, then the spec, last
-                try:
-                    plan_id = plan_run(opts, log)
-                    model_dir = target.resolve(opts.model)
-                    stops = stop_ids(model_dir, target.load_tokenizer(model_dir, opts.trust_remote_code))
-                    settings = opts.engine_settings(
-                        model_dir, opts.get("dtype"), opts.trust_remote_code, opts.get("seed"), opts.get("max_length"),
-                        stops,
-                    )  # fmt: skip
-                    engine = _open(opts.get("backend"), settings, log, progress)
-                    spec = create_spec(opts, plan_id, engine)
-                except BaseException as e:  # the folder now holds a start that never became a run: say so in it
-                    record_failed_start(opts, e)
-                    raise
-            progress.total_samples, progress.total_tokens = spec.plan.num_samples, spec.plan.num_tokens
-            plan = load_gen_plan(run, spec)
-            summary = GenerateSummary(run, spec.plan.num_samples)
-            begun = Prologue.open(opts, spec, plan.lengths, log)
-            progress.start(0, 0)
-            verifier = begun.verify(progress.add_done)
-            try:
-                todo = verifier.rest()
-            finally:
-                verifier.stop()
-            summary.already_done, summary.redone = begun.summary.already_done, begun.summary.redone
-            if todo:
-                model_dir = target.model_dir_for(run, spec, opts.model, keep=True)
-                tokenizer = target.load_tokenizer(model_dir, spec.trust_remote_code)
-                stops = stop_ids(model_dir, tokenizer)  # the engine stops where the job ends a turn
-                if engine is None:
-                    settings = opts.engine_settings(
-                        model_dir, spec.dtype, spec.trust_remote_code, spec.seed, spec.max_length, stops
-                    )
-                    engine = _open(spec.engine.name, settings, log, progress)
-                check_engine(spec, engine)
-                parses = spec.tool_parser not in (None, toolcalls.ENGINE)
-                recognize = toolcalls.Recognizer(tokenizer, spec.tool_parser) if parses else None
-                prompter = Prompter(Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stops, recognize)
-                t0 = time.monotonic()
-                progress.clock()
-                try:
-                    with target.Digests(run, model_dir):
-                        ConversationLoop(
-                            spec, run, plan, engine, prompter, progress, begun.space.reserve, summary
-                        ).run_shards(todo)
-                except DiskFull as e:  # the guard's reserve reached, or a real ENOSPC: every file whole or absent
-                    raise begun.clean_stop(summary, e.path, e.reason) from e
-                finally:
-                    summary.seconds = time.monotonic() - t0
-            write_rejects(run, spec)
-            return summary
+            todo = verifier.rest()
         finally:
-            if engine is not None:
-                engine.close()
+            verifier.stop()
+        if todo:
+            tokenizer = job.model.tokenizer
+            stops = stop_ids(job.model.dir, tokenizer)  # the engine stops where the job ends a turn
+            if self.engine is None:
+                settings = opts.engine_settings(
+                    job.model.dir, spec.dtype, spec.trust_remote_code, spec.seed, spec.max_length, stops, tokenizer
+                )
+                self.engine = self._open(opts, spec.engine.name, settings, job.log)
+            check_engine(spec, self.engine)
+            parses = spec.tool_parser not in (None, toolcalls.ENGINE)
+            recognize = toolcalls.Recognizer(tokenizer, spec.tool_parser) if parses else None
+            prompter = Prompter(Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stops, recognize)
+            t0 = time.monotonic()
+            progress.clock()
+            try:
+                loop = ConversationLoop(
+                    spec, job.run, job.plan, self.engine, prompter, progress, job.begun.space.reserve, summary
+                )
+                with target.Digests(job.run, job.model.dir):  # the weights' full digests, beside the work
+                    loop.run_shards(todo)
+            finally:
+                summary.seconds = time.monotonic() - t0
+        write_rejects(job.run, spec)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+    def _progress(self, opts: GenerateOptions) -> GenProgress:
+        if self.counts is None:
+            self.counts = GenProgress(BYTES_PER_TOKEN, opts.out, opts.log_every)
+        return self.counts
+
+    def _open(self, opts: GenerateOptions, backend: str, settings: EngineSettings, log: Log) -> Engine:
+        """The engine, and a word when transformers is asked to generate with a large model. What the
+        engine goes on through (a server's retries and outages) is logged and named by the next progress line."""
+        progress = self._progress(opts)
+
+        def trouble(message: str) -> None:
+            progress.note_error(message)
+            log(message)
+
+        engine = open_engine(backend, replace(settings, log=trouble))
+        if not engine.capabilities.returns_token_ids:  # every turn is kept as the ids the target ran and produced
+            raise Refused(f"the {engine.name} engine does not return token ids: hsx generate cannot keep its turns")
+        if engine.name == "transformers":
+            params = sum(f.stat().st_size for f in settings.model_dir.glob("*.safetensors")) / 2  # bf16 checkpoints
+            if params > LARGE:
+                log(
+                    f"note: a model of about {params / 1e9:.0f}B parameters generated with transformers runs at a few "
+                    "hundred tokens/s; vLLM (--backend vllm) or a running server (--backend server) is the production "
+                    "route"
+                )
+        log(f"engine: {engine.name} {engine.version}")
+        return engine
 
 
-def _open(backend: str, settings: EngineSettings, log: Callable[[str], None], progress: GenProgress) -> Engine:
-    """The engine, and a word when transformers is asked to generate with a large model. What the
-    engine goes on through (a server's retries and outages) is logged and named by the next progress line."""
-
-    def trouble(message: str) -> None:
-        progress.note_error(message)
-        log(message)
-
-    engine = open_engine(backend, replace(settings, log=trouble))
-    if engine.name == "transformers":
-        params = sum(f.stat().st_size for f in settings.model_dir.glob("*.safetensors")) / 2  # bf16 checkpoints
-        if params > LARGE:
-            log(
-                f"note: a model of about {params / 1e9:.0f}B parameters generated with transformers runs at a few "
-                "hundred tokens/s; vLLM (--backend vllm) or a running server (--backend server) is the production route"
-            )
-    log(f"engine: {engine.name} {engine.version}")
-    return engine
+def generate(opts: GenerateOptions, log: Log = print) -> GenerateSummary:
+    """Generate into ``opts.out`` (a new run, or the resume of one) to the end or a clean stop: the job
+    (``job.stage.run``) of the generate stage."""
+    return run(Generate(), opts, log)
 
 
 def write_rejects(run, spec: GenerateSpec) -> int:
     """``rejects.jsonl``: the rows planning rejected, then the conversations rejected while generating
     (read from their verified files), replaced whole. Returns how many conversations were rejected."""
-    lines = (run / layout.PLAN_DIR / PLAN_REJECTS).read_text()
+    lines = (run / layout.PLAN_DIR / layout.PLAN_REJECTS).read_text()
     later = 0
     for cid, status in statuses(run, spec.plan.num_samples, spec.shard_size).items():
         if status != "rejected":  # the header says which are rejected: only those are read whole

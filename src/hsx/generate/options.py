@@ -12,14 +12,15 @@ from __future__ import annotations
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated as A
 from typing import ClassVar
 
-from hsx.bounds import Bound, Bounds
+from hsx.bounds import Bound, Bounds, Flag
 from hsx.errors import OptionError
-from hsx.generate.engine import Sampling
 from hsx.generate.engines import ENGINES, EngineSettings
+from hsx.generate.engines.base import Sampling
 from hsx.generate.toolcalls import PARSERS
-from hsx.job.options import DAY, FLAG_NAMES, JOB, TOKENS, JobOptions, check_device, check_vllm
+from hsx.job.options import DAY, JOB, TOKENS, JobOptions, check_device, check_vllm, flag_name
 
 DEFAULTS = {
     "backend": "transformers",
@@ -65,31 +66,51 @@ SERVER_ONLY = (
 )
 
 
+def drops(given: list[str] | None) -> list[str] | None:
+    """``--drop empty,length`` (repeatable)."""
+    return [x for s in given or [] for x in s.split(",") if x] or None
+
+
+DROP = "Reject conversations with an empty or length-cut answer (comma-separated)."
+API = "server backend: openai (/v1/completions), openai-chat (/v1/chat/completions) or sglang (/generate)."
+TOOL_PARSER = f"How the target's tool calls are read: {', '.join(PARSERS)}."
+
+
 @dataclass
 class GenerateOptions(JobOptions):
     COMMAND: ClassVar[str] = "generate"
     UNIT: ClassVar[str] = "conversations"
     BOUNDS: ClassVar[Bounds] = GENERATE
 
-    drop: list[str] | None = None  # of DROPS: such answers reject their conversation, with the reason (spec)
-    backend: str | None = None
-    turns: str | None = None  # all | last
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    max_new_tokens: int | None = None
-    samples_per_prompt: int | None = None
-    seed: int | None = None
-    tool_parser: str | None = None  # generate.toolcalls.PARSERS (None: the tokenizer's response template, if any)
+    # of DROPS: such answers reject their conversation, with the reason (spec)
+    drop: A[list[str] | None, Flag(DROP, "empty,length", "none", parse=drops)] = None
+    backend: A[str | None, Flag("What generates (new run).")] = None
+    max_length: A[int | None, Flag("Prompt + completion of a turn at most.")] = None
+    shard_size: A[int | None, Flag("Conversations per shard folder.")] = None
+    turns: A[str | None, Flag("all: every assistant turn, on the target's own answers; last: the last only.")] = None
+    temperature: A[float | None, Flag("0: greedy.")] = None
+    top_p: A[float | None, Flag("Nucleus sampling (1: off).")] = None
+    top_k: A[int | None, Flag("Top-k sampling (0: off).")] = None
+    max_new_tokens: A[int | None, Flag("New tokens per turn at most.")] = None
+    samples_per_prompt: A[int | None, Flag("Conversations generated per input row.")] = None
+    seed: A[int | None, Flag("The run's seed; each request's derives from it.")] = None
+    # generate.toolcalls.PARSERS (None: the tokenizer's response template, if any)
+    tool_parser: A[str | None, Flag(TOOL_PARSER, "NAME", "the tokenizer's response template")] = None
     # how this session reaches its engine: not part of the spec
-    servers: list[str] = field(default_factory=list)
-    concurrency: int | None = None
-    server_api: str | None = None  # openai | openai-chat | sglang (None: found out per server)
-    server_model: str | None = None  # the served model name (None: the one the server lists)
-    max_pending: int | None = None
-    server_timeout: float | None = None  # seconds one request may take (None: the server backend's default)
-    server_retries: int | None = None  # tries of a request on one server before it counts as a failure
-    server_backoff: float | None = None  # first wait between tries, doubling (up to 30 s)
+    servers: A[
+        list[str], Flag("server backend: an OpenAI-compatible base URL; repeatable.", "URL", "none", name="--server")
+    ] = field(default_factory=list)
+    concurrency: A[int | None, Flag("server backend: requests in flight per server.", default="64")] = None
+    server_api: A[str | None, Flag(API, default="found out per server")] = None  # None: found out per server
+    # the served model name (None: the one the server lists)
+    server_model: A[str | None, Flag("server backend: the served model's name.", "NAME", "its only one")] = None
+    max_pending: A[int | None, Flag("Requests kept submitted to the engine.", default="the engine's own choice")] = None
+    # seconds one request may take (None: the server backend's default)
+    server_timeout: A[float | None, Flag("server backend: seconds a request may take.", "SECONDS", "3600")] = None
+    # tries of a request on one server before it counts as a failure
+    server_retries: A[int | None, Flag("server backend: tries of a request on a server.", default="5")] = None
+    # first wait between tries, doubling (up to 30 s)
+    server_backoff: A[float | None, Flag("server backend: first wait between tries, doubling.", "SECONDS", "1")] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -111,7 +132,7 @@ class GenerateOptions(JobOptions):
         ``backend`` is the run's (its spec's engine on a resume)."""
         engine = {"server": SERVER_ONLY, "vllm": ("tensor_parallel_size",)}
         for name, owned in engine.items():
-            given = [FLAG_NAMES.get(k, Bounds.flag(k)) for k in owned if getattr(self, k) not in (None, [])]
+            given = [flag_name(type(self), k) for k in owned if getattr(self, k) not in (None, [])]
             if given and backend != name:
                 raise OptionError(
                     f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --backend {name}; "
@@ -155,9 +176,11 @@ class GenerateOptions(JobOptions):
         seed: int,
         max_length: int,
         stop_ids: frozenset[int],
+        tokenizer=None,
     ) -> EngineSettings:
         return EngineSettings(
             model_dir=model_dir,
+            tokenizer=tokenizer,
             trust_remote_code=trust_remote_code,
             dtype=dtype,
             device=self.device,

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from hsx.generate.dialogue import Dialogue
-from hsx.generate.record import GeneratedTurn
 from hsx.generate.toolcalls import Malformed, Recognizer, from_message
+from hsx.genrun.record import GeneratedTurn
 from hsx.input import ToolCall, Turn, call_id, to_message
 from hsx.plan import Tokenize
 

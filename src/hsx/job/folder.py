@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hsx import target
@@ -42,6 +43,18 @@ def record_failed_start(opts: JobOptions, error: BaseException) -> None:
         reason = "interrupted while planning, before the run spec was written"
     record = {"reason": reason, "command": opts.command(), "at": now(), "by": who()}
     write_durable(opts.out / layout.FAILED_START, json.dumps(record, indent=1).encode())
+
+
+@contextmanager
+def setting_up(opts: JobOptions) -> Iterator[None]:
+    """Around a new run's first writes (its folder made, its plan and rejects): a start that fails or is
+    interrupted there leaves the record of why and of the command that starts it again."""
+    opts.out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException as e:  # the folder now holds a start that never became a run: say so in it
+        record_failed_start(opts, e)
+        raise
 
 
 def failed_start(run: Path) -> dict | None:

@@ -16,13 +16,16 @@ import os
 import shlex
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
+from operator import not_
 from pathlib import Path
-from typing import ClassVar
+from typing import Annotated as A
+from typing import ClassVar, get_type_hints
 
-from hsx.bounds import Bound, Bounds
+from hsx.bounds import Bound, Bounds, Flag
 from hsx.errors import OptionError
 from hsx.input import MAX_NESTING, json_depth, json_leaves
 from hsx.progress import LOG_EVERY
+from hsx.store import layout
 from hsx.telemetry import Telemetry
 
 # Every number has an upper end, past which it cannot be meant (and a real number is finite):
@@ -41,11 +44,11 @@ JOB = Bounds(
     threads=THREADS,
 )
 NOT_FLAGS = frozenset({"max_inflight_bytes", "reserve_bytes"})  # the Python API's alone
-FLAG_NAMES = {  # fields whose flag is not their name
-    "servers": "--server",
-    "deep_verify": "--fast-verify",
-    "template_kwargs": "--chat-template-kwargs",  # vLLM's and SGLang's name for them
-}
+DATA = (
+    "Conversations: .jsonl, .json or .parquet, a datasets folder or a cached Hugging Face dataset name; "
+    "repeatable, each once."
+)
+KWARGS = "The chat template's arguments as JSON, e.g. '{\"enable_thinking\": false}' (new run)."
 
 
 @dataclass
@@ -56,26 +59,42 @@ class JobOptions:
     UNIT: ClassVar[str]  # what its files are: samples | conversations
     BOUNDS: ClassVar[Bounds]  # its options' bounds (``JOB`` and its own)
 
-    out: Path
-    model: str | None = None
-    data: list[Path] = field(default_factory=list)
-    split: str | None = None  # of the Hugging Face datasets among data (a new run's; part of the spec)
-    limit: int | None = None  # only the first rows of the data, over all sources (a new run's; in the spec)
-    column: str | None = None  # the field of every row that holds its turns (None: conversations or messages)
-    template_kwargs: dict | None = None  # the chat template's arguments (enable_thinking...): a new run's, in its spec
-    threads: int | None = None  # CPU: torch's threads (None: torch's own choice)
-    max_length: int | None = None
-    shard_size: int | None = None
-    dtype: str | None = None
-    device: str | None = None
-    trust_remote_code: bool = False
-    deep_verify: bool = True
-    allow_partial: bool = False  # start even when the projected size exceeds free space
+    out: A[Path, Flag("Run folder (created, or resumed if it holds hsx.json).", "DIR")]
+    model: A[str | None, Flag("Model folder or hub id (new run; or its new path on resume).", "PATH")] = None
+    data: A[list[Path], Flag(DATA, "FILE")] = field(default_factory=list)
+    # of the Hugging Face datasets among data (a new run's; part of the spec)
+    split: A[str | None, Flag("The split of a Hugging Face dataset --data.", "NAME", "its only one")] = None
+    # only the first rows of the data, over all sources (a new run's; in the spec)
+    limit: A[int | None, Flag("Only the first N rows of the data.", default="all")] = None
+    # the field of every row that holds its turns (None: conversations or messages)
+    column: A[str | None, Flag("The field of each row that holds its turns.", "NAME", "conversations or messages")] = (
+        None
+    )
+    # the chat template's arguments (enable_thinking...): a new run's, in its spec (vLLM's and SGLang's name)
+    template_kwargs: A[
+        dict | None, Flag(KWARGS, "JSON", "none", str, template_kwargs, name="--chat-template-kwargs")
+    ] = None
+    threads: A[int | None, Flag("CPU: torch threads.", default="torch's")] = None  # None: torch's own choice
+    max_length: A[int | None, Flag("Truncate samples to this many tokens.")] = None
+    shard_size: A[int | None, Flag("Samples per shard folder.")] = None
+    dtype: A[str | None, Flag("Model dtype.")] = None
+    device: A[str | None, Flag("cpu, cuda or cuda:N.", "DEVICE", "cuda if available")] = None
+    trust_remote_code: A[bool, Flag("Allow the model's own Python code.")] = False
+    deep_verify: A[
+        bool, Flag("On resume, check headers and sizes only, not digests.", parse=not_, name="--fast-verify")
+    ] = True
+    allow_partial: A[bool, Flag("Start even if the volume cannot hold the whole run; stop cleanly when it fills.")] = (
+        False
+    )
     reserve_bytes: int | None = None  # kept free while running; None: max(1% of volume, 2x largest batch)
-    tensor_parallel_size: int | None = None  # the engine's own tensor parallelism (vLLM): not part of the spec
-    metrics_port: int | None = None  # serve Prometheus' text format on this port while running
-    metrics_textfile: Path | None = None  # keep this file in Prometheus' text format (node_exporter)
-    log_every: float = LOG_EVERY  # seconds between progress lines off a terminal (hsx.progress)
+    # the engine's own tensor parallelism (vLLM): not part of the spec
+    tensor_parallel_size: A[int | None, Flag("vllm backend: GPUs per model replica.", default="1")] = None
+    metrics_port: A[int | None, Flag("Serve the run's metrics in Prometheus' text format on this port.")] = None
+    metrics_textfile: A[
+        Path | None, Flag("Keep this file in Prometheus' text format (node_exporter's textfile).", "FILE")
+    ] = None
+    # seconds between progress lines off a terminal (hsx.progress)
+    log_every: A[float, Flag("Off a terminal: seconds between progress lines.", "SECONDS")] = LOG_EVERY
 
     def __post_init__(self) -> None:
         """Refuse what cannot be meant, before anything is read or written."""
@@ -84,7 +103,7 @@ class JobOptions:
             value = getattr(self, f.name)
             for v in value if isinstance(value, list) else [value]:
                 if isinstance(v, str | Path) and not str(v).strip():  # Path("") is "." and cannot be told
-                    raise OptionError(f"{FLAG_NAMES.get(f.name, Bounds.flag(f.name))} takes a value, not {v!r}")
+                    raise OptionError(f"{flag_name(type(self), f.name)} takes a value, not {v!r}")
         if self.out.is_file():
             raise OptionError(f"--out {self.out} is a file, not a run folder: name a new or empty folder, or a run")
         writable_folder(self.out, "--out")
@@ -144,7 +163,7 @@ def command_line(verb: str, opts) -> str:
         value = getattr(opts, f.name)
         if f.name in NOT_FLAGS or value == f.default or (f.default_factory is not MISSING and not value):
             continue
-        flag = FLAG_NAMES.get(f.name, Bounds.flag(f.name))
+        flag = flag_name(type(opts), f.name)
         if value is True or f.name == "deep_verify":  # flags take no value (--fast-verify: deep_verify off)
             args.append(flag)
         elif f.name == "layers":
@@ -160,6 +179,17 @@ def command_line(verb: str, opts) -> str:
         else:
             args += [flag, str(value.absolute() if isinstance(value, Path) else value)]
     return shlex.join(args)
+
+
+def flag_of(cls: type, name: str) -> Flag | None:
+    """The ``Flag`` in the annotation of field ``name`` of the options dataclass ``cls`` (None: none)."""
+    hint = get_type_hints(cls, include_extras=True)[name]
+    return next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Flag)), None)
+
+
+def flag_name(cls: type, name: str) -> str:
+    flag = flag_of(cls, name)
+    return flag.name if flag is not None and flag.name else Bounds.flag(name)
 
 
 def resume_command(run: Path, model: str | None = None, command: str = "extract") -> str:
@@ -183,6 +213,16 @@ def writable_folder(path: Path, flag: str) -> None:
         raise OptionError(f"{flag} {path}: {there} is a file, not a folder")
     if not os.access(there, os.W_OK | os.X_OK):
         raise OptionError(f"{flag} {path}: {there} is not writable here (read-only, or not this user's)")
+
+
+def interrupted(verb: str, out: Path, model: str | None, opts: JobOptions | None) -> str:
+    """What a Ctrl-C or SIGTERM of ``hsx VERB`` says to do next, as things stand when it comes: a command
+    that works as printed (a resume needs the spec, a start its options)."""
+    if (out / layout.SPEC).is_file():
+        return f"resume with: {resume_command(out, model, verb)}"
+    if opts is None:
+        return "nothing was started"
+    return f"no run was made; start it again with: {opts.command()}"
 
 
 def check_device(device: str) -> None:

@@ -57,15 +57,16 @@ class Prologue:
         opts: JobOptions,
         spec: JobSpec,
         lengths: np.ndarray,
+        summary: Summary,
         log: Callable[[str], None],
         measure_first: bool = False,
     ) -> Prologue:
-        """Under the run's lock. ``measure_first``: the job's guard holds the forecast, so an
-        unmeasured zstd run that does not fit at raw size starts (``job.space.plan_space``)."""
+        """Under the run's lock; ``summary``: the job's tally, which verification settles into.
+        ``measure_first``: the job's guard holds the forecast, so an unmeasured zstd run that does not
+        fit at raw size starts (``job.space.plan_space``)."""
         run = opts.out
         remove_stray_temps(run)
         record_model(opts, spec, log)  # a --model that matched, somewhere new
-        summary = Summary.of(run, spec)
         headers = scan_all(run, spec, deep=False)  # seconds: sealed shards are trusted by their listing
         space = plan_space(
             run, spec, lengths, headers, opts.allow_partial, opts.reserve_bytes, log, measure_first, opts.COMMAND

@@ -24,32 +24,23 @@ from hsx.store.quarantine import quarantine
 from hsx.store.scan import Problem, ShardScan, scan_run, scan_shard
 from hsx.store.writer import seal
 
-# the disk-pace advice of a summary: only for a run this long, whose forward pass waited this share of it
-DISK_ADVICE_RUN_S, DISK_ADVICE_SHARE = 60.0, 0.05
-
 
 @dataclass
 class Summary:
-    """What a job did: the run's totals, what was already verified, what this session wrote."""
+    """What a job did, whatever its stage: the run's size, what was already verified, what this
+    session wrote and repaired. Each stage extends it with its own figures (``extract.summary``,
+    ``generate.job``) and says it in its own words (``lines``); the prologue and the resume's
+    settling fill in what every job shares."""
 
     run: Path
     total_samples: int
-    total_tokens: int
-    already_done: int
+    already_done: int = 0
     written: int = 0
-    tokens_written: int = 0
-    bytes_written: int = 0
     seconds: float = 0.0
-    rejected: int = 0
     redone: dict[str, int] = field(default_factory=dict)
     stray_removed: int = 0
     quarantined: int = 0
-    waited_for_disk: float = 0.0  # seconds the forward pass waited for writes: > a few % means the disk is the limit
-    verified: Verified | None = None  # what the resume's verification read, and whether extraction waited for it
-
-    @classmethod
-    def of(cls, run: Path, spec: JobSpec) -> Summary:
-        return cls(run, spec.plan.num_samples, spec.plan.num_tokens, 0, rejected=spec.plan.num_rejected)
+    verified: Verified | None = None  # what the resume's verification read, and whether the work waited for it
 
     @property
     def done(self) -> int:
@@ -60,42 +51,25 @@ class Summary:
         return self.done == self.total_samples
 
     def lines(self) -> list[str]:
-        """What the run did, as ``hsx extract`` prints it; the disk-pace advice only where acting
-        on it changes the run's time materially."""
-        rate = f" ({self.tokens_written / self.seconds:,.0f} tok/s)" if self.seconds > 0 and self.tokens_written else ""
-        mb = self.bytes_written / 1e6
-        lines = [
-            f"run        {self.run}  ({'complete' if self.complete else 'incomplete'})",
-            f"samples    {self.done}/{self.total_samples} done, {self.written} written now, "
-            f"{self.already_done} were already verified",
-            f"written    {self.tokens_written:,} tokens, {mb:,.1f} MB in {self.seconds:.1f}s{rate}",
-            f"rejected   {self.rejected} input rows (see {self.run / layout.REJECTS})",
-        ]
-        if self.seconds > DISK_ADVICE_RUN_S and self.waited_for_disk > DISK_ADVICE_SHARE * self.seconds:
-            lines.append(
-                f"disk       the model waited {self.waited_for_disk:.1f}s ({self.waited_for_disk / self.seconds:.0%}) "
-                "for writes to finish: writing, not the forward pass, set the pace (a faster volume or more --writers)"
-            )
-        v = self.verified
-        if v is not None and v.files:
-            waited = f"extraction waited {v.waited:.1f}s for it"
-            then = waited if self.written else "nothing to extract: no model loaded"
-            read = f"{v.bytes / 1e9:,.2f} GB in {v.seconds:.1f}s ({v.rate / 1e9:.2f} GB/s)"
-            lines.append(f"verified   {v.files:,} files, {read}; {then}")
+        """What the job did: the stage's own lines between the run's and the repairs'."""
+        head = f"run        {self.run}  ({'complete' if self.complete else 'incomplete'})"
+        tail = []
         if self.redone:
-            lines.append("redone     " + ", ".join(f"{n} {k}" for k, n in sorted(self.redone.items())))
+            tail.append("redone     " + ", ".join(f"{n} {k}" for k, n in sorted(self.redone.items())))
         if self.stray_removed or self.quarantined:
-            lines.append(
+            tail.append(
                 f"cleaned    {self.stray_removed} stray temp files removed, {self.quarantined} files quarantined"
             )
-        return lines
+        return [head, *self.own_lines(), *tail]
+
+    def own_lines(self) -> list[str]:
+        """The stage's figures, in its words."""
+        return []
 
     def add(self, other: Summary) -> None:
-        """Fold a worker's tally of its shards into the job's."""
+        """Fold the tally of another process's part of the job (a worker's shard) into this one."""
         self.already_done += other.already_done
         self.written += other.written
-        self.tokens_written += other.tokens_written
-        self.bytes_written += other.bytes_written
         self.stray_removed += other.stray_removed
         self.quarantined += other.quarantined
         for kind, n in other.redone.items():

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 FORMAT = "hsx-sample/1"  # raw states
 FORMAT_ENCODED = "hsx-sample/2"  # states stored through a codec other than raw
 FORMATS = (FORMAT, FORMAT_ENCODED)
-CONVERSATION = "hsx-conversation/1"  # a generate run's file (``hsx.generate.record``): token ids, no states
+CONVERSATION = "hsx-conversation/1"  # a generate run's file (``hsx.genrun.record``): token ids, no states
 STATES = ("aux_hidden_states", "hidden_states")
 LAYER_CONVENTION = "hsx/1: layer k = output of decoder layer k (0-based) = HF hidden_states[k+1]"
 FINAL_STATE = "last decoder layer output after the final norm"

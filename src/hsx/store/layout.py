@@ -33,6 +33,7 @@ MODEL_FILES = "model-files.json"  # every file of the run's model as it stands, 
 PLAN_DIR = "plan"
 PLAN_FILE = "plan.parquet"
 GROWTH = "growth.json"
+PLAN_REJECTS = "rejects.jsonl"  # in a generate run's plan/: the rows planning rejected (the run's adds later ones)
 REJECTS = "rejects.jsonl"
 SHARDS = "shards"
 SEALED = "SEALED"

@@ -31,16 +31,16 @@ import psutil
 
 from hsx import registry
 from hsx.errors import Locked, Refused, WorkerFailed, no_space
-from hsx.extract.follow import unchanged
 from hsx.extract.options import ExtractOptions
 from hsx.extract.outcome import Outcome
+from hsx.extract.stage import Extract
+from hsx.extract.summary import ExtractSummary
 from hsx.extract.workers.actor import ShardWorker
 from hsx.extract.workers.worker import WorkerTask
-from hsx.job.prologue import Prologue, locked
-from hsx.job.resume import Summary
+from hsx.job.model import Model
 from hsx.job.space import largest_batch_bytes
+from hsx.job.stage import Job, session
 from hsx.lock import BEAT_EVERY, Liveness, RunLock, read_holder
-from hsx.plan import load_plan
 from hsx.progress import Progress
 from hsx.spec import RunSpec
 
@@ -130,15 +130,16 @@ def workers(opts: ExtractOptions, log: Callable[[str], None]) -> Iterator[tuple[
         cluster.stop()
 
 
-class Workers:
-    """The executor of Ray workers (``extract.executor``): this process holds the lock and the
-    prologue, the workers extract whole shards, each shard's ``Outcome`` is folded into the job's."""
+class Workers(Extract):
+    """The executor of Ray workers (``extract.executor``): this process runs the job's session (the
+    lock, the prologue: headers only) and its work hands whole shards to the workers, each shard's
+    ``Outcome`` folded into the job's."""
 
     def __init__(self, cluster: Cluster, gpu: bool):
         self.cluster, self.gpu = cluster, gpu
+        self.driver: str | None = None  # this driver's id, once it holds the lock
 
-    def run(self, opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None]) -> Summary:
-        cluster = self.cluster
+    def run(self, opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None]) -> ExtractSummary:
         if spec.backend != "transformers":
             raise Refused(f"--workers runs the transformers backend; this run uses {spec.backend}: omit --workers")
         if spec.parallel.pipeline > 1:
@@ -146,41 +147,55 @@ class Workers:
                 f"--workers runs workers of one GPU or of a tensor-parallel group; this run is a pipeline "
                 f"({spec.parallel}): omit --workers"
             )
-        if self.gpu and cluster.gpus < opts.workers * spec.parallel.ranks:
+        if self.gpu and self.cluster.gpus < opts.workers * spec.parallel.ranks:
             each = f" of {spec.parallel.ranks} GPUs each ({spec.parallel})" if spec.parallel.ranks > 1 else ""
-            raise Refused(f"{opts.workers} GPU workers{each} asked for, but the Ray cluster has {cluster.gpus} GPUs")
-        progress = Progress(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
-        session: dict = {}
+            raise Refused(
+                f"{opts.workers} GPU workers{each} asked for, but the Ray cluster has {self.cluster.gpus} GPUs"
+            )
+        return session(self, opts, spec, Model.of_run(opts.model, opts.trust_remote_code, opts.out, spec), log)
 
-        def metrics() -> dict:
-            if "driver" in session:
-                with progress.lock:
-                    progress.samples, progress.tokens, progress.bytes = registry.totals(opts.out, session["driver"])
-            return progress.metrics() | {"workers": opts.workers}
+    def lock_command(self, opts: ExtractOptions) -> str:
+        return f"extract --workers {opts.workers}"
 
-        with locked(opts, metrics, log, command=f"extract --workers {opts.workers}") as lock:
-            unchanged(opts.out, spec)
-            session["driver"] = registry.driver_id(lock.me)
-            registry.settle(opts.out, lock.me, log)
-            try:
-                return _extract(opts, spec, lock, progress, self.gpu, log)
-            finally:
-                cluster.stop()  # no worker of this driver may outlive its lock
-                for s in registry.clear_session(opts.out, session["driver"]):
-                    if s.state in (Liveness.DEAD, Liveness.STALE):
-                        log(f"during the run: {s.describe()}")
+    def progress(self, opts: ExtractOptions, spec: RunSpec) -> Progress:
+        return _Tallied(spec, opts, self)
+
+    def locked(self, opts: ExtractOptions, spec: RunSpec, lock: RunLock, log: Callable[[str], None]) -> None:
+        self.driver = registry.driver_id(lock.me)
+        super().locked(opts, spec, lock, log)
+
+    def work(self, job: Job[ExtractOptions, RunSpec, ExtractSummary]) -> None:
+        try:
+            _extract(job, self.gpu)
+        finally:
+            self.cluster.stop()  # no worker of this driver may outlive its lock
+            for s in registry.clear_session(job.run, self.driver):
+                if s.state in (Liveness.DEAD, Liveness.STALE):
+                    job.log(f"during the run: {s.describe()}")
 
 
-def _extract(
-    opts: ExtractOptions, spec: RunSpec, lock: RunLock, progress: Progress, gpu: bool, log: Callable[[str], None]
-) -> Summary:
+class _Tallied(Progress):
+    """The driver's progress: the workers' counts, read from their heartbeat records whenever the
+    lock's heartbeat writes the metrics (the driver writes no sample itself)."""
+
+    def __init__(self, spec: RunSpec, opts: ExtractOptions, workers: Workers):
+        super().__init__(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
+        self.out, self.workers, self.count = opts.out, workers, opts.workers
+
+    def metrics(self) -> dict:
+        if self.workers.driver is not None:
+            with self.lock:
+                self.samples, self.tokens, self.bytes = registry.totals(self.out, self.workers.driver)
+        return super().metrics() | {"workers": self.count}
+
+
+def _extract(job: Job[ExtractOptions, RunSpec, ExtractSummary], gpu: bool) -> None:
     import ray
 
-    run = opts.out
-    plan = load_plan(run, spec)
+    opts, spec, plan, progress, log, run = job.opts, job.spec, job.plan, job.progress, job.log, job.run
     # headers only: what to hand out, the workers verify and settle; the workers' guards hold the
     # forecast: an unmeasured zstd run may start and be judged on its first files
-    begun = Prologue.open(opts, spec, plan.lengths, log, measure_first=True)
+    begun = job.begun
     summary, scans, space = begun.summary, begun.headers, begun.space
     todo = [s.shard for s in scans if not s.sealed]
     settled = [s for s in scans if s.sealed]
@@ -193,7 +208,7 @@ def _extract(
     on_disk = [i for s in scans for i in s.good]
     progress.start(len(on_disk), int(plan.lengths[on_disk].sum()))
     if not todo:
-        return summary
+        return
     # each worker guards only its own writes in flight: keep room for the others' batches too
     batch = largest_batch_bytes(spec.batch_tokens, int(plan.lengths.max()), spec.bytes_per_token)
     task = WorkerTask(
@@ -201,7 +216,7 @@ def _extract(
         model=opts.model,
         resources=opts.resources(),
         deep_verify=opts.deep_verify,
-        driver=lock.me.model_dump(),
+        driver=job.lock.me.model_dump(),
         reserve=space.reserve + (opts.workers - 1) * batch,
         start=space.forecast.start,
     )
@@ -224,7 +239,7 @@ def _extract(
         )
     each = f", each a group of {spec.parallel.ranks} ranks ({spec.parallel})" if spec.parallel.ranks > 1 else ""
     log(f"extracting {len(todo)} shards with {size} {'GPU' if gpu else 'CPU'} workers{each}")
-    watch = _Watch(run, registry.driver_id(lock.me), log)
+    watch = _Watch(run, registry.driver_id(job.lock.me), log)
     watch.start()
     stopped: Outcome | None = None  # the first shard that stopped the run: a full disk or a failure
     t0 = time.monotonic()
@@ -282,7 +297,6 @@ def _extract(
             f"worker pid {where.pid} on {where.host} failed on shard {where.shard}: {_why(stopped)}\n"
             f"Verified work is kept; fix the cause, then resume: hsx extract --out {run} --workers {opts.workers}"
         )
-    return summary
 
 
 def _why(done: Outcome) -> str:

@@ -20,8 +20,9 @@ from hsx.errors import DiskFull, HsxError, ModelChanged, Refused
 from hsx.extract.backends import Peers, Resources
 from hsx.extract.outcome import Outcome, ShardRun
 from hsx.extract.pipeline import Extractor, open_backend
+from hsx.extract.summary import ExtractSummary
 from hsx.job.options import set_threads
-from hsx.job.resume import Summary, verify_shard
+from hsx.job.resume import verify_shard
 from hsx.job.space import Forecast, Start
 from hsx.lock import Holder
 from hsx.plan import load_plan
@@ -119,7 +120,7 @@ class ShardRunner:
             return Outcome(shard=done.model_copy(update={"ended": time.time()}))
         self.beat.update(shard=shard, shard_since=time.time(), phase="working")
         before = self.progress.session()
-        summary = Summary.of(self.run, self.spec)
+        summary = ExtractSummary.of(self.run, self.spec)
         t0 = time.monotonic()
         outcome = Outcome(summary=summary)
         try:

@@ -4,21 +4,23 @@ One row per (input conversation, sample): its key (``<data file>:<row>#<sample>`
 run), its source, the messages as the dataset has them (as a chat template reads them, up to its
 last assistant turn and the tool results after it: nothing later is generated), the tools it
 offers, the episodes to regenerate (``generate.dialogue``) and an estimate of the tokens its file
-will hold. The row index is the conversation id, which names its file (``store.layout``). The plan
-is built once (reading and rendering the data), written like an extraction's plan (temp, fsync,
-rename) into ``GEN/plan/``, fingerprinted over its content; a resume reads only this.
+will hold (the rows are planned by the generate stage: ``generate.folder.plan_rows``). The row
+index is the conversation id, which names its file (``store.layout``). The plan is built once
+(reading and rendering the data), written like an extraction's plan (temp, fsync, rename) into
+``GEN/plan/``, fingerprinted over its content; a resume reads only this.
 
 Planning rejects what cannot be regenerated: what the input stage rejects (images, unknown
 roles...), conversations the chat template cannot render, and those whose first prompt
 already reaches ``max_length``. A later turn's prompt grows with the target's own answers, so its
-length is checked when it is generated (``generate.job``).
+length is checked when it is generated (``generate.job``). This module is the plan as data: written
+once, read back, checked against the spec; ``extract`` and ``assess`` read it without the stage.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +30,8 @@ import pyarrow.parquet as pq
 import xxhash
 
 from hsx.errors import PlanError
-from hsx.generate.dialogue import episode_end, episode_starts
-from hsx.input import Conversation, Reject, to_message, tools_of
-from hsx.plan import PLAN_META, NoUsableSamples, Tokenize
+from hsx.input import Reject
+from hsx.plan import PLAN_META, NoUsableSamples
 from hsx.store.durable import durable_rename, write_durable
 from hsx.store.layout import PLAN_DIR, PLAN_FILE
 
@@ -61,66 +62,6 @@ class Planned:
     targets: list[int]
     estimate: int
     ids_given: int = 0  # the dataset's calls planning gave an id (``input.call_id``; not stored: for the summary)
-
-
-def too_long(message: int, tokens: int, limit: int) -> str:
-    """The reason a conversation cannot go on: the prompt of one of its turns leaves no room to generate."""
-    return f"prompt of turn {message} is {tokens} tokens, not under --max-length {limit}"
-
-
-def targets_of(messages: list[dict], turns: str) -> list[int]:
-    starts = episode_starts(messages)
-    return starts if turns == "all" else starts[-1:]
-
-
-def plan_rows(
-    items: Iterable[tuple[int, Conversation | Reject]],
-    tokenize: Tokenize,
-    turns: str,
-    samples: int,
-    max_new_tokens: int,
-) -> Iterator[Planned | Reject]:
-    """(index of its data file, conversation or reject) -> planned rows, ``samples`` per conversation.
-
-    Only what the target is prompted with must render: the turns before the first episode
-    regenerated, and with ``--turns last`` the dataset's earlier episodes (their calls and results
-    stay in the prompt). With ``--turns all`` the dataset's calls are replaced by the target's own,
-    so a template that could not render them (Mistral's call ids, Llama 3.1's single call per turn)
-    refuses nothing here."""
-    for file_no, item in items:
-        if isinstance(item, Reject):
-            yield item
-            continue
-        src = item.source
-        messages = [to_message(t) for t in item.turns]
-        tools = tools_of(item)
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        messages = messages[: episode_end(messages, last)]  # its results stay: the target may call for them
-        targets = targets_of(messages, turns)
-        try:
-            prompts = _prompt_tokens(tokenize, messages, tools, targets)
-        except Exception as e:  # a template error on one row must not stop the run
-            yield Reject(src, f"chat template cannot render it: {e}")
-            continue
-        if prompts[0] >= tokenize.max_length:
-            yield Reject(src, too_long(targets[0], prompts[0], tokenize.max_length))
-            continue
-        # each regenerated episode: its prompt and its completion, at most the length limit
-        estimate = sum(min(n + max_new_tokens, tokenize.max_length) for n in prompts)
-        for s in range(samples):
-            key = f"{file_no}:{src.row}#{s}"
-            yield Planned(key, src.file, src.row, src.id, s, messages, tools, targets, estimate, item.ids_given)
-
-
-def _prompt_tokens(tokenize: Tokenize, messages: list[dict], tools: list[dict] | None, targets: list[int]) -> list[int]:
-    """The tokens of each regenerated episode's prompt, the dataset's turns standing in for the
-    target's answers to come: rendered where they are the prompt (the first episode; every episode
-    of ``--turns last``, one only); for a later episode of ``--turns all``, the first prompt and the
-    dataset's turns since as JSON text, never rendered (the target's own calls will replace them)."""
-    first = len(tokenize.ids(tokenize.render(messages[: targets[0]], True, tools)))
-    return [first] + [
-        first + len(tokenize.ids(json.dumps(messages[targets[0] : i], ensure_ascii=False))) for i in targets[1:]
-    ]
 
 
 def _row_digest(cid: int, row: Planned) -> bytes:

@@ -27,6 +27,25 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What an engine does itself, which the generate stage reads (before the engine is open, from its
+    module's ``capabilities(settings)``; after, from ``Engine.capabilities``) instead of asking which
+    engine it is."""
+
+    # it renders each prompt from ``Request.chat`` with its own template: the prompt ids it reports
+    # having run are the turn's, whatever hsx's rendering of the same messages gave
+    renders_chat: bool = False
+    parses_tool_calls: bool = False  # it reads reasoning and tool calls out of its answers (``Completion.message``)
+    returns_token_ids: bool = True  # it gives back the prompt and completion ids it ran (the job needs them)
+
+
+def ids_only(settings) -> Capabilities:
+    """An engine that runs the prompt ids it is given and returns the ids it generated: hsx renders
+    each prompt and parses each answer."""
+    return Capabilities()
+
+
+@dataclass(frozen=True)
 class Request:
     """One turn to generate. ``key`` is unique in the run (conversation key, turn, sample); ``seed``
     is derived from the run's seed and the key, so a redone request draws as the first try did."""
@@ -35,7 +54,8 @@ class Request:
     prompt_ids: tuple[int, ...]
     sampling: Sampling
     seed: int
-    # for an engine that renders (``Engine.renders``): JSON of {"messages", "tools", "template_kwargs"}
+    # for an engine that renders the chat (``Capabilities.renders_chat``): JSON of {"messages", "tools",
+    # "template_kwargs"}
     chat: str | None = None
 
 
@@ -45,7 +65,7 @@ class Completion:
     prompt_ids: tuple[int, ...]  # as the engine ran them: must equal the request's
     completion_ids: tuple[int, ...]
     finish_reason: FinishReason
-    message: dict | None = None  # an engine that renders: the answer as its reasoning and tool parsers read it
+    message: dict | None = None  # an engine that parses tool calls: the answer as its parsers read it
 
 
 @dataclass(frozen=True)
@@ -65,10 +85,7 @@ class Engine(ABC):
     name: str
     version: str
     max_pending: int = 1
-    # True: the engine renders each prompt from ``Request.chat`` with its own template and parses the
-    # answer with its own parsers (``Completion.message``); the prompt ids it reports having run are
-    # the turn's, whatever hsx's rendering of the same messages gave
-    renders: bool = False
+    capabilities: Capabilities = Capabilities()  # what it does itself: its module's ``capabilities(settings)``
 
     @abstractmethod
     def submit(self, request: Request) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from hsx.generate.engine import Completion, Engine, Failure, Outcome, Request
 from hsx.generate.engines import EngineSettings
+from hsx.generate.engines.base import Completion, Engine, Failure, Outcome, Request, ids_only
 from hsx.generate.prompts import stop_ids
 
 
@@ -35,8 +35,10 @@ class TransformersEngine(Engine):
             settings.model_dir, dtype=dtype, trust_remote_code=settings.trust_remote_code
         )
         self.model.to(self.device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(settings.model_dir, trust_remote_code=settings.trust_remote_code)
-        self.stop = stop_ids(settings.model_dir, tokenizer)
+        tokenizer = settings.tokenizer or AutoTokenizer.from_pretrained(
+            settings.model_dir, trust_remote_code=settings.trust_remote_code
+        )
+        self.stop = settings.stop_ids or stop_ids(settings.model_dir, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad = pad if pad is not None else min(self.stop, default=0)
         self.queue: deque[Request] = deque()
@@ -79,6 +81,9 @@ class TransformersEngine(Engine):
     def close(self) -> None:
         self.queue.clear()
         del self.model
+
+
+capabilities = ids_only  # what it does itself (``engines.capabilities``)
 
 
 def open(settings: EngineSettings) -> TransformersEngine:  # the name engines.open_engine calls

@@ -1,6 +1,6 @@
 """A generate run as extraction's input: samples made of the generated token ids, never re-rendered.
 
-``hsx extract --data GEN`` plans from the conversation files of GEN (``generate.record``), in
+``hsx extract --data GEN`` plans from the conversation files of GEN (``genrun.record``), in
 conversation id order. The loss mask is exactly the completion tokens: the target's own answers.
 
 - One sample per conversation, the last turn's prompt + completion, where every earlier turn's
@@ -24,8 +24,8 @@ import numpy as np
 import xxhash
 
 from hsx.errors import BadFile, HsxError, Refused
-from hsx.generate.record import ConversationRecord, read_record
-from hsx.generate.spec import GenerateSpec, load_generate_spec
+from hsx.genrun.record import ConversationRecord, read_record
+from hsx.genrun.spec import GenerateSpec, load_generate_spec
 from hsx.input import Reject, Source, read_rejects
 from hsx.plan import Sample
 from hsx.spec import DataFile, plan_growth

@@ -23,8 +23,8 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
 from hsx.capture.vllm import close_llm
-from hsx.generate.engine import Completion, Engine, Failure, Outcome, Request, Sampling
 from hsx.generate.engines import EngineSettings
+from hsx.generate.engines.base import Completion, Engine, Failure, Outcome, Request, Sampling, ids_only
 
 QUEUED_BATCHES = 4  # requests kept queued: this many times vLLM's max_num_seqs
 
@@ -118,6 +118,9 @@ class VllmEngine(Engine):
 
     def close(self) -> None:
         close_llm(self.llm)
+
+
+capabilities = ids_only  # what it does itself (``engines.capabilities``)
 
 
 def open(settings: EngineSettings) -> VllmEngine:

@@ -1,5 +1,5 @@
 """A generate run's spec, ``GEN/hsx.json`` (``kind: generate``): written once, the only source of truth
-for its resume, as an extraction's spec is for its own.
+for its resume, as an extraction's spec is for its own (read, as every spec, by ``hsx.spec.read_spec``).
 
 It pins what the generated tokens are a function of: the model, tokenizer and chat template (with
 the keyword arguments passed to it), the engine and its version, the sampling, the seed, the turns
@@ -10,21 +10,29 @@ both kinds of run share, the generate settings beside it).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError, model_serializer
+from pydantic import BaseModel, model_serializer
 
 from hsx import __version__
-from hsx.errors import SpecError
 from hsx.fingerprint import digest_bytes
-from hsx.generate.engine import Sampling
-from hsx.spec import DataFile, Footprint, ModelIdentity, PlanIdentity, TokenizerIdentity, differences
+from hsx.spec import (
+    GENERATE,
+    DataFile,
+    Footprint,
+    ModelIdentity,
+    PlanIdentity,
+    RunSpec,
+    TokenizerIdentity,
+    differences,
+    kind_of,
+    load_spec,
+    read_spec,
+)
 from hsx.store import layout
 from hsx.store.durable import write_durable
 
-KIND = "generate"
 FORMAT = "hsx-generate/1"
 Turns = Literal["all", "last"]
 BYTES_PER_TOKEN = 8  # a stored token: its id (int32) and, on average, about as many bytes of decoded text
@@ -36,23 +44,16 @@ class EngineIdentity(BaseModel):
 
 
 class SamplingSpec(BaseModel):
-    """``engine.Sampling`` as the spec stores it."""
+    """How the engine drew tokens (``generate.engines.base.Sampling``), as the spec stores it."""
 
     temperature: float
     top_p: float
     top_k: int
     max_new_tokens: int
 
-    @classmethod
-    def of(cls, s: Sampling) -> SamplingSpec:
-        return cls(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens)
-
-    def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.top_k, self.max_new_tokens)
-
 
 class GenerateSpec(BaseModel):
-    kind: Literal["generate"] = KIND
+    kind: Literal["generate"] = GENERATE
     format: Literal["hsx-generate/1"] = FORMAT
     hsx_version: str = __version__
     created: str
@@ -93,30 +94,17 @@ class GenerateSpec(BaseModel):
         write_durable(run / layout.SPEC, self.model_dump_json(indent=2).encode())
 
 
-def kind_of(run: Path) -> str | None:
-    """``generate`` or ``extract`` by the run's spec (one without a ``kind`` is an extraction); None
-    when the folder has no readable spec."""
-    try:
-        raw = json.loads((run / layout.SPEC).read_bytes())
-    except (OSError, ValueError):
-        return None
-    return raw.get("kind", "extract") if isinstance(raw, dict) else None
-
-
 def is_generate_run(path: Path) -> bool:
-    return path.is_dir() and kind_of(path) == KIND
+    return path.is_dir() and kind_of(path) == GENERATE
 
 
 def load_generate_spec(run: Path) -> GenerateSpec:
-    path = run / layout.SPEC
-    if path.exists() and kind_of(run) not in (KIND, None):
-        raise SpecError(f"{run} is an extraction run (hsx extract), not a generate run")
-    try:
-        return GenerateSpec.model_validate_json(path.read_bytes())
-    except FileNotFoundError as e:
-        raise SpecError(f"{run} has no run spec ({layout.SPEC}): not an hsx run folder") from e
-    except (ValidationError, ValueError) as e:
-        raise SpecError(f"{path} is unreadable or damaged: {str(e).splitlines()[0]}") from e
+    return read_spec(run, GENERATE, GenerateSpec)
+
+
+def load_any(run: Path) -> RunSpec | GenerateSpec:
+    """The spec of an extraction or of a generate run, by the kind it records (assessed alike)."""
+    return load_generate_spec(run) if kind_of(run) == GENERATE else load_spec(run)
 
 
 def generate_differences(stored: GenerateSpec, asked: dict) -> list[str]:

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hsx.errors import EngineUnavailable, OptionError
-from hsx.generate.engine import Completion, Engine, Failure, Outcome, Request
 from hsx.generate.engines import EngineSettings
+from hsx.generate.engines.base import Capabilities, Completion, Engine, Failure, Outcome, Request
 from hsx.generate.export import openai_message
 
 Api = Literal["openai", "openai-chat", "sglang"]
@@ -118,7 +118,7 @@ class ServerEngine(Engine):
         self.urls = [base_url(u) for u in options.urls]
         self.apis = {url: options.api or self._detect(url) for url in self.urls}
         openai = [u for u in self.urls if self.apis[u] in ("openai", CHAT)]
-        self.renders = options.api == CHAT
+        self.capabilities = _capabilities(options.api)
         self.model = options.model or (self._served_model(openai[0]) if openai else None)
         self.version = ", ".join(sorted({f"{self.apis[u]} {self._server_version(u)}" for u in self.urls}))
         self.max_pending = options.concurrency * len(self.urls) * 2  # a queue that keeps every thread busy
@@ -452,6 +452,15 @@ def _outcome(request: Request, prompt: tuple[int, ...], ids: tuple[int, ...], re
     if reason not in ("stop", "length"):
         return Failure(request.key, f"the server finished with {reason!r}, not stop or length")
     return Completion(request.key, request.prompt_ids, ids, reason)
+
+
+def _capabilities(api: str | None) -> Capabilities:
+    """A chat API renders the conversation with the server's own template and parses its tool calls."""
+    return Capabilities(renders_chat=api == CHAT, parses_tool_calls=api == CHAT)
+
+
+def capabilities(settings: EngineSettings) -> Capabilities:
+    return _capabilities(settings.extra.get("server_api"))
 
 
 def open(settings: EngineSettings) -> ServerEngine:

@@ -1,7 +1,9 @@
 """Which engine a generate run uses, opened by name: ``open_engine(name, settings)``.
 
-Each backend lives in its own module beside this one and exposes ``open(settings) -> Engine``;
-the table below names the module, so an optional engine (vLLM, an HTTP client) is imported only
+Each backend lives in its own module beside this one and exposes ``open(settings) -> Engine`` and
+``capabilities(settings) -> Capabilities`` (what it does itself: the stage reads it, before the engine
+is open and after, instead of asking which engine it is); the contract is ``base``. The table below
+names the module, so an optional engine (vLLM, an HTTP client) is imported only
 when a run uses it, and a build without it refuses by name instead of failing at import.
 """
 
@@ -11,15 +13,16 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hsx.errors import OptionError, Refused
-from hsx.generate.engine import Engine
+from hsx.generate.engines.base import Capabilities, Engine
 
 # backend name -> module whose ``open(settings)`` returns the engine
 ENGINES = {
-    "transformers": "hsx.generate.transformers",
-    "vllm": "hsx.generate.vllm",
-    "server": "hsx.generate.server",
+    "transformers": "hsx.generate.engines.transformers",
+    "vllm": "hsx.generate.engines.vllm",
+    "server": "hsx.generate.engines.server",
 }
 
 
@@ -30,6 +33,7 @@ class EngineSettings:
     a resume may use other servers, or another parallel layout of vLLM, as the operator chooses)."""
 
     model_dir: Path
+    tokenizer: Any = None  # the job's, loaded once (an engine that needs one uses it; None: it loads its own)
     trust_remote_code: bool = False
     dtype: str = "auto"  # torch dtype name or auto (the checkpoint's)
     device: str | None = None  # transformers: cpu, cuda, cuda:1 (None: cuda if present)
@@ -45,13 +49,22 @@ class EngineSettings:
     log: Callable[[str], None] | None = None  # where an engine reports what it goes on through (retries, outages)
 
 
-def open_engine(name: str, settings: EngineSettings) -> Engine:
-    """The engine ``name`` opened with ``settings``; refused by name when unknown or not installed."""
+def _module(name: str):
+    """The module of engine ``name``; refused by name when unknown or not installed."""
     module_name = ENGINES.get(name)
     if module_name is None:
         raise OptionError(f"--backend takes {', '.join(ENGINES)}, not {name!r}")
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         raise Refused(f"the {name} generate backend is not available here ({e})") from e
-    return module.open(settings)
+
+
+def capabilities(name: str, settings: EngineSettings) -> Capabilities:
+    """What engine ``name`` will do itself with ``settings``, before it is open."""
+    return _module(name).capabilities(settings)
+
+
+def open_engine(name: str, settings: EngineSettings) -> Engine:
+    """The engine ``name`` opened with ``settings``; refused by name when unknown or not installed."""
+    return _module(name).open(settings)

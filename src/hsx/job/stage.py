@@ -1,0 +1,174 @@
+"""A job, whatever its stage: the one sequence every job runs (``run``, ``session``) and the parts a
+stage fills in (``Stage``: extract, generate, and every later stage).
+
+    run(stage, opts, log)
+      model       resolved once (``job.model.Model``), handed to every step below
+      open        a new run: --model and --data given, its folder empty, the stage's ``create``
+                  (a start that fails in it leaves failed-start.json), the spec saved last;
+                  a resume: the stage's spec (by the kind it records), the drift check (``asked``
+                  against the spec: refused by name), the stage's ``opened``
+      launch      where the rest runs: here, or where ``run``'s ``launch`` puts it (an extraction's executors)
+    session(stage, opts, spec, model, log)
+      lock        the run's lock, its heartbeat writing the stage's progress (``job.prologue``)
+      prologue    stray temps, the model's new location, header scan, the space
+      work        the stage's ``work``, verification beside it (``Job.verify``)
+      clean stop  a full disk: ``CleanStop`` (exit 3), its words and the space still needed said once
+      summary     the stage's (``job.resume.Summary`` extended), returned; refusals raise (exit 2)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from hsx import target
+from hsx.errors import DiskFull
+from hsx.job.folder import refuse_drift, refuse_foreign, require_start
+from hsx.job.model import Model
+from hsx.job.options import JobOptions
+from hsx.job.prologue import Prologue, locked
+from hsx.job.resume import Summary, Verifier
+from hsx.lock import RunLock
+from hsx.progress import Progress
+from hsx.spec import JobSpec
+from hsx.store import layout
+
+Opts = TypeVar("Opts", bound=JobOptions)
+S = TypeVar("S", bound=JobSpec)
+R = TypeVar("R", bound=Summary)
+Log = Callable[[str], None]
+Open = Callable[[Opts], S]  # the run opened with these options (a new one created): its spec
+Launch = Callable[[Opts, Open, Model, Log], R]  # where a job runs once opened (``run``'s ``launch``)
+
+
+@dataclass
+class Job(Generic[Opts, S, R]):
+    """What a stage's work has, under the run's lock: its options, spec, model, lock, progress,
+    plan (anything with ``lengths``) and what the prologue found (``begun``: headers, space, summary)."""
+
+    opts: Opts
+    spec: S
+    model: Model
+    log: Log
+    lock: RunLock
+    progress: Progress
+    plan: Any
+    begun: Prologue
+
+    @property
+    def run(self) -> Path:
+        return self.opts.out
+
+    @property
+    def summary(self) -> R:
+        return self.begun.summary
+
+    def verify(self) -> Verifier:
+        """The digests checked on a thread of their own, beside the work (``job.resume.Verifier``)."""
+        return self.begun.verify(self.progress.add_done)
+
+
+class Stage(ABC, Generic[Opts, S, R]):
+    """A stage's own parts of a job; ``run`` and ``session`` call them in the one order every job has."""
+
+    measure_first = False  # its work's disk guard holds the forecast: an unmeasured zstd run may start
+
+    @abstractmethod
+    def create(self, opts: Opts, model: Model, log: Log) -> S:
+        """A new run (its folder checked empty): refuse what cannot start, then write its plan and rejects
+        (inside ``job.folder.setting_up``); return its spec, which ``open_run`` saves last."""
+
+    @abstractmethod
+    def load(self, run: Path) -> S:
+        """The run's spec, refused where it is of another kind."""
+
+    @abstractmethod
+    def asked(self, opts: Opts, model: Model, spec: S) -> dict:
+        """What a resume of the run of ``spec`` asks for, in its spec's terms (only what the operator gave)."""
+
+    @abstractmethod
+    def differences(self, spec: S, asked: dict) -> list[str]:
+        """One line per setting asked for that the run does not have."""
+
+    def opened(self, opts: Opts, spec: S, log: Log) -> S:
+        """After the drift check, before the lock: the spec the job goes on with."""
+        return spec
+
+    def lock_command(self, opts: Opts) -> str:
+        """What the run's lock says its holder is doing."""
+        return opts.COMMAND
+
+    @abstractmethod
+    def progress(self, opts: Opts, spec: S) -> Progress:
+        """The job's counters; the lock's heartbeat writes their ``metrics``."""
+
+    def locked(self, opts: Opts, spec: S, lock: RunLock, log: Log) -> None:
+        """First thing under the lock: what only the lock's holder may check or clear."""
+
+    @abstractmethod
+    def plan(self, run: Path, spec: S) -> Any:
+        """The run's frozen plan (``lengths``: each sample's tokens)."""
+
+    @abstractmethod
+    def summary(self, run: Path, spec: S) -> R:
+        """The job's tally, empty."""
+
+    @abstractmethod
+    def work(self, job: Job[Opts, S, R]) -> None:
+        """The stage's own work, under the lock, after the prologue; a full disk raises ``DiskFull``."""
+
+    def close(self) -> None:
+        """Release what the job held (an engine), however it ended."""
+
+
+def run(stage: Stage[Opts, S, R], opts: Opts, log: Log, launch: Launch | None = None) -> R:
+    """The job of ``stage`` on ``opts.out``, a new run or the resume of one, to its end or a clean
+    stop: opened, then its session here, or where ``launch`` runs it (an extraction's executors:
+    ``launch(opts, open, model, log)`` opens the run when it is ready to)."""
+    model = Model(opts.model, opts.trust_remote_code)
+
+    def opened(o: Opts) -> S:
+        return open_run(stage, o, model, log)
+
+    try:
+        if launch is None:
+            return session(stage, opts, opened(opts), model, log)
+        return launch(opts, opened, model, log)
+    finally:
+        stage.close()
+
+
+def open_run(stage: Stage[Opts, S, R], opts: Opts, model: Model, log: Log) -> S:
+    """The run's spec: created for a new run (saved last: from then on the folder is a run), checked
+    against the options for an existing one (invariant 3)."""
+    if not (opts.out / layout.SPEC).exists():
+        require_start(opts)
+        refuse_foreign(opts.out)
+        spec = stage.create(opts, model, log)
+        spec.save(opts.out)  # last: its presence means the run exists
+        target.record_files(opts.out, model.dir)  # the model's files as they stand (model-files.json)
+        (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
+        return spec
+    spec = stage.load(opts.out)
+    model.resumes(opts.out, spec)
+    refuse_drift(opts, stage.differences(spec, stage.asked(opts, model, spec)))
+    return stage.opened(opts, spec, log)
+
+
+def session(stage: Stage[Opts, S, R], opts: Opts, spec: S, model: Model, log: Log) -> R:
+    """Under the run's lock: the prologue, the stage's work (verification beside it), the clean stop
+    of a full disk; the stage's summary."""
+    progress = stage.progress(opts, spec)
+    with locked(opts, progress.metrics, log, stage.lock_command(opts)) as lock:
+        stage.locked(opts, spec, lock, log)
+        plan = stage.plan(opts.out, spec)
+        summary = stage.summary(opts.out, spec)
+        begun = Prologue.open(opts, spec, plan.lengths, summary, log, stage.measure_first)
+        try:
+            stage.work(Job(opts, spec, model, log, lock, progress, plan, begun))
+        except DiskFull as e:  # the guard's reserve reached, or a real ENOSPC: every file whole or absent
+            raise begun.clean_stop(summary, e.path, e.reason) from e
+        return summary
