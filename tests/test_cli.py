@@ -673,7 +673,7 @@ def test_every_option_refuses_hostile_values_with_exit_2_and_writes_nothing(tmp_
 def test_a_value_json_cannot_hold_never_reaches_a_spec(tmp_path):
     """The real command: ``--temperature nan`` ran to exit 0 and wrote ``"temperature": null`` into
     the spec, after which status called hsx.json damaged and every resume refused. Now it is refused
-    before anything is written, as is a value only JSON's NaN could carry in ``--template-kwargs``."""
+    before anything is written, as is a value only JSON's NaN could carry in ``--chat-template-kwargs``."""
     convs = write_jsonl(tmp_path / "convs.jsonl", conversations(2))
     r = hsx(
         "generate", "--model", TINY, "--data", convs, "--out", tmp_path / "gen", "--temperature", "nan", check=False
@@ -681,8 +681,8 @@ def test_a_value_json_cannot_hold_never_reaches_a_spec(tmp_path):
     assert r.returncode == 2 and "--temperature takes a number >= 0.0 and <= 100.0, not nan" in r.stderr, r.stderr
     assert not (tmp_path / "gen").exists() and "Traceback" not in r.stderr
     code, out = cli("generate", "--model", TINY, "--data", convs, "--out", tmp_path / "gen",
-                    "--template-kwargs", '{"budget": NaN}')  # fmt: skip
-    assert code == 2 and "--template-kwargs holds NaN or an infinity" in out and not (tmp_path / "gen").exists()
+                    "--chat-template-kwargs", '{"budget": NaN}')  # fmt: skip
+    assert code == 2 and "--chat-template-kwargs holds NaN or an infinity" in out and not (tmp_path / "gen").exists()
 
 
 IGNORED = [

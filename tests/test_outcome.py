@@ -10,7 +10,7 @@ from hsx.errors import CleanStop, Locked, NotEnoughSpace
 from hsx.extract.outcome import Outcome, ShardRun
 from hsx.extract.summary import ExtractSummary
 from hsx.job.resume import Verified
-from hsx.lock import _me
+from hsx.lock import this_process
 
 
 def _across(outcome: Outcome) -> Outcome:
@@ -37,7 +37,7 @@ def test_every_outcome_crosses_a_process_and_is_raised_or_returned_as_it_was(tmp
     assert (there.value.needed_bytes, there.value.path, there.value.exit_code) == (2_400_000, stop.path, 3)
     assert "Stopped cleanly: 15/40 samples are done and verified; about 2.4 MB more" in there.value.lines()
 
-    holder = _me("extract")
+    holder = this_process("extract")
     for refusal in (Locked(holder), NotEnoughSpace("measured on its first 8 files: not enough space")):
 
         def refused(e=refusal):

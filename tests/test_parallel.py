@@ -434,7 +434,7 @@ def test_a_tp_worker_whose_driver_lost_the_run_stops_with_all_its_ranks(models, 
     waits on it in a collective), so the fence, not the end of the run, is what stops the group:
     rank 0 exits, rank 1 goes with it, and no sample file appears after that. The driver stops
     too, saying who holds the run (else Ray would restart its fenced worker without end)."""
-    from hsx.lock import LOCK, _me
+    from hsx.lock import LOCK, this_process
     from hsx.store.durable import write_durable
     from test_scaleout import Driver, records, until
 
@@ -445,7 +445,7 @@ def test_a_tp_worker_whose_driver_lost_the_run_stops_with_all_its_ranks(models, 
         rec = until(lambda: next((r for r in records(out) if r["phase"] == "working"), None), HANG_GUARD_S, driver)
         ranks = [r["pid"] for r in rec["ranks"]]
         os.kill(ranks[1], signal.SIGSTOP)
-        write_durable(out / LOCK, _me("extract").model_dump_json().encode())  # another extractor took it over
+        write_durable(out / LOCK, this_process("extract").model_dump_json().encode())  # another extractor took it over
         until(lambda: _gone(ranks), HANG_GUARD_S)
         fenced = run_files(out)
         assert len(list((out / "shards").glob("*/SEALED"))) < 6, "the run ended before the fence"

@@ -142,7 +142,7 @@ def test_a_record_write_cut_off_by_kill9_leaves_nothing_once_the_session_ends(tm
     dead on this host or of a record it clears (a worker on another node), so the run folder is
     left as clean as after an uninterrupted run."""
     from hsx import registry
-    from hsx.lock import _me
+    from hsx.lock import this_process
 
     run = tmp_path / "run"
     registry.folder(run).mkdir(parents=True)
@@ -158,7 +158,7 @@ def test_a_record_write_cut_off_by_kill9_leaves_nothing_once_the_session_ends(tm
         "    yield b'}'\n"
         "write_parts(registry.record_path(Path(sys.argv[1]), socket.gethostname(), os.getpid()), parts())\n"
     )
-    me = _me("extract --workers 2")
+    me = this_process("extract --workers 2")
     ends = {  # (the end, the driver of the remote worker's record it clears)
         "a driver's end": (lambda: registry.clear_session(run, registry.driver_id(me)), registry.driver_id(me)),
         "the next driver's start": (lambda: registry.settle(run, me, log=lambda _: None), "an earlier driver"),
@@ -172,7 +172,7 @@ def test_a_record_write_cut_off_by_kill9_leaves_nothing_once_the_session_ends(tm
         writer.wait()
         # and a worker on another node (whose process this host cannot see), cut off in its next write
         remote = registry.record_path(run, "other-node", writer.pid)
-        fields = _me("worker").model_dump() | {"host": "other-node", "pid": writer.pid, "heartbeat": 0.0}
+        fields = this_process("worker").model_dump() | {"host": "other-node", "pid": writer.pid, "heartbeat": 0.0}
         remote.write_text(registry.WorkerRecord(**fields, driver=driver).model_dump_json())
         remote.with_name(f".{remote.name}.tmp-{writer.pid}-1").write_bytes(b'{"host": ')
         end()
@@ -289,10 +289,10 @@ def test_the_driver_watch_wakes_a_main_thread_blocked_without_timeout(tmp_path):
     import threading
 
     from hsx.extract.workers.driver import _Watch
-    from hsx.lock import LOCK, _me
+    from hsx.lock import LOCK, this_process
     from hsx.store.durable import write_durable
 
-    write_durable(tmp_path / LOCK, _me("extract").model_dump_json().encode())  # held by another session
+    write_durable(tmp_path / LOCK, this_process("extract").model_dump_json().encode())  # held by another session
     watch = _Watch(tmp_path, "elsewhere:1:0.0", lambda m: None)
     blocked = threading.Event()
     hang = threading.Timer(600, blocked.set)  # a hang, not a pace: then the wait ends and the test fails

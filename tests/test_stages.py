@@ -180,7 +180,8 @@ def test_pp4_and_tp2_x_pp2_capture_what_one_process_does(models):
     for batch, ref in zip(got, want, strict=True):
         for (aux, final, figure), (ref_aux, ref_final, ref_figure) in zip(batch, ref, strict=True):
             assert torch.equal(aux, ref_aux) and torch.equal(final, ref_final)
-            assert figure == ref_figure and figure[0] > 0  # the last stage's own head checks what one process does
+            assert figure == ref_figure  # the last stage's own head checks what one process does
+    assert sum(figure[0] for batch in got for *_, figure in batch) > 0
     layout, got = results[1]
     assert layout == "0: layers 0-0; 1: layers 1-2"
     want = reference(models["deepseek_v3"], [1, 2], False)
@@ -192,7 +193,8 @@ def test_pp4_and_tp2_x_pp2_capture_what_one_process_does(models):
             off += int((diff > TOL).sum())
             total += diff.numel()
             worst = max([worst, *diff[diff <= TOL].tolist()])
-            assert figure[0] == ref_figure[0] > 0  # the same tokens checked, by the head sharded over the stage
+            assert figure[0] == ref_figure[0]  # the same tokens checked, by the head sharded over the stage
             assert abs(figure[1] - ref_figure[1]) <= figure[2] + ref_figure[2] + int((diff > TOL).sum())
     print(f"TP2 x PP2 DeepSeek-V3: {off} of {total} tokens beyond {TOL} (router near-ties); the rest {worst:.1e}")
     assert off <= NEAR_TIE_SHARE * total and worst <= TOL
+    assert sum(figure[0] for batch in got for *_, figure in batch) > 0

@@ -24,12 +24,12 @@ from hsx.extract.options import (
     resolve_parallel,
     resolve_quantized_compute,
 )
-from hsx.genrun.spec import is_generate_run
+from hsx.genrun.spec import GenerateSpec, is_generate_run
 from hsx.input import check_source, read_conversations
 from hsx.job.folder import setting_up
 from hsx.job.model import Model
 from hsx.plan import NoUsableSamples, Tokenize, tokenize_all, write_plan
-from hsx.spec import DataFile, FidelityCheck, Parallel, PlanIdentity, RunSpec, now, who
+from hsx.spec import DataFile, FidelityCheck, ModelIdentity, Parallel, PlanIdentity, RunSpec, now, who
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
@@ -142,7 +142,7 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
             digest = target.tokenizer_identity(tokenizer).digest
             gen, samples = plan_samples(generated, digest, max_length, opts.allow_incomplete, log)
             source_spec, data = gen.spec.digest(), [gen.identity()]  # of the listing it planned from
-            own = gen.spec.sampling.temperature == 0 and not gen.spec.model.fingerprint.differences(model.fingerprint)
+            own = is_own(gen.spec, model)
             log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
         else:
             log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
@@ -194,6 +194,17 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
         f = spec.fidelity
         log(f"fidelity: 1 in {f.stride} masked tokens checked; the run stops under {f.rule()}")
     return spec
+
+
+# the engines that run the checkpoint hsx fingerprints, in hsx's process (a server's weights are its own)
+SAME_WEIGHTS = ("transformers", "vllm")
+
+
+def is_own(gen: GenerateSpec, model: ModelIdentity) -> bool:
+    """A generate run is this model's own greedy output: its engine ran these very weights (the same
+    fingerprint, in hsx's process) at temperature 0, so the fidelity check may hold it to a floor."""
+    same = gen.engine.name in SAME_WEIGHTS and not gen.model.fingerprint.differences(model.fingerprint)
+    return same and gen.sampling.temperature == 0
 
 
 def _fidelity(opts: ExtractOptions, backend: str, own: bool, log: Callable[[str], None]) -> FidelityCheck | None:
