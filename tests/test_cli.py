@@ -247,7 +247,7 @@ REFUSED = [
     (("generate", *NEW, "--samples-per-prompt", "2"), "--samples-per-prompt above 1 needs --temperature above 0"),
     (("generate", "--model", "OUT/nope", "--data", "DATA", "--out", "OUT"), "OUT/nope: no such model folder"),
     (("extract", "--model", "OUT/nope", "--data", "DATA", "--out", "OUT"), "OUT/nope: no such model folder"),
-    (("generate", *NEW, "--drop", "empty,short"), "--drop takes empty, length (comma-separated), not short"),
+    (("generate", *NEW, "--drop", "empty,short"), "--drop takes empty, length (comma-separated), not 'short'"),
     (("generate", *NEW, "--split", "train"), "--split train applies to a Hugging Face dataset, not to a data file"),
     (
         ("extract", *NEW, "--column", "chat"),
@@ -550,7 +550,7 @@ def test_results_go_to_stdout_and_progress_to_stderr(finished_run, tmp_path):
     assert r.exit_code == 0 and r.stdout.startswith("vocab      48 of 2048 tokens") and not r.stderr, r.output
 
 
-SPECIFIC = {"device": "cpu", "drop": ["length", "empty"], "consumer": ["draft-a", "draft-b"]}  # checked beyond type
+SPECIFIC = {"device": "cpu", "drop": ["length", "empty"], "consumer": ["draft-a", "draft-b"], "pipeline_parallel": 1}
 
 
 def _values_not_default(cls, bounds: Bounds, tmp_path: Path) -> dict:

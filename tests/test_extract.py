@@ -140,7 +140,7 @@ def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path, c
         if not (changed / f.name).exists():
             (changed / f.name).write_bytes(f.read_bytes())
     assert (changed / "model.safetensors").stat().st_size == (TINY / "model.safetensors").stat().st_size
-    with pytest.raises(Refused, match=r"model: model\.safetensors: content differs"):
+    with pytest.raises(Refused, match=r"model is not the run's model:\n  - model\.safetensors: content differs"):
         extract(_opts(out, model=str(changed)), log=lambda m: None)
     with pytest.raises(Refused, match="max length: run has 4096, asked for 128"):
         extract(_opts(out, max_length=128), log=lambda m: None)

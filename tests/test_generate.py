@@ -252,12 +252,14 @@ def test_a_resume_with_other_settings_is_refused_by_name(gen_run, tmp_path):
         ({"turns": "last"}, "turns: run has all, asked for last"),
         ({"template_kwargs": {"enable_thinking": False}}, "template kwargs"),
         ({"max_new_tokens": 9}, "max new tokens: run has 8, asked for 9"),
-        ({"model": str(save_tiny(_tiny_config(), tmp_path / "other", seed=1))}, "model: "),
     ]
     for kw, said in cases:
         with pytest.raises(Refused, match="refusing to resume") as e:
             generate(_opts(out, **kw), log=lambda m: None)
         assert said in str(e.value), kw
+    other = save_tiny(_tiny_config(), tmp_path / "other", seed=1)  # the run's model files are checked first
+    with pytest.raises(Refused, match=r"other is not the run's model:\n  - model\.safetensors: content differs"):
+        generate(_opts(out, model=str(other)), log=lambda m: None)
 
     class Newer:
         name, version = "transformers", "0.0-other"

@@ -311,7 +311,7 @@ def dense_one(models, data, tmp_path_factory) -> Path:
 
 
 def test_a_pipeline_writes_one_process_bytes_through_a_killed_stage_and_a_full_disk(dense_one, models, data, tmpfs):
-    """``--pipeline-parallel 2`` on a real 2 MB tmpfs. The first stage's rank is SIGKILLed after k new
+    """``--pipeline-parallel 2`` on a real 3 MB tmpfs. The first stage's rank is SIGKILLed after k new
     files: the group goes down (exit 2, the rank named), no rank outlives it, every file on disk
     verifies. The resume (the same pipeline) goes on until the volume fills and stops cleanly
     (exit 3, the resume line). Once the volume grows the resume finishes, and every file is byte
@@ -320,7 +320,7 @@ def test_a_pipeline_writes_one_process_bytes_through_a_killed_stage_and_a_full_d
     seed = int(os.environ.get("HSX_CRASH_SEED", time.time_ns() % 10_000))
     print(f"HSX_CRASH_SEED={seed}")
     k = random.Random(seed).randint(1, 8)
-    d = tmpfs("pp2", size="2m")
+    d = tmpfs("pp2", size="3m")
     out = d / "run"
     args = _args(models["dense"], data, out, "--pipeline-parallel", "2", "--allow-partial")
     proc = subprocess.Popen(

@@ -177,12 +177,11 @@ class ExtractOptions(JobOptions):
             if first is not path:
                 also = "" if path == first else f" (also as {path})"
                 raise OptionError(f"--data names {first} twice{also}: give each file once")
-        layers = self.layers
-        if layers is not None and (
-            not layers or min(layers) < 0 or max(layers) > MAX_LAYER or len(set(layers)) < len(layers)
-        ):
-            given = ",".join(map(str, layers)) or "''"
-            raise OptionError(f"--layers takes distinct layer ids >= 0 and <= {MAX_LAYER}, not {given}")
+        ids = self.layers
+        if isinstance(ids, list) and (min(ids) < 0 or max(ids) > MAX_LAYER or len(set(ids)) < len(ids)):
+            raise OptionError(
+                f"--layers takes distinct layer ids >= 0 and <= {MAX_LAYER}, not {','.join(map(str, ids))}"
+            )
         if self.ray_address is not None and not self.workers:
             raise OptionError("--ray-address is where --workers run; without --workers nothing joins it")
         if self.workers and (self.pipeline_parallel or 1) > 1:

@@ -129,7 +129,7 @@ class ConversationLoop:
                     self.collect(wait=True)
                 except BaseException as e:  # a full disk, Ctrl-C, SIGTERM: before the last progress line
                     self.keep_whole()
-                    e.add_note(f"{self.summary.done}/{self.summary.total} conversations are done and durable")
+                    e.add_note(f"{self.summary.done}/{self.summary.total_samples} conversations are done and durable")
                     raise
         finally:
             self.writer.close()  # queued writes finish (or fail and remove their temp files)

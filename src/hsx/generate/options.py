@@ -68,7 +68,7 @@ SERVER_ONLY = (
 
 def drops(given: list[str] | None) -> list[str] | None:
     """``--drop empty,length`` (repeatable)."""
-    return [x for s in given or [] for x in s.split(",") if x] or None
+    return [x for s in given or [] for x in s.split(",")] or None
 
 
 DROP = "Reject conversations with an empty or length-cut answer (comma-separated)."
@@ -115,7 +115,7 @@ class GenerateOptions(JobOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if unknown := [d for d in self.drop or [] if d not in DROPS]:
-            raise OptionError(f"--drop takes {', '.join(DROPS)} (comma-separated), not {', '.join(unknown)}")
+            raise OptionError(f"--drop takes {', '.join(DROPS)} (comma-separated), not {', '.join(map(repr, unknown))}")
         if self.device is not None:
             check_device(self.device)
         if self.backend == "vllm":
