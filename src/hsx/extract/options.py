@@ -178,8 +178,10 @@ class ExtractOptions(JobOptions):
                 also = "" if path == first else f" (also as {path})"
                 raise OptionError(f"--data names {first} twice{also}: give each file once")
         layers = self.layers
-        if layers is not None and (
-            not layers or min(layers) < 0 or max(layers) > MAX_LAYER or len(set(layers)) < len(layers)
+        if (
+            layers is not None
+            and not isinstance(layers, str)
+            and (not layers or min(layers) < 0 or max(layers) > MAX_LAYER or len(set(layers)) < len(layers))
         ):
             given = ",".join(map(str, layers)) or "''"
             raise OptionError(f"--layers takes distinct layer ids >= 0 and <= {MAX_LAYER}, not {given}")
