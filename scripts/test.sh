@@ -27,9 +27,11 @@ installed() { [ -f "$1/.installed" ] || { echo "installing $1 failed:"; cat "$1.
 
 .venv/bin/ruff check src tests
 .venv/bin/ruff format --check src tests
-HSX_REQUIRE=ray,specforge,speculators,modelopt,compressed_tensors .venv/bin/python -m pytest -q "$@"
+# Two test processes (HSX_TEST_WORKERS): most tests wait on subprocesses, so two keep a 2-core machine busy.
+workers=(-n "${HSX_TEST_WORKERS:-2}")
+HSX_REQUIRE=ray,specforge,speculators,modelopt,compressed_tensors .venv/bin/python -m pytest -q "${workers[@]}" "$@"
 wait "$side_installs" || true
 installed .venv-vllm
 bash scripts/test-vllm.sh test
 installed .venv-lowest
-HSX_REQUIRE=compressed_tensors .venv-lowest/bin/python -m pytest -q tests/test_parallel.py tests/test_checkpoint.py tests/test_quantized.py
+HSX_REQUIRE=compressed_tensors .venv-lowest/bin/python -m pytest -q "${workers[@]}" tests/test_parallel.py tests/test_checkpoint.py tests/test_quantized.py
