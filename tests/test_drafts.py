@@ -18,6 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY, conversations, hsx, normed_model, require, write_jsonl
+from context_target import CONTEXT_TARGET
+from context_target import conversations as rule_conversations
 from hsx import drafts
 from hsx.data import HsxDataset
 from hsx.errors import OptionError
@@ -398,8 +400,8 @@ def speculators_train(command: str, save: Path, *extra: str) -> tuple[list[dict]
     Thin shims for a machine without an accelerator, device placement only: its Trainer puts the model
     and batches on its local rank (a CUDA index: here "cpu"), its loader pins memory (nothing to pin
     for: left as it is), its step timer synchronizes the accelerator (nothing to wait for). Its own
-    options do the rest: sdpa attention (FlexAttention has no backward on CPU), eager losses (the fused
-    ones need Triton), float32 states."""
+    options do the rest: sdpa attention (FlexAttention has no backward on CPU; MTP's draft is on sdpa
+    whatever the flag), eager losses (the fused ones need Triton), float32 states."""
     import logging
     from contextlib import ExitStack
     from unittest import mock
@@ -412,7 +414,10 @@ def speculators_train(command: str, save: Path, *extra: str) -> tuple[list[dict]
     args = command.split()[2:]  # after "speculators train"
     args += ["--epochs", "1", "--max-steps", "3", "--total-seq-len", "128", "--save-path", str(save)]
     args += ["--num-workers", "0", "--hidden-states-dtype", "float32", "--train-data-ratio", "0.9", "--seed", "0"]
-    args += ["--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--no-resume-from-checkpoint", *extra]
+    args += ["--loss-implementation", "eager", "--no-resume-from-checkpoint"]
+    # MTP's draft is built on sdpa by speculators itself, which refuses the flag for it
+    args += [] if "--speculator-type mtp" in command else ["--draft-attn-impl", "sdpa"]
+    args += extra
     steps, val = [], {}
 
     class Metrics(logging.Handler):
@@ -462,6 +467,36 @@ def test_speculators_trains_every_draft_type_but_mtp_from_one_dflash_run(runs, t
         assert [s["global_step"] for s in steps] == [0, 1, 2], kind
         assert all(torch.isfinite(torch.tensor(s["train"]["loss"])) for s in steps), kind
         assert val and torch.isfinite(torch.tensor(val["loss_epoch"])), kind
+
+
+def test_speculators_fine_tunes_the_targets_own_mtp_head_from_a_run_of_the_final_state_alone(tmp_path):
+    """speculators' MTP fine-tunes a target's native MTP head (its ``mtp.*`` weights; Qwen3-family
+    targets only): the context target is a Qwen3 with one. A ``--layers mtp`` run's printed command
+    trains three logged steps in speculators' own loop, and the draft it saves is the target's head,
+    moved by the training. Its draft attends through sdpa (speculators builds it so and refuses
+    ``--draft-attn-impl`` for it): the FlexAttention it names as that flag's default, which has no
+    backward on CPU, is not used."""
+    require("speculators")
+    data = write_jsonl(tmp_path / "convs.jsonl", rule_conversations(16, seed=1))
+    run = tmp_path / "run"
+    hsx("extract", "--model", CONTEXT_TARGET, "--data", data, "--out", run, "--layers", "mtp", *RUN_ARGS)
+    out = export(run, tmp_path / "export", "--to", "speculators", "--draft", "mtp")
+    (train,) = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("train ")]
+    assert "--target-layer-ids" not in train  # it reads the final state alone
+    steps, val = speculators_train(train, tmp_path / "save")
+    assert [s["global_step"] for s in steps] == [0, 1, 2]
+    losses = torch.tensor([[s["train"][f"loss_step_{k}"] for k in range(3)] for s in steps])  # its 3 steps ahead
+    assert torch.isfinite(losses).all() and torch.isfinite(torch.tensor(val["loss_step_0_epoch"]))
+    head = {k.removeprefix("mtp.layers.0."): v for k, v in load_file(CONTEXT_TARGET / "model.safetensors").items()}
+    head["input_proj.weight"] = head["mtp.fc.weight"]  # its input projection; the decoder layer keeps its names
+    saved = {
+        k.removeprefix("mtp_layers.0."): v for k, v in load_file(tmp_path / "save" / "0" / "model.safetensors").items()
+    }
+    layer = [k for k in saved if k in head]
+    # saved in bfloat16: the untrained head would be the target's rounded to it
+    assert len(layer) == 12 and any(not torch.equal(saved[k], head[k].to(saved[k].dtype)) for k in layer)
+    for k in layer:
+        torch.testing.assert_close(saved[k].float(), head[k], atol=0.01, rtol=0)
 
 
 def specforge_train(line: str, out: Path, monkeypatch, capsys, draft: dict | None = None) -> list[dict]:

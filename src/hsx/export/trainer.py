@@ -165,11 +165,11 @@ class Context:
 
     def aux(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """The exported taps' states of a sample, [T, len(taps)*H], in ``taps``' order."""
+        T, H = t["hidden_states"].shape
+        if not self.taps:  # before the next test: a run with no taps (--layers mtp) stores none
+            return t["hidden_states"].new_empty(T, 0)
         if self.taps == self.spec.layers:
             return t["aux_hidden_states"]
-        T, H = t["hidden_states"].shape
-        if not self.taps:
-            return t["hidden_states"].new_empty(T, 0)
         rows = [self.spec.layers.index(k) for k in self.taps]
         return t["aux_hidden_states"].view(T, -1, H)[:, rows].reshape(T, -1)
 
