@@ -387,6 +387,10 @@ def test_a_resume_without_model_refuses_a_tensor_the_probes_miss_and_a_changed_t
         if probe_digest(weights) == probed:
             break
     assert probe_digest(weights) == probed, "no tensor the probes miss"
+    code, report = status_json(run)  # status reads no weights: it names the file the resume will read
+    m = next(c for c in report["checks"] if c["name"] == "model")
+    assert m["level"] == "ok" and m["data"]["moved"] == ["model.safetensors"], m
+    assert "the next resume reads them whole" in m["figure"], m
     r = CliRunner().invoke(app, ["extract", "--out", str(run)])
     assert r.exit_code == 2 and "model.safetensors: content differs (full digest)" in r.output, r.output
     assert not (run / "shards" / "000001").exists()
@@ -399,5 +403,11 @@ def test_a_resume_without_model_refuses_a_tensor_the_probes_miss_and_a_changed_t
 
     shutil.rmtree(model)
     shutil.copytree(pristine, model)  # the same files, each in a new place
+    code, report = status_json(run)
+    assert next(c for c in report["checks"] if c["name"] == "model")["data"]["moved"] == sorted(
+        p.name for p in model.iterdir()
+    )
     r = CliRunner().invoke(app, ["extract", "--out", str(run)])
     assert r.exit_code == 0 and "samples    20/20 done, 10 written now" in r.output, r.output
+    code, report = status_json(run)  # the resume proved them the same and recorded where they stand
+    assert code == 0 and "moved" not in next(c for c in report["checks"] if c["name"] == "model")["data"]

@@ -1,7 +1,8 @@
 """Is the model the run started with still there, unchanged, and can the spec's backend capture it?
 
 Only fingerprints are compared (config, weight file names and sizes, safetensors headers and data
-probes), as the spec records them: the model is never loaded. A hub id is looked up in the local
+probes), as the spec records them, and the run's record of its files is stat'ed (what moved or was
+touched, which the next resume reads whole): the model is never loaded. A hub id is looked up in the local
 cache only, so ``hsx status`` never downloads anything.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from hsx.assess.checks import Check
 from hsx.extract.backends import BACKENDS
-from hsx.fingerprint import model_fingerprint
+from hsx.fingerprint import ModelFiles, file_state, model_fingerprint
 from hsx.spec import RunSpec
 from hsx.target import load_config, relative_note
 from hsx.units import size
@@ -42,11 +43,24 @@ def locate(given: str) -> Path | None:
         return None
 
 
-def check_model(spec: RunSpec, model_dir: Path | None, where: str, recorded: bool = True) -> Check:
+def moved(files: ModelFiles, model_dir: Path) -> dict[str, int]:
+    """The recorded files that no longer stand as the run recorded them (size, mtime, inode: one stat
+    each, nothing read), with their sizes: the next resume reads each whole to prove it the same."""
+    out = {}
+    for name, then in files.files.items():
+        path = model_dir / name
+        if path.is_file() and not (now := file_state(path)).same_place(then):
+            out[name] = now.size
+    return out
+
+
+def check_model(
+    spec: RunSpec, model_dir: Path | None, where: str, recorded: bool = True, files: ModelFiles | None = None
+) -> Check:
     """``where``: the path looked at, ``model_dir`` what it resolved to (None: not here).
     ``recorded``: ``where`` is the run's own record of its model (spec or model-location.json);
     False for ``hsx status --model PATH``, whose match is a resume with that --model away from
-    being the run's."""
+    being the run's. ``files``: the run's record of its model's files (None for a run made before)."""
     if model_dir is None:
         note = relative_note(where) if recorded else ""
         return Check(
@@ -74,6 +88,13 @@ def check_model(spec: RunSpec, model_dir: Path | None, where: str, recorded: boo
             data=data,
         )
     figure = f"{model_dir}: config + {len(now.weights)} weight file(s), {size(total)}, match the fingerprint"
+    touched = moved(files, model_dir) if files is not None else {}
+    if touched:
+        figure += (
+            f"; {len(touched)} file(s), {size(sum(touched.values()))}, moved or touched since the run recorded"
+            f" them ({', '.join(sorted(touched))}): the next resume reads them whole to check them"
+        )
+        data["moved"] = sorted(touched)
     if not recorded:
         return Check(
             "model",

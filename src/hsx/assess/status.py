@@ -21,6 +21,7 @@ from hsx.job import space
 from hsx.job.options import resume_command
 from hsx.spec import EXTRACT, GENERATE, RunSpec, model_location, same_place
 from hsx.store import layout
+from hsx.target import files_record
 from hsx.telemetry import read_history
 
 ORDER = (
@@ -134,7 +135,11 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         where = given_model or recorded
         model_dir = model.locate(where)
         if "model" not in checks:
-            checks["model"] = model.check_model(spec, model_dir, where, same_place(where, recorded))
+            try:
+                files = files_record(run)
+            except SpecError:
+                files = None  # a damaged record: the resume says so, and the probes still judge
+            checks["model"] = model.check_model(spec, model_dir, where, same_place(where, recorded), files)
         generated = spec.kind == GENERATE
         checks["capture"] = model.check_engine(spec) if generated else model.check_capture(spec, model_dir, deep)
     listed = [checks[n] for n in ORDER] + ([readers] if readers is not None else [])

@@ -54,9 +54,15 @@ def released(window: Window, views: list[ConsumerView]) -> set[int]:
     return set.intersection(*(by_name.get(name, set()) for name in window.consumers))
 
 
-def held(run: Path, window: Window, shard_size: int, views: list[ConsumerView] | None = None) -> tuple[int, list[str]]:
-    """Bytes of sample files on disk that some named consumer has not released, and those consumers."""
+def held(
+    run: Path, window: Window, shard_size: int, views: list[ConsumerView] | None = None, sealed: Sealed | None = None
+) -> tuple[int, list[str]]:
+    """Bytes of sample files on disk that some named consumer has not released, and those consumers.
+    A sealed shard's sizes come from its manifest (``sealed`` keeps them between calls), so only the
+    files of shards still being written are stat'ed: one stat a file a batch is what a shared file
+    system cannot afford at a run's tens of thousands of files."""
     views = inspect(run) if views is None else views
+    sealed = Sealed(run) if sealed is None else sealed
     done = released(window, views)
     total, unreleased = 0, set()
     try:
@@ -64,15 +70,32 @@ def held(run: Path, window: Window, shard_size: int, views: list[ConsumerView] |
     except FileNotFoundError:
         folders = []
     for folder in folders:
+        sizes = sealed.sizes(folder.name)
         with os.scandir(folder.path) as it:
             for e in it:
                 sid = layout.parse_sample_name(e.name)
                 if sid is not None and sid not in done:
-                    total += e.stat().st_size
+                    total += sizes[sid] if sid in sizes else e.stat().st_size
                     unreleased.add(sid)
     by_name = {v.name: v.released for v in views}
     behind = [n for n in window.consumers if not unreleased <= by_name.get(n, set())]
     return total, behind
+
+
+class Sealed:
+    """The file sizes of a run's sealed shards, read from their manifests once (a manifest is
+    written once, when its shard is sealed); an unsealed shard is looked up again next time."""
+
+    def __init__(self, run: Path):
+        self.run, self.known = run, {}
+
+    def sizes(self, folder: str) -> dict[int, int]:
+        if folder not in self.known and folder.isdigit():
+            manifest = read_seal(self.run, int(folder))
+            if manifest is None:
+                return {}
+            self.known[folder] = {sid: rec.size for sid, rec in manifest.items()}
+        return self.known.get(folder, {})
 
 
 def waited_on(views: list[ConsumerView], names: list[str]) -> bool:
@@ -111,12 +134,13 @@ class Pause:
 
     def __init__(self, run: Path, window: Window, shard_size: int, log: Callable[[str], None], poll: float = 0.5):
         self.run, self.window, self.shard_size, self.log, self.poll = run, window, shard_size, log, poll
+        self.sealed = Sealed(run)
 
     def _fits(self, nbytes: int) -> tuple[bool, WindowState]:
         views = inspect(self.run, LEASE_TIMEOUT)
         if self.window.delete:
             delete_released(self.run, released(self.window, views), self.shard_size)
-        used, behind = held(self.run, self.window, self.shard_size, views)
+        used, behind = held(self.run, self.window, self.shard_size, views, self.sealed)
         state = WindowState(window=self.window.bytes, held=used, waiting_for=behind, pid=os.getpid(), t=time.time())
         return used + nbytes <= self.window.bytes or waited_on(views, self.window.consumers), state
 
