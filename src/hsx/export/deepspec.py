@@ -80,7 +80,8 @@ class DeepSpec(TrainerFormat):
             f"python train.py --config config/{self.draft}/{self.draft}_MODEL.py --opts "
             f'"data.target_cache_path={self.ctx.dest.absolute()}" --opts '
             f'"model.target_model_name_or_path={self.ctx.model_named()}", the config holding '
-            f"model.target_layer_ids={taps} (its ids are hsx's) and num_draft_layers={len(taps)}"
+            f"model.target_layer_ids={taps} (its ids are hsx's; its draft projects all {len(taps)} taps whatever "
+            "its num_draft_layers)"
         )
 
     def sample(self, index: int, sid: int, t: dict[str, torch.Tensor]) -> list[Written]:
