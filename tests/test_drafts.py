@@ -26,7 +26,7 @@ from hsx.errors import OptionError
 from hsx.export.norm import TOLERANCE, diagnose, load_final_norm, prenorm_from_post
 from hsx.spec import differences, load_spec
 from hsx.store.format import FINAL_STATE_PRENORM, final_norm_of
-from test_export import MANIFEST, export, manifest_ok, specforge_read
+from test_export import MANIFEST, deepspec_read, export, manifest_ok, specforge_read
 
 N = 8  # the tiny Llama's decoder layers
 TAPS = drafts.dflash_taps(5, N)  # [1, 2, 3, 4, 5]
@@ -240,6 +240,18 @@ def test_specforge_dflash_and_dspark_read_the_dflash_run_with_its_own_reader(run
             if keys:  # post-norm: the norm of the stored pre-norm state, what the twin stored
                 want = twin[i]["hidden_states"].to(torch.bfloat16)
                 assert torch.equal(got[i]["target_last_hidden_states"], want)
+
+
+def test_deepspec_reads_the_final_state_of_a_pre_norm_run_after_the_norm(runs, tmp_path):
+    """DeepSpec's cache of the DFlash run stored pre-norm: its final state is the norm of it, what the
+    post-norm twin stored, in bfloat16, and its taps are all five."""
+    out = export(runs["dflash"], tmp_path / "ds", "--to", "deepspec", "--draft", "dspark")
+    assert f"model.target_layer_ids={TAPS}" in out and "exact" in out
+    m, got = deepspec_read(tmp_path / "ds")
+    assert m["target_layer_ids"] == TAPS
+    for g, s, twin in zip(got, samples(runs["dflash"]), samples(runs["post"]), strict=True):
+        assert torch.equal(torch.from_numpy(g["aux"]), s["aux_hidden_states"].to(torch.bfloat16).float())
+        assert torch.equal(torch.from_numpy(g["final"]), twin["hidden_states"].to(torch.bfloat16).float())
 
 
 def test_speculators_reads_every_draft_type_with_vllm_ids_and_the_exact_pre_norm_state(runs, tmp_path):

@@ -8,12 +8,14 @@ import os
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -497,6 +499,76 @@ def test_prenorm_is_refused_where_the_trainer_reads_the_post_norm_state(runs, tm
     out = export(runs["run"], tmp_path / "sf", "--to", "specforge", "--prenorm", code=2)
     assert "--prenorm does not apply to --to specforge" in out and "post-norm" in out
     assert not (tmp_path / "sf").exists()
+
+
+# ---------------------------------------------------------------- DeepSpec
+
+
+def deepspec_read(dest: Path) -> tuple[dict, list[dict[str, np.ndarray]]]:
+    """A DeepSpec target cache read from its documented layout (manifest.json; samples.idx of
+    little-endian 56-byte records: sample id u64, shard id u32, length u32, five u64 byte offsets;
+    each shard's arrays back to back: input_ids int32, attention_mask and loss_mask uint8, the taps
+    and the final state bfloat16): the manifest and every sample's arrays, the states as float32."""
+    m = json.loads((dest / "manifest.json").read_text())
+    index = (dest / "samples.idx").read_bytes()
+    assert m["index_record_size"] == 56 and len(index) == 56 * m["num_samples"]
+    shards = {s["shard_id"]: (dest / s["file_name"]).read_bytes() for s in m["shards"]}
+    assert sorted(shards) == list(range(m["num_shards"]))
+    L, H = len(m["target_layer_ids"]), m["hidden_size"]
+    out, ends = [], dict.fromkeys(shards, 0)
+    for i in range(m["num_samples"]):
+        sample_id, shard, T, *offs = struct.unpack_from("<QIIQQQQQ", index, 56 * i)
+        assert sample_id == i
+        data = shards[shard]
+        arrays = {}
+        for name, off, dtype, count in zip(
+            ("input_ids", "attention_mask", "loss_mask", "aux", "final"),
+            offs,
+            (np.int32, np.uint8, np.uint8, np.uint16, np.uint16),
+            (T, T, T, T * L * H, T * H),
+            strict=True,
+        ):
+            arrays[name] = np.frombuffer(data, dtype=dtype, count=count, offset=off)
+            ends[shard] = max(ends[shard], off + arrays[name].nbytes)
+        for name in ("aux", "final"):  # bfloat16 is the top half of a float32
+            arrays[name] = (arrays[name].astype(np.uint32) << 16).view(np.float32).reshape(T, -1)
+        out.append(arrays)
+    assert all(ends[k] == len(shards[k]) for k in shards), "bytes in a shard that no sample owns"
+    return m, out
+
+
+def test_deepspec_reads_the_taps_and_the_post_norm_final_state_in_bfloat16(runs, model, tmp_path):
+    """Both DeepSpec draft types write the same target cache: every array equal to the run's
+    sample (states rounded to bfloat16), the manifest naming the taps and the model, a train line in
+    its own terms; what it cannot take is refused before anything is written."""
+    src = hsx_samples(runs["run"])
+    dest = tmp_path / "dspark"
+    out = export(runs["run"], dest, "--to", "deepspec", "--draft", "dspark")
+    assert "python train.py --config config/dspark/" in out and "model.target_layer_ids=[1, 3, 4]" in out
+    manifest_ok(dest, len(src))
+    m, got = deepspec_read(dest)
+    assert m["version"] == 2 and m["target_layer_ids"] == [1, 3, 4] and m["hidden_size"] == 64
+    assert (m["hidden_dtype"], m["token_dtype"], m["mask_dtype"]) == ("bfloat16", "int32", "uint8")
+    assert m["target_model_name_or_path"] == str(model)  # its trainer compares it with its config's
+    assert len(got) == len(src)
+    for g, s in zip(got, src, strict=True):
+        assert np.array_equal(g["input_ids"], s["input_ids"].numpy()) and g["attention_mask"].all()
+        assert np.array_equal(g["loss_mask"], s["loss_mask"].numpy())
+        assert torch.equal(torch.from_numpy(g["aux"]), s["aux_hidden_states"].to(torch.bfloat16).float())
+        assert torch.equal(torch.from_numpy(g["final"]), s["hidden_states"].to(torch.bfloat16).float())  # post-norm
+    out = export(runs["run"], tmp_path / "dflash", "--to", "deepspec", "--draft", "dflash")
+    assert "config/dflash/" in out
+    assert export_files(tmp_path / "dflash") | {".hsx-export-job.json": b""} == export_files(dest) | {
+        ".hsx-export-job.json": b""
+    }
+    refused = {
+        ("--draft", "eagle3"): "deepspec's trainer takes the draft types dflash, dspark, not eagle3",
+        ("--draft", "dflash", "--taps", "4,1"): "ascending order",
+        ("--draft", "dflash", "--draft-vocab", "64"): "read no draft-vocab map",
+    }
+    for i, (args, why) in enumerate(refused.items()):
+        assert why in export(runs["run"], tmp_path / f"no{i}", "--to", "deepspec", *args, code=2)
+        assert not (tmp_path / f"no{i}").exists()
 
 
 # ---------------------------------------------------------------- storage codecs: every export decodes

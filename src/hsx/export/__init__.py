@@ -1,4 +1,4 @@
-"""Exports of a run into the formats trainers read as they are: SpecForge, speculators, Model-Optimizer.
+"""Exports of a run into the formats trainers read as they are: SpecForge, speculators, Model-Optimizer, DeepSpec.
 
 ``core`` streams, verifies, resumes and writes the manifest; ``trainer`` is what a format is and
 writes with; one module per trainer knows its format; ``norm`` converts between the post-norm

@@ -26,6 +26,7 @@ from pathlib import Path
 from hsx.data import available_ids, read_verified
 from hsx.drafts import EAGLE3
 from hsx.errors import BadFile, ExportRefused, OptionError
+from hsx.export.deepspec import DeepSpec
 from hsx.export.modelopt import ModelOpt
 from hsx.export.specforge import SpecForge
 from hsx.export.speculators import Speculators
@@ -43,7 +44,7 @@ LOG = ".hsx-export-progress.jsonl"
 MANIFEST = "hsx-export.json"
 # in the job of exports made before the export's samples could grow on a rerun; no longer compared
 FORMER_KEYS = ("samples", "ids_digest")
-FORMATS: dict[str, type[TrainerFormat]] = {f.name: f for f in (SpecForge, Speculators, ModelOpt)}
+FORMATS: dict[str, type[TrainerFormat]] = {f.name: f for f in (SpecForge, Speculators, ModelOpt, DeepSpec)}
 
 
 # ---------------------------------------------------------------- DEST: job identity, progress log
