@@ -559,3 +559,91 @@ def test_specforge_trains_dflash_and_dspark_from_the_dflash_run(runs, models, tm
         assert (kind == "dspark") == ("DRAFT.json: a dspark draft config" in line)
         steps = specforge_train(line, tmp_path / kind / "out", monkeypatch, capsys, draft)
         assert len(steps) == 3 and all(torch.isfinite(torch.tensor(s["loss"])) for s in steps), (kind, steps)
+
+
+def modelopt_train(export: Path, base: Path, hint: str, out: Path) -> tuple[list[dict], list[int]]:
+    """Model-Optimizer's offline training path, in this process, on CPU, for three steps: the base model
+    loaded as its offline training loads it (no decoder layers), converted to the draft the export's
+    printed config names (``mtsp.convert``), its ``OfflineSupervisedDataset`` over the export's files
+    with its answer-only loss mask, its ``EagleOfflineDataCollator``, and the HF ``Trainer`` its example
+    trains with. Returns the Trainer's logged training steps and the taps the draft reads.
+
+    One thin shim, device placement only: its drafts build their rotary embedding with
+    ``device=...``, an argument transformers' rotary embeddings no longer take (Model-Optimizer 0.47.0
+    declares transformers<5.15); the shim builds it without the argument and moves it to that device.
+    Its own options do the rest: a draft of the base's width with a small MLP, torch.compile off
+    (CPU), a mask token id (its example takes the tokenizer's; no tokenizer is loaded here)."""
+    import re
+    from contextlib import ExitStack
+    from unittest import mock
+
+    import modelopt.torch.speculative as mtsp
+    import modelopt.torch.speculative.plugins.modeling_dflash as dflash_draft
+    import modelopt.torch.speculative.plugins.modeling_eagle as eagle_draft
+    from modelopt.torch.speculative.config import eagle3_default_config
+    from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
+    from modelopt.torch.speculative.utils import load_vlm_or_llm
+    from transformers import Trainer, TrainingArguments
+
+    taps = json.loads(re.search(r"(?:eagle_aux_hidden_state_layer_ids|target_layer_ids): (\[[\d, ]*\])", hint)[1])
+    small = {"intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+    model = load_vlm_or_llm(str(base), use_offline_training=True, dtype=torch.float32)
+    if "eagle config" in hint:
+        arch = eagle3_default_config | small | {"eagle_aux_hidden_state_layer_ids": taps, "torch_dtype": "float32"}
+        mode = "eagle", {"eagle_offline": True, "eagle_architecture_config": arch, "eagle_use_torch_compile": False}
+    else:
+        arch = small | {
+            "num_hidden_layers": int(re.search(r"num_hidden_layers: (\d+)", hint)[1]),
+            "target_layer_ids": taps,
+        }
+        if "projector_type: dspark" in hint:
+            arch |= {"projector_type": "dspark", "markov_rank": 16}
+        config = {"dflash_offline": True, "dflash_block_size": 4, "dflash_num_anchors": 8, "dflash_mask_token_id": 0}
+        mode = "dflash", config | {"dflash_architecture_config": arch}
+    mtsp.convert(model, [mode])
+    read = getattr(model, "target_layer_ids", None) or model.eagle_config.eagle_aux_hidden_state_layer_ids
+    args = TrainingArguments(
+        output_dir=str(out),
+        use_cpu=True,
+        max_steps=3,
+        logging_steps=1,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        seed=0,
+        report_to=[],
+        save_strategy="no",
+        remove_unused_columns=False,  # its collator's keys are not the model's arguments
+        disable_tqdm=True,
+    )
+    files = sorted(str(p) for p in export.rglob("*.pt"))
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=OfflineSupervisedDataset(files, answer_only_loss=True),
+        data_collator=EagleOfflineDataCollator(train_len=64),
+    )
+
+    def placed(cls):
+        return lambda config, device=None: cls(config=config).to(device)
+
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(dflash_draft, "_ROTARY_CLS", placed(dflash_draft._ROTARY_CLS)))
+        stack.enter_context(
+            mock.patch.object(eagle_draft, "LlamaRotaryEmbedding", placed(eagle_draft.LlamaRotaryEmbedding))
+        )
+        trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h], list(read)
+
+
+def test_modelopt_trains_eagle3_dflash_and_dspark_from_the_dflash_run(runs, models, tmp_path):
+    """Each type's export, trained as its printed config says by Model-Optimizer's own offline
+    training path: three logged steps with finite losses, the draft reading the export's taps."""
+    require("modelopt")
+    for kind, extra in (("eagle3", ()), ("dflash", ("--prenorm",)), ("dspark", ())):
+        dest = tmp_path / kind
+        out = export(runs["dflash"], dest, "--to", "modelopt", "--draft", kind, *extra)
+        (hint,) = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("train ")]
+        steps, read = modelopt_train(dest, models["normed"], hint, tmp_path / f"out-{kind}")
+        assert read == ([1, 3, 4] if kind == "eagle3" else TAPS), kind
+        assert [s["step"] for s in steps] == [1, 2, 3], (kind, steps)
+        assert all(torch.isfinite(torch.tensor(s["loss"])) for s in steps), (kind, steps)
