@@ -596,7 +596,7 @@ def modelopt_train(export: Path, base: Path, hint: str, out: Path) -> tuple[list
             "num_hidden_layers": int(re.search(r"num_hidden_layers: (\d+)", hint)[1]),
             "target_layer_ids": taps,
         }
-        if "projector_type: dspark" in hint:
+        if "projector_type: dspark, markov_rank: R" in hint:  # the rank the line asks for, chosen here
             arch |= {"projector_type": "dspark", "markov_rank": 16}
         config = {"dflash_offline": True, "dflash_block_size": 4, "dflash_num_anchors": 8, "dflash_mask_token_id": 0}
         mode = "dflash", config | {"dflash_architecture_config": arch}

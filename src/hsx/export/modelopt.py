@@ -47,7 +47,7 @@ class ModelOpt(TrainerFormat):
         if self.draft == "eagle3":
             setting = f"in the eagle config: eagle_aux_hidden_state_layer_ids: {taps}"
         else:
-            kind = ", projector_type: dspark" if self.draft == "dspark" else ""
+            kind = ", projector_type: dspark, markov_rank: R (it has no default)" if self.draft == "dspark" else ""
             setting = f"in dflash_architecture_config: num_hidden_layers: {len(taps)}, target_layer_ids: {taps}{kind}"
         return f"{setting} (its ids are hsx's); load the base model in {dtype}, the states' dtype"
 
