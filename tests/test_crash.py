@@ -75,6 +75,8 @@ def test_sigkill_at_progress_points_then_resume_is_byte_identical(tmp_path):
     assert re.search(r"^progress done=\d+/120 rate=[\d.]+/s eta=(\d+s|-) free=[\d.]+GB last_error=-$", err, re.M), err
     said = re.search(rf"terminated \(SIGTERM\); (\d+)/{SAMPLES} samples are done and durable; resume with: ", err)
     assert said and 0 < int(said[1]) <= len(verified), err  # each one it counts verified (a resume may find more)
+    last = [line for line in err.splitlines() if line.startswith("progress done=")][-1]
+    assert last.startswith(f"progress done={said[1]}/{SAMPLES} "), f"seed {seed}: the last line is not the count: {err}"
     assert f"durable; resume with: hsx extract --out {out} --model {TINY}" in err, err
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name], "a SIGTERM left a partial file"
     hsx(*shlex.split(err.split("resume with: ")[1].splitlines()[0])[1:])  # the resume, as printed

@@ -322,10 +322,11 @@ def run_bench(
             extractor = Extractor(
                 run, spec, plan, backend, Resources(device, writers), progress, staging=staging, log=log
             )
-            try:
-                extractor.run_shards(todo)
-            finally:
-                extractor.close()  # waits for the ring's copies; the ring serves the next variant
+            with progress.live():
+                try:
+                    extractor.run_shards(todo)
+                finally:
+                    extractor.close()  # waits for the ring's copies; the ring serves the next variant
             _, r.tokens, r.bytes = progress.session()
         r.waited_for_disk = progress.waited_for_disk() - earlier if progress.waited_for_disk else None
         r.codec = spec.codec

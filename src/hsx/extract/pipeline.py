@@ -249,16 +249,15 @@ class Extractor:
         a pipeline's batches in flight cross from one shard to the next)."""
         pending: list[tuple[ShardScan, list[Future]]] = []
         writing: list[Future] = []
-        with self.progress.live():
-            for (scan, _, left), submitted in self._judged(todo):
-                writing += submitted
-                if left == 0:
-                    pending.append((scan, writing))
-                    writing = []
-                while len(pending) > 1:
-                    self.finish(*pending.pop(0))
-            while pending:
+        for (scan, _, left), submitted in self._judged(todo):
+            writing += submitted
+            if left == 0:
+                pending.append((scan, writing))
+                writing = []
+            while len(pending) > 1:
                 self.finish(*pending.pop(0))
+        while pending:
+            self.finish(*pending.pop(0))
 
     def close(self) -> None:
         """Stop staging; in-flight writes complete or remove their temp files; folders fsynced."""
@@ -287,7 +286,8 @@ def run(session: Session, todo: Iterable[ShardScan]) -> None:
         s.run, s.spec, s.plan, backend, s.resources, s.progress, s.space.reserve, peers=s.peers,
         forecast=s.space.forecast, log=s.log,
     )  # fmt: skip
-    try:
-        extractor.run_shards(todo)
-    finally:
-        extractor.close()
+    with s.progress.live():  # its last line after the writes in flight end: at a stop, what is durable
+        try:
+            extractor.run_shards(todo)
+        finally:
+            extractor.close()
