@@ -92,7 +92,10 @@ def test_extract_refuses_an_option_out_of_range_before_anything_is_written(tmp_p
         (("status", "RUN", "--threads", "0"), "--threads takes an integer >= 1 and <= 1024, not 0"),
         (("verify", "RUN", "--threads", "-1"), "--threads takes an integer >= 1 and <= 1024, not -1"),
         (("vocab", "RUN", "--size", "0"), "--size takes an integer >= 1 and <= 10000000, not 0"),
-        (("export", "RUN", "DEST", "--to", "eagle"), "--to takes specforge, speculators, modelopt or deepspec, not"),
+        (
+            ("export", "RUN", "DEST", "--to", "eagle"),
+            "--to takes specforge, speculators, modelopt or deepspec, not 'eagle'",
+        ),
         (("export", "RUN", "DEST", "--to", "specforge", "--draft-vocab", "0"), "--draft-vocab takes an integer >= 1"),
         (("bench", "--samples", "0"), "--samples takes an integer >= 1 and <= 10000000, not 0"),
         (("bench", "--compile", "yes"), "--compile takes auto, on or off, not 'yes'"),
