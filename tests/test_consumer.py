@@ -302,8 +302,9 @@ def test_speculators_trains_an_eagle3_draft_in_its_own_loop_on_a_live_run(tmp_pa
     a CPU only: the device (``get_local_rank``, no accelerator to synchronize) and the eager loss.
     The bundled model's final norm has unit weight, so its post-norm state is its norm's own fixed
     point: speculators' ``verifier_norm`` of it gives the target's lm_head input back (checked).
-    (Held-out accuracy against a control is the plain loop's, in the fault test above: a few steps
-    of this trainer on a CPU learn no more than the tokens' frequencies.)"""
+    (On the bundled random target a few steps learn no more than the tokens' frequencies; the
+    held-out control of a draft trained in speculators' loop from a live run is in test_controls,
+    on a target whose predictions depend on context.)"""
     require("speculators")
     import speculators.train.trainer as sp
     from speculators.models.eagle3.core import Eagle3DraftModel
