@@ -17,6 +17,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -33,6 +34,7 @@ from conftest import (
     TINY,
     conversations,
     hsx,
+    kill_after_new_files,
     load_states,
     remount,
     require,
@@ -386,6 +388,35 @@ def test_a_tp2_group_whose_volume_fills_stops_cleanly_and_resumes_bit_identical(
 
     resumed = hsx(*resume.split()[1:])
     assert f"{60 - done} written now, {done} were already verified" in resumed.stdout
+    assert run_files(out) == run_files(dense_tp[0])
+
+
+def test_a_sigterm_to_a_tp2_launcher_stops_every_rank_cleanly_and_the_resume_is_bit_identical(
+    dense_tp, models, data, tmp_path
+):
+    """What a scheduler sends before a kill, to the launcher of a TP2 group: the agent passes it to
+    its ranks, rank 0 stops as one process does (writes in flight end whole), and the launcher says
+    what one process says: exit 143, how many samples are durable, the command that resumes; no
+    traceback, no partial file, no rank, group record or lock left. (It was the elastic agent's
+    SignalException traceback.) The resume finishes bit-identical to the uninterrupted TP2 run."""
+    seed = int(os.environ.get("HSX_CRASH_SEED", time.time_ns() % 10_000))
+    out, log = tmp_path / "run", tmp_path / "stderr.txt"
+    args = _args(models["dense"], data, out, "--tensor-parallel", "2", "--log-every", "0.05")
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "hsx", *map(str, args)], stdout=subprocess.DEVNULL, stderr=err)
+        _wait("the group record", lambda: _group(out, proc.pid) is not None or proc.poll() is not None, seed)
+        group = _group(out, proc.pid)
+        assert group is not None, f"seed {seed}: the run ended (rc {proc.poll()}) before its ranks registered"
+        kill_after_new_files(proc, out, random.Random(seed).randint(1, 8), seed, signal.SIGTERM, log)
+    said = log.read_text()
+    assert proc.returncode == 143 and "Traceback" not in said, said
+    done = re.search(r"terminated \(SIGTERM\); (\d+)/60 samples are done and durable; resume with: (.+)$", said, re.M)
+    assert done and int(done[1]) == len(verified_files(out)) == len(_sample_files(out)) < 60, said
+    _wait("every rank's exit", lambda: _gone([r.pid for r in group.ranks]), seed)
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name], "a SIGTERM left a partial file"
+    assert not (out / layout.GROUP).exists() and not (out / "lock.json").exists()
+    resumed = hsx(*shlex.split(done[2])[1:])
+    assert f"{60 - int(done[1])} written now, {done[1]} were already verified" in resumed.stdout
     assert run_files(out) == run_files(dense_tp[0])
 
 

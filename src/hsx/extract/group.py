@@ -48,6 +48,7 @@ from hsx.launch import local_ranks
 from hsx.plan import load_plan
 from hsx.spec import RunSpec
 from hsx.store.format import digest_text
+from hsx.store.scan import scan_run
 
 WAIT = dt.timedelta(days=7)  # the others wait on rank 0 through a whole verification of terabytes
 STOP, LOAD, BATCH = 0, 1, 2
@@ -88,6 +89,7 @@ def run_group(
     payload)`` and its return value is returned here; the others run ``follow`` (by default:
     capture each batch the lead names). Both are module-level functions: they cross to the spawned
     ranks by name. Raises ``WorkerFailed`` naming the ranks that failed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     n = spec.parallel.ranks
@@ -101,6 +103,12 @@ def run_group(
         )
     except ChildFailedError as e:
         raise WorkerFailed(f"the group of {n} ranks ({spec.parallel}) failed: {_failures(e)}") from None
+    except SignalException as e:  # SIGTERM to the launcher: the agent stopped every rank, which stop cleanly
+        registry.clear_group(run)  # no rank is left of it
+        stop = errors.Terminated() if e.sigval == signal.SIGTERM else KeyboardInterrupt()
+        done = sum(len(s.good) for s in scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False))
+        stop.add_note(f"{done}/{spec.plan.num_samples} samples are done and durable")
+        raise stop from None
     return results[lead_rank]
 
 
@@ -115,8 +123,10 @@ def rank_main(
     payload: str,
     launcher: int,
 ) -> str:
-    """One rank's life (the agent's entry point); returns the lead's outcome."""
+    """One rank's life (the agent's entry point); returns the lead's outcome. SIGTERM (the agent
+    passes on the one its launcher got) stops it as it stops one process: writes in flight end whole."""
     _die_with(launcher)
+    signal.signal(signal.SIGTERM, _terminated)
     spec = RunSpec.model_validate_json(run_spec)
     rank, local, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device = rank_device(RESOURCES.validate_json(resources), local, world)
@@ -135,6 +145,11 @@ def rank_main(
         return ""
     finally:
         dist.destroy_process_group()
+
+
+def _terminated(signum: int, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise errors.Terminated()
 
 
 def rank_device(resources: Resources, local: int, world: int) -> str:
