@@ -724,3 +724,11 @@ def test_an_out_that_cannot_be_written_is_refused_by_name_not_a_traceback(tmp_pa
     code, text = cli("extract", "--model", TINY, "--data", tmp_path, "--out", tmp_path / "run")
     assert code == 2 and f"{tmp_path} is a folder, not a data file nor a Hugging Face dataset saved" in text, text
     assert not (tmp_path / "run").exists()
+
+
+def test_quickstart_refuses_an_out_that_is_a_file_by_name_not_a_traceback(tmp_path):
+    """Its options were built before the refusals were caught: an ``--out`` that is a file was a traceback."""
+    (tmp_path / "afile").write_text("not a run")
+    r = CliRunner().invoke(app, ["quickstart", "--out", str(tmp_path / "afile")])
+    assert r.exit_code == 2 and "is a file, not a run folder" in r.output, r.output
+    assert (tmp_path / "afile").read_text() == "not a run"

@@ -48,8 +48,7 @@ def quickstart(
     """Extract the bundled conversations with the bundled tiny model, offline, on CPU."""
     from hsx.extract import extract
 
-    opts = quickstart_options(out, codec)
-    run_job("extract", extract, out, opts.model, lambda: opts)
+    run_job("extract", extract, out, None, lambda: quickstart_options(out, codec))  # refusals inside failures()
 
 
 extract = command(ExtractOptions, EXTRACT, _extract, DEFAULTS)
