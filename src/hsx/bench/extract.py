@@ -428,7 +428,9 @@ def check_cost(backend, plan, batches, check: FidelityCheck, tag: str, dev: torc
             batch = backend.capture(ids, seqs)
             t1 = sync()
             with torch.inference_mode():
-                fidelity.measure(backend.head, batch.final, batch.rows, batch.offsets, seqs, checks)
+                fidelity.measure(
+                    backend.head, batch.final, batch.rows, batch.offsets, seqs, checks, normed=not backend.prenorm
+                )
             t2 = sync()
             if timed:
                 capture.tokens, capture.seconds = capture.tokens + b.tokens, capture.seconds + t1 - t0
