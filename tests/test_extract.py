@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import TINY, conversations, hsx, load_states, run_files, write_jsonl
+from conftest import TINY, conversations, hsx, load_states, run_files, unwrite, write_jsonl
+from hsx import target
+from hsx.assess.verify import verify
 from hsx.extract import ExtractOptions, Refused, extract
 from hsx.store import layout
 
@@ -144,6 +146,20 @@ def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path, c
         extract(_opts(out, model=str(changed)), log=lambda m: None)
     with pytest.raises(Refused, match="max length: run has 4096, asked for 128"):
         extract(_opts(out, max_length=128), log=lambda m: None)
+
+    # A run made before hsx recorded its model's files: the other model is refused by its fingerprint,
+    # and nothing is recorded of it (its files once were, and then the run's own model was refused).
+    (out / layout.MODEL_FILES).unlink()
+    unwrite(out, 1)  # work for the resume
+    with pytest.raises(Refused, match=r"model is not the run's model:\n  - model\.safetensors: content differs"):
+        extract(_opts(out, model=str(changed)), log=lambda m: None)
+    assert not (out / layout.MODEL_FILES).exists()
+    with pytest.raises(Refused, match=r"model is not the run's model"):
+        verify(out, fidelity_files=1, model=str(changed))
+    resumed = extract(_opts(out, model=str(TINY)), log=lambda m: None)
+    assert resumed.complete and resumed.written == 10
+    weights = target.files_record(out).files["model.safetensors"]  # the run's own model's, as it stands
+    assert weights.inode == (TINY / "model.safetensors").stat().st_ino != (changed / "model.safetensors").stat().st_ino
 
 
 def test_rejects_are_recorded_and_good_rows_extract(tmp_path):

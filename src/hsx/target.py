@@ -247,13 +247,14 @@ def tokenizer_identity(tokenizer) -> TokenizerIdentity:
 
 
 def model_dir_for(
-    run: Path, spec: JobSpec, given: str | None = None, checked: bool = False, keep: bool = False
+    run: Path, spec: JobSpec, given: str | None = None, known: ModelIdentity | None = None, keep: bool = False
 ) -> Path:
     """Where the run's model is now: ``given`` (a --model), else where the run last recorded it
     (``spec.model_location``); refused unless it is the run's model: every file as the run
     recorded it (``check_files``), or, for a run made before hsx recorded them, its fingerprint
-    (``checked``: the caller has just compared that). ``keep``: the caller holds the run's lock,
-    and records the files' new places where they moved."""
+    (``known``: the identity of ``given`` the caller has read already). ``keep``: record the files'
+    new places where they moved (for a run made before, the files of the model that proved the
+    run's), only once they proved the same."""
     where = given or model_location(run, spec)
     try:
         path = resolve(where)
@@ -266,7 +267,7 @@ def model_dir_for(
     if files_record(run) is not None:
         diffs = check_files(run, spec, path, keep)
     else:
-        diffs = [] if checked else spec.model.fingerprint.differences(identity(where, path).fingerprint)
+        diffs = spec.model.fingerprint.differences((known or identity(where, path)).fingerprint)
         if keep and not diffs:
             _write_files(run, model_files(path))
     if diffs:

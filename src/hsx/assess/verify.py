@@ -96,7 +96,7 @@ def verify(
         check_device(device)
         if spec.kind == GENERATE:
             raise Refused(f"{run} is a generate run: it holds token ids, no states whose fidelity to check")
-        model_dir = target.model_dir_for(run, spec, model, checked=model is not None)
+        model_dir = target.model_dir_for(run, spec, model)
         out.fidelity = fidelity.recompute(run, spec, result.scans, model_dir, fidelity_files, device)
     if repair and moved:
         out.check.details.append(f"{len(moved)} files moved to {layout.QUARANTINE}/ with a .reason each")

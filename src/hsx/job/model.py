@@ -53,13 +53,13 @@ class Model:
     @cached_property
     def dir(self) -> Path:
         """Where the job's model is: the one named (a new run's), or where the run resumed has it now,
-        every file checked against the run's record (``target.model_dir_for``; where ``--model`` was
-        given, the drift check compared its fingerprint already). A resume reads it under the run's
-        lock, so the files' new places are recorded where they moved."""
+        every file checked against the run's record (``target.model_dir_for``; a run made before hsx
+        kept one: the fingerprint, of ``--model`` where given, read once). The drift check reads it,
+        so a model that is not the run's is refused here before anything is recorded of it."""
         if self.spec is None:
             return self.named
-        compared = "identity" in self.__dict__
-        return target.model_dir_for(self.run, self.spec, self.given, checked=compared, keep=True)
+        known = self.identity if self.given is not None else None
+        return target.model_dir_for(self.run, self.spec, self.given, known=known, keep=True)
 
     @cached_property
     def tokenizer(self):
