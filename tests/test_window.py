@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
-from hsx.extract.window import Sealed, held
+from conftest import HANG_GUARD_S, hsx
+from hsx.extract.window import Sealed, delete_released, held
 from hsx.spec import Window
 from hsx.store import layout
+from hsx.store.writer import read_consumed
 
 NAMES = ["draft"]
 
@@ -34,3 +42,61 @@ def test_held_counts_every_unreleased_file_sealed_or_not_and_its_manifest_sizes_
     gone.unlink()
     assert held(run, window, 10, [], sealed) == (sum(files.values()) - files[12], NAMES)
     assert held(run, window, 10, []) == held(run, window, 10, [], sealed)  # a fresh look agrees
+
+
+def _waiters(guard) -> int:
+    """How many processes or threads wait for an flock on ``guard`` (``/proc/locks``: a blocked
+    request is listed with ``->`` before its kind)."""
+    dev, ino = guard.stat().st_dev, guard.stat().st_ino
+    tag = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino} "
+    return sum(" -> FLOCK" in line and tag in line for line in Path("/proc/locks").read_text().splitlines())
+
+
+def test_deleters_of_one_run_take_turns_so_neither_drops_what_the_other_recorded_consumed(finished_run, tmp_path):
+    """Workers of one run delete at their own gates. Each adds to a shard's consumed record what it
+    read there: two at once could each write the record without the other's files, and files deleted
+    but not recorded are counted lost. Another process (a real one) holds the turn and deletes some of
+    shard 1's files; this one waits for it, then adds its own, and the record holds both."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / layout.CONSUMED).mkdir()
+    guard = layout.consumed_guard(run)
+    other = subprocess.Popen(
+        [sys.executable, "-c", OTHER_DELETER, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stdout.readline().strip() == "holding"  # it holds the turn, its files not yet recorded
+        done: list[int] = []
+        mine = threading.Thread(target=lambda: done.append(delete_released(run, {13, 14, 15}, 10)))
+        mine.start()
+        deadline = time.monotonic() + HANG_GUARD_S
+        while _waiters(guard) == 0:  # progress: this deleter is queued behind the other
+            assert time.monotonic() < deadline and mine.is_alive(), "the deleter did not wait for its turn"
+            time.sleep(0.01)
+        assert all(layout.sample_path(run, i, 10).exists() for i in range(10, 20))
+        other.stdin.write("go\n")
+        other.stdin.flush()
+        assert other.wait(timeout=HANG_GUARD_S) == 0
+        mine.join(timeout=HANG_GUARD_S)
+    finally:
+        other.kill()
+    assert done == [3]
+    assert sorted(read_consumed(run, 1)) == [11, 12, 13, 14, 15]
+    assert [i for i in range(10, 20) if layout.sample_path(run, i, 10).exists()] == [10, 16, 17, 18, 19]
+    assert "missing" not in hsx("verify", run).stdout  # exit 0: every deleted file is counted consumed
+
+
+OTHER_DELETER = """
+import sys
+from pathlib import Path
+from hsx.store import layout
+from hsx.store.durable import flocked
+from hsx.store.writer import read_seal, record_consumed
+run = Path(sys.argv[1])
+with flocked(layout.consumed_guard(run)):  # a deleter in its turn: what delete_released does there
+    print("holding", flush=True)
+    sys.stdin.readline()
+    record_consumed(run, 1, [read_seal(run, 1)[i] for i in (11, 12)])
+    for i in (11, 12):
+        layout.sample_path(run, i, 10).unlink()
+"""

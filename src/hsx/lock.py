@@ -13,7 +13,6 @@ place, which fails if a lock is there), so no racer reads a half-written lock as
 
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
 import threading
@@ -26,7 +25,7 @@ import psutil
 from pydantic import BaseModel
 
 from hsx.errors import Locked
-from hsx.store.durable import create_exclusive, write_durable
+from hsx.store.durable import create_exclusive, flocked, write_durable
 from hsx.store.layout import GUARD, LOCK
 
 STALE_AFTER = 120.0
@@ -133,26 +132,22 @@ class RunLock:
     def acquire(self) -> None:
         """Judge and take the lock under an flock on GUARD, so racing extractors take turns (the
         kernel drops an flock when its process dies: no stale guard); one turn decides."""
-        fd = os.open(self.guard, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # say so: a taker frozen mid-turn (e.g. ^Z) would be a silent hang
-                what = "this run's lock" if self.path.name == LOCK else self.path.name
-                self.warn(f"waiting for another process taking {what} (it holds {self.guard.name})")
-                fcntl.flock(fd, fcntl.LOCK_EX)
+        what = "this run's lock" if self.path.name == LOCK else self.path.name
+
+        def waiting() -> None:  # say so: a taker frozen mid-turn (e.g. ^Z) would be a silent hang
+            self.warn(f"waiting for another process taking {what} (it holds {self.guard.name})")
+
+        with flocked(self.guard, waiting):
             if self._create(self.me.model_dump_json().encode()):
                 return
             holder = self.holder()
             if holder is not None and holder.state(stale_after=self.stale_after) == "alive":
                 raise Locked(holder)
             self.path.unlink(missing_ok=True)
-            what = f"{holder.describe()}, {holder.state(stale_after=self.stale_after)}" if holder else "unreadable"
-            self.warn(f"taking over a lock left by a dead {self.me.noun} ({what})")
+            left = f"{holder.describe()}, {holder.state(stale_after=self.stale_after)}" if holder else "unreadable"
+            self.warn(f"taking over a lock left by a dead {self.me.noun} ({left})")
             if not self._create(self.me.model_dump_json().encode()):
                 raise RuntimeError("could not acquire the run lock (another lock appeared during take-over)")
-        finally:
-            os.close(fd)  # releases the flock
 
     def _create(self, body: bytes) -> bool:
         """Put this process's lock in place, whole, unless a lock is there (then False)."""

@@ -23,7 +23,7 @@ from hsx.consumer import LEASE_TIMEOUT, NOT_WRITTEN, ConsumerView, inspect
 from hsx.lock import Liveness
 from hsx.spec import Window
 from hsx.store import layout
-from hsx.store.durable import fsync_dir, write_durable
+from hsx.store.durable import flocked, fsync_dir, write_durable
 from hsx.store.writer import read_seal, record_consumed
 from hsx.units import size
 
@@ -112,20 +112,28 @@ def waited_on(views: list[ConsumerView], names: list[str]) -> bool:
 def delete_released(run: Path, ids: set[int], shard_size: int) -> int:
     """Delete the released files of sealed shards, each shard's recorded consumed first (so status,
     verify and resume count them done, never missing); returns how many. A shard still being
-    written keeps its released files until it is sealed (its manifest is what the record copies)."""
+    written keeps its released files until it is sealed (its manifest is what the record copies).
+    Processes that delete (the workers of one run, each at its gate) take turns under an flock:
+    each adds to a shard's record what it read there, so two at once could drop each other's."""
+    if not ids:
+        return 0
     gone = 0
-    for shard in sorted({layout.shard_of(i, shard_size) for i in ids}):
-        manifest = read_seal(run, shard)
-        if manifest is None:
-            continue
-        doomed = [manifest[i] for i in sorted(ids) if i in manifest and layout.sample_path(run, i, shard_size).exists()]
-        if not doomed:
-            continue
-        record_consumed(run, shard, doomed)
-        for r in doomed:
-            layout.sample_path(run, r.sample_id, shard_size).unlink(missing_ok=True)
-        fsync_dir(layout.shard_dir(run, shard))
-        gone += len(doomed)
+    (run / layout.CONSUMED).mkdir(exist_ok=True)
+    with flocked(layout.consumed_guard(run)):
+        for shard in sorted({layout.shard_of(i, shard_size) for i in ids}):
+            manifest = read_seal(run, shard)
+            if manifest is None:
+                continue
+            doomed = [
+                manifest[i] for i in sorted(ids) if i in manifest and layout.sample_path(run, i, shard_size).exists()
+            ]
+            if not doomed:
+                continue
+            record_consumed(run, shard, doomed)
+            for r in doomed:
+                layout.sample_path(run, r.sample_id, shard_size).unlink(missing_ok=True)
+            fsync_dir(layout.shard_dir(run, shard))
+            gone += len(doomed)
     return gone
 
 

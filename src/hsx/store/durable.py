@@ -8,9 +8,11 @@ the caller can stop cleanly; every other OSError propagates unchanged.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hsx.errors import DiskFull
@@ -89,6 +91,24 @@ def write_parts(path: Path, parts: Iterable[memoryview | bytes], sync_dir: bool 
 
 def write_durable(path: Path, data: bytes) -> int:
     return write_parts(path, [data])
+
+
+@contextmanager
+def flocked(guard: Path, waiting: Callable[[], None] | None = None) -> Iterator[None]:
+    """An exclusive flock on ``guard`` (created empty where absent) for the block: racing processes
+    take turns, and the kernel drops it when its holder dies, so no stale guard is ever left.
+    ``waiting`` is called once when another process holds it."""
+    fd = os.open(guard, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def create_exclusive(path: Path, data: bytes) -> bool:
