@@ -17,20 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, conversations, hsx, write_jsonl
+from conftest import TINY, hsx
+from fidelity_refs import TOKENIZER_FILES, logits_reference, own_output, trained_norm
 from hsx import fidelity
 from hsx.assess.status import assess
 from hsx.errors import Exit, FidelityFailed, Refused
 from hsx.extract import ExtractOptions, extract, pipeline
-from hsx.generate.job import generate
-from hsx.generate.options import GenerateOptions
 from hsx.store import layout
 from hsx.store.durable import write_parts
 from hsx.store.format import Figure, SampleTensors, decode, encode, read_header
 from hsx.store.writer import read_seal
 
 NEAR_TIE_SHARE = 0.01  # of checked tokens, at most, on a MoE model (router near-ties): none on a dense one
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,32 +38,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def trained_norm(model, path: Path, seed: int = 0) -> Path:
-    """Save ``model`` with a final norm as a trained model has one, its weights spread around 1 (a
-    random model's are all ones: a norm of ones only scales each state, which no argmax sees), and the
-    bundled tokenizer."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        w = model.model.norm.weight
-        w.copy_(torch.empty(w.shape).log_normal_(0.0, 0.75, generator=g))
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(TINY / name, path / name)
-    return path
-
-
-def own_output(model: Path, out: Path, n: int = 12) -> Path:
-    """A generate run of ``model`` at temperature 0: its own answers to the first questions of ``n``
-    conversations."""
-    rows = [row | {"conversations": row["conversations"][:2]} for row in conversations(n, start=40)]
-    data = write_jsonl(out.parent / f"{out.name}.jsonl", rows)
-    opts = GenerateOptions(
-        out=out, model=str(model), data=[data], device="cpu", max_new_tokens=40, shard_size=100, turns="last"
-    )
-    generate(opts, log=lambda m: None)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -99,32 +71,9 @@ def good_run(target, own, tmp_path_factory) -> Path:
     return out
 
 
-def reference(model_dir: Path, out: Path) -> dict[int, tuple[int, int, float]]:
-    """Per sample, from transformers' own causal-LM forward (its logits, not hsx's head): the masked
-    next tokens, those its argmax predicts, and the sum of their log-probabilities."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    found = {}
-    for path in sorted((out / "shards").rglob("*.safetensors")):
-        t = decode(path.read_bytes())
-        ids, mask = t["input_ids"], t["loss_mask"].bool()
-        with torch.no_grad():
-            logits = model(ids[None]).logits[0, :-1]
-        on = mask[1:]
-        nxt = ids[1:][on]
-        logp = torch.log_softmax(logits[on], -1).gather(1, nxt[:, None])[:, 0]
-        found[layout.parse_sample_name(path.name)] = (
-            int(on.sum()),
-            int((logits[on].argmax(-1) == nxt).sum()),
-            float(logp.sum()),
-        )
-    return found
-
-
 def test_a_correct_run_passes_with_the_figure_the_model_itself_gives(target, own, good_run):
     figs = figures_of(good_run)
-    ref = reference(target, good_run)
+    ref = logits_reference(target, good_run)
     assert figs.keys() == ref.keys() and len(figs) == 12
     for sid, f in figs.items():
         checked, agreed, logprob = ref[sid]

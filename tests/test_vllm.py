@@ -62,13 +62,17 @@ def _vllm_args(data, out, *extra):
 
 def _assert_equivalent(out, reference, codec):
     """Every sample: stored with ``codec``; identical ids and mask, states within float32
-    tolerance of transformers' (both decoded: a run given no --codec stores zstd)."""
+    tolerance of transformers' (both decoded: a run given no --codec stores zstd); its fidelity
+    figure, measured in vLLM's connector, that of transformers' run (both check 1 in 8 tokens)."""
     ref, got = run_files(reference), run_files(out)
     assert sorted(got) == sorted(ref)
     worst = {"aux_hidden_states": 0.0, "hidden_states": 0.0}
     for name in ref:
         path = out / "shards" / name
         assert read_header(path).codec == codec, name
+        fa, fb = read_header(reference / "shards" / name).fidelity, read_header(path).fidelity
+        assert (fa.checked, fa.matched) == (fb.checked, fb.matched) and fb.checked > 0, name  # the same tokens checked
+        assert fb.logprob == pytest.approx(fa.logprob, rel=1e-4), name
         a, b = decode((reference / "shards" / name).read_bytes()), decode(path.read_bytes())
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"]), name
         for key in worst:
@@ -178,3 +182,46 @@ def test_resume_with_another_backend_is_refused(vllm, reference):
     (tests/test_cli.py's refusals)."""
     with pytest.raises(Refused, match="backend: run has transformers, asked for vllm"):
         extract(ExtractOptions(out=reference, backend="vllm"), log=lambda m: None)
+
+
+SKIPPED_NORM = """
+import runpy, sys
+from hsx.finalnorm import FinalNorm
+FinalNorm.apply = lambda self, x: x  # the final state stored before the norm (vLLM #48124's fault)
+sys.argv = ["hsx", *sys.argv[1:]]
+runpy.run_module("hsx", run_name="__main__")
+"""
+
+
+def test_vllm_checks_fidelity_a_skipped_norm_stops_the_run_and_the_fixed_resume_passes(vllm, tmp_path):
+    """On the target's own temperature-0 output (the floor), the connector's figures are those
+    transformers' own causal-LM forward gives; with the final norm skipped in vLLM's worker (a real
+    process, the engine in it), the run stops (exit 2) naming the samples and the causes, and the
+    files of the step that failed are gone; the same command, the fault gone, writes the good run."""
+    from transformers import AutoModelForCausalLM
+
+    from fidelity_refs import logits_reference, own_output, trained_norm
+
+    target = trained_norm(AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32), tmp_path / "tiny")
+    own = own_output(target, tmp_path / "gen")
+    out = tmp_path / "run"
+    args = ["extract", "--model", target, "--data", own, "--out", out, "--backend", "vllm", *ARGS]
+    args += ["--fidelity-stride", "1"]
+    env = _env() | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    faulty = subprocess.run(
+        [sys.executable, "-c", SKIPPED_NORM, *map(str, args)], capture_output=True, text=True, env=env, timeout=600
+    )
+    said = faulty.stdout + faulty.stderr
+    assert faulty.returncode == 2, said
+    assert "predict the target's next token for" in said and "the floor 98.0%" in said and "Likely causes" in said
+    assert not list(out.rglob("*.safetensors")), "a step that failed its check left files"
+    spec = json.loads((out / "hsx.json").read_text())
+    assert spec["fidelity"] == {"mode": "floor", "stride": 1, "floor": 0.98, "drop": 0.5}
+    hsx(*args, env=env | ENV, timeout=600)  # the fault fixed: the same command resumes
+    figs = {int(p.stem): read_header(p).fidelity for p in (out / "shards").rglob("*.safetensors")}
+    ref = logits_reference(target, out)
+    assert figs.keys() == ref.keys() and len(figs) == 12
+    for sid, f in figs.items():
+        checked, agreed, logprob = ref[sid]
+        assert f.checked == checked > 0 and abs(f.agreed - agreed) <= f.near_ties, (sid, f, ref[sid])
+        assert f.logprob == pytest.approx(logprob, rel=1e-4) and f.matched == f.checked, (sid, f)

@@ -81,9 +81,11 @@ def open_llm(
     from vllm.platforms import current_platform
 
     ids, aux_rows, final_row = vllm_ids(spec.layers, spec.model.num_layers)
+    stride = 0 if spec.fidelity is None else spec.fidelity.stride
     sink = SinkConfig(
-        run.resolve(), spec.shard_size, spec.layers, aux_rows, final_row, final_norm(model_dir), spec.codec.value
-    )
+        run.resolve(), spec.shard_size, spec.layers, aux_rows, final_row, final_norm(model_dir), spec.codec.value,
+        fidelity_stride=stride, model_dir=model_dir.resolve(),
+    )  # fmt: skip
     return vllm.LLM(
         model=str(model_dir),
         dtype=spec.dtype,

@@ -77,6 +77,8 @@ class SinkConfig:
     final_row: int  # head holding vLLM id N, the last layer's output before the norm
     norm: FinalNorm  # applied to that head to give ``hidden_states``
     codec: str = "raw"  # the run's storage codec (hsx.store.codec), by name
+    fidelity_stride: int = 0  # the run's --fidelity-stride (0: it checks no fidelity)
+    model_dir: Path | None = None  # the checkpoint whose LM head the fidelity check reads
 
     def to_dict(self) -> dict[str, Any]:
         n = self.norm
@@ -88,6 +90,8 @@ class SinkConfig:
             "final_row": self.final_row,
             "norm": {"file": str(n.file), "tensor": n.tensor, "eps": n.eps, "offset": n.offset},
             "codec": self.codec,
+            "fidelity_stride": self.fidelity_stride,
+            "model_dir": None if self.model_dir is None else str(self.model_dir),
         }
 
     @classmethod
@@ -101,16 +105,26 @@ class SinkConfig:
             final_row=int(d["final_row"]),
             norm=FinalNorm(Path(norm["file"]), norm["tensor"], float(norm["eps"]), bool(norm["offset"])),
             codec=str(d.get("codec", "raw")),
+            fidelity_stride=int(d.get("fidelity_stride", 0)),
+            model_dir=None if d.get("model_dir") is None else Path(d["model_dir"]),
         )
 
 
 class Sink:
-    """Turns a request's rows of the state cache into a verified sample file of the run."""
+    """Turns a request's rows of the state cache into a verified sample file of the run, with its
+    fidelity figure where the run checks it: the checkpoint's LM head (``head``, on the cache's
+    device, in its dtype) on the final state as stored, at the positions ``hsx.fidelity.positions``
+    picks, as the transformers backend measures it. The driver judges the figures (``extract.vllm``)."""
 
-    def __init__(self, cfg: SinkConfig):
+    def __init__(self, cfg: SinkConfig, device: torch.device | None = None, dtype: torch.dtype | None = None):
         self.cfg = cfg
         _ = cfg.norm.weight  # read at start, so a weight file that cannot be read fails here, not mid-run
         self._plan = None
+        self.head = None
+        if cfg.fidelity_stride:
+            from hsx.fidelity import Head
+
+            self.head = Head.of_checkpoint(cfg.model_dir, device or "cpu", dtype or torch.float32)
 
     @property
     def plan(self):
@@ -137,18 +151,18 @@ class Sink:
                     len(want),
                 )
                 continue
-            n = len(want)
+            n, mask = len(want), self.plan.loss_mask(p.sample_id)
             blocks = torch.tensor(p.block_ids, dtype=torch.long, device=cache.device)
             slots = (blocks[:, None] * block_size + torch.arange(block_size, device=cache.device)).flatten()[:n]
-            states = cache[slots // block_size, :, slots % block_size].to("cpu")  # [n, n_ids, H], a copy
-            aux = states[:, self.cfg.aux_rows].reshape(n, -1).contiguous()
-            final = self.cfg.norm.apply(states[:, self.cfg.final_row]).contiguous()
+            rows = cache[slots // block_size, :, slots % block_size]  # [n, n_ids, H], on the device
+            final = self.cfg.norm.apply(rows[:, self.cfg.final_row])  # the state stored, which is checked
             sample = SampleTensors(
                 sample_id=p.sample_id,
                 input_ids=torch.from_numpy(want.astype("int64")),
-                loss_mask=torch.from_numpy(self.plan.loss_mask(p.sample_id).astype("uint8")),
-                aux=aux,
-                final=final,
+                loss_mask=torch.from_numpy(mask.astype("uint8")),
+                aux=rows[:, self.cfg.aux_rows].reshape(n, -1).to("cpu").contiguous(),
+                final=final.to("cpu").contiguous(),
+                fidelity=self._figure(p.sample_id, want, mask, final),
             )
             path = layout.sample_path(self.cfg.run, p.sample_id, self.cfg.shard_size)
             parts, _ = encode(sample, self.cfg.layers, self.cfg.codec)
@@ -161,6 +175,16 @@ class Sink:
             touched.add(path.parent)
         for folder in sorted(touched):  # one fsync per folder per step: the renames are durable
             fsync_dir(folder)
+
+    def _figure(self, sample_id: int, ids: np.ndarray, mask: np.ndarray, final: torch.Tensor):
+        """The sample's fidelity figure (None where the run checks none), measured on the device on
+        the final state as stored (after the norm)."""
+        if self.head is None:
+            return None
+        from hsx.fidelity import figures, measure, positions
+
+        checks = [positions(sample_id, mask, self.cfg.fidelity_stride)]
+        return figures(measure(self.head, final[None], [0], [0], [ids], checks).cpu())[0]
 
 
 class HsxConnector(KVConnectorBase_V1, SupportsHMA):
@@ -202,7 +226,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError(f"{CONNECTOR}: state cache block size {self.cache.shape[2]} != {self.block_size}")
         # The states are replicated across tensor-parallel ranks: rank 0 writes.
         if get_tensor_model_parallel_rank() == 0:
-            self.sink = Sink(self.cfg)
+            self.sink = Sink(self.cfg, self.cache.device, self.cache.dtype)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         pass

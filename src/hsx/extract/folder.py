@@ -181,7 +181,7 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
         data=data or data_files(opts.data, opts.split, opts.limit, opts.column, opts.out),
         generate_spec=source_spec,
         plan=PlanIdentity.of(info, len(rejects)),
-        fidelity=_fidelity(opts, backend, own, log),
+        fidelity=_fidelity(opts, own),
         window=opts.window_asked(),
     )
     log(
@@ -207,14 +207,9 @@ def is_own(gen: GenerateSpec, model: ModelIdentity) -> bool:
     return same and gen.sampling.temperature == 0
 
 
-def _fidelity(opts: ExtractOptions, backend: str, own: bool, log: Callable[[str], None]) -> FidelityCheck | None:
+def _fidelity(opts: ExtractOptions, own: bool) -> FidelityCheck:
     """How a new run checks its fidelity: ``own``, its data is this model's temperature-0 output (a
-    floor), else a baseline. The vLLM backend's connector writes files inside vLLM without it."""
-    if backend == "vllm":
-        if any(v is not None for v in (opts.fidelity_stride, opts.fidelity_floor, opts.fidelity_drop)):
-            raise OptionError("the vllm backend does not check fidelity: --fidelity-* apply to the transformers one")
-        log("fidelity: not checked by the vllm backend (hsx verify --fidelity recomputes it from the checkpoint)")
-        return None
+    floor), else a baseline. Every backend measures it as it captures (vLLM's in its connector)."""
     return FidelityCheck(
         mode="floor" if own else "baseline",
         stride=given(opts, "fidelity_stride"),

@@ -1,7 +1,9 @@
 """The vLLM backend's side of the extraction (``extract.backends``): the job feeds vLLM the plan's
 token ids as prompts, shard by shard within a window of tokens in flight (the disk guard before each
 batch is enqueued), checks that vLLM ran the plan's ids and that each sample file its connector
-wrote has a sound header, counts progress, and seals each shard whose ids are all done. vLLM
+wrote has a sound header, judges the fidelity figures the connector measured (``fidelity.Gate``,
+on the samples each engine step finished: a step that fails has its files removed before the run
+stops, so none of it stays), counts progress, and seals each shard whose ids are all done. vLLM
 itself, its drafter and the connector are ``capture.vllm``.
 
 Importing this module imports vLLM.
@@ -20,8 +22,9 @@ import vllm
 
 from hsx.capture.vllm import close_llm, final_state, open_llm
 from hsx.capture.vllm_connector import SAMPLE_KEY
-from hsx.errors import BadFile, CaptureFailed, DiskFull
+from hsx.errors import BadFile, CaptureFailed, DiskFull, FidelityFailed
 from hsx.extract.backends import Session
+from hsx.fidelity import Gate
 from hsx.job.space import DiskGuard
 from hsx.plan import Plan
 from hsx.progress import Progress
@@ -50,8 +53,10 @@ class VllmFeed:
         progress: Progress,
         guard: Callable[[int], None] | None,
         window: int,
+        gate: Gate | None = None,
     ):
         self.run, self.spec, self.plan, self.progress, self.guard = run, spec, plan, progress, guard
+        self.gate = gate
         self.window = window  # tokens enqueued and not yet finished, at most
         self.batches: deque[list[int]] = deque()
         self.left: dict[int, set[int]] = {}
@@ -88,8 +93,9 @@ class VllmFeed:
             self.requests.update(ids)
             self.inflight += tokens
 
-    def finished(self, out: vllm.RequestOutput) -> None:
-        """One request's output: its sample id comes back from the connector on kv_transfer_params."""
+    def finished(self, out: vllm.RequestOutput) -> FileRecord:
+        """One request's output: its sample id comes back from the connector on kv_transfer_params;
+        its file's record, once vLLM ran the plan's ids and the file's header is sound."""
         sid = int((out.kv_transfer_params or {}).get(SAMPLE_KEY, -1))
         if sid not in self.requests:
             raise CaptureFailed(f"vLLM finished request {out.request_id} that carries no sample id of this run")
@@ -113,16 +119,30 @@ class VllmFeed:
             raise CaptureFailed(
                 f"sample {sid}: vLLM finished it but its file is not there ({e}); see vLLM's log"
             ) from e
-        record = FileRecord(sid, path.stat().st_size, header.digest)
-        done: Future = Future()
-        done.set_result(record)
-        self.progress.on_written(n)(done)
-        shard = layout.shard_of(sid, self.spec.shard_size)
-        self.records[shard].append(record)
-        self.left[shard].discard(sid)
-        if not self.left[shard]:  # every id of the shard has a durable, checked file
-            seal(self.run, shard, self.records.pop(shard))
-            del self.left[shard]
+        if self.gate is not None and header.fidelity is None:
+            raise CaptureFailed(f"sample {sid}: its file carries no fidelity figure, which this run checks")
+        return FileRecord(sid, path.stat().st_size, header.digest, fidelity=header.fidelity)
+
+    def judged(self, records: list[FileRecord]) -> None:
+        """The samples one engine step finished: their figures judged together (a step that fails
+        has its files removed, then stops the run), then counted, and their shards sealed once whole."""
+        if self.gate is not None and records:
+            try:
+                self.gate.judge([r.sample_id for r in records], [r.fidelity for r in records])
+            except FidelityFailed:
+                for r in records:  # not sealed, not counted: as if never written
+                    layout.sample_path(self.run, r.sample_id, self.spec.shard_size).unlink(missing_ok=True)
+                raise
+        for record in records:
+            done: Future = Future()
+            done.set_result(record)
+            self.progress.on_written(int(self.plan.lengths[record.sample_id]))(done)
+            shard = layout.shard_of(record.sample_id, self.spec.shard_size)
+            self.records[shard].append(record)
+            self.left[shard].discard(record.sample_id)
+            if not self.left[shard]:  # every id of the shard has a durable, checked file
+                seal(self.run, shard, self.records.pop(shard))
+                del self.left[shard]
 
     def run_engine(self, llm: vllm.LLM) -> None:
         """Step the engine until every sample is back; refuse when vLLM dropped any."""
@@ -131,9 +151,7 @@ class VllmFeed:
             self.feed(llm)
             if not engine.has_unfinished_requests():
                 break
-            for out in engine.step():
-                if out.finished:
-                    self.finished(out)
+            self.judged([self.finished(out) for out in engine.step() if out.finished])
         if self.left:
             raise CaptureFailed(f"shards {sorted(self.left)} still have samples vLLM never returned")
 
@@ -144,7 +162,10 @@ def run(session: Session, todo: Iterable[ShardScan]) -> None:
     flight scaled by the codec's ratio (the start's forecast, bound here to this session's files)."""
     s = session
     window = max(4 * s.spec.batch_tokens, int(s.plan.lengths.max()))
-    feed = VllmFeed(s.run, s.spec, s.plan, todo, s.progress, None, window=window)
+    gate = None if s.spec.fidelity is None else Gate(s.run, s.spec.fidelity, s.log)
+    if gate is not None:
+        s.progress.fidelity = gate.metrics
+    feed = VllmFeed(s.run, s.spec, s.plan, todo, s.progress, None, window=window, gate=gate)
     forecast = s.space.forecast
     forecast.session = s.progress.session
     feed.guard = DiskGuard(s.run, s.space.reserve, in_flight=feed.inflight_bytes, forecast=forecast)
