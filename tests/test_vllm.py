@@ -185,19 +185,25 @@ def test_resume_with_another_backend_is_refused(vllm, reference):
 
 
 SKIPPED_NORM = """
-import runpy, sys
+import os, runpy, signal, sys
 from hsx.finalnorm import FinalNorm
 FinalNorm.apply = lambda self, x: x  # the final state stored before the norm (vLLM #48124's fault)
-sys.argv = ["hsx", *sys.argv[1:]]
+if sys.argv[1] == "kill":  # and the driver killed -9 once vLLM wrote a step's files, before its verdict
+    from hsx.extract.vllm import VllmFeed
+    judged = VllmFeed.judged
+    VllmFeed.judged = lambda self, records: os.kill(os.getpid(), signal.SIGKILL) if records else judged(self, records)
+sys.argv = ["hsx", *sys.argv[2:]]
 runpy.run_module("hsx", run_name="__main__")
 """
 
 
 def test_vllm_checks_fidelity_a_skipped_norm_stops_the_run_and_the_fixed_resume_passes(vllm, tmp_path):
     """On the target's own temperature-0 output (the floor), the connector's figures are those
-    transformers' own causal-LM forward gives; with the final norm skipped in vLLM's worker (a real
+    transformers' own causal-LM forward gives. With the final norm skipped in vLLM's worker (a real
     process, the engine in it), the run stops (exit 2) naming the samples and the causes, and the
-    files of the step that failed are gone; the same command, the fault gone, writes the good run."""
+    files of the step that failed are gone. Killed -9 after vLLM wrote a step's files and before the
+    driver's verdict, it leaves them under their pending names only, never counted. The same command,
+    the fault gone, writes the good run."""
     from transformers import AutoModelForCausalLM
 
     from fidelity_refs import logits_reference, own_output, trained_norm
@@ -208,15 +214,25 @@ def test_vllm_checks_fidelity_a_skipped_norm_stops_the_run_and_the_fixed_resume_
     args = ["extract", "--model", target, "--data", own, "--out", out, "--backend", "vllm", *ARGS]
     args += ["--fidelity-stride", "1"]
     env = _env() | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    faulty = subprocess.run(
-        [sys.executable, "-c", SKIPPED_NORM, *map(str, args)], capture_output=True, text=True, env=env, timeout=600
-    )
-    said = faulty.stdout + faulty.stderr
-    assert faulty.returncode == 2, said
+
+    def faulty(mode: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-c", SKIPPED_NORM, mode, *map(str, args)]
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+
+    def files() -> list[str]:
+        return sorted(p.name for p in (out / "shards").rglob("*") if p.is_file())
+
+    stopped = faulty("judge")
+    said = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 2, said
     assert "predict the target's next token for" in said and "the floor 98.0%" in said and "Likely causes" in said
-    assert not list(out.rglob("*.safetensors")), "a step that failed its check left files"
+    assert files() == [], "a step that failed its check left files"
     spec = json.loads((out / "hsx.json").read_text())
     assert spec["fidelity"] == {"mode": "floor", "stride": 1, "floor": 0.98, "drop": 0.5}
+    killed = faulty("kill")
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    left = files()
+    assert left and all(name.endswith(".tmp-pending") for name in left), left  # written, never judged
     hsx(*args, env=env | ENV, timeout=600)  # the fault fixed: the same command resumes
     figs = {int(p.stem): read_header(p).fidelity for p in (out / "shards").rglob("*.safetensors")}
     ref = logits_reference(target, out)
@@ -225,3 +241,4 @@ def test_vllm_checks_fidelity_a_skipped_norm_stops_the_run_and_the_fixed_resume_
         checked, agreed, logprob = ref[sid]
         assert f.checked == checked > 0 and abs(f.agreed - agreed) <= f.near_ties, (sid, f, ref[sid])
         assert f.logprob == pytest.approx(logprob, rel=1e-4) and f.matched == f.checked, (sid, f)
+    assert not [name for name in files() if name.startswith(".")]  # the resume removed what waited

@@ -14,7 +14,9 @@ Flow, per request (one plan sample):
   layers, applies the checkpoint's final norm (``hsx.finalnorm``, as transformers computes it),
   and writes the sample file through the store (temp file, fsync, rename); the folders are
   fsynced before the step returns, so a file is durable before the driver hears the request
-  finished. Nothing is staged outside the run.
+  finished. Nothing is staged outside the run. Where the run checks fidelity, the file is
+  written under its pending name (``store.durable.pending_name``: a temp file to every reader),
+  and the driver gives it its own name once the gate passed its figure.
 A sample that cannot be written (token mismatch, full disk) is logged and left without a file;
 the driver sees the missing file and stops. Imports stay light: this runs in every vLLM process.
 """
@@ -137,7 +139,7 @@ class Sink:
 
     def write(self, prompts: list[Prompt], cache: torch.Tensor, block_size: int) -> None:
         from hsx.store import layout
-        from hsx.store.durable import DiskFull, fsync_dir, write_parts
+        from hsx.store.durable import DiskFull, fsync_dir, pending_name, write_parts
         from hsx.store.format import SampleTensors, encode
 
         touched: set[Path] = set()
@@ -165,6 +167,8 @@ class Sink:
                 fidelity=self._figure(p.sample_id, want, mask, final),
             )
             path = layout.sample_path(self.cfg.run, p.sample_id, self.cfg.shard_size)
+            if self.head is not None:  # the driver names it once the gate has passed its figure
+                path = pending_name(path)
             parts, _ = encode(sample, self.cfg.layers, self.cfg.codec)
             path.parent.mkdir(parents=True, exist_ok=True)
             try:

@@ -2,8 +2,9 @@
 token ids as prompts, shard by shard within a window of tokens in flight (the disk guard before each
 batch is enqueued), checks that vLLM ran the plan's ids and that each sample file its connector
 wrote has a sound header, judges the fidelity figures the connector measured (``fidelity.Gate``,
-on the samples each engine step finished: a step that fails has its files removed before the run
-stops, so none of it stays), counts progress, and seals each shard whose ids are all done. vLLM
+on the samples each engine step finished) and gives the files that passed their own names (vLLM
+wrote them under their pending names: a step that fails, or a driver killed before its verdict,
+leaves nothing counted), counts progress, and seals each shard whose ids are all done. vLLM
 itself, its drafter and the connector are ``capture.vllm``.
 
 Importing this module imports vLLM.
@@ -11,6 +12,7 @@ Importing this module imports vLLM.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -30,6 +32,7 @@ from hsx.plan import Plan
 from hsx.progress import Progress
 from hsx.spec import RunSpec
 from hsx.store import layout
+from hsx.store.durable import fsync_dir, pending_name
 from hsx.store.format import check
 from hsx.store.scan import ShardScan
 from hsx.store.writer import FileRecord, seal
@@ -109,7 +112,7 @@ class VllmFeed:
                 f"sample {sid}: vLLM ran {len(token_ids or [])} token ids that are not the plan's {n}; "
                 "nothing was written for it"
             )
-        path = layout.sample_path(self.run, sid, self.spec.shard_size)
+        path = self._written(sid)
         try:
             header = check(path, sid, deep=False)
         except (BadFile, OSError) as e:
@@ -123,16 +126,27 @@ class VllmFeed:
             raise CaptureFailed(f"sample {sid}: its file carries no fidelity figure, which this run checks")
         return FileRecord(sid, path.stat().st_size, header.digest, fidelity=header.fidelity)
 
+    def _written(self, sid: int) -> Path:
+        """Where the connector wrote the sample: its pending name where the run checks fidelity."""
+        path = layout.sample_path(self.run, sid, self.spec.shard_size)
+        return path if self.gate is None else pending_name(path)
+
     def judged(self, records: list[FileRecord]) -> None:
-        """The samples one engine step finished: their figures judged together (a step that fails
-        has its files removed, then stops the run), then counted, and their shards sealed once whole."""
+        """The samples one engine step finished: their figures judged together, the files that
+        passed given their own names (a step that fails has its files removed, then stops the
+        run), then counted, and their shards sealed once whole."""
         if self.gate is not None and records:
             try:
                 self.gate.judge([r.sample_id for r in records], [r.fidelity for r in records])
             except FidelityFailed:
-                for r in records:  # not sealed, not counted: as if never written
-                    layout.sample_path(self.run, r.sample_id, self.spec.shard_size).unlink(missing_ok=True)
+                for r in records:
+                    self._written(r.sample_id).unlink(missing_ok=True)
                 raise
+            for r in records:
+                path = layout.sample_path(self.run, r.sample_id, self.spec.shard_size)
+                os.rename(pending_name(path), path)
+            for shard in sorted({layout.shard_of(r.sample_id, self.spec.shard_size) for r in records}):
+                fsync_dir(layout.shard_dir(self.run, shard))
         for record in records:
             done: Future = Future()
             done.set_result(record)

@@ -29,6 +29,13 @@ def temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
 
 
+def pending_name(path: Path) -> Path:
+    """Where a file written whole and durable waits for its writer's go-ahead (a rename to ``path``,
+    then the folder's fsync): a temp file to every reader, so a crash before the go-ahead leaves
+    nothing counted (the vLLM backend's files, judged by the driver after vLLM wrote them)."""
+    return path.with_name(f".{path.name}{TMP_MARK}pending")
+
+
 def temp_of(name: str) -> tuple[str, int | None] | None:
     """What a temp file is of: (the NAME it was to become, its writer's pid), or None if ``name``
     is no temp file; the pid is None for a temp of another naming (an older hsx)."""
