@@ -65,8 +65,7 @@ class InProcess(Extract):
                     backend(spec.backend).run(session, todo)  # torch or vLLM: imported only when there is work
                 if not how.whole:
                     _log_verified(verifier, job.log)
-            if spec.window is not None and spec.window.delete:
-                sweep(job.run, spec.window, spec.shard_size, job.log)
+            sweep(job.run, spec.window, spec.shard_size, job.log)
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the stop message says what is done
             e.add_note(f"{progress.counts()[0]}/{spec.plan.num_samples} samples are done and durable")
             raise

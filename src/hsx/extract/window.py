@@ -137,10 +137,13 @@ def delete_released(run: Path, ids: set[int], shard_size: int) -> int:
     return gone
 
 
-def sweep(run: Path, window: Window, shard_size: int, log: Callable[[str], None]) -> None:
-    """At the end of an extraction's session, and on a resume of a finished run: delete what the
-    consumers released since the gate last looked (the gate runs only before a batch, so what a
-    trainer releases after the last one would stay on disk)."""
+def sweep(run: Path, window: Window | None, shard_size: int, log: Callable[[str], None]) -> None:
+    """At the end of an extraction's session (in one process or its Ray workers' driver), and on a
+    resume of a finished run: where the run deletes released files, delete what the consumers
+    released since the gate last looked (the gate runs only before a batch, so what a trainer
+    releases after the last one would stay on disk)."""
+    if window is None or not window.delete:
+        return
     gone = delete_released(run, released(window, inspect(run, LEASE_TIMEOUT)), shard_size)
     if gone:
         log(f"window: deleted {gone} released file{'s' if gone != 1 else ''}, recorded consumed")

@@ -35,6 +35,7 @@ from hsx.extract.options import ExtractOptions
 from hsx.extract.outcome import Outcome
 from hsx.extract.stage import Extract
 from hsx.extract.summary import ExtractSummary
+from hsx.extract.window import sweep
 from hsx.extract.workers.actor import ShardWorker
 from hsx.extract.workers.worker import WorkerTask
 from hsx.job.model import Model
@@ -167,6 +168,7 @@ class Workers(Extract):
     def work(self, job: Job[ExtractOptions, RunSpec, ExtractSummary]) -> None:
         try:
             _extract(job, self.gpu)
+            sweep(job.run, job.spec.window, job.spec.shard_size, job.log)
         finally:
             self.cluster.stop()  # no worker of this driver may outlive its lock
             for s in registry.clear_session(job.run, self.driver):
