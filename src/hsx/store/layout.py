@@ -19,7 +19,7 @@ OUT/
   consumers/NAME/          CONSUMERS: a trainer's leases, acknowledgements and checkpoint step (hsx.consumer)
   consumed/000012.json     CONSUMED: the files of shard 12 deleted once every consumer released them
                            (--window with --delete-released): done and gone on purpose, never missing
-  consumed/.guard          CONSUMED_GUARD: flocked while a process records and deletes released files
+  consumed/.guard          consumed_guard: flocked while a process records and deletes released files
   interconnect.json        INTERCONNECT: the node's GPU links as measured before multi-GPU jobs (hsx.interconnect)
 """
 

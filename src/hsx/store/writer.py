@@ -270,7 +270,8 @@ CONSUMED_FORMAT = "hsx-consumed/1"
 def record_consumed(run: Path, shard: int, records: list[FileRecord]) -> None:
     """Record, before they are deleted, the files of a sealed shard that every consumer released:
     the run's record (outside the shard's folder) of what is done and gone on purpose, added to
-    what the shard's record held, replaced whole."""
+    what the shard's record held, replaced whole. The caller made ``consumed/`` and holds its guard
+    (``extract.window.delete_released``)."""
     files = read_consumed(run, shard) | {r.sample_id: r for r in records}
     body = {
         "format": CONSUMED_FORMAT,
@@ -280,9 +281,7 @@ def record_consumed(run: Path, shard: int, records: list[FileRecord]) -> None:
             for r in sorted(files.values(), key=lambda r: r.sample_id)
         ],
     }
-    path = layout.consumed_record(run, shard)
-    path.parent.mkdir(exist_ok=True)
-    write_durable(path, json.dumps(body, indent=0).encode())
+    write_durable(layout.consumed_record(run, shard), json.dumps(body, indent=0).encode())
 
 
 def any_consumed(run: Path) -> bool:
