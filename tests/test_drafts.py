@@ -291,6 +291,13 @@ def test_modelopt_dflash_reads_the_taps_and_refusals_name_what_cannot_be_fed(run
         got = ds[i]
         assert torch.equal(got["aux_hidden_states"], s["aux_hidden_states"]) and got["base_hidden_prenorm"]
         assert torch.equal(got["base_model_hidden_states"], s["hidden_states"])
+    # without --prenorm: the final state after the norm, derived from the pre-norm run, is the post-norm twin's
+    export(runs["dflash"], tmp_path / "post", "--to", "modelopt", "--draft", "dflash")
+    ds = OfflineSupervisedDataset(sorted(str(p) for p in (tmp_path / "post").rglob("*.pt")), answer_only_loss=True)
+    for i, s in enumerate(samples(runs["post"])):
+        got = ds[i]
+        assert torch.equal(got["aux_hidden_states"], s["aux_hidden_states"]) and not got["base_hidden_prenorm"]
+        assert torch.equal(got["base_model_hidden_states"], s["hidden_states"])
     refused = {
         ("specforge", "mtp"): "specforge's trainer takes the draft types eagle3, dflash, dspark, not mtp; mtp is "
         "trained by speculators",
