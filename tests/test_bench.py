@@ -87,7 +87,8 @@ def test_node_bench_builds_one_ranks_shapes_and_counts_its_all_reduces():
     """hsx.bench.node: Kimi-K2.5 at TP8+EP8 is, per rank, 8 of 64 heads, 48 of 384 routed experts of
     which a token meets 1 of its 8, 1/8 of the dense MLP and of the vocabulary; the all-reduces
     of a forward are 1 + 2 per dense layer + 3 per MoE layer, each a ring over the bus bandwidth."""
-    from hsx.bench.node import allreduce_seconds, rank_config
+    from hsx.bench.node import rank_config
+    from hsx.capture.memory import Pace
 
     text = json.loads((Path(__file__).parent.parent / "bench" / "kimi-k25-shape" / "config.json").read_text())
     config = rank_config(text["text_config"], 8, 61)
@@ -95,7 +96,7 @@ def test_node_bench_builds_one_ranks_shapes_and_counts_its_all_reduces():
     assert (config.intermediate_size, config.vocab_size, config.shared_intermediate) == (2304, 20480, 256)
     assert (config.hidden_size, config.moe_intermediate_size, config.num_hidden_layers) == (7168, 2048, 61)
     count = 1 + 2 * 1 + 3 * 60
-    assert allreduce_seconds(1000, 7168, 61, 1, 8, 1e9) == count * 1000 * 7168 * 2 * 2 * 7 / 8 / 1e9
+    assert Pace(0, 61, 1, True).allreduce_bytes(7168 * 2, 8) == count * 7168 * 2 * 2 * 7 / 8
     with pytest.raises(ValueError, match="num_attention_heads 64 does not split over 6 ranks"):
         rank_config(text["text_config"], 6, 61)
 
@@ -140,13 +141,14 @@ def test_node_bench_times_the_stage_that_sets_a_pipelines_pace():
     layers (the dense first layer is lighter); the most any stage hands on is the residual stream
     and the two aux states captured before the last stage (of [1, 29, 57]); one rank a stage does no
     all-reduce."""
-    from hsx.bench.node import allreduce_seconds, handoff_seconds, pace_stage, rank_config
+    from hsx.bench.node import pace_stage, rank_config
+    from hsx.capture.memory import Pace
 
     kimi = Path(__file__).parent.parent / "bench" / "kimi-k25-shape"
     text = json.loads((kimi / "config.json").read_text())["text_config"]
     pace = pace_stage(kimi, text, 1, 8)
-    assert (pace.layers, pace.dense, pace.embeddings, pace.handoff_states) == (8, 0, False, 3), pace
-    config = rank_config(text, 1, 3, pace.dense)
+    assert (pace.pace.layers, pace.pace.dense, pace.pace.embeddings, pace.handoff_states) == (8, 0, False, 3), pace
+    config = rank_config(text, 1, 3, pace.pace.dense)
     assert (config.n_routed_experts, config.num_experts_per_tok, config.first_k_dense_replace) == (384, 8, 0)
-    assert allreduce_seconds(1000, 7168, 8, 0, 1, 40e9) == 0.0
-    assert handoff_seconds(1000, 7168, 3, 25e9) == 1000 * 3 * 7168 * 2 / 25e9
+    assert pace.pace.allreduce_bytes(7168 * 2, 1) == 0.0
+    assert Pace.handoff_bytes(7168 * 2, 3) == 3 * 7168 * 2

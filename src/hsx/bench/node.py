@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hsx.capture.memory import Pace
+
 AUX_STATES = 4  # the story's sample files: three aux layers and the final state, bf16
 
 
@@ -158,31 +160,12 @@ def batches(lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
     return out + ([cur] if cur else [])
 
 
-def allreduce_seconds(
-    tokens: int, hidden: int, layers: int, dense_layers: int, ranks: int, busbw: float, embeddings: bool = True
-) -> float:
-    """Serial all-reduces of bf16 [tokens, hidden]: 2 per dense layer (attention, MLP), 3 per MoE
-    layer (attention, shared experts, routed experts), 1 for the vocabulary-parallel embedding
-    (where the rank holds it); a ring's time is bytes x 2(n-1)/n over the bus bandwidth."""
-    count = int(embeddings) + 2 * dense_layers + 3 * (layers - dense_layers)
-    return count * tokens * hidden * 2 * 2 * (ranks - 1) / ranks / busbw if ranks > 1 else 0.0
-
-
-def handoff_seconds(tokens: int, hidden: int, states: int, p2p: float) -> float:
-    """A stage's hand-off of ``tokens`` to the next: ``states`` bf16 vectors a token (the residual
-    stream and the aux states captured so far) at ``p2p`` bytes/s."""
-    return tokens * states * hidden * 2 / p2p
-
-
 @dataclass(frozen=True)
 class PaceStage:
-    """The stage of a pipeline that sets its pace: its layers, how many of them are dense, whether
-    it holds the embeddings, and the states a token carries to the next stage."""
+    """The stage of a pipeline that sets its pace (``capture.memory.Pace``), and the states a
+    token carries to the next stage at the most."""
 
-    first: int
-    layers: int
-    dense: int
-    embeddings: bool
+    pace: Pace
     handoff_states: int
     stages: str
 
@@ -198,14 +181,9 @@ def pace_stage(model: Path, text: dict, ranks: int, pipeline: int) -> PaceStage:
         raise ValueError(f"{model}: no weights, and no DeepSeek-V3 shapes in config.json to partition")
     layout = Layout(ranks, ranks, "packed", pipeline=pipeline)
     stages = inventory.stages(layout)
-    layers = int(text["num_hidden_layers"])
-    compute = [c for c, _ in inventory.costs(layout)[0]]
-    s = max(range(stages.size), key=lambda i: sum(compute[slice(*stages.ranges[i])]))
-    first, end = stages.ranges[s]
-    dense = max(0, min(end, int(text.get("first_k_dense_replace", 0))) - first)
-    aux = default_layers(layers)
+    aux = default_layers(int(text["num_hidden_layers"]))
     carried = max(1 + sum(k < e for k in aux) for _, e in stages.ranges[:-1])
-    return PaceStage(first, end - first, dense, s == 0, carried, str(stages))
+    return PaceStage(inventory.pace(layout), carried, str(stages))
 
 
 def sync(device: torch.device) -> None:
@@ -226,10 +204,11 @@ def run(args) -> NodeEstimate:
     stage = None
     if args.pipeline > 1:
         stage = pace_stage(Path(args.model), text, args.ranks, args.pipeline)
+        first, last = stage.pace.first, stage.pace.first + stage.pace.layers - 1
         print(f"pipeline of {args.pipeline} stages ({stage.stages}); the pace is stage layers "
-              f"{stage.first}-{stage.first + stage.layers - 1} ({stage.dense} dense)", flush=True)  # fmt: skip
-    total = stage.layers if stage else layers  # the layers one rank runs
-    dense_total = stage.dense if stage else int(text.get("first_k_dense_replace", 0))
+              f"{first}-{last} ({stage.pace.dense} dense)", flush=True)  # fmt: skip
+    pace = stage.pace if stage else Pace(0, layers, int(text.get("first_k_dense_replace", 0)), True)
+    total, dense_total = pace.layers, pace.dense  # the layers one rank runs
     built = min(args.layers or total, total)
     config = rank_config(text, args.ranks, built, min(dense_total, built) if stage else None)
     t0 = time.perf_counter()
@@ -267,19 +246,18 @@ def run(args) -> NodeEstimate:
     kernel, single = (varlen.CALLS[k] - calls[k] for k in ("kernel", "per_sample"))
     print(f"timed: {len(timed)} batches; packed attention ran {kernel} varlen-kernel and {single} per-sample calls")
     tokens = sum(len(s) for row in timed for s in row)
-    embeddings = stage.embeddings if stage else True
     hidden = config.hidden_size
     est = NodeEstimate(
         layers_built=built,
         layers=total,
         tokens=tokens,
         seconds=seconds * total / built,
-        allreduce_at_1=allreduce_seconds(tokens, hidden, total, dense_total, args.ranks, 1e9, embeddings),
+        allreduce_at_1=tokens * pace.allreduce_bytes(hidden * 2, args.ranks) / 1e9,
         mean_len=float(lengths.mean()),
         hidden=hidden,
         weight_bytes=weight_bytes,
         peak_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
-        handoff_at_1=handoff_seconds(tokens, hidden, stage.handoff_states, 1e9) if stage else 0.0,
+        handoff_at_1=tokens * Pace.handoff_bytes(hidden * 2, stage.handoff_states) / 1e9 if stage else 0.0,
     )
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -142,6 +142,41 @@ def gb(n: float) -> str:
     return f"{n / GB:.1f} GB"
 
 
+@dataclass(frozen=True)
+class Pace:
+    """The stage that sets a layout's pace (the whole model without a pipeline): its decoder
+    layers from ``first``, how many of them are dense, whether it holds the embeddings; and what
+    moving data costs a token there. The one place ``hsx memory``'s advice and ``hsx.bench.node``
+    count it."""
+
+    first: int
+    layers: int
+    dense: int
+    embeddings: bool
+
+    def allreduces(self, ranks: int) -> int:
+        """A token's all-reduces over ``ranks`` tensor-parallel ranks: one after the
+        vocabulary-parallel embeddings where the stage holds them, two a dense layer (attention,
+        MLP), three a MoE layer (attention, shared and routed experts); none on one rank."""
+        return 0 if ranks == 1 else int(self.embeddings) + 2 * self.dense + 3 * (self.layers - self.dense)
+
+    def allreduce_bytes(self, value: int, ranks: int) -> float:
+        """Bytes those all-reduces move a token, each of ``value`` bytes (a token's state), a ring
+        moving 2(T-1)/T of them."""
+        return self.allreduces(ranks) * value * ring(ranks)
+
+    @staticmethod
+    def handoff_bytes(value: int, states: int) -> int:
+        """Bytes a token's hand-off to the next stage moves: ``states`` states of ``value`` bytes
+        (the residual stream and the aux states captured so far)."""
+        return states * value
+
+
+def ring(ranks: int) -> float:
+    """The share of its values a ring all-reduce moves over each link: 2(T-1)/T."""
+    return 2 * (ranks - 1) / ranks
+
+
 @dataclass
 class Inventory:
     """The language model's weights, its config and transformers' TP plan for its architecture."""
@@ -241,6 +276,20 @@ class Inventory:
                 cost[0] += hidden if m.numel else 0
             cost[1] += self.held(m, layout)
         return [(c, b) for c, b in per_layer], tuple(ends["first"]), tuple(ends["last"])
+
+    def pace(self, layout: Layout) -> Pace:
+        """The stage of ``layout`` that sets its pace: the most compute (``costs``) under the
+        partition a run makes (``stages``); the whole model without a pipeline."""
+        from hsx.capture.transformers import EXPERT_COUNTS
+
+        layers = int(self.config["num_hidden_layers"])
+        routed = any(self.config.get(k) for k in EXPERT_COUNTS)
+        dense = min(layers, int(self.config.get("first_k_dense_replace") or 0)) if routed else layers
+        first, end = 0, layers
+        if layout.pipeline > 1:
+            compute = [c for c, _ in self.costs(layout)[0]]
+            first, end = max(self.stages(layout).ranges, key=lambda r: sum(compute[slice(*r)]))
+        return Pace(first, end - first, max(0, min(end, dense) - first), first == 0)
 
     def stages(self, layout: Layout) -> Stages:
         """``layout.pipeline`` stages of contiguous decoder layers, balanced by their ``costs``
@@ -522,16 +571,13 @@ class Candidate:
 def candidates(inventory: Inventory, base: Layout, gpus: int, links: Links) -> list[Candidate]:
     """Every layout of ``gpus`` GPUs the model can be split into (a pipeline of P stages, each of
     TP = EP = gpus / P ranks), ``base``'s expert form, dtype and batch kept, with its memory and
-    what moving data costs a token. A stage's all-reduces: one after the vocabulary-parallel
-    embeddings, two a dense layer, three a MoE layer (attention, shared and routed experts), each
-    of a token's H values, a ring moving 2(T-1)/T of them at the bus bandwidth; the hand-off: the
-    residual stream and every aux state, H values each, at the point-to-point bandwidth."""
+    what moving data costs a token at its slowest stage (``Pace``): its all-reduces at the bus
+    bandwidth; the hand-off, the residual stream and every aux state, at the point-to-point
+    bandwidth."""
     from hsx.capture.transformers import EXPERT_COUNTS, parallel_refusal
 
     config = inventory.config
     routed = any(config.get(k) for k in EXPERT_COUNTS)
-    layers = int(config["num_hidden_layers"])
-    dense = min(layers, int(config.get("first_k_dense_replace") or 0)) if routed else layers
     value = int(config["hidden_size"]) * DTYPE_BYTES[base.dtype]  # bytes of one state of a token
     out = []
     for p in (n for n in range(1, gpus + 1) if gpus % n == 0):
@@ -539,18 +585,15 @@ def candidates(inventory: Inventory, base: Layout, gpus: int, links: Links) -> l
         layout = replace(base, tensor=t, expert=t if routed else 1, pipeline=p)
         if parallel_refusal(config, t, layout.expert, p) is not None:
             continue
-        pace = (
-            max(((end - first) for first, end in inventory.stages(layout).ranges), default=layers) if p > 1 else layers
-        )
-        reduces = 0 if t == 1 else 1 + 2 * min(dense, pace) + 3 * max(0, pace - dense)
-        ring = 2 * (t - 1) / t
-        allreduce = reduces * value * ring / (links.allreduce_gbps * 1e9) if reduces else 0.0
+        pace = inventory.pace(layout)
+        reduces = pace.allreduces(t)
+        allreduce = pace.allreduce_bytes(value, t) / (links.allreduce_gbps * 1e9)
         states = 1 + base.captured
-        handoff = states * value / (links.p2p_gbps * 1e9) if p > 1 else 0.0
+        handoff = Pace.handoff_bytes(value, states) / (links.p2p_gbps * 1e9) if p > 1 else 0.0
         said = []
         if reduces:
             said.append(
-                f"{reduces} all-reduces x {value:,} B x {ring:.2f} / {links.allreduce_gbps:g} GB/s = "
+                f"{reduces} all-reduces x {value:,} B x {ring(t):.2f} / {links.allreduce_gbps:g} GB/s = "
                 f"{allreduce * 1e6:,.1f} us"
             )
         if p > 1:
