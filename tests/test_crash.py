@@ -6,6 +6,7 @@ cleanly (exit 143, no partial file) and prints the command that resumes it.
 Each kill waits until the run has written k more sample files (k from a seeded RNG, the seed in
 every message), so where the kills land depends on the seed, never on the machine's speed."""
 
+import json
 import os
 import random
 import re
@@ -85,3 +86,51 @@ def test_sigkill_at_progress_points_then_resume_is_byte_identical(tmp_path):
         assert final[p] == ident, f"seed {seed}: {p.name} rewritten by the final resume"
     assert run_files(out) == reference, f"seed {seed}"
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+
+
+# an extraction whose capture fails, as a bug would, on its second batch: after the spec, a shard or more written
+FAULTY = """
+import sys
+from hsx.capture.transformers import TransformersBackend
+
+real, calls = TransformersBackend.capture, []
+
+def capture(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        {}["injected fault"]
+    return real(self, *args, **kwargs)
+
+TransformersBackend.capture = capture
+from hsx.cli import main
+sys.argv[0] = "hsx"
+main()
+"""
+
+
+def test_an_unexpected_error_is_recorded_reported_by_status_until_a_session_completes(tmp_path):
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(12))
+    out = tmp_path / "run"
+    args = [*_args(data, out), "--batch-tokens", "64", "--writers", "1"]
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", FAULTY, *map(str, args)], capture_output=True, text=True, env=env)
+    said = " ".join(proc.stderr.split())
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "hsx extract failed unexpectedly: KeyError: 'injected fault' at " in said, said
+    assert f"the traceback and the log's last lines are in {out / 'crash.json'}" in said, said
+    record = json.loads((out / "crash.json").read_text())
+    assert record["error"] == "KeyError" and record["where"].endswith("in capture"), record
+    assert record["command"].startswith("hsx extract --out") and record["at"]
+    assert any("injected fault" in line for line in record["traceback"]), record["traceback"]
+    assert record["log"] and any(line.startswith("model:") or "samples" in line for line in record["log"]), record
+    # status: crashed, non-zero, naming what failed; the resume it prints comes after acting
+    status = hsx("status", out, "--json", check=False)
+    assert status.returncode == 2, status.stdout
+    report = json.loads(status.stdout)
+    crash = next(c for c in report["checks"] if c["name"] == "crash")
+    assert crash["level"] == "fail" and "KeyError: 'injected fault'" in crash["figure"], crash
+    # a session that completes clears it: status says nothing is wrong again
+    done = hsx(*args)
+    assert "the last session failed unexpectedly" in done.stderr, done.stderr
+    assert not (out / "crash.json").exists()
+    assert hsx("status", out, check=False).returncode == 0

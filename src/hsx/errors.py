@@ -128,6 +128,13 @@ class RepairRefused(Refused):
     pass
 
 
+class Crashed(HsxError):
+    """An error hsx did not expect, met by a job: recorded in the run folder (``job.folder.Failure``)
+    and said in one line instead of a traceback; exit 1, as a traceback's."""
+
+    exit_code = Exit.REDO
+
+
 class NormUnavailable(Refused):
     pass
 

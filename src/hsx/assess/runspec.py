@@ -93,21 +93,43 @@ def inspect(run: Path) -> RunFiles:
 
 def _never_a_run(run: Path) -> Check | None:
     """A folder where ``hsx extract`` started a run that never came to be (no spec, no shard): why,
-    from its record (``job.folder.record_failed_start``), and the command that starts it again."""
+    from its record (``job.folder.Failure``), and the command that starts it again."""
     from hsx.job.folder import failed_start
 
     record = failed_start(run)
     if record is None and not (run / PLAN_DIR).exists():
         return None
-    if record is None:  # killed outright while planning: no record, only the unfinished plan
-        record = {"reason": "it stopped while planning, before the run spec was written", "command": None}
-    command = record["command"] or f"hsx extract --model MODEL --data DATA --out {run}"
+    reason = record.reason if record else "it stopped while planning, before the run spec was written"
+    command = (record and record.command) or f"hsx extract --model MODEL --data DATA --out {run}"
     rejects = run / layout.REJECTS
     return Check(
         "spec",
         "fail",
-        f"not a run: a start that never became one ({record['reason']})",
+        f"not a run: a start that never became one ({reason})",
+        details=[f"at {record.where}"] if record and record.where else [],
         action="fix the cause, then start it again"
         + (f" (each rejected row and its reason: {rejects})" if rejects.is_file() else ""),
-        data={"never_a_run": True, "reason": record["reason"], "start_command": command},
+        data={"never_a_run": True, "reason": reason, "start_command": command},
+    )
+
+
+def crash(run: Path) -> Check | None:
+    """The last session's error hsx did not expect (``OUT/crash.json``), until a session completes:
+    a resume as it stands meets it again, so a person acts first (exit 2)."""
+    from hsx.job.folder import read_failure
+
+    record = read_failure(run, layout.CRASH)
+    if record is None:
+        return None
+    where = f" at {record.where}" if record.where else ""
+    details = [f"command: {record.command}"] if record.command else []
+    details += [f"log: {line}" for line in record.log[-5:]]
+    return Check(
+        "crash",
+        "fail",
+        f"the last session failed unexpectedly at {record.at} ({record.by}): {record.reason}{where}",
+        details=details,
+        action=f"a bug in hsx or a model it cannot run: the traceback is in {run / layout.CRASH}; fix the cause "
+        "(or report it with that file) before resuming",
+        data=record.model_dump(exclude={"traceback"}),
     )

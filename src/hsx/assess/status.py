@@ -142,7 +142,8 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
             checks["model"] = model.check_model(spec, model_dir, where, same_place(where, recorded), files)
         generated = spec.kind == GENERATE
         checks["capture"] = model.check_engine(spec) if generated else model.check_capture(spec, model_dir, deep)
-    listed = [checks[n] for n in ORDER] + ([readers] if readers is not None else [])
+    crashed = runspec.crash(run)  # listed only where the last session crashed
+    listed = [checks[n] for n in ORDER] + [c for c in (crashed, readers) if c is not None]
     report = Report(run, listed, command=command)
     _next_steps(report, t, given_model)
     return report

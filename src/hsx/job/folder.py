@@ -6,14 +6,17 @@ resume that drifts from its spec (invariant 3), and record where a matched model
 
 from __future__ import annotations
 
-import json
 import os
+import traceback
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pydantic import BaseModel, Field
+
 from hsx import target
-from hsx.errors import HsxError, Refused
+from hsx.errors import Crashed, HsxError, Refused
 from hsx.job.options import JobOptions
 from hsx.spec import JobSpec, now, record_location, who
 from hsx.store import layout
@@ -34,15 +37,80 @@ def remove_stray_temps(run: Path) -> int:
     return removed
 
 
-def record_failed_start(opts: JobOptions, error: BaseException) -> None:
-    """Why this start did not become a run, and the command that starts it again, for ``hsx status``
-    and the next ``hsx COMMAND --out`` to tell (a start killed outright leaves no record: status
-    tells that case by the missing spec beside an unfinished plan)."""
-    reason = str(error) if isinstance(error, HsxError) else f"{type(error).__name__} {error}".strip()
-    if isinstance(error, KeyboardInterrupt):
-        reason = "interrupted while planning, before the run spec was written"
-    record = {"reason": reason, "command": opts.command(), "at": now(), "by": who()}
-    write_durable(opts.out / layout.FAILED_START, json.dumps(record, indent=1).encode())
+LOG_TAIL = 20  # log lines a failure's record keeps
+
+
+class Failure(BaseModel):
+    """Why a job ended where it should not have, in its run folder: a start that never became a run
+    (``FAILED_START``: no spec yet), or a session of a run that met an error hsx did not expect
+    (``CRASH``: a bug or a model hsx cannot run, which a resume as it stands meets again). ``hsx
+    status`` reports either until a start or a session completes."""
+
+    reason: str  # one line: what failed
+    command: str | None  # the command that was running (for a failed start: the one that starts it again)
+    at: str
+    by: str
+    error: str | None = None  # the exception's type, where it was one hsx did not expect
+    where: str | None = None  # the innermost frame that raised it: file:line in function
+    traceback: list[str] = Field(default_factory=list)  # the whole traceback, for a bug report
+    log: list[str] = Field(default_factory=list)  # the job's last log lines before it
+
+    @classmethod
+    def of(cls, error: BaseException, command: str | None, log: list[str] | None = None) -> Failure:
+        if isinstance(error, KeyboardInterrupt):
+            reason = "interrupted while planning, before the run spec was written"
+            return cls(reason=reason, command=command, at=now(), by=who())
+        if isinstance(error, HsxError):
+            return cls(reason=str(error), command=command, at=now(), by=who(), log=list(log or []))
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+        return cls(
+            reason=f"{type(error).__name__}: {error}".strip().rstrip(":"),
+            command=command,
+            at=now(),
+            by=who(),
+            error=type(error).__name__,
+            where=where,
+            traceback="".join(traceback.format_exception(error)).splitlines(),
+            log=list(log or []),
+        )
+
+
+class LogTail:
+    """The job's log, its last ``LOG_TAIL`` lines kept for the record of a failure."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.log, self.lines = log, deque[str](maxlen=LOG_TAIL)
+
+    def __call__(self, message: str) -> None:
+        self.lines.extend(str(message).splitlines() or [""])
+        self.log(message)
+
+
+def record_failure(opts: JobOptions, error: BaseException, log: list[str] | None = None) -> Path:
+    """Record why the job on ``opts.out`` failed, where ``hsx status`` and the next ``hsx COMMAND
+    --out`` read it: before the spec exists, a start that never became a run (a start killed
+    outright leaves no record: status tells that case by the missing spec beside an unfinished
+    plan); after, the crash of a session. Returns the record's path."""
+    name = layout.CRASH if (opts.out / layout.SPEC).is_file() else layout.FAILED_START
+    write_durable(opts.out / name, Failure.of(error, opts.command(), log).model_dump_json(indent=1).encode())
+    return opts.out / name
+
+
+def crashed(opts: JobOptions, error: Exception, log: list[str]) -> Crashed:
+    """An error hsx did not expect, recorded in the run folder (where one exists) and said in one
+    message: what failed, where, and that a resume as it stands meets it again."""
+    failure = Failure.of(error, opts.command(), log)
+    where = f" at {failure.where}" if failure.where else ""
+    recorded = "."
+    if opts.out.is_dir():
+        path = record_failure(opts, error, log)
+        recorded = f"; the traceback and the log's last lines are in {path}"
+    return Crashed(
+        f"hsx {opts.COMMAND} failed unexpectedly: {failure.reason}{where}{recorded}. "
+        "This is a bug in hsx or a model it cannot run: a resume as it stands is likely to fail the same way "
+        f"(hsx status {opts.out} reports it until a session completes)"
+    )
 
 
 @contextmanager
@@ -53,16 +121,21 @@ def setting_up(opts: JobOptions) -> Iterator[None]:
     try:
         yield
     except BaseException as e:  # the folder now holds a start that never became a run: say so in it
-        record_failed_start(opts, e)
+        record_failure(opts, e)
         raise
 
 
-def failed_start(run: Path) -> dict | None:
-    """The record of a start in ``run`` that never became a run (``record_failed_start``), if any."""
+def read_failure(run: Path, name: str) -> Failure | None:
+    """A failure's record in ``run`` (``layout.FAILED_START`` or ``layout.CRASH``), if any."""
     try:
-        return json.loads((run / layout.FAILED_START).read_text())
+        return Failure.model_validate_json((run / name).read_bytes())
     except (OSError, ValueError):
         return None
+
+
+def failed_start(run: Path) -> Failure | None:
+    """The record of a start in ``run`` that never became a run, if any."""
+    return read_failure(run, layout.FAILED_START)
 
 
 def refuse_foreign(out: Path) -> None:
@@ -90,7 +163,7 @@ def require_start(opts: JobOptions) -> None:
         started = failed_start(opts.out)
         raise Refused(
             f"{opts.out} is not {_kind(opts)} yet: a new run needs --model and --data"
-            + (f"; it was started with: {started['command']}" if started else "")
+            + (f"; it was started with: {started.command}" if started else "")
         )
 
 

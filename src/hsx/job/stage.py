@@ -13,6 +13,8 @@ stage fills in (``Stage``: extract, generate, and every later stage).
       prologue    stray temps, the model's new location, header scan, the space
       work        the stage's ``work``, verification beside it (``Job.verify``)
       clean stop  a full disk: ``CleanStop`` (exit 3), its words and the space still needed said once
+      crash       an error hsx did not expect: recorded in OUT/crash.json, said in one line (``Crashed``),
+                  reported by ``hsx status`` until a session completes
       summary     the stage's (``job.resume.Summary`` extended), returned; refusals raise (exit 2)
 """
 
@@ -25,8 +27,8 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from hsx import target
-from hsx.errors import DiskFull
-from hsx.job.folder import refuse_drift, refuse_foreign, require_start
+from hsx.errors import DiskFull, HsxError
+from hsx.job.folder import LogTail, crashed, read_failure, refuse_drift, refuse_foreign, require_start
 from hsx.job.model import Model
 from hsx.job.options import JobOptions
 from hsx.job.prologue import Prologue, locked
@@ -127,8 +129,10 @@ class Stage(ABC, Generic[Opts, S, R]):
 def run(stage: Stage[Opts, S, R], opts: Opts, log: Log, launch: Launch | None = None) -> R:
     """The job of ``stage`` on ``opts.out``, a new run or the resume of one, to its end or a clean
     stop: opened, then its session here, or where ``launch`` runs it (an extraction's executors:
-    ``launch(opts, open, model, log)`` opens the run when it is ready to)."""
+    ``launch(opts, open, model, log)`` opens the run when it is ready to). An error hsx did not
+    expect is recorded in the run folder and raised as ``Crashed`` (``job.folder.crashed``)."""
     model = Model(opts.model, opts.trust_remote_code)
+    log = tail = LogTail(log)
 
     def opened(o: Opts) -> S:
         return open_run(stage, o, model, log)
@@ -137,6 +141,10 @@ def run(stage: Stage[Opts, S, R], opts: Opts, log: Log, launch: Launch | None = 
         if launch is None:
             return session(stage, opts, opened(opts), model, log)
         return launch(opts, opened, model, log)
+    except HsxError:
+        raise
+    except Exception as e:
+        raise crashed(opts, e, list(tail.lines)) from e
     finally:
         stage.close()
 
@@ -164,6 +172,8 @@ def session(stage: Stage[Opts, S, R], opts: Opts, spec: S, model: Model, log: Lo
     progress = stage.progress(opts, spec)
     with locked(opts, progress.metrics, log, stage.lock_command(opts)) as lock:
         stage.locked(opts, spec, lock, log)
+        if (crash := read_failure(opts.out, layout.CRASH)) is not None:
+            log(f"the last session failed unexpectedly at {crash.at}: {crash.reason}; trying again")
         plan = stage.plan(opts.out, spec)
         summary = stage.summary(opts.out, spec)
         begun = Prologue.open(opts, spec, plan.lengths, summary, log, stage.measure_first)
@@ -171,4 +181,5 @@ def session(stage: Stage[Opts, S, R], opts: Opts, spec: S, model: Model, log: Lo
             stage.work(Job(opts, spec, model, log, lock, progress, plan, begun))
         except DiskFull as e:  # the guard's reserve reached, or a real ENOSPC: every file whole or absent
             raise begun.clean_stop(summary, e.path, e.reason) from e
+        (opts.out / layout.CRASH).unlink(missing_ok=True)  # a session completed: an earlier crash is past
         return summary

@@ -20,6 +20,8 @@ OUT/
   consumed/000012.json     CONSUMED: the files of shard 12 deleted once every consumer released them
                            (--window with --delete-released): done and gone on purpose, never missing
   consumed/.guard          consumed_guard: flocked while a process records and deletes released files
+  failed-start.json        FAILED_START: a start that never became a run (job.folder.Failure)
+  crash.json               CRASH: a session's unexpected error, until a later session completes
   interconnect.json        INTERCONNECT: the node's GPU links as measured before multi-GPU jobs (hsx.interconnect)
 """
 
@@ -51,6 +53,7 @@ CONSUMERS = "consumers"
 CONSUMED = "consumed"
 INTERCONNECT = "interconnect.json"
 FAILED_START = "failed-start.json"  # a start that never became a run: why, and the command that starts it again
+CRASH = "crash.json"  # the last session met an error hsx did not expect: what, where, when, the log's last lines
 STOP = "STOP"  # in WORKERS: written by a driver that stops handing out work (disk full, a worker failed)
 
 # what a run folder may hold before its spec exists (an interrupted set-up, or a lock taken early)
