@@ -23,7 +23,7 @@ import typer
 from click.testing import CliRunner as ClickRunner
 from typer.testing import CliRunner
 
-from conftest import SMALL_RUN, TINY, conversations, hsx, write_jsonl
+from conftest import HANG_GUARD_S, SMALL_RUN, TINY, conversations, hsx, write_jsonl
 from hsx.bench import BENCH
 from hsx.bounds import Bound, Bounds
 from hsx.cli import app
@@ -359,7 +359,7 @@ def test_ctrl_c_before_the_spec_prints_the_command_that_starts_it_and_that_comma
             break
     proc.send_signal(signal.SIGINT)
     rest = proc.stderr.read()
-    assert proc.wait(timeout=60) == 130, rest
+    assert proc.wait(timeout=HANG_GUARD_S) == 130, rest
     assert not (out / layout.SPEC).exists(), "the plan finished before the Ctrl-C: make the data slower to plan"
     assert "resume with" not in rest and "no run was made; start it again with: " in rest, rest
     again = printed("start it again with: ", rest)
@@ -381,13 +381,13 @@ def _interrupt(args: list, ready: str | Callable[[], bool]) -> str:
     if isinstance(ready, str):
         next(line for line in proc.stderr if line.startswith(ready))
     else:
-        deadline = time.monotonic() + 600  # a guard against a hang, not a timing
+        deadline = time.monotonic() + HANG_GUARD_S
         while not ready():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
             time.sleep(0.005)
     proc.send_signal(signal.SIGINT)
     rest = proc.stderr.read()
-    assert proc.wait(timeout=60) == 130, rest
+    assert proc.wait(timeout=HANG_GUARD_S) == 130, rest
     return rest
 
 

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from conftest import (
+    HANG_GUARD_S,
     SMALL_RUN,
     TINY,
     conversations,
@@ -169,7 +170,7 @@ def test_the_encoders_encode_samples_in_flight_beyond_the_writers(tmp_path):
     waits at a barrier for the other three), which they could not if encoding ran in the writers."""
     import threading
 
-    barrier, calls, lock = threading.Barrier(4, timeout=60), [], threading.Lock()
+    barrier, calls, lock = threading.Barrier(4, timeout=HANG_GUARD_S), [], threading.Lock()
 
     def ready() -> None:
         with lock:

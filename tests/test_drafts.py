@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY, conversations, hsx, normed_model, require, write_jsonl
+from conftest import HANG_GUARD_S, TINY, conversations, hsx, normed_model, require, write_jsonl
 from context_target import CONTEXT_TARGET
 from context_target import conversations as rule_conversations
 from hsx import drafts
@@ -78,7 +78,7 @@ def runs(tmp_path_factory, models) -> dict[str, Path]:
         for name, (m, *extra) in variants.items()
     }
     for p in procs.values():
-        output = p.communicate(timeout=300)[0]
+        output = p.communicate(timeout=HANG_GUARD_S)[0]
         assert p.returncode == 0, output.decode()
     return {name: root / name for name in variants}
 

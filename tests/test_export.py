@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY, conversations, flip_byte, hsx, normed_model, require, write_jsonl
+from conftest import HANG_GUARD_S, TINY, conversations, flip_byte, hsx, normed_model, require, write_jsonl
 from hsx.data import HsxDataset
 from hsx.errors import NormUnavailable
 from hsx.export.core import JOB, LOG, MANIFEST
@@ -53,7 +53,7 @@ def runs(tmp_path_factory, model) -> dict[str, Path]:
         for name, extra in variants.items()
     ]
     for p in procs:  # all at once: most of each is start-up
-        output = p.communicate(timeout=300)[0]
+        output = p.communicate(timeout=HANG_GUARD_S)[0]
         assert p.returncode == 0, output.decode()
     return {name: root / name for name in variants}
 
@@ -365,14 +365,14 @@ def test_a_killed_export_resumes_without_redoing_finished_files(runs, tmp_path):
     cmd = [sys.executable, "-m", "hsx", "export", str(runs["run"]), str(dest), "--to", "speculators"]
     proc = subprocess.Popen([*cmd, "--pace", "0.3"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_GUARD_S
         while time.monotonic() < deadline:
             log = dest / LOG
             if log.exists() and len(log.read_text().splitlines()) >= 5:
                 break
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
+        proc.wait(HANG_GUARD_S)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -440,14 +440,14 @@ def test_an_interrupted_export_says_so_and_its_printed_command_continues(runs, t
     cmd = [sys.executable, "-m", "hsx", "export", str(runs["run"]), "mo", "--to", "modelopt", "--pace", "0.3"]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_GUARD_S
         while time.monotonic() < deadline and proc.poll() is None:
             log = dest / LOG
             if log.exists() and len(log.read_text().splitlines()) >= 3:
                 break
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)  # Ctrl-C
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=HANG_GUARD_S)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -11,12 +11,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import TINY, conversations, hsx, verified_files, write_jsonl
+from conftest import HANG_GUARD_S, TINY, conversations, hsx, verified_files, write_jsonl
 from hsx.errors import EngineUnavailable, OptionError
 from hsx.generate.engines.base import Completion, Failure, Request, Sampling
 from hsx.generate.engines.server import ServerEngine, ServerOptions
 
-BOUND = 60  # seconds: only a safety net that fails a test whose engine hangs, never what a test waits for
 SAMPLING = Sampling(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=5)
 
 
@@ -135,8 +134,8 @@ def run_all(eng: ServerEngine, requests: list[Request]) -> dict[str, object]:
         eng.submit(r)
     got = {}
     while len(got) < len(requests):
-        out = eng.poll(timeout=BOUND)
-        assert out, f"no outcome in {BOUND} s: {len(requests) - len(got)} requests left unanswered"
+        out = eng.poll(timeout=HANG_GUARD_S)
+        assert out, f"no outcome in {HANG_GUARD_S} s: {len(requests) - len(got)} requests left unanswered"
         got |= {o.key: o for o in out}
     assert eng.poll(timeout=0) == []
     return got
@@ -233,7 +232,7 @@ def test_consecutive_failures_stop_cleanly_after_handing_out_what_finished(fakes
             eng.submit(r)
         with pytest.raises(EngineUnavailable, match="3 requests in a row failed after 2 tries each"):
             while True:
-                assert eng.poll(timeout=30) == []
+                assert eng.poll(timeout=HANG_GUARD_S) == []
     finally:
         eng.close()
     for r in done:
@@ -248,7 +247,7 @@ def test_refused_connections_count_as_failures(fakes):
     eng.submit(request(0))
     try:
         with pytest.raises(EngineUnavailable, match="Connection refused"):
-            eng.poll(timeout=30)
+            eng.poll(timeout=HANG_GUARD_S)
     finally:
         eng.close()
 
@@ -259,7 +258,7 @@ def test_a_wrong_route_stops_at_once(fakes):
     eng.submit(request(0))
     try:
         with pytest.raises(EngineUnavailable, match="HTTP 404"):
-            eng.poll(timeout=30)
+            eng.poll(timeout=HANG_GUARD_S)
     finally:
         eng.close()
     assert len(fake.posts) == 1
@@ -331,7 +330,7 @@ def test_a_malformed_answer_is_a_failed_try_and_the_run_stops_after_max_failures
     eng.submit(request(0))
     try:
         with pytest.raises(EngineUnavailable, match=f"2 requests in a row failed after 2 tries each; last: .*{cause}"):
-            assert eng.poll(timeout=BOUND) == []  # raises once the engine stops: no wait on a guessed time
+            assert eng.poll(timeout=HANG_GUARD_S) == []  # raises once the engine stops: no wait on a guessed time
     finally:
         eng.close()
     assert len(fake.posts) == 2 * 2  # the request's two rounds of two tries, then the stop
@@ -389,7 +388,7 @@ def test_a_bug_in_a_worker_thread_stops_the_job_naming_it(fakes, monkeypatch):
         eng.submit(request(i))
     try:
         with pytest.raises(RuntimeError, match=r"failed on request conv0/0/0: KeyError: 'finish_reason' \(a bug") as e:
-            assert eng.poll(timeout=BOUND) == []
+            assert eng.poll(timeout=HANG_GUARD_S) == []
     finally:
         eng.close()
     assert isinstance(e.value.__cause__, KeyError)

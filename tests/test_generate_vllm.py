@@ -23,7 +23,7 @@ import urllib.request
 import pytest
 import torch
 
-from conftest import TINY, conversations
+from conftest import HANG_GUARD_S, TINY, conversations
 from hsx.errors import EngineUnavailable
 from hsx.generate.engines.base import Completion, Failure, Request, Sampling
 
@@ -75,7 +75,7 @@ def converse(engine, tokenizer, starts, sampling: Sampling, on_completion=None) 
             if key not in submitted:
                 engine.submit(Request(key, prompt, sampling, seed=len(submitted)))
                 submitted.add(key)
-        for o in engine.poll(timeout=60):
+        for o in engine.poll(timeout=HANG_GUARD_S):
             assert isinstance(o, Completion), o
             got[o.key] = o
             prompt, later = todo.pop(o.key)
@@ -211,7 +211,7 @@ def test_server_engine_through_a_real_vllm_server_killed_and_restarted(vllm, ref
             for i in range(4):
                 down.submit(Request(f"late{i}", (1, 2, 3), GREEDY, seed=i))
             with pytest.raises(EngineUnavailable, match=r"3 requests in a row failed .*Connection refused"):
-                down.poll(timeout=60)
+                down.poll(timeout=HANG_GUARD_S)
         finally:
             down.close()
     finally:

@@ -17,6 +17,7 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
+from conftest import HANG_GUARD_S
 from hsx.assess import gpus
 from hsx.cli import app
 
@@ -28,7 +29,7 @@ POD_UID = "0a1b2c3d-4e5f-6789-abcd-ef0123456789"
 SERVER_ARGS = ["vllm", "serve", "/models/x", "--port", "8000", "--api-key", "sk-not-a-real-key"]
 
 
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+def wait_for(condition, what: str, timeout: float = HANG_GUARD_S) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:

@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import hsx
+from conftest import HANG_GUARD_S
 
 SRC = Path(hsx.__file__).parent
 # lowest first: each package (or top-level module) by its name under hsx
@@ -193,5 +194,5 @@ def test_status_and_a_resume_with_nothing_to_do_never_load_torch(finished_run, t
         "assert 'verified   40 files' in r.output and 'no model loaded' in r.output, r.output\n"
         "loaded = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not loaded, loaded\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr

@@ -19,14 +19,12 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from conftest import extract_args, hsx
+from conftest import HANG_GUARD_S, extract_args, hsx
 from hsx.assess import workers
 from hsx.assess.status import assess
 from hsx.cli import app
 from hsx.lock import LOCK, Holder, Locked, RunLock, read_holder
 from hsx.store.layout import GUARD, METRICS
-
-HANG_GUARD_S = 600  # a hang, not a pace
 
 
 def write_lock(run: Path, **kw) -> Holder:
@@ -77,7 +75,7 @@ def test_second_extractor_is_refused_while_the_first_runs(tmp_path, convs):
         env=env,
     )
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_GUARD_S
         # The lock file appears before its taker lets go of the guard's flock: frozen in between, the
         # first would hold the guard, and the second would wait on it instead of being refused.
         while (h := read_holder(out)) is None or h.pid != first.pid or not guard_free(out):
@@ -99,7 +97,7 @@ def test_second_extractor_is_refused_while_the_first_runs(tmp_path, convs):
         assert repair.exit_code == 2 and "an extractor is running on this run" in repair.output
     finally:
         first.send_signal(signal.SIGCONT)
-        _, err = first.communicate(timeout=300)
+        _, err = first.communicate(timeout=HANG_GUARD_S)
     assert first.returncode == 0, err
     assert not (out / LOCK).exists()  # released on exit
     assert assess(out).exit_code == 0
@@ -133,7 +131,7 @@ def test_an_extractor_waiting_on_a_held_guard_says_so_then_goes_on(tmp_path, con
     finally:
         hang.cancel()
         os.close(fd)  # the frozen taker's turn ends
-    rest, _ = proc.communicate(timeout=300)
+    rest, _ = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, "".join(seen) + rest
     assert assess(out).exit_code == 0
 
@@ -224,7 +222,7 @@ def test_racing_extractors_never_both_take_the_lock(tmp_path, before):
         for p in procs:
             p.start()
         for p in procs:
-            p.join(30)
+            p.join(HANG_GUARD_S)
         winners = []
         while not won.empty():
             winners.append(won.get())

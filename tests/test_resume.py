@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import flip_byte, run_files, unwrite
+from conftest import HANG_GUARD_S, flip_byte, run_files, unwrite
 from hsx.extract import ExtractOptions, extract
 from hsx.store import layout, scan
-
-DEADLINE = 180.0  # only breaks a deadlock if extraction never overlaps; progress ends the wait
 
 
 def _files(folder: Path) -> list[Path]:
@@ -43,7 +41,7 @@ def test_extraction_runs_while_verification_reads_and_never_writes_an_unsettled_
 
     def slow_hash(path, start, end):
         if path.parent.name == f"{2:06d}":
-            deadline = time.monotonic() + DEADLINE
+            deadline = time.monotonic() + HANG_GUARD_S  # breaks a deadlock if extraction never overlaps
             while not _files(layout.shard_dir(run, 3)):
                 if time.monotonic() > deadline:
                     held["timed_out"] = True

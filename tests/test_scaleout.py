@@ -20,7 +20,7 @@ import psutil
 import pytest
 from rich.console import Console
 
-from conftest import TINY, conversations, hsx, require, run_files, write_jsonl
+from conftest import HANG_GUARD_S, TINY, conversations, hsx, require, run_files, write_jsonl
 from hsx.assess.status import assess, render
 from hsx.extract import ExtractOptions, extract
 from hsx.lock import Locked
@@ -71,7 +71,7 @@ class Driver:
                 pass
         return out
 
-    def wait(self, timeout: float = 200) -> str:
+    def wait(self, timeout: float = HANG_GUARD_S) -> str:
         self.proc.wait(timeout=timeout)
         return self.log.read_text()
 
@@ -124,8 +124,8 @@ def _ended(pid: int) -> bool:
         return True
 
 
-def until(what, timeout: float, driver: Driver | None = None, every: float = 0.002):
-    deadline = time.monotonic() + timeout
+def until(what, driver: Driver | None = None, every: float = 0.002):
+    deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline:
         got = what()
         if got:
@@ -214,7 +214,7 @@ def test_worker_sigkilled_mid_shard_is_retried_and_status_names_it_dead(referenc
     data, expected = reference
     out = tmp_path / "run"
     plain = subprocess.Popen([sys.executable, "-m", "hsx", *map(str, new_run(data, out))], stdout=subprocess.DEVNULL)
-    until(lambda: sealed(out) >= 2, 120)
+    until(lambda: sealed(out) >= 2)
     plain.send_signal(signal.SIGKILL)
     plain.wait()
     assert sealed(out) < 10
@@ -222,7 +222,7 @@ def test_worker_sigkilled_mid_shard_is_retried_and_status_names_it_dead(referenc
     driver = drivers(["extract", "--out", out, "--workers", "2"])
     victim = None
     while victim is None:  # freeze a worker mid-shard, make sure it is mid-shard, then kill it
-        rec = until(lambda: next((r for r in records(out) if r["phase"] == "working"), None), 150, driver)
+        rec = until(lambda: next((r for r in records(out) if r["phase"] == "working"), None), driver)
         os.kill(rec["pid"], signal.SIGSTOP)
         now = next((r for r in records(out) if r["pid"] == rec["pid"]), None)
         if now and now["phase"] == "working" and not (out / "shards" / f"{now['shard']:06d}" / "SEALED").exists():
@@ -232,7 +232,7 @@ def test_worker_sigkilled_mid_shard_is_retried_and_status_names_it_dead(referenc
             os.kill(rec["pid"], signal.SIGCONT)
 
     gone = victim["pid"]  # SIGKILL is asynchronous: wait until the kernel has ended the process
-    until(lambda: _ended(gone), 30)
+    until(lambda: _ended(gone))
     _, report = status_json(out)  # in-process: it surely runs while Ray still restarts the dead worker
     workers = next(c for c in report["checks"] if c["name"] == "workers")
     dead = [w for w in workers["data"]["ray_workers"] if w["pid"] == victim["pid"]]
@@ -261,12 +261,12 @@ def test_driver_sigkilled_then_a_plain_extract_finishes_the_run(reference, tmp_p
     data, expected = reference
     out = tmp_path / "run"
     driver = drivers(new_run(data, out, "--workers", "2"))
-    until(lambda: sealed(out) >= 2, 150, driver)
+    until(lambda: sealed(out) >= 2, driver)
     pids = {r["pid"] for r in records(out)}
     assert pids
     os.killpg(driver.proc.pid, signal.SIGKILL)  # the driver, its local Ray, and with them the workers
     driver.proc.wait()
-    until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids), 30)
+    until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids))
     assert sealed(out) < 10
 
     _, report = status_json(out)

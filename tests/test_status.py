@@ -20,6 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import (
+    HANG_GUARD_S,
     SMALL_RUN,
     TINY,
     conversations,
@@ -237,7 +238,7 @@ def test_run_killed_midway_lists_partial_shards_and_the_resume_command(finished_
     args = [sys.executable, "-m", "hsx", *map(str, extract_args(convs, out))]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_GUARD_S
         while time.monotonic() < deadline and proc.poll() is None:
             if len(list((out / "shards").rglob("*.safetensors")) if (out / "shards").exists() else []) >= 5:
                 break

@@ -8,6 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import HANG_GUARD_S
 from hsx.assess import pace
 from hsx.store import layout
 from hsx.telemetry import GAUGES, Point, Telemetry, append_history, read_history
@@ -55,7 +56,7 @@ def test_prometheus_textfile_and_http_endpoint_expose_the_same_figures(tmp_path)
     with Telemetry(tmp_path, lambda: fixed, port=0, textfile=prom) as t:
         t.beat()
         from_file = _families(prom.read_text())
-        with urllib.request.urlopen(f"http://127.0.0.1:{t.bound_port}/metrics", timeout=30) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{t.bound_port}/metrics", timeout=HANG_GUARD_S) as r:
             served = _families(r.read().decode())
     for got in (from_file, served):
         assert got["hsx_tokens_done"] == 300 and got["hsx_samples_total"] == 9

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TINY, conversations, hsx, run_files, verified_files, write_jsonl
+from conftest import HANG_GUARD_S, TINY, conversations, hsx, run_files, verified_files, write_jsonl
 from hsx.extract import ExtractOptions, Refused, extract
 from hsx.plan import load_plan
 from hsx.spec import load_spec
@@ -89,7 +89,7 @@ def test_vllm_files_equal_transformers_files(vllm, tmp_path, data, reference, mo
     # Engine and worker in the driver's process (the crash test covers vLLM's separate processes).
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     t0 = time.monotonic()
-    proc = hsx(*_vllm_args(data, out), timeout=600)
+    proc = hsx(*_vllm_args(data, out), timeout=HANG_GUARD_S)
     print(f"vllm run: {time.monotonic() - t0:.1f}s")
     assert "(complete)" in proc.stdout + proc.stderr
     worst = _assert_equivalent(out, reference, "zstd")  # the default codec
@@ -113,7 +113,7 @@ def test_sigkill_mid_run_then_resume(vllm, tmp_path, data, reference, monkeypatc
         env=_env(),
         start_new_session=True,  # its own process group: vLLM's engine core and worker die with it
     )
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + HANG_GUARD_S
     try:
         while time.monotonic() < deadline and proc.poll() is None:
             if len(list((out / "shards").rglob("*.safetensors")) if (out / "shards").exists() else []) >= 3:
@@ -126,7 +126,7 @@ def test_sigkill_mid_run_then_resume(vllm, tmp_path, data, reference, monkeypatc
     total = len(run_files(reference))
     assert 0 < len(before) < total, f"the kill did not land mid-run ({len(before)}/{total} files)"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a faster start; the kill hit the process tree
-    hsx(*_vllm_args(data, out, "--codec", "zstd"), timeout=600)  # resume with the same command line
+    hsx(*_vllm_args(data, out, "--codec", "zstd"), timeout=HANG_GUARD_S)  # resume with the same command line
     after = verified_files(out)
     for p, ident in before.items():
         assert after[p] == ident, f"{p.name} was rewritten after it had verified"
@@ -217,7 +217,7 @@ def test_vllm_checks_fidelity_a_skipped_norm_stops_the_run_and_the_fixed_resume_
 
     def faulty(mode: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-c", SKIPPED_NORM, mode, *map(str, args)]
-        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
 
     def files() -> list[str]:
         return sorted(p.name for p in (out / "shards").rglob("*") if p.is_file())
@@ -233,7 +233,7 @@ def test_vllm_checks_fidelity_a_skipped_norm_stops_the_run_and_the_fixed_resume_
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     left = files()
     assert left and all(name.endswith(".tmp-pending") for name in left), left  # written, never judged
-    hsx(*args, env=env | ENV, timeout=600)  # the fault fixed: the same command resumes
+    hsx(*args, env=env | ENV, timeout=HANG_GUARD_S)  # the fault fixed: the same command resumes
     figs = {int(p.stem): read_header(p).fidelity for p in (out / "shards").rglob("*.safetensors")}
     ref = logits_reference(target, out)
     assert figs.keys() == ref.keys() and len(figs) == 12
