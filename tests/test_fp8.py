@@ -226,6 +226,31 @@ def test_installed_checkpoint_keeps_fp8_weights_and_computes_near_the_dequantize
     assert len(calls) == 2 * 2 * len(SEQS)  # gate_up and down of each MoE layer, per forward
 
 
+def test_fp8_experts_expanded_a_slice_at_a_time_give_the_whole_layers_bits(models):
+    """The installed FP8 experts of a MoE layer under a budget of two experts: expanded two at a
+    time (never the layer at once), the layer's output equal to the whole layer's bit for bit."""
+    from hsx.capture.quantized import experts as jit
+
+    model = load_fp8(models["fp8"])
+    fp8.install(model)
+    experts = model.model.layers[1].mlp.experts
+    count, top_k = experts.num_experts, model.config.num_experts_per_tok
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(101, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+    routed = torch.stack([torch.randperm(count, generator=gen)[:top_k] for _ in range(101)])
+    weights = torch.rand(101, top_k, generator=gen)
+    calls = []
+    original = fp8.expand_experts
+    with torch.no_grad(), mock.patch.object(fp8, "expand_experts", lambda *a: calls.append(a) or original(*a)):
+        whole = experts(hidden, routed, weights)
+        assert {c[0].shape[0] for c in calls} == {count}
+        calls.clear()
+        experts.slice_bytes = 2 * jit.expert_bytes(experts, torch.bfloat16)
+        got = experts(hidden, routed, weights)
+    assert {c[0].shape[0] for c in calls} == {2} and len(calls) == 2 * count // 2
+    assert torch.equal(got, whole)
+
+
 def test_experts_whose_scales_are_not_their_blocks_are_refused(models):
     from hsx.errors import UnsupportedModel
 

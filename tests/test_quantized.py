@@ -246,6 +246,97 @@ def test_spec_records_the_experts_held_packed(models):
     assert target.identity(str(models["reference"]), models["reference"]).quantization is None
 
 
+# ---------------------------------------------------------------- a slice of experts at a time
+
+
+def sliced_model(fmt, implementation: str):
+    """A tiny DeepSeek-V3 in bfloat16 (16 experts, top 4: a token's outputs are added in an order that
+    shows) with its routed experts held as ``fmt`` stores them (INT4 packed, or dense bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config(n_routed_experts=16, num_experts_per_tok=4)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.set_experts_implementation(implementation)
+    quantize = (lambda w: int4.quantize(w, 32)) if fmt.name == int4.NAME else (lambda w: {"weight": w})
+    jit.from_dense(model, fmt, quantize)
+    return model
+
+
+def forward_states(model, slice_bytes: int | None) -> list[torch.Tensor]:
+    for _, module in jit.stored_modules(model):
+        module.slice_bytes = slice_bytes
+    with torch.no_grad():
+        return [
+            torch.stack(model(torch.as_tensor(s)[None].long(), output_hidden_states=True).hidden_states) for s in SEQS
+        ]
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
+@pytest.mark.parametrize("fmt", [int4.Int4Experts(32), jit.DENSE], ids=["int4", "bf16"])
+def test_experts_expanded_a_slice_at_a_time_give_the_whole_layers_bits(fmt, implementation, monkeypatch):
+    """Under a budget of one expert, and of three (the last slice short), no whole layer is ever
+    expanded, no slice is over its budget, and every state equals the whole-layer expansion's bit for
+    bit (bfloat16, each of transformers' experts functions, whose ways of adding a token's pairs
+    differ)."""
+    model = sliced_model(fmt, implementation)
+    whole = forward_states(model, None)
+    one = jit.expert_bytes(next(m for _, m in jit.stored_modules(model)), torch.bfloat16)
+    assert one == 3 * 64 * HIDDEN * 2
+    sizes = []
+    expand_slice = jit.StoredExperts.expand_slice
+
+    def watched(self, experts):
+        out = expand_slice(self, experts)
+        sizes.append(out["gate_up_proj"].shape[0])
+        return out
+
+    monkeypatch.setattr(jit.StoredExperts, "expand", lambda self: pytest.fail("a whole layer was expanded"))
+    monkeypatch.setattr(jit.StoredExperts, "expand_slice", watched)
+    for budget, most in ((one, 1), (3 * one + one // 2, 3)):
+        sizes.clear()
+        got = forward_states(model, budget)
+        assert sizes and max(sizes) == most and len(sizes) >= 16 // most, sizes
+        for a, b in zip(got, whole, strict=True):
+            assert torch.equal(a, b)
+    monkeypatch.undo()
+    assert all(torch.equal(a, b) for a, b in zip(forward_states(model, 16 * one), whole, strict=True))
+
+
+def test_an_ep_ranks_slices_give_its_whole_layers_partial_sum():
+    """EP2: each rank's share of the experts, sliced, gives the rank's partial output of the whole
+    layer bit for bit (what the group's all-reduce adds; here a group of one process), routes to the
+    other rank's experts adding nothing, as they do there."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config(n_routed_experts=16, num_experts_per_tok=4)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    dense = model.model.layers[1].mlp.experts
+    fmt = int4.Int4Experts(32)
+    hidden = torch.randn(97, HIDDEN, dtype=torch.bfloat16)
+    routed = torch.stack([torch.randperm(16)[:4] for _ in range(97)])
+    weights = torch.rand(97, 4)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        partial = []
+        for rank in (0, 1):
+            cls = jit.stored_class(type(dense), fmt, torch.bfloat16, ep_rank=rank, ep_size=2)
+            experts = cls(config)
+            for fused in jit.PROJECTIONS:
+                experts.set_stored(fused, int4.quantize(getattr(dense, fused).detach()[rank * 8 : rank * 8 + 8], 32))
+            with torch.no_grad():
+                whole = experts(hidden, routed, weights)
+                experts.slice_bytes = 3 * jit.expert_bytes(experts, torch.bfloat16)
+                assert jit.per_slice(experts, experts.slice_bytes, torch.bfloat16) == 3
+                assert torch.equal(experts(hidden, routed, weights), whole)
+            partial.append(whole)
+    finally:
+        dist.destroy_process_group()
+    assert all(p.abs().sum() > 0 for p in partial)
+
+
 # ---------------------------------------------------------------- TP / EP
 
 

@@ -16,6 +16,15 @@ concatenating their stored tensors along the output rows (dim -2), which is the 
 stored form for any format whose scales are per row (group-wise INT4) or per row block (FP8
 blocks, when the intermediate size is a whole number of blocks).
 
+A layer too large to expand at once (Kimi-K2.5's 384 experts: 33.8 GB in bf16) is expanded a slice
+of experts at a time under a byte budget (``slice_bytes``, ``sliced``): each (token, expert) pair's
+output is kept in its place and the pairs are weighted and added once, in the order the experts
+function adds them, so the states are those of the whole layer's expansion bit for bit (tested on
+CPU for each of transformers' experts functions; summing per-slice outputs would round each slice's
+sum and change them). The slice path runs eagerly (which pairs a slice gets is known only once
+routed); in a compiled layer the whole-layer path is traced and its fused kernels may round
+differently, so a run records its budget in the spec.
+
 Loading (``load``): the model is built with the architecture's experts class swapped for a
 ``StoredExperts`` of it (no expert parameters, so transformers neither reads, expands nor allocates
 them), then each layer's buffers are filled from the safetensors files, only this rank's experts
@@ -29,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -78,6 +87,7 @@ class StoredExperts(nn.Module):
     ep_size: int = 1
     group: object = None  # the ranks that hold the other experts (None: the whole world; a pipeline stage's)
     compiled: bool = False  # CUDA: each layer's expansion is one compiled (fused) pass
+    slice_bytes: int | None = None  # expanded experts held at once (``sliced``); None: the whole layer's
 
     def __init__(self, config):
         super().__init__()
@@ -115,17 +125,31 @@ class StoredExperts(nn.Module):
         fn = _compiled_expand if eager_compiled else _expand
         return fn(self.fmt, self.stored("gate_up_proj"), self.stored("down_proj"), self.dtype)
 
+    def expand_slice(self, experts: slice) -> dict[str, torch.Tensor]:
+        """The expanded weights of local experts ``experts`` alone (``sliced``'s expansion)."""
+        fn = _compiled_expand if self.compiled else _expand
+        part = {name: {k: t[experts] for k, t in self.stored(name).items()} for name in PROJECTIONS}
+        return dict(zip(PROJECTIONS, fn(self.fmt, part["gate_up_proj"], part["down_proj"], self.dtype), strict=True))
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """Traceable: a compiled decoder layer holds the expansion, routing and weighting in its own
         graph (no graph break per MoE layer). The experts function reads the expanded weights from
-        an ``Expanded`` view of this module, never from state set on it."""
+        an ``Expanded`` view of this module, never from state set on it. With a ``slice_bytes``
+        budget smaller than the layer's expansion the experts are expanded a slice at a time
+        (``sliced``: one graph break)."""
         if self.ep_size > 1:
             off = (top_k_index // self.num_experts) != self.ep_rank
             top_k_index = torch.where(off, self.num_experts, top_k_index % self.num_experts)
             top_k_weights = top_k_weights.masked_fill(off, 0.0)
-        gate_up, down = self.expand()
-        expanded = Expanded(self, gate_up_proj=gate_up, down_proj=down)
-        out = self.experts_class.forward(expanded, hidden_states, top_k_index, top_k_weights)
+        step = per_slice(self, self.slice_bytes, self.dtype)
+        if step < self.num_experts:
+            how = self.config._experts_implementation or "eager"  # None: transformers runs the class's own
+            routing = (hidden_states, top_k_index, top_k_weights)
+            out = sliced(self, self.experts_class.forward, how, self.expand_slice, step, *routing)
+        else:
+            gate_up, down = self.expand()
+            expanded = Expanded(self, gate_up_proj=gate_up, down_proj=down)
+            out = self.experts_class.forward(expanded, hidden_states, top_k_index, top_k_weights)
         if self.ep_size > 1:
             torch.distributed.all_reduce(out, group=self.group)
         return out
@@ -143,6 +167,77 @@ class Expanded:
 
     def __getattr__(self, name):
         return getattr(self.module, name)
+
+
+# How each of transformers' experts functions adds up a token's (token, expert) outputs: "sum" over
+# the top-k in float32 (the weighted outputs in the routing weights' dtype), "ordered" one expert
+# after another in ascending id, each output rounded to the states' dtype first (eager's index_add_).
+COMBINE = {"grouped_mm": "sum", "batched_mm": "sum", "eager": "ordered"}
+
+
+def expert_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes one expert takes expanded to ``dtype``: gate and up (or up alone) and down."""
+    projections = 3 if getattr(module, "has_gate", True) else 2
+    return projections * int(module.intermediate_dim) * int(module.hidden_dim) * dtype.itemsize
+
+
+def per_slice(module: nn.Module, budget: int | None, dtype: torch.dtype) -> int:
+    """How many of ``module``'s local experts are expanded to ``dtype`` at once under ``budget``
+    bytes (at least one); all of them where there is no budget or it holds the whole layer."""
+    count = int(module.num_experts)
+    return count if budget is None else max(1, min(count, budget // expert_bytes(module, dtype)))
+
+
+@torch.compiler.disable
+def sliced(
+    module: nn.Module,
+    function: Callable,
+    implementation: str,
+    expand: Callable[[slice], dict[str, torch.Tensor]],
+    step: int,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """``function`` (transformers' experts function ``implementation``) over ``module``'s experts
+    expanded ``step`` at a time by ``expand``, with the numbers of one call over all of them: each
+    slice computes the outputs of the (token, expert) pairs routed to it, unweighted (unit weights:
+    exact), each kept in its pair's place; once every slice has run, the pairs are weighted and added up as
+    ``function`` adds them (``COMBINE``), in the original order. A pair routed to no local expert
+    (an EP sentinel, id ``num_experts``) adds zero, as it does there. Run eagerly: which pairs a
+    slice gets is known only once routed (one host sync a layer)."""
+    combine = COMBINE.get(implementation)
+    if combine is None:
+        raise ValueError(
+            f"experts implementation {implementation!r}: hsx slices the expansion for {', '.join(COMBINE)} only"
+        )
+    count = int(module.num_experts)
+    tokens, top_k = top_k_index.shape
+    ids = top_k_index.reshape(-1)
+    order = torch.sort(ids, stable=True).indices  # the pairs by expert, each expert's in pair order
+    ends = torch.bincount(ids, minlength=count + 1).cumsum(0).tolist()
+    pairs = hidden_states.new_zeros(ids.numel(), hidden_states.shape[-1])
+    for start in range(0, count, step):
+        stop = min(start + step, count)
+        lo, hi = ends[start - 1] if start else 0, ends[stop - 1]
+        if lo == hi:
+            continue  # no token routed here: nothing expanded
+        rows = order[lo:hi]
+        weights = expand(slice(start, stop))
+        view = Expanded(module, num_experts=stop - start, _is_expert_parallel=False, **weights)
+        unit = top_k_weights.new_ones(hi - lo, 1)
+        pairs[rows] = function(view, hidden_states[rows // top_k], (ids[rows] - start)[:, None], unit)
+        del weights, view
+    weighted = pairs * top_k_weights.reshape(-1, 1)
+    if combine == "sum":
+        return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    by_id = top_k_index.argsort(dim=1, stable=True)  # eager adds a token's experts in ascending id
+    ordered = weighted.to(hidden_states.dtype).view(tokens, top_k, -1)
+    ordered = ordered.gather(1, by_id[..., None].expand_as(ordered))
+    out = torch.zeros_like(hidden_states)
+    for k in range(top_k):
+        out += ordered[:, k]
+    return out
 
 
 def _expand(fmt: ExpertFormat, gate_up: dict, down: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -269,16 +269,28 @@ def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-    """Traceable: in a compiled layer the expansion, routing and weighting are in its graph."""
+    """Traceable: in a compiled layer the expansion, routing and weighting are in its graph. With a
+    ``slice_bytes`` budget under the layer's expansion, a slice of experts at a time
+    (``experts.sliced``: the same numbers, one graph break)."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    from hsx.capture.quantized.experts import Expanded
+    from hsx.capture.quantized.experts import Expanded, per_slice, sliced
 
     block = tuple(self.block_size)
     names = _expert_weights(self)
     dtype = hidden_states.dtype
-    weights = {n: expand_experts(getattr(self, n), getattr(self, f"{n}_scale_inv"), block, dtype) for n in names}
-    return grouped_mm_experts_forward(Expanded(self, **weights), hidden_states, top_k_index, top_k_weights)
+
+    def expand(experts: slice) -> dict[str, torch.Tensor]:
+        return {
+            n: expand_experts(getattr(self, n)[experts], getattr(self, f"{n}_scale_inv")[experts], block, dtype)
+            for n in names
+        }
+
+    step = per_slice(self, getattr(self, "slice_bytes", None), dtype)
+    routing = (hidden_states, top_k_index, top_k_weights)
+    if step < self.num_experts:
+        return sliced(self, grouped_mm_experts_forward, "grouped_mm", expand, step, *routing)
+    return grouped_mm_experts_forward(Expanded(self, **expand(slice(None))), *routing)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
