@@ -19,12 +19,12 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from conftest import HANG_GUARD_S, extract_args, hsx
+from conftest import HANG_GUARD_S, conversations, extract_args, hsx, write_jsonl
 from hsx.assess import workers
 from hsx.assess.status import assess
 from hsx.cli import app
 from hsx.lock import LOCK, Holder, Locked, RunLock, read_holder
-from hsx.store.layout import GUARD, METRICS
+from hsx.store.layout import GUARD, METRICS, SPEC
 
 
 def write_lock(run: Path, **kw) -> Holder:
@@ -59,6 +59,10 @@ def guard_free(run: Path) -> bool:
     return True
 
 
+def spec_saved(run: Path) -> bool:
+    return (run / SPEC).exists()
+
+
 @pytest.fixture
 def run(finished_run, tmp_path) -> Path:
     return Path(shutil.copytree(finished_run, tmp_path / "run"))
@@ -78,7 +82,8 @@ def test_second_extractor_is_refused_while_the_first_runs(tmp_path, convs):
         deadline = time.monotonic() + HANG_GUARD_S
         # The lock file appears before its taker lets go of the guard's flock: frozen in between, the
         # first would hold the guard, and the second would wait on it instead of being refused.
-        while (h := read_holder(out)) is None or h.pid != first.pid or not guard_free(out):
+        # Its spec saved too: the set-up's lock is let go and taken again for the session.
+        while (h := read_holder(out)) is None or h.pid != first.pid or not guard_free(out) or not spec_saved(out):
             assert first.poll() is None and time.monotonic() < deadline, "the first extractor never took the lock"
             time.sleep(0.01)
         first.send_signal(signal.SIGSTOP)  # alive and holding the lock for as long as the test needs
@@ -228,3 +233,56 @@ def test_racing_extractors_never_both_take_the_lock(tmp_path, before):
             winners.append(won.get())
         assert len(winners) == 1, (trial, winners)
         assert read_holder(run).pid == winners[0]
+
+
+def test_two_new_runs_started_at_once_never_corrupt_the_one_that_finishes(tmp_path):
+    """Two starts of a new run in one folder (a retry, a second terminal, a requeued job), with other
+    layers: the first is frozen at its first write, the second runs meanwhile, then the first goes on.
+    Whichever finishes, the run is whole: the spec's layers are those of every file, and status is
+    clean. Neither start writes its spec or plan over the other's (the lock is taken first)."""
+    out, convs = tmp_path / "run", write_jsonl(tmp_path / "convs.jsonl", conversations(12))
+    first = subprocess.Popen(
+        [sys.executable, "-m", "hsx", *map(str, extract_args(convs, out, "--layers", "1,3,4"))],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
+    second = None
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not out.exists():  # its first write: the run folder
+            assert first.poll() is None and time.monotonic() < deadline, "the first start wrote nothing"
+            time.sleep(0.001)
+        first.send_signal(signal.SIGSTOP)
+        second = subprocess.Popen(
+            [sys.executable, "-m", "hsx", *map(str, extract_args(convs, out, "--layers", "2,5"))],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=os.environ | {"HF_HUB_OFFLINE": "1"},
+        )
+        waited = []
+        for line in second.stderr:  # to its end, or until it waits on the frozen first's turn at the lock
+            waited.append(line)
+            if "waiting for another process taking this run's lock" in line:
+                break
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _, err1 = first.communicate(timeout=HANG_GUARD_S)
+    _, err2 = second.communicate(timeout=HANG_GUARD_S)
+    err2 = "".join(waited) + (err2 or "")
+    codes = sorted([first.returncode, second.returncode])
+    assert codes == [0, 2], (err1, err2)  # one made the run; the other was refused, writing nothing
+    loser = err1 if first.returncode == 2 else err2
+    assert "Traceback" not in err1 + err2
+    assert "another extractor holds this run" in loser or "refusing to resume" in loser, loser
+    from hsx.spec import load_spec
+    from hsx.store.format import read_header
+
+    spec = load_spec(out)
+    files = sorted((out / "shards").rglob("*.safetensors"))
+    assert len(files) == spec.plan.num_samples
+    assert {read_header(p).metadata["layers"] for p in files} == {json.dumps(spec.layers)}
+    report = assess(out)
+    assert report.exit_code == 0, report

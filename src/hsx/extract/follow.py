@@ -24,7 +24,6 @@ from pathlib import Path
 from hsx.errors import HsxError, Refused
 from hsx.genrun.samples import NOT_GENERATED, GeneratedRun, not_generated
 from hsx.input import read_rejects
-from hsx.lock import RunLock
 from hsx.plan import Plan, write_part
 from hsx.spec import Extension, PlanGrowth, RunSpec, load_spec, now, plan_growth, who
 from hsx.store import layout
@@ -40,13 +39,12 @@ def follow(run: Path, spec: RunSpec, log: Callable[[str], None]) -> RunSpec:
     gen = _read(spec, log) if waiting else None
     if not (gen is not None and set(waiting) & gen.files.keys()) and _stale_rejects(run) is None:
         return spec
-    with RunLock(run, warn=log):  # one grower: two resumes never append the same twice
-        spec, waiting = load_spec(run), not_generated(run)
-        new = [cid for cid in waiting if gen is not None and cid in gen.files]
-        if new:
-            _grow(run, spec, gen, waiting, new, log)
-        if (rows := _stale_rejects(run)) is not None:  # also after a crash between a record and its rejects
-            write_durable(run / layout.REJECTS, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    spec, waiting = load_spec(run), not_generated(run)  # under the run's lock (job.stage.open_run): one grower
+    new = [cid for cid in waiting if gen is not None and cid in gen.files]
+    if new:
+        _grow(run, spec, gen, waiting, new, log)
+    if (rows := _stale_rejects(run)) is not None:  # also after a crash between a record and its rejects
+        write_durable(run / layout.REJECTS, "".join(json.dumps(r) + "\n" for r in rows).encode())
     return load_spec(run)
 
 

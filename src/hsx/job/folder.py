@@ -16,8 +16,9 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from hsx import target
-from hsx.errors import Crashed, HsxError, Refused
+from hsx.errors import Crashed, HsxError, Locked, Refused
 from hsx.job.options import JobOptions
+from hsx.lock import Liveness, read_holder
 from hsx.spec import JobSpec, now, record_location, who
 from hsx.store import layout
 from hsx.store.durable import temp_of, write_durable
@@ -158,8 +159,11 @@ def _kind(opts: JobOptions) -> str:
 
 def require_start(opts: JobOptions) -> None:
     """A folder with no spec is a new run: it needs --model and --data, or is refused (naming the
-    command an earlier start in it was given)."""
+    command an earlier start in it was given); one a live process is setting up is that process's."""
     if not opts.model or not opts.data:
+        holder = read_holder(opts.out)
+        if holder is not None and holder.state() == Liveness.ALIVE:
+            raise Locked(holder)
         started = failed_start(opts.out)
         raise Refused(
             f"{opts.out} is not {_kind(opts)} yet: a new run needs --model and --data"

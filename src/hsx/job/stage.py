@@ -3,8 +3,9 @@ stage fills in (``Stage``: extract, generate, and every later stage).
 
     run(stage, opts, log)
       model       resolved once (``job.model.Model``), handed to every step below
-      open        a new run: --model and --data given, its folder empty, the stage's ``create``
-                  (a start that fails in it leaves failed-start.json), the spec saved last;
+      open        under the run's lock (let go for the session to take again): a new run: --model
+                  and --data given, its folder empty, the stage's ``create`` (a start that fails
+                  in it leaves failed-start.json), the spec saved last;
                   a resume: the stage's spec (by the kind it records), the drift check (``asked``
                   against the spec: refused by name), the stage's ``opened``
       launch      where the rest runs: here, or where ``run``'s ``launch`` puts it (an extraction's executors)
@@ -151,19 +152,24 @@ def run(stage: Stage[Opts, S, R], opts: Opts, log: Log, launch: Launch | None = 
 
 def open_run(stage: Stage[Opts, S, R], opts: Opts, model: Model, log: Log) -> S:
     """The run's spec: created for a new run (saved last: from then on the folder is a run), checked
-    against the options for an existing one (invariant 3)."""
+    against the options for an existing one (invariant 3). Under the run's lock, taken before anything
+    is written: two starts in one folder at once take turns (the second finds the first's spec, or its
+    lock), so neither overwrites the other's spec or plan (invariant 4). The session takes it again."""
     if not (opts.out / layout.SPEC).exists():
         require_start(opts)
-        refuse_foreign(opts.out)
-        spec = stage.create(opts, model, log)
-        spec.save(opts.out)  # last: its presence means the run exists
-        target.record_files(opts.out, model.dir)  # the model's files as they stand (model-files.json)
-        (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
-        return spec
-    spec = stage.load(opts.out)
-    model.resumes(opts.out, spec)
-    refuse_drift(opts, stage.differences(spec, stage.asked(opts, model, spec)))
-    return stage.opened(opts, spec, log)
+        opts.out.mkdir(parents=True, exist_ok=True)  # where the lock lives; an empty folder is no run
+    with RunLock(opts.out, command=stage.lock_command(opts), warn=log):
+        if not (opts.out / layout.SPEC).exists():
+            refuse_foreign(opts.out)
+            spec = stage.create(opts, model, log)
+            spec.save(opts.out)  # last: its presence means the run exists
+            target.record_files(opts.out, model.dir)  # the model's files as they stand (model-files.json)
+            (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
+            return spec
+        spec = stage.load(opts.out)
+        model.resumes(opts.out, spec)
+        refuse_drift(opts, stage.differences(spec, stage.asked(opts, model, spec)))
+        return stage.opened(opts, spec, log)
 
 
 def session(stage: Stage[Opts, S, R], opts: Opts, spec: S, model: Model, log: Log) -> R:
