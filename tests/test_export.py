@@ -499,6 +499,19 @@ def test_prenorm_is_refused_where_the_trainer_reads_the_post_norm_state(runs, tm
     out = export(runs["run"], tmp_path / "sf", "--to", "specforge", "--prenorm", code=2)
     assert "--prenorm does not apply to --to specforge" in out and "post-norm" in out
     assert not (tmp_path / "sf").exists()
+    out = export(runs["run"], tmp_path / "sp", "--to", "speculators", "--prenorm", code=2)  # it was accepted, unread
+    assert "--prenorm does not apply to --to speculators: its trainer reads the final state pre-norm, which" in out
+    assert not (tmp_path / "sp").exists()
+
+
+def test_a_draft_vocabulary_the_target_cannot_hold_is_refused_before_dest_is_touched(runs, tmp_path):
+    """--draft-vocab 5000 on a vocabulary of 2,048 is refused before any sample is written (it wrote
+    them all, then refused), so the corrected command exports into the same DEST."""
+    dest = tmp_path / "sf"
+    out = export(runs["run"], dest, "--to", "specforge", "--draft-vocab", "5000", code=2)
+    assert "draft vocabulary size 5000 must be in 1..2048" in out and not dest.exists()
+    out = export(runs["run"], dest, "--to", "specforge", "--draft-vocab", "64")
+    assert "20 written now" in out and (dest / "vocab_mapping-64.pt").is_file()
 
 
 # ---------------------------------------------------------------- DeepSpec

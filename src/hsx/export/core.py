@@ -31,7 +31,7 @@ from hsx.export.modelopt import ModelOpt
 from hsx.export.specforge import SpecForge
 from hsx.export.speculators import Speculators
 from hsx.export.trainer import Context, ExportOptions, TrainerFormat, Written, export_taps
-from hsx.export.vocab import draft_map, target_vocab_size, token_counts
+from hsx.export.vocab import check_map, draft_map, target_vocab_size, token_counts
 from hsx.plan import load_plan
 from hsx.progress import Progress
 from hsx.spec import RunSpec, load_spec, model_location, now
@@ -219,9 +219,10 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
             + (f"; {opts.draft} is trained by {'; '.join(takes)}" if takes else "")
         )
     if opts.prenorm and not cls.takes_prenorm:
+        reads = "pre-norm, which it gets without --prenorm," if cls.reads == "pre" else "post-norm"
         raise OptionError(
-            f"--prenorm does not apply to --to {opts.to}: its trainer reads the final state post-norm "
-            "and nothing else; drop --prenorm"
+            f"--prenorm does not apply to --to {opts.to}: its trainer reads the final state {reads} and nothing "
+            "else; drop --prenorm"
         )
     run = opts.run
     spec = load_spec(run)
@@ -237,8 +238,9 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
     ctx.load_norm(fmt.side())
     converted = fmt.side() == "pre" and spec.final_norm == "post"  # the pre-norm state derived, checked
     vocab_size = None
-    if opts.draft_vocab is not None:
+    if opts.draft_vocab is not None:  # checked before DEST is touched: a refusal leaves it free for the fix
         vocab_size = opts.target_vocab or target_vocab_size(ctx.model())
+        check_map(token_counts(plan, ids), opts.draft_vocab, vocab_size)
     drafted = {"draft": opts.draft, "taps": ctx.taps} if opts.draft != EAGLE3 or opts.taps is not None else {}
     job = {
         "format": EXPORT_FORMAT,

@@ -27,7 +27,7 @@ from safetensors.torch import save
 from hsx.drafts import DRAFT_TYPES
 from hsx.export.serialize import npy_bytes, torch_bytes
 from hsx.export.trainer import TrainerFormat, Written, put
-from hsx.store.format import FinalStateNorm, digest
+from hsx.store.format import digest
 
 ARROW = "data-00000-of-00001.arrow"
 TOKENS = {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "List"}
@@ -63,14 +63,11 @@ def dataset_files(columns: dict[str, list]) -> list[tuple[str, bytes]]:
 class Speculators(TrainerFormat):
     name = "speculators"
     drafts = DRAFT_TYPES
-    takes_prenorm = True  # always pre-norm: --prenorm asks for what it writes anyway
+    reads = "pre"  # its verifier_norm is applied in the trainer, even for its CE loss's target argmax
     description = (
         "speculators 0.9 offline: DEST = datasets.save_to_disk (format torch) with input_ids, loss_mask, seq_len; "
         "hidden_states/hs_{i}.safetensors = {hidden_states [T,L+1,H] (taps..., final pre-norm), token_ids [T] int64}"
     )
-
-    def side(self) -> FinalStateNorm:
-        return "pre"  # its verifier_norm is applied in the trainer, even for its CE loss's target argmax
 
     def final_state(self) -> str:
         return f"{super().final_state()}, last slot of hidden_states"

@@ -237,6 +237,7 @@ class TrainerFormat:
     description = ""
     drafts: tuple[str, ...] = (EAGLE3,)  # the draft types its trainer trains from such files
     takes_prenorm = False  # --prenorm changes what it writes (else it is refused as meaningless)
+    reads: FinalStateNorm = "post"  # the final state's norm its trainer reads (without --prenorm)
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
@@ -249,8 +250,8 @@ class TrainerFormat:
         """Refuse before writing anything when the run cannot be expressed in this format."""
 
     def side(self) -> FinalStateNorm:
-        """The final state's norm this trainer reads."""
-        return "post"
+        """The final state's norm this export writes."""
+        return self.reads
 
     def job(self) -> dict:
         """Options that change the bytes written (part of the export's identity)."""

@@ -39,12 +39,18 @@ def token_counts(plan: Plan, ids: Sequence[int] | None = None) -> np.ndarray:
     return np.bincount(flat_ids[flat_mask.astype(bool)].astype(np.int64))
 
 
-def draft_map(counts: np.ndarray, size: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t int64 [size], t2d bool [vocab_size]) for the ``size`` most frequent tokens."""
+def check_map(counts: np.ndarray, size: int, vocab_size: int) -> None:
+    """Refuse a draft vocabulary of ``size`` that ``draft_map`` cannot make from ``counts``: what
+    an export checks before it writes anything."""
     if not 0 < size <= vocab_size:
         raise VocabError(f"draft vocabulary size {size} must be in 1..{vocab_size} (the target's vocabulary)")
     if len(counts) > vocab_size:
         raise VocabError(f"the plan holds token id {len(counts) - 1}, outside the target vocabulary of {vocab_size}")
+
+
+def draft_map(counts: np.ndarray, size: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t int64 [size], t2d bool [vocab_size]) for the ``size`` most frequent tokens."""
+    check_map(counts, size, vocab_size)
     seen = np.flatnonzero(counts)
     ranked = seen[np.lexsort((seen, -counts[seen]))][:size]
     chosen = set(ranked.tolist())
