@@ -272,6 +272,11 @@ REFUSED = [
     ),
     (("memory", "--model", TINY, "--tensor-parallel", "2"), "num_key_value_heads = 1 does not split over 2"),
     (("memory", "--model", TINY, "--pipeline-parallel", "9"), "9 pipeline stages need as many decoder layers"),
+    (("memory", "--model", TINY, "--interconnect", "pcie"), "--interconnect pcie says what joins GPUs whose"),
+    (
+        ("memory", "--model", TINY, "--tensor-parallel", "1", "--allreduce-gbps", "22"),
+        "--allreduce-gbps judge which layout to run where none is given",
+    ),
     (
         ("extract", *NEW, "--pipeline-parallel", "9"),
         "cannot lay the model over tensor 1, expert 1, pipeline 9: 9 pipeline stages need as many decoder layers, "
@@ -701,6 +706,16 @@ IGNORED = [
     (("extract", "--metrics-textfile", "DIR"), "is a folder: name the file to keep"),
     (("extract", "--ray-address", "127.0.0.1:6379"), "--ray-address is where --workers run"),
     (("extract", "--data-parallel-size", "2"), "--data-parallel-size size vLLM's engine; this run's backend is"),
+    (("extract", "--fidelity-floor", "0.9"), "--fidelity-floor holds a run whose data is this model's own"),
+    (
+        ("extract", "--chat-template-kwargs", '{"add_generation_prompt": true}'),
+        "--chat-template-kwargs cannot set add_generation_prompt: hsx passes",
+    ),
+    (("extract", "--chat-template-kwargs", '{"tokenize": true}'), "--chat-template-kwargs cannot set tokenize"),
+    (
+        ("generate", "--chat-template-kwargs", '{"messages": [], "tools": [], "continue_final_message": true}'),
+        "--chat-template-kwargs cannot set continue_final_message, messages, tools",
+    ),
 ]
 
 

@@ -24,7 +24,7 @@ from hsx.extract.options import (
     resolve_parallel,
     resolve_quantized_compute,
 )
-from hsx.genrun.spec import GenerateSpec, is_generate_run
+from hsx.genrun.spec import GenerateSpec, is_generate_run, load_generate_spec
 from hsx.input import check_source, read_conversations
 from hsx.job.folder import setting_up
 from hsx.job.model import Model
@@ -134,7 +134,9 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
     )
     compute = resolve_quantized_compute(opts.quantized_compute, model_dir, device, dtype, parallel, log)
     max_length, codec = given(opts, "max_length"), Codec(given(opts, "codec"))
-    source_spec, data, own = None, None, False
+    own = generated is not None and is_own(load_generate_spec(generated), model)
+    refuse_unread_limit(opts, "floor" if own else "baseline")
+    source_spec, data = None, None
     with setting_up(opts):
         if generated is not None:  # the target's own token ids, as generated: nothing is rendered again
             from hsx.genrun.samples import plan_samples
@@ -142,7 +144,6 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
             digest = target.tokenizer_identity(tokenizer).digest
             gen, samples = plan_samples(generated, digest, max_length, opts.allow_incomplete, log)
             source_spec, data = gen.spec.digest(), [gen.identity()]  # of the listing it planned from
-            own = is_own(gen.spec, model)
             log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
         else:
             log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
@@ -218,6 +219,22 @@ def _fidelity(opts: ExtractOptions, own: bool) -> FidelityCheck:
     )
 
 
+def refuse_unread_limit(opts: ExtractOptions, mode: str) -> None:
+    """The limit a run's fidelity rule does not read, refused by name (it was accepted and
+    ignored): the floor holds data that is this model's own temperature-0 output, the drop from
+    its baseline any other data."""
+    if mode == "baseline" and opts.fidelity_floor is not None:
+        raise OptionError(
+            "--fidelity-floor holds a run whose data is this model's own temperature-0 output (a generate run of "
+            "it); this run's data is held to the baseline its first batches set: give --fidelity-drop instead"
+        )
+    if mode == "floor" and opts.fidelity_drop is not None:
+        raise OptionError(
+            "--fidelity-drop holds a run to the baseline its first batches set; this run's data is this model's own "
+            "temperature-0 output, held to a floor: give --fidelity-floor instead"
+        )
+
+
 def session_limits(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None]) -> RunSpec:
     """The spec this session runs under: a resume's ``--fidelity-floor``/``--fidelity-drop`` hold for
     it alone (they change no number written; the spec keeps the run's own)."""
@@ -227,6 +244,7 @@ def session_limits(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], Non
     if spec.fidelity is None:
         raise OptionError("this run was made before hsx checked fidelity (its files carry no figure): "
                           "--fidelity-floor and --fidelity-drop apply to runs that check it")  # fmt: skip
+    refuse_unread_limit(opts, spec.fidelity.mode)
     limits = spec.fidelity.model_copy(update=asked)
     log(f"fidelity: this session stops under {limits.rule()} (the run's own: {spec.fidelity.rule()})")
     return spec.model_copy(update={"fidelity": limits})

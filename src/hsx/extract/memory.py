@@ -10,6 +10,7 @@ from typing import Annotated as A
 
 from hsx import target
 from hsx.bounds import Bound, Bounds, Flag
+from hsx.errors import OptionError
 from hsx.extract.options import check_gpus, resolve_parallel
 from hsx.job.options import DEVICES, TOKENS
 
@@ -55,7 +56,21 @@ class MemoryOptions:
     interconnect: A[str | None, Flag("With stated bandwidths: what joins the GPUs.")] = None
 
     def __post_init__(self) -> None:
+        """Refuse a value out of its bound, or one the answer would not read."""
         MEMORY.check(self)
+        if self.interconnect is not None and (self.allreduce_gbps is None or self.p2p_gbps is None):
+            raise OptionError(
+                f"--interconnect {self.interconnect} says what joins GPUs whose bandwidths are stated: give "
+                "--allreduce-gbps and --p2p-gbps with it, or none of them to measure this node's"
+            )
+        layout = [self.tensor_parallel, self.expert_parallel, self.pipeline_parallel]
+        stated = ("allreduce_gbps", "p2p_gbps", "interconnect")
+        judged = [MEMORY.flag(k) for k in stated if getattr(self, k) is not None]
+        if judged and any(v is not None for v in layout):
+            raise OptionError(
+                f"{', '.join(judged)} judge which layout to run where none is given; this one names its layout: "
+                "drop them, or the layout"
+            )
 
 
 def explain(opts: MemoryOptions) -> list[str]:

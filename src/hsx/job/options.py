@@ -146,9 +146,31 @@ def template_kwargs(text: str | None) -> dict | None:
     return value
 
 
+# What hsx itself gives the chat template of each render (the conversation, its tools, whether the
+# generation prompt follows, untokenized text), or what would replace the template or its output:
+# from --chat-template-kwargs each would break every row's render or be silently overridden.
+RENDER_ARGS = (
+    "add_generation_prompt",
+    "chat_template",
+    "continue_final_message",
+    "conversation",
+    "messages",
+    "return_assistant_tokens_mask",
+    "return_dict",
+    "tokenize",
+    "tools",
+)
+
+
 def check_template_kwargs(value: dict) -> None:
     """What the spec can hold as JSON and read back the same: finite numbers, nested at most
-    ``MAX_NESTING`` deep (JSON's ``NaN`` would be written as ``null``)."""
+    ``MAX_NESTING`` deep (JSON's ``NaN`` would be written as ``null``); none of ``RENDER_ARGS``."""
+    if taken := sorted(set(value) & set(RENDER_ARGS)):
+        raise OptionError(
+            f"--chat-template-kwargs cannot set {', '.join(taken)}: hsx passes the conversation, its tools and "
+            "the generation prompt to every render itself; give only the template's own variables "
+            '(e.g. {"enable_thinking": false})'
+        )
     if json_depth(value) > MAX_NESTING:
         raise OptionError(f"--chat-template-kwargs is nested deeper than {MAX_NESTING} levels (the nesting limit)")
     if not all(math.isfinite(v) for v in json_leaves(value) if isinstance(v, float)):
