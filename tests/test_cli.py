@@ -272,6 +272,7 @@ REFUSED = [
     ),
     (("memory", "--model", TINY, "--tensor-parallel", "2"), "num_key_value_heads = 1 does not split over 2"),
     (("memory", "--model", TINY, "--pipeline-parallel", "9"), "9 pipeline stages need as many decoder layers"),
+    (("extract", *NEW, "--window", "1e-12", "--consumer", "d"), "--window takes a number >= 1e-09"),  # was 0 B
     (("memory", "--model", TINY, "--interconnect", "pcie"), "--interconnect pcie says what joins GPUs whose"),
     (
         ("memory", "--model", TINY, "--tensor-parallel", "1", "--allreduce-gbps", "22"),

@@ -390,6 +390,32 @@ def test_speculators_trains_an_eagle3_draft_in_its_own_loop_on_a_live_run(tmp_pa
 # ---------------------------------------------------------------- the producer's window
 
 
+def test_a_batch_larger_than_the_window_is_written_alone_and_the_pause_names_whom_it_waits_for(tmp_path):
+    """A window of one byte: every batch is larger. With nothing held a batch goes (it waited forever,
+    silently: no release could make room for it, and window.json named no consumer); then the
+    extraction pauses for the consumer that has released nothing, named in its log, window.json and
+    status."""
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40))
+    out, log = tmp_path / "run", tmp_path / "extract.log"
+    cmd = [sys.executable, "-m", "hsx", *map(str, extract_args(data, out, "--window", "1e-9", "--consumer", "draft"))]
+    with open(log, "w") as err:
+        producer = subprocess.Popen(cmd, env=os.environ | {"HF_HUB_OFFLINE": "1"}, stdout=err, stderr=err)
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while (state := read_state(out)) is None or state.paused_since is None:
+            assert producer.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.01)
+        said = log.read_text()
+        assert "is larger than the window (1 B); each such batch is written alone" in said, said
+        assert state.waiting_for == ["draft"] and "window: paused, " in said and "not released by draft" in said
+        assert state.held > 0 and list((out / "shards").rglob("*.safetensors"))
+        line = assess(out).get("consumers").figure
+        assert "the extractor waits since " in line and line.endswith(" for draft"), line
+    finally:
+        producer.kill()
+        producer.wait()
+
+
 def test_a_stalled_consumer_pauses_the_extraction_at_its_window_and_its_releases_let_it_go_on(tmp_path):
     """With --delete-released, released files are deleted (recorded consumed first): status, the
     dataset and a resume count them done, never missing or to be redone; what the trainer released

@@ -56,7 +56,7 @@ EXTRACT = Bounds(
     fidelity_floor=Bound(min=0.0, max=1.0),
     fidelity_drop=Bound(min=0.0, max=1.0),
     final_state=Bound(choices=get_args(FinalStateNorm)),
-    window=Bound(min=0.0, min_open=True, max=1e9),
+    window=Bound(min=1e-9, max=1e9),  # one byte at the least: the spec records whole bytes
 )
 
 

@@ -5,8 +5,9 @@ A sample is released by a consumer once its checkpoint covers the step that ackn
 (``hsx.consumer``); the window counts every sample file on disk that some named consumer has not
 released. The pause is one of ``Extractor.gates``, called before each batch is captured: it
 blocks there, logs when it starts and ends, and keeps ``OUT/window.json`` (since when it waits,
-the bytes held, for whom) for ``hsx status``. It never pauses while a named consumer waits for a
-sample not written yet: that consumer can release nothing until the producer writes it, so the
+the bytes held, for whom) for ``hsx status``. A batch larger than the window is written once
+nothing is held (no release could make room for it). It never pauses while a named consumer waits
+for a sample not written yet: that consumer can release nothing until the producer writes it, so the
 disk may exceed the window by what is written for a waiting consumer (at most the shard it reads).
 """
 
@@ -155,6 +156,7 @@ class Pause:
     def __init__(self, run: Path, window: Window, shard_size: int, log: Callable[[str], None], poll: float = 0.5):
         self.run, self.window, self.shard_size, self.log, self.poll = run, window, shard_size, log, poll
         self.sealed = Sealed(run)
+        self.oversized = False  # whether the log said that a batch exceeds the window
 
     def _fits(self, nbytes: int) -> tuple[bool, WindowState]:
         views = inspect(self.run, LEASE_TIMEOUT)
@@ -162,10 +164,18 @@ class Pause:
             delete_released(self.run, released(self.window, views), self.shard_size)
         used, behind = held(self.run, self.window, self.shard_size, views, self.sealed)
         state = WindowState(window=self.window.bytes, held=used, waiting_for=behind, pid=os.getpid(), t=time.time())
-        return used + nbytes <= self.window.bytes or waited_on(views, self.window.consumers), state
+        # with nothing held, a batch larger than the window goes alone: no release could ever make room for it
+        fits = used + nbytes <= self.window.bytes or not used
+        return fits or waited_on(views, self.window.consumers), state
 
     def __call__(self, nbytes: int) -> None:
         fits, state = self._fits(nbytes)
+        if nbytes > self.window.bytes and not self.oversized:
+            self.oversized = True
+            self.log(
+                f"window: a batch of {size(nbytes)} is larger than the window ({size(self.window.bytes)}); "
+                "each such batch is written alone, once the consumers released everything before it"
+            )
         if fits:
             return
         since = state.paused_since = time.time()
