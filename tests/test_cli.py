@@ -752,3 +752,12 @@ def test_quickstart_refuses_an_out_that_is_a_file_by_name_not_a_traceback(tmp_pa
     r = CliRunner().invoke(app, ["quickstart", "--out", str(tmp_path / "afile")])
     assert r.exit_code == 2 and "is a file, not a run folder" in r.output, r.output
     assert (tmp_path / "afile").read_text() == "not a run"
+
+
+def test_export_taps_that_are_no_layer_ids_are_refused_as_taps(tmp_path):
+    """``--taps abc`` was refused in --layers' words (``--layers takes comma-separated layer ids or a
+    draft preset``), naming an option the export does not have."""
+    code, out = cli("export", tmp_path, tmp_path / "dest", "--to", "speculators", "--taps", "abc")
+    said = " ".join(out.split())
+    assert code == 2 and "Invalid value for --taps: takes comma-separated hsx layer ids, e.g. 1,9,17, not 'abc'" in said
+    assert "--layers" not in out and not (tmp_path / "dest").exists()

@@ -21,6 +21,7 @@ from hsx.cli.options import (
     Threads,
 )
 from hsx.cli.output import checklist, failures, log, print_summary
+from hsx.errors import OptionError
 from hsx.extract.options import layer_ids
 
 
@@ -105,8 +106,11 @@ def export(
     """Write OUT's samples in a trainer's own format, verifying each source file; resumable."""
     from hsx.export import ExportOptions, run_export
 
-    with failures():
+    try:
         ids = layer_ids(taps)
+    except OptionError:  # its refusal names --layers, whose presets --taps does not take
+        said = f"takes comma-separated hsx layer ids, e.g. 1,9,17, not {taps!r}"
+        raise typer.BadParameter(said, param_hint="--taps") from None
     if isinstance(ids, str):
         raise typer.BadParameter(f"takes hsx layer ids, not the preset {ids!r}", param_hint="--taps")
     with failures():
