@@ -55,7 +55,7 @@ LAYER_CONVENTION = "hsx/1: layer k = output of decoder layer k (0-based) = HF hi
 FINAL_STATE = "last decoder layer output after the final norm"
 FINAL_STATE_PRENORM = "last decoder layer output before the final norm"
 FinalStateNorm = Literal["post", "pre"]  # the final state as stored: after the final norm, or before it
-FINAL_STATES: dict[str, str] = {"post": FINAL_STATE, "pre": FINAL_STATE_PRENORM}  # the file's label of each
+FINAL_STATES: dict[FinalStateNorm, str] = {"post": FINAL_STATE, "pre": FINAL_STATE_PRENORM}  # the file's label of each
 MAX_HEADER = 1 << 20
 
 
@@ -304,7 +304,7 @@ def final_norm_of(metadata: dict[str, str]) -> FinalStateNorm:
     label = metadata.get("final_state", FINAL_STATE)
     for side, text in FINAL_STATES.items():
         if label.startswith(text):
-            return side  # type: ignore[return-value]
+            return side
     raise ValueError(f"unknown final state {label!r}")
 
 
