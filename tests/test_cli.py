@@ -761,3 +761,9 @@ def test_export_taps_that_are_no_layer_ids_are_refused_as_taps(tmp_path):
     said = " ".join(out.split())
     assert code == 2 and "Invalid value for --taps: takes comma-separated hsx layer ids, e.g. 1,9,17, not 'abc'" in said
     assert "--layers" not in out and not (tmp_path / "dest").exists()
+
+
+def test_verify_fidelity_files_without_fidelity_is_refused_by_name(tmp_path):
+    """``verify --fidelity-files 3`` without ``--fidelity`` recomputed nothing and said nothing of it."""
+    code, out = cli("verify", tmp_path, "--fidelity-files", "3")
+    assert code == 2 and "--fidelity-files: sizes the sample --fidelity recomputes: give --fidelity too" in out, out

@@ -24,6 +24,8 @@ from hsx.cli.output import checklist, failures, log, print_summary
 from hsx.errors import OptionError
 from hsx.extract.options import layer_ids
 
+FIDELITY_FILES = 32  # files verify --fidelity recomputes by default
+
 
 def status(
     out: RunFolder, deep: Deep = False, json_out: Json = False, threads: Threads = 8, model: MovedModel = None
@@ -58,7 +60,9 @@ def verify(
             "--fidelity", help="Also recompute the fidelity of a sample of files from the checkpoint (slow, exact)."
         ),
     ] = False,
-    fidelity_files: Annotated[int, RUN.option("fidelity_files", help="--fidelity: files recomputed.")] = 32,
+    fidelity_files: Annotated[
+        int | None, RUN.option("fidelity_files", help="--fidelity: files recomputed.", show_default=str(FIDELITY_FILES))
+    ] = None,
     device: Device = None,
     model: MovedModel = None,
 ) -> None:
@@ -67,8 +71,12 @@ def verify(
     from hsx.assess.status import render_check
     from hsx.assess.verify import verify as run_verify
 
+    if fidelity_files is not None and not fidelity:
+        raise typer.BadParameter(
+            "sizes the sample --fidelity recomputes: give --fidelity too", param_hint="--fidelity-files"
+        )
     with failures():
-        files = fidelity_files if fidelity else 0
+        files = (fidelity_files or FIDELITY_FILES) if fidelity else 0
         result = run_verify(out, deep, repair, threads, files, device, model)
     if json_out:
         print(json.dumps(result.to_json(), indent=1))
