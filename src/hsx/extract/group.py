@@ -62,11 +62,27 @@ class Group:
     or returned here as if it had happened here."""
 
     def run(self, opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None] = print) -> ExtractSummary:
-        resources = opts.resources()
-        interconnect.before_job(opts.out, spec.parallel.ranks, resources.device, log)  # a slow ring named before days
-        log(f"starting {spec.parallel.ranks} ranks ({spec.parallel}) on {resources.device}")
-        result = run_group(spec, resources, opts.out, opts.model, _lead_local, OPTIONS.dump_json(opts).decode())
-        return Outcome.load(result).result()
+        return run_job(opts, spec, log, _lead_local)
+
+
+def run_job(
+    opts: ExtractOptions,
+    spec: RunSpec,
+    log: Callable[[str], None],
+    lead: Lead,
+    follow: Follow | None = None,
+    lead_rank: int = 0,
+) -> ExtractSummary:
+    """An extraction over this node's ranks (``run_group``: a tensor-parallel group, or a pipeline's
+    stages), its lead running the in-process job on ``opts``: the lead's ``Outcome`` raised or
+    returned here as if it had happened here. The interconnect is measured first: a slow ring is
+    named before days are spent on it."""
+    resources = opts.resources()
+    interconnect.before_job(opts.out, spec.parallel.ranks, resources.device, log)
+    log(f"starting {spec.parallel.ranks} ranks ({spec.parallel}) on {resources.device}")
+    options = OPTIONS.dump_json(opts).decode()
+    result = run_group(spec, resources, opts.out, opts.model, lead, options, follow, lead_rank)
+    return Outcome.load(result).result()
 
 
 Lead = Callable[["Leader", RunSpec, str], str]  # the lead's job: (its peers, the spec, its payload) -> its outcome

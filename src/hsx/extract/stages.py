@@ -24,16 +24,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hsx import fidelity, interconnect, target
+from hsx import fidelity, target
 from hsx.capture import Capture, CapturedBatch
 from hsx.capture.memory import Inventory, Layout, expert_form
 from hsx.capture.stages import Link, PipelineCapture, StageRunner, Stages, follow
 from hsx.errors import UnsupportedModel
-from hsx.extract.group import OPTIONS, STOP, Leader, lead_job, receive, run_group
+from hsx.extract.group import OPTIONS, STOP, Leader, lead_job, receive, run_job
 from hsx.extract.options import ExtractOptions
-from hsx.extract.outcome import Outcome
 from hsx.extract.pipeline import open_backend
-from hsx.job.resume import Summary
+from hsx.extract.summary import ExtractSummary
 from hsx.plan import load_plan
 from hsx.spec import RunSpec
 
@@ -42,14 +41,9 @@ class Pipeline:
     """The executor of a pipeline of stages over this node's devices; the lead's ``Outcome`` is
     raised or returned here as if it had happened here."""
 
-    def run(self, opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None] = print) -> Summary:
-        resources = opts.resources()
-        interconnect.before_job(opts.out, spec.parallel.ranks, resources.device, log)
-        log(f"starting {spec.parallel.ranks} ranks ({spec.parallel}) on {resources.device}")
+    def run(self, opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None] = print) -> ExtractSummary:
         lead = (spec.parallel.pipeline - 1) * spec.parallel.tensor  # the last stage's first rank
-        options = OPTIONS.dump_json(opts).decode()
-        result = run_group(spec, resources, opts.out, opts.model, _lead, options, _follow, lead)
-        return Outcome.load(result).result()
+        return run_job(opts, spec, log, _lead, _follow, lead)
 
 
 def partition(spec: RunSpec, model_dir: Path, device: str) -> Stages:
