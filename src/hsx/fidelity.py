@@ -94,7 +94,10 @@ class Head:
     def of_model(cls, model, norm: torch.nn.Module) -> Head:
         """A loaded transformers model's own head (sharded over a tensor-parallel group, it gathers
         the logits: every rank calls it together) and final norm module."""
-        return cls(norm, model.get_output_embeddings(), int(model.config.get_text_config().vocab_size))
+        config = model.config.get_text_config()
+        divisor = float(getattr(config, "logits_mup_width_multiplier", None) or 1.0)  # finalnorm.head_divisor
+        after = norm if divisor == 1.0 else (lambda x: norm(x) / divisor)
+        return cls(after, model.get_output_embeddings(), int(config.vocab_size))
 
     @classmethod
     def of_checkpoint(cls, model_dir: Path, device: str | torch.device, dtype: torch.dtype) -> Head:

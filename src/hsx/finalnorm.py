@@ -1,6 +1,7 @@
 """The target's final RMSNorm, read from its checkpoint: which tensor it is, and the norm itself.
 
-hsx's final state is the last decoder layer's output after this norm, and it is computed outside
+hsx's final state is the last decoder layer's output after this norm (divided where the model
+divides it before its LM head: Inkling, ``head_divisor``), and it is computed outside
 the model twice: the vLLM backend applies it to vLLM's pre-norm state, and exports invert it for
 trainers that want the state before it. Both must find the same tensor and compute what
 transformers computes, so both use this module.
@@ -63,6 +64,7 @@ class FinalNorm:
     tensor: str
     eps: float
     offset: bool = False  # scales by (1 + weight), Gemma-style
+    divisor: float = 1.0  # the LM head's input is the norm's output over this (Inkling's logits_mup_width_multiplier)
 
     @functools.cached_property
     def weight(self) -> torch.Tensor:
@@ -72,8 +74,9 @@ class FinalNorm:
 
     @property
     def scale(self) -> torch.Tensor:
-        """The per-channel factor the normalized state is multiplied by, float32: 1 + w or w."""
-        return 1.0 + self.weight if self.offset else self.weight
+        """The per-channel factor the normalized state is multiplied by, float32: 1 + w or w (over
+        ``divisor``: hsx's final state is the LM head's input)."""
+        return (1.0 + self.weight if self.offset else self.weight) / self.divisor
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """The norm as transformers computes it for ``x``'s dtype, bit for bit: float32 statistics,
@@ -83,9 +86,8 @@ class FinalNorm:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         w = self.weight.to(x.device, x.dtype)
-        if self.offset:
-            return (h * (1.0 + w.float())).to(x.dtype)
-        return w * h.to(x.dtype)
+        out = (h * (1.0 + w.float())).to(x.dtype) if self.offset else w * h.to(x.dtype)
+        return out if self.divisor == 1.0 else out / self.divisor
 
 
 def _tensors(model_dir: Path) -> dict[str, tuple[Path, dict]]:
@@ -126,4 +128,10 @@ def locate(model_dir: Path, hidden_size: int | None = None) -> FinalNorm:
         raise NormUnavailable(f"{name} in {path.name} has shape {entry.get('shape')}, expected [{hidden}]")
     top = json.loads((model_dir / "config.json").read_text())
     offset = bool({str(top.get("model_type", "")), str(config.get("model_type", ""))} & OFFSET_TYPES)
-    return FinalNorm(path, name, float(eps), offset)
+    return FinalNorm(path, name, float(eps), offset, head_divisor(config))
+
+
+def head_divisor(config: dict) -> float:
+    """What the model divides its normed final state by before the LM head (Inkling: its
+    ``logits_mup_width_multiplier``), 1 for the others: hsx's final state is the head's input."""
+    return float(config.get("logits_mup_width_multiplier") or 1.0)

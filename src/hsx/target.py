@@ -73,6 +73,21 @@ def load_config(model_dir: Path) -> dict:
     return LanguageModel.of(model_dir).config
 
 
+# Model types whose ``num_hidden_layers`` counts sub-layers, with the field that counts decoder
+# layers: LongCat-Flash's decoder layer holds two attention + MLP sub-layers, and SGLang's and
+# vLLM's captures for its drafts index decoder layers, as hsx's layer ids do.
+SUBLAYERED = {"longcat_flash": "num_layers"}
+
+
+def decoder_layers(config) -> int:
+    """The number of decoder layers (what a layer id counts) of a config.json dict or a config object."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    field = SUBLAYERED.get(str(get("model_type", "")), "num_hidden_layers")
+    if get(field) is None:
+        raise UnsupportedModel(f"the model's config has no {field}: its number of decoder layers is unknown")
+    return int(get(field))
+
+
 @dataclass(frozen=True)
 class LanguageModel:
     """The part of a checkpoint hsx runs, and where the checkpoint keeps it: the one place that
@@ -223,7 +238,7 @@ def identity(model: str, model_dir: Path) -> ModelIdentity:
     return ModelIdentity(
         path=location(model),
         architecture=config["architectures"][0],
-        num_layers=int(config["num_hidden_layers"]),
+        num_layers=decoder_layers(config),
         hidden_size=int(config["hidden_size"]),
         fingerprint=model_fingerprint(model_dir),
         quantization=quantization_of(model_dir),

@@ -15,10 +15,11 @@ import itertools
 from pathlib import Path
 
 from hsx.assess.checks import Check
+from hsx.errors import UnsupportedModel
 from hsx.extract.backends import BACKENDS
 from hsx.fingerprint import ModelFiles, file_state, model_fingerprint
 from hsx.spec import RunSpec
-from hsx.target import load_config, relative_note
+from hsx.target import decoder_layers, load_config, relative_note
 from hsx.units import size
 
 
@@ -134,8 +135,8 @@ def check_capture(spec: RunSpec, model_dir: Path | None, deep: bool = False) -> 
         return Check("capture", "warn", f"{module} {version} installed; layers not checked: model not found", data=data)
     try:
         config = load_config(model_dir)
-        num_layers = int(config["num_hidden_layers"])
-    except (OSError, ValueError, KeyError) as e:
+        num_layers = decoder_layers(config)
+    except (OSError, ValueError, KeyError, UnsupportedModel) as e:
         return Check("capture", "fail", f"config.json of {model_dir} unreadable ({e})", data=data)
     data["num_layers"] = num_layers
     bad = [k for k in spec.layers if not 0 <= k < num_layers]

@@ -35,7 +35,7 @@ from hsx.drafts import storage_lines
 from hsx.errors import LayoutTooLarge
 from hsx.interconnect import Links
 from hsx.spec import RunSpec
-from hsx.target import LanguageModel, held_experts, int4_group
+from hsx.target import LanguageModel, decoder_layers, held_experts, int4_group
 
 if TYPE_CHECKING:
     from hsx.capture.stages import Stages
@@ -258,7 +258,7 @@ class Inventory:
         embeddings and the norm; hsx computes no logits."""
         from hsx.capture.transformers import EXPERT_COUNTS
 
-        layers = int(self.config["num_hidden_layers"])
+        layers = decoder_layers(self.config)
         routed = next((int(self.config[k]) for k in EXPERT_COUNTS if self.config.get(k)), 0)
         met = int(self.config.get("num_experts_per_tok") or 1) / routed if routed else 1.0
         hidden = int(self.config["hidden_size"])
@@ -282,7 +282,7 @@ class Inventory:
         partition a run makes (``stages``); the whole model without a pipeline."""
         from hsx.capture.transformers import EXPERT_COUNTS
 
-        layers = int(self.config["num_hidden_layers"])
+        layers = decoder_layers(self.config)
         routed = any(self.config.get(k) for k in EXPERT_COUNTS)
         dense = min(layers, int(self.config.get("first_k_dense_replace") or 0)) if routed else layers
         first, end = 0, layers
@@ -434,7 +434,7 @@ def _from_config(config: dict, quantization: dict, keep: Callable[[str], bool]) 
     shared experts), quantized as its quantization config says; None for another architecture."""
     if "kv_lora_rank" not in config or "n_routed_experts" not in config:
         return None
-    h, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+    h, layers = int(config["hidden_size"]), decoder_layers(config)
     heads, nope, rope = (
         int(config["num_attention_heads"]),
         int(config["qk_nope_head_dim"]),
@@ -739,7 +739,7 @@ def explain(
     if gpus is None:
         gpus = torch.cuda.device_count() or (layout.gpus if layout else 1)
     config = inventory.config
-    storage = storage_lines(int(config["num_hidden_layers"]), int(config["hidden_size"]), (layout or base).dtype)
+    storage = storage_lines(decoder_layers(config), int(config["hidden_size"]), (layout or base).dtype)
     if layout is None and gpus > 1:
         from hsx.interconnect import links
 

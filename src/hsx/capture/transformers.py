@@ -72,7 +72,14 @@ def _head_dims(config: dict) -> tuple[int, int]:
 
 
 def _unimplemented_feature(config: dict) -> str | None:
-    """Attention the packed path does not compute (it refuses such layers at run time)."""
+    """Attention the packed path does not compute (it refuses such layers at run time, or, for a
+    sparse-attention indexer, transformers' own layer fails on the mask packed rows do not have)."""
+    if config.get("index_topk"):  # DeepSeek-V3.2, GLM-5, DeepSeek-V4: the indexer reads the padded rows' mask
+        return "the sparse-attention indexer (it reads the attention mask, and packed rows have none)"
+    if config.get("model_type") == "gpt_oss":
+        return "attention sinks"
+    if config.get("rel_extent"):  # Inkling
+        return "a relative position bias"
     if config.get("attn_logit_softcapping"):
         return "attention logit softcapping"
     layer_types = config.get("layer_types") or []
@@ -128,7 +135,7 @@ def parallel_refusal(config: dict, tensor: int, expert: int, pipeline: int = 1) 
     A pipeline needs a decoder layer a stage at least."""
     if tensor < 1 or expert < 1 or pipeline < 1:
         return "parallel sizes are at least 1"
-    layers = int(config.get("num_hidden_layers") or 0)
+    layers = target.decoder_layers(config)
     if pipeline > 1 and pipeline > layers:
         return f"{pipeline} pipeline stages need as many decoder layers, and the model has {layers}"
     if expert not in (1, tensor):
@@ -165,6 +172,12 @@ def _older_transformers(than: str) -> str | None:
     return transformers.__version__ if Version(transformers.__version__) < Version(than) else None
 
 
+def padded_attention(model_class) -> str:
+    """The attention implementation of padded rows: SDPA, or eager where the class refuses SDPA
+    (gpt-oss's sinks, DeepSeek-V4's compressed attention); both exact."""
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+
+
 def _causal_lm_class(config, trust_remote_code: bool):
     """transformers' own causal-LM class for a config object or a model folder, None where it has none."""
     from transformers import AutoConfig
@@ -173,6 +186,34 @@ def _causal_lm_class(config, trust_remote_code: bool):
     if isinstance(config, (str, Path)):
         config = AutoConfig.from_pretrained(config, trust_remote_code=trust_remote_code)
     return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+
+
+def refuse_unloadable(model_dir: Path, trust_remote_code: bool) -> None:
+    """Refuse, before a run is made of it, a model this backend cannot load: a config.json
+    transformers cannot read, or a model type with no causal-LM class (GLM-5-next's release is a
+    vision-language composite whose text model transformers implements without a head), unless
+    the repository's own code is allowed to run. A composite whose text config names a causal LM
+    (Kimi-K2.5) is its language model (``target.LanguageModel``)."""
+    import transformers
+
+    from hsx.errors import UnsupportedModel
+
+    try:
+        native = checkpoint.plan(model_dir, "cpu").config
+        found = _causal_lm_class(native or model_dir, trust_remote_code)
+    except UnsupportedModel:
+        raise
+    except Exception as e:
+        version = transformers.__version__
+        raise UnsupportedModel(f"{model_dir}/config.json: transformers {version} cannot read it ({e})") from e
+    if found is None and not trust_remote_code:
+        top, text = checkpoint.read_config(model_dir), target.load_config(model_dir)
+        kinds = [str(c.get("model_type")) for c in (top, text) if c.get("model_type")]
+        raise UnsupportedModel(
+            f"{model_dir}: transformers {transformers.__version__} has no causal-LM class for model type "
+            f"{' / '.join(dict.fromkeys(kinds))!r}, and hsx runs a causal LM's decoder: no language model of "
+            "this checkpoint can be loaded alone"
+        )
 
 
 class TransformersBackend:
@@ -198,8 +239,11 @@ class TransformersBackend:
         self.packed = packed
         self.prenorm = prenorm
         config = self.model.config.get_text_config()
-        self.num_layers = int(config.num_hidden_layers)
+        self.num_layers = target.decoder_layers(config)
         self.hidden_size = int(config.hidden_size)
+        self.streams = int(getattr(config, "hc_mult", 0) or 0)  # hyper-connection streams (DeepSeek-V4)
+        # the LM head's input is the normed state over this (Inkling): a post-norm final state is that input
+        self.divisor = float(getattr(config, "logits_mup_width_multiplier", None) or 1.0)
         check_layers(layers, self.num_layers)
         self.owned = owned or range(self.num_layers)
         self.layers = [k for k in layers if k in self.owned]
@@ -223,7 +267,7 @@ class TransformersBackend:
 
     def set_packed(self, packed: bool) -> None:
         """Switch between padded rows and one packed row (same weights, other attention function)."""
-        self.model.set_attn_implementation(varlen.register() if packed else "sdpa")
+        self.model.set_attn_implementation(varlen.register() if packed else padded_attention(type(self.model)))
         self.packed = packed
 
     def set_compiled(self, compiled: bool) -> None:
@@ -324,9 +368,8 @@ class TransformersBackend:
         from hsx.capture.quantized import experts
 
         how = checkpoint.prepared(model_dir, device, dtype, quantized_compute)  # quantized / native-class checkpoints
-        fmt, model_class = how.experts, None
-        if fmt is not None or expert > 1 or stages is not None:
-            model_class = _causal_lm_class(how.config or model_dir, trust_remote_code)
+        fmt = how.experts
+        model_class = _causal_lm_class(how.config or model_dir, trust_remote_code)
         unquantized = how.quantization_config is None and not target.quantization_of(model_dir)
         if fmt is None and expert > 1 and unquantized and model_class and experts.experts_classes(model_class):
             fmt = experts.DENSE  # dense experts split by hsx too: the same on every transformers version
@@ -356,7 +399,7 @@ class TransformersBackend:
                 model_dir,
                 dtype=DTYPES[dtype],
                 trust_remote_code=trust_remote_code,
-                attn_implementation=varlen.register() if packed else "sdpa",
+                attn_implementation=varlen.register() if packed else padded_attention(model_class),
                 **placement,
                 **how.kwargs(),
             )
@@ -373,8 +416,17 @@ class TransformersBackend:
         return cls(model, layers, packed, compiled, prenorm, owned)
 
     def _keep(self, key):
+        """A hook that keeps a module's output. A decoder layer of a model with hyper-connections
+        (DeepSeek-V4) puts out its ``hc_mult`` residual streams, [..., streams, hidden]: its tap is
+        their mean, as SGLang captures it for the drafts trained on V4."""
+
         def hook(_module, _inputs, output):
-            self._outputs[key] = output[0] if isinstance(output, tuple) else output
+            out = output[0] if isinstance(output, tuple) else output
+            if self.streams and key != "final" and out.dim() == 4:
+                out = out.mean(dim=-2)
+            if key == "final" and self.divisor != 1.0:
+                out = out / self.divisor
+            self._outputs[key] = out
 
         return hook
 

@@ -111,12 +111,14 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
     """A new run (``job.stage.open_run``: its folder checked, the spec saved last): read and tokenize the
     data into the frozen plan, write the rejects; its spec."""
     from hsx.capture import check_layers
-    from hsx.capture.transformers import resolve_dtype
+    from hsx.capture.transformers import refuse_unloadable, resolve_dtype
 
     generated = _generated_input(opts)
     opts.refuse_unused(opts.backend or "transformers", generated is not None)
     for path in opts.data if generated is None else []:
         check_source(path, opts.split, opts.column)
+    if (opts.backend or "transformers") == "transformers":  # a model it cannot load: refused before any write
+        refuse_unloadable(job_model.dir, opts.trust_remote_code)
     model_dir, tokenizer, model = job_model.dir, job_model.tokenizer, job_model.identity
     taps = drafts.resolve(opts.layers, model.num_layers)
     check_layers(taps.ids, model.num_layers)

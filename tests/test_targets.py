@@ -1,0 +1,235 @@
+"""Every architecture of docs/targets.md, tiny and random, laid out as released (the config class's
+own defaults, which transformers sets to the released checkpoint's values, reduced in size; the
+real layer types kept), captured by hsx in float32 and compared with transformers' own forward of
+each sample alone (``output_hidden_states``): every tap and the final state, padded (the layout
+``--packing auto`` picks on CPU) and packed where the table says packed (the one it picks on
+CUDA), both forced. The table in docs/targets.md is read here: an architecture it lists as
+supported that stops matching its reference fails, and one it lists as refused must be refused
+by name. Then each defect the issue found, through the real command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import conversations, hsx, save_tiny, write_jsonl
+from hsx.capture.transformers import TransformersBackend
+
+DOC = Path(__file__).parents[1] / "docs" / "targets.md"
+VOCAB = 2048  # the bundled tokenizer's, so that the CLI tests run these models too
+LENGTHS = (23, 9, 16)
+RTOL = 1e-4
+NEAR_TIE_SHARE = 0.2  # MoE: at most this share of tokens beyond tolerance (router near-ties)
+
+
+def table() -> dict[str, dict[str, str]]:
+    """docs/targets.md's table: model type -> its columns."""
+    rows = [line for line in DOC.read_text().splitlines() if line.startswith("| `")]
+    head = next(line for line in DOC.read_text().splitlines() if line.startswith("| model type"))
+    names = [c.strip() for c in head.strip("|").split("|")]
+    out = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        out[cells[0].strip("`")] = dict(zip(names, cells, strict=True))
+    return out
+
+
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    head_dim=16,
+    max_position_embeddings=512,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_group=1,
+    topk_group=1,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=6,  # fewer than a sample's tokens: the sparse selection matters
+    sliding_window=6,  # so do windows
+    first_k_dense_replace=1,
+    num_experts_per_tok=2,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    o_lora_rank=16,
+    o_groups=2,
+    shared_expert_intermediate_size=32,
+)
+EXPERTS = ("n_routed_experts", "num_experts", "num_local_experts")
+LAYER_LISTS = ("layer_types", "mlp_layer_types")
+
+
+def tiny_config(model_type: str, layers: int = 4):
+    """The config class's defaults (its released values), sized down, its layer types the release's first ones."""
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model(model_type)
+    text = base.get_text_config()
+    small = {k: v for k, v in SMALL.items() if hasattr(text, k)}
+    if hasattr(text, "num_key_value_heads"):
+        small["num_key_value_heads"] = min(int(text.num_key_value_heads or 4), 2)
+    for k in EXPERTS:
+        if getattr(text, k, None):
+            small[k] = 4
+    if (getattr(text, "pad_token_id", None) or 0) >= VOCAB:
+        small["pad_token_id"] = 0
+    field = "num_layers" if model_type == "longcat_flash" else "num_hidden_layers"
+    small[field] = layers
+    for k in LAYER_LISTS:
+        if isinstance(getattr(text, k, None), list):
+            small[k] = list(getattr(text, k)[:layers])
+    if hasattr(text, "qk_rope_head_dim"):  # multi-head latent attention: head_dim is the rotary part
+        small["head_dim"] = small["qk_rope_head_dim"]
+        small["num_key_value_heads"] = small["num_attention_heads"]  # no grouped kv heads
+    if getattr(text, "full_attention_interval", None):
+        small["full_attention_interval"] = 2
+    if text is base:
+        return AutoConfig.for_model(model_type, **small)
+    return AutoConfig.for_model(model_type, text_config=text.to_dict() | small)
+
+
+def reference(model, seqs) -> list[list[torch.Tensor]]:
+    """transformers' own forward of each sample alone: every hidden state, and the LM head's input."""
+    out = []
+    for s in seqs:
+        with torch.no_grad():
+            got = model(torch.as_tensor(s)[None].long(), output_hidden_states=True)
+        out.append([h[0] for h in got.hidden_states])
+    return out
+
+
+def compare(got: torch.Tensor, want: torch.Tensor, moe: bool, what: str) -> None:
+    """float32: within RTOL of the reference's scale; MoE tokens beyond it bounded (near-ties)."""
+    got, want = got.double(), want.double()
+    bad = ((got - want).abs().amax(-1) > RTOL * want.abs().amax(-1).clamp_min(1e-6)).float()
+    share = bad.mean().item()
+    assert share <= (NEAR_TIE_SHARE if moe else 0.0), f"{what}: {share:.0%} of tokens beyond {RTOL}"
+    if moe:
+        keep = bad == 0
+        assert torch.allclose(got[keep], want[keep], rtol=RTOL, atol=RTOL * want.abs().max().item()), what
+
+
+TAPS = [0, 1, 2]  # of 4 decoder layers: hidden_states[k + 1] (the last layer's is after the final norm)
+
+
+def supported() -> list[tuple[str, bool]]:
+    """(model type, packed) for every architecture the table says hsx captures with a test here."""
+    out = []
+    for model_type, row in table().items():
+        if "test_targets" not in row["test"] or row["layout"].startswith("refused"):
+            continue
+        out.append((model_type, False))
+        if row["layout"].startswith("packed"):
+            out.append((model_type, True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Each architecture's tiny model, saved once: model type -> (folder, the model)."""
+    cache: dict[str, tuple[Path, torch.nn.Module]] = {}
+    root = tmp_path_factory.mktemp("targets")
+
+    def get(model_type: str):
+        if model_type not in cache:
+            from transformers import AutoModelForCausalLM
+
+            path = save_tiny(tiny_config(model_type), root / model_type)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            cache[model_type] = (path, model)
+        return cache[model_type]
+
+    return get
+
+
+@pytest.mark.parametrize("model_type,packed", supported())
+def test_each_supported_architecture_equals_transformers_per_sample(model_type, packed, built):
+    path, model = built(model_type)
+    config = model.config.get_text_config()
+    moe = any(getattr(config, k, None) for k in EXPERTS)
+    seqs = [np.random.default_rng(n).integers(0, VOCAB, n) for n in LENGTHS]
+    backend = TransformersBackend.load(path, TAPS, "float32", "cpu", packed=packed)
+    batch = backend.capture(list(range(len(seqs))), seqs)
+    hidden = int(config.hidden_size)
+    divisor = float(getattr(config, "logits_mup_width_multiplier", None) or 1.0)
+    for i, ref in enumerate(reference(model, seqs)):
+        aux, final = batch.sample(i)
+        for j, k in enumerate(TAPS):
+            want = ref[k + 1]
+            if want.dim() == 3:  # hyper-connection streams (DeepSeek-V4): the tap is their mean
+                want = want.mean(dim=-2)
+            compare(aux[:, j * hidden : (j + 1) * hidden], want, moe, f"{model_type} sample {i} tap {k}")
+        compare(final, ref[-1] / divisor, moe, f"{model_type} sample {i} final state")
+
+
+# ---------------------------------------------------------------- the defects found, through the real command line
+
+
+def _extract(model: Path, out: Path, data: Path, *extra: str):
+    return hsx("extract", "--model", model, "--data", data, "--out", out, "--device", "cpu", "--dtype", "float32",
+               "--layers", "0,1,2", "--shard-size", "4", *extra, check=False)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("data") / "convs.jsonl", conversations(3))
+
+
+def test_sparse_attention_models_refuse_packing_by_name_and_auto_pads_them(built, data, tmp_path):
+    """DeepSeek-V3.2's indexer reads the attention mask, which packed rows have none of: --packing on
+    crashed on the first batch after the spec was written; now refused before anything is written,
+    and --packing auto picks padded rows for it on CUDA too."""
+    from hsx.extract.options import resolve_packing
+    from hsx.target import load_config
+
+    path, _ = built("deepseek_v32")
+    said = _extract(path, tmp_path / "on", data, "--packing", "on")
+    assert said.returncode == 2 and "sparse-attention indexer" in said.stderr and "--packing off" in said.stderr
+    assert not (tmp_path / "on").exists()
+    notes: list[str] = []
+    assert resolve_packing("auto", "cuda", load_config(path), "bfloat16", notes.append) is False
+    assert "sparse-attention indexer" in notes[0], notes
+
+
+def test_gpt_oss_and_longcat_flash_run_through_the_command_line(built, data, tmp_path):
+    """gpt-oss refused SDPA at load (it runs eagerly now); LongCat-Flash's config has no
+    num_hidden_layers (a KeyError): its layer ids count decoder layers."""
+    for model_type in ("gpt_oss", "longcat_flash"):
+        path, _ = built(model_type)
+        done = _extract(path, tmp_path / model_type, data)
+        assert done.returncode == 0, done.stderr
+        spec = json.loads((tmp_path / model_type / "hsx.json").read_text())
+        assert spec["model"]["num_layers"] == 4, spec["model"]  # LongCat-Flash: decoder layers, not 8 sub-layers
+        assert len(list((tmp_path / model_type / "shards").rglob("*.safetensors"))) == 3
+
+
+def test_a_model_with_no_causal_lm_class_is_refused_before_anything_is_written(tmp_path, data):
+    """GLM-5-next: a vision-language release whose text model transformers implements without a
+    causal-LM class; AutoModelForCausalLM failed after the spec and plan were written."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from conftest import TINY
+
+    model = tmp_path / "glm5-next"
+    AutoConfig.for_model("glm5_next").save_pretrained(model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TINY / name, model / name)
+    said = _extract(model, tmp_path / "run", data)
+    text = " ".join(said.stderr.split())
+    assert said.returncode == 2, said.stderr
+    assert "has no causal-LM class for model type 'glm5_next / glm5_next_text'" in text, said.stderr
+    assert not (tmp_path / "run").exists()
