@@ -249,14 +249,14 @@ def test_spec_records_the_experts_held_packed(models):
 # ---------------------------------------------------------------- a slice of experts at a time
 
 
-def sliced_model(fmt, implementation: str):
-    """A tiny DeepSeek-V3 in bfloat16 (16 experts, top 4: a token's outputs are added in an order that
-    shows) with its routed experts held as ``fmt`` stores them (INT4 packed, or dense bf16)."""
+def sliced_model(fmt, implementation: str, dtype: torch.dtype):
+    """A tiny DeepSeek-V3 (16 experts, top 4: a token's outputs are added in an order that shows)
+    with its routed experts held as ``fmt`` stores them (INT4 packed, or dense)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     config = tiny_config(n_routed_experts=16, num_experts_per_tok=4)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     model.set_experts_implementation(implementation)
     quantize = (lambda w: int4.quantize(w, 32)) if fmt.name == int4.NAME else (lambda w: {"weight": w})
     jit.from_dense(model, fmt, quantize)
@@ -272,17 +272,26 @@ def forward_states(model, slice_bytes: int | None) -> list[torch.Tensor]:
         ]
 
 
-@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
-@pytest.mark.parametrize("fmt", [int4.Int4Experts(32), jit.DENSE], ids=["int4", "bf16"])
-def test_experts_expanded_a_slice_at_a_time_give_the_whole_layers_bits(fmt, implementation, monkeypatch):
+@pytest.mark.parametrize(
+    ("fmt", "implementation", "dtype"),
+    [
+        (int4.Int4Experts(32), "grouped_mm", torch.bfloat16),
+        (int4.Int4Experts(32), "grouped_mm", torch.float32),
+        (int4.Int4Experts(32), "eager", torch.float32),
+        (jit.DENSE, "grouped_mm", torch.bfloat16),
+        (jit.DENSE, "eager", torch.bfloat16),
+    ],
+    ids=["int4-grouped-bf16", "int4-grouped-f32", "int4-eager-f32", "dense-grouped-bf16", "dense-eager-bf16"],
+)
+def test_experts_expanded_a_slice_at_a_time_give_the_whole_layers_bits(fmt, implementation, dtype, monkeypatch):
     """Under a budget of one expert, and of three (the last slice short), no whole layer is ever
     expanded, no slice is over its budget, and every state equals the whole-layer expansion's bit for
-    bit (bfloat16, each of transformers' experts functions, whose ways of adding a token's pairs
-    differ)."""
-    model = sliced_model(fmt, implementation)
+    bit (each of the experts functions hsx slices, whose ways of stacking a GEMM's rows and adding a
+    token's pairs differ; float32 on CPU shows a row computed in another order)."""
+    model = sliced_model(fmt, implementation, dtype)
     whole = forward_states(model, None)
-    one = jit.expert_bytes(next(m for _, m in jit.stored_modules(model)), torch.bfloat16)
-    assert one == 3 * 64 * HIDDEN * 2
+    one = jit.expert_bytes(next(m for _, m in jit.stored_modules(model)), dtype)
+    assert one == 3 * 64 * HIDDEN * dtype.itemsize
     sizes = []
     expand_slice = jit.StoredExperts.expand_slice
 
@@ -301,6 +310,18 @@ def test_experts_expanded_a_slice_at_a_time_give_the_whole_layers_bits(fmt, impl
             assert torch.equal(a, b)
     monkeypatch.undo()
     assert all(torch.equal(a, b) for a, b in zip(forward_states(model, 16 * one), whole, strict=True))
+
+
+def test_an_experts_function_the_slices_cannot_reproduce_is_refused():
+    """batched_mm's one batched product of every pair gives some pairs other float32 bits than a
+    slice's batch: a budget on it is refused by name when set, before anything runs."""
+    from hsx.errors import UnsupportedModel
+
+    model = sliced_model(int4.Int4Experts(32), "batched_mm", torch.float32)
+    with pytest.raises(
+        UnsupportedModel, match="run transformers' 'batched_mm'; a slice at a time runs grouped_mm and eager only"
+    ):
+        jit.set_slice(model, 10**6, torch.float32)
 
 
 def test_an_ep_ranks_slices_give_its_whole_layers_partial_sum():
@@ -335,6 +356,31 @@ def test_an_ep_ranks_slices_give_its_whole_layers_partial_sum():
     finally:
         dist.destroy_process_group()
     assert all(p.abs().sum() > 0 for p in partial)
+
+
+def test_a_run_given_an_expert_slice_writes_the_whole_layers_files_and_records_it(models, tmp_path, caplog):
+    """``--expert-slice-gb`` (two of the 8 experts at a time here): the same sample files byte for
+    byte as the run that expands each layer whole, the budget in the spec and the log, and a
+    resume asking for another budget refused by name."""
+    from hsx.errors import OptionError, Refused
+    from hsx.extract import ExtractOptions, extract
+
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(6, start=400))
+    common = dict(model=str(models["packed"]), data=[data], device="cpu", layers=LAYERS, shard_size=3, writers=1)
+    assert extract(ExtractOptions(out=tmp_path / "whole", **common), log=lambda m: None).complete
+    budget = 2.5 * 3 * 64 * HIDDEN * 4 / 1e9  # two and a half float32 experts
+    with caplog.at_level(logging.WARNING, logger="hsx.checkpoint"):
+        opts = ExtractOptions(out=tmp_path / "sliced", expert_slice_gb=budget, **common)
+        assert extract(opts, log=lambda m: None).complete
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "routed experts expanded 2 of a MoE layer's 8 at a time" in said, said
+    assert run_files(tmp_path / "sliced") == run_files(tmp_path / "whole")
+    assert json.loads((tmp_path / "sliced" / "hsx.json").read_text())["expert_slice_gb"] == budget
+    assert "expert_slice_gb" not in json.loads((tmp_path / "whole" / "hsx.json").read_text())
+    with pytest.raises(Refused, match=f"expert slice gb: run has {budget}, asked for 0.5"):
+        extract(ExtractOptions(out=tmp_path / "sliced", expert_slice_gb=0.5, **common), log=lambda m: None)
+    with pytest.raises(OptionError, match="--expert-slice-gb slices hsx's expansion of the experts; vllm holds"):
+        ExtractOptions(out=tmp_path / "v", expert_slice_gb=1.0, **common).refuse_unused("vllm", generated=False)
 
 
 # ---------------------------------------------------------------- TP / EP

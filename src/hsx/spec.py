@@ -70,7 +70,8 @@ class TokenizerIdentity(BaseModel):
 
 
 OPTIONAL_DATA = ("split", "limit", "column")  # a DataFile's fields written only where given
-DRAFT_DEFAULTS = {"layers_formula": None, "final_norm": "post"}  # RunSpec's fields written only where not these
+# RunSpec's fields written only where not these
+DRAFT_DEFAULTS = {"layers_formula": None, "final_norm": "post", "expert_slice_gb": None}
 
 
 class DataFile(BaseModel):
@@ -270,6 +271,10 @@ class RunSpec(BaseModel):
     # how an FP8 checkpoint computes: fp8 (block FP8 GEMMs, activations quantized) or dequantized
     # (weights expanded to the dtype); None: unquantized weights, or a run made before hsx recorded it
     quantized_compute: str | None = None
+    # GB of routed experts expanded at once (--expert-slice-gb: hsx.capture.quantized.experts.sliced); None:
+    # a whole MoE layer's, as runs made before. The same states on CPU (tested); recorded since a compiled
+    # layer on CUDA runs the slices outside its graph, whose fused kernels may round otherwise
+    expert_slice_gb: float | None = None
     # the chat template's arguments the plan rendered with (--chat-template-kwargs); runs made before: none
     template_kwargs: dict[str, Any] = {}
     data: list[DataFile]
@@ -447,7 +452,7 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
 
     ``asked`` holds only what the operator gave: ``model`` (a ModelIdentity), ``tokenizer``,
     ``layers``, ``dtype``, ``max_length``, ``batch_tokens``, ``shard_size``, ``data`` (DataFiles),
-    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``,
+    ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``, ``expert_slice_gb``,
     ``template_kwargs``, ``column``, ``split`` and ``limit`` (asked without ``data``; with it, the data's own),
     ``fidelity_stride``.
     """
@@ -474,6 +479,7 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
         "codec",
         "parallel",
         "quantized_compute",
+        "expert_slice_gb",
         "template_kwargs",
         "final_norm",
         "window",

@@ -356,11 +356,13 @@ class TransformersBackend:
         quantized_compute: str | None = None,
         prenorm: bool = False,
         stages: Stages | None = None,
+        slice_gb: float | None = None,
     ) -> TransformersBackend:
         """Load the model onto ``device``; with ``tensor`` > 1 this process is one rank of an
         initialised torch.distributed group and holds its share (transformers' TP/EP plans).
         ``quantized_compute``: how an FP8 checkpoint computes (None: the default for the device).
-        ``stages``: a pipeline; this rank loads its stage's layers alone (``capture.stages``)."""
+        ``stages``: a pipeline; this rank loads its stage's layers alone (``capture.stages``).
+        ``slice_gb``: GB of a MoE layer's experts expanded at once (None: the whole layer's)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -413,6 +415,8 @@ class TransformersBackend:
             from hsx.capture.quantized import fp8
 
             log.warning("checkpoint: %s", fp8.install(model))
+        if slice_gb is not None:
+            log.warning("checkpoint: %s", experts.set_slice(model, round(slice_gb * 1e9), DTYPES[dtype]))
         return cls(model, layers, packed, compiled, prenorm, owned)
 
     def _keep(self, key):

@@ -45,7 +45,7 @@ def asked(opts: ExtractOptions, model: Model, num_layers: int) -> dict:
     if opts.data:
         out["data"] = data_files(opts.data, opts.split, opts.limit, opts.column, opts.out)
     out |= opts.rows_asked()
-    keys = ("max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute")
+    keys = ("max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute", "expert_slice_gb")
     for key in (*keys, "template_kwargs", "fidelity_stride"):
         out[key] = getattr(opts, key)
     if opts.layers is not None:  # a preset is resolved against the run's model
@@ -180,6 +180,7 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
         codec=codec,
         parallel=parallel,
         quantized_compute=compute,
+        expert_slice_gb=opts.expert_slice_gb,
         template_kwargs=opts.template_kwargs or {},
         data=data or data_files(opts.data, opts.split, opts.limit, opts.column, opts.out),
         generate_spec=source_spec,

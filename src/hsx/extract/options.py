@@ -48,6 +48,7 @@ EXTRACT = Bounds(
     data_parallel_size=DEVICES,
     workers=Bound(min=0, max=100_000),
     quantized_compute=Bound(choices=("fp8", "dequantized")),
+    expert_slice_gb=Bound(min=0.0, min_open=True, max=1e6),
     codec=Bound(choices=tuple(Codec)),
     backend=Bound(choices=tuple(BACKENDS)),
     packing=Bound(choices=get_args(Toggle)),
@@ -69,6 +70,10 @@ COMPUTE = (
     "(new run; part of the spec)."
 )
 
+SLICE = (
+    "Expand a MoE layer's routed experts (packed or FP8) at most this many GB at a time, not the whole "
+    "layer at once: the same states, less memory (new run; part of the spec)."
+)
 
 LAYERS = (
     "hsx layer ids, e.g. 1,15,28, or a draft preset: eagle3, dflash[:N] (N taps by DFlash's formula), "
@@ -134,6 +139,8 @@ class ExtractOptions(JobOptions):
     ] = None
     # FP8 checkpoints: fp8 | dequantized (a new run's default: fp8 where it can)
     quantized_compute: A[str | None, Flag(COMPUTE, "MODE", "fp8 where the GPU can")] = None
+    # GB of a MoE layer's routed experts expanded at once (spec); None: the whole layer's
+    expert_slice_gb: A[float | None, Flag(SLICE, "GB", "a whole MoE layer's")] = None
     # hsx.fidelity: every N-th loss-masked token checked (spec); the floor and the drop that stop a
     # run (the spec's; a resume giving them sets its own session's)
     fidelity_stride: A[int | None, Flag("Check every N-th loss-masked token against the target's head (new run).")] = (
@@ -201,6 +208,8 @@ class ExtractOptions(JobOptions):
         engine = [Bounds.flag(k) for k in ("tensor_parallel_size", "data_parallel_size") if getattr(self, k)]
         if engine and backend != "vllm":
             raise OptionError(f"{' and '.join(engine)} size vLLM's engine; this run's backend is {backend}")
+        if self.expert_slice_gb is not None and backend != "transformers":
+            raise OptionError(f"--expert-slice-gb slices hsx's expansion of the experts; {backend} holds its own")
         if self.allow_incomplete and not generated:
             raise OptionError(
                 "--allow-incomplete lets an extraction start on an unfinished generate run; "

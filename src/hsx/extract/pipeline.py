@@ -56,6 +56,7 @@ def open_backend(spec: RunSpec, model_dir: Path, device: str, stages: Stages | N
         spec.quantized_compute or "dequantized",
         spec.final_norm == "pre",
         stages,
+        spec.expert_slice_gb,
     )
 
 

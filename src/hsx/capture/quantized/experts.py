@@ -143,9 +143,8 @@ class StoredExperts(nn.Module):
             top_k_weights = top_k_weights.masked_fill(off, 0.0)
         step = per_slice(self, self.slice_bytes, self.dtype)
         if step < self.num_experts:
-            how = self.config._experts_implementation or "eager"  # None: transformers runs the class's own
             routing = (hidden_states, top_k_index, top_k_weights)
-            out = sliced(self, self.experts_class.forward, how, self.expand_slice, step, *routing)
+            out = sliced(self, self.experts_class.forward, implementation(self), self.expand_slice, step, *routing)
         else:
             gate_up, down = self.expand()
             expanded = Expanded(self, gate_up_proj=gate_up, down_proj=down)
@@ -169,10 +168,20 @@ class Expanded:
         return getattr(self.module, name)
 
 
-# How each of transformers' experts functions adds up a token's (token, expert) outputs: "sum" over
-# the top-k in float32 (the weighted outputs in the routing weights' dtype), "ordered" one expert
-# after another in ascending id, each output rounded to the states' dtype first (eager's index_add_).
-COMBINE = {"grouped_mm": "sum", "batched_mm": "sum", "eager": "ordered"}
+# How each of transformers' experts functions that ``sliced`` runs adds up a token's (token, expert)
+# outputs: "sum" over the top-k in float32 (the weighted outputs in the routing weights' dtype),
+# "ordered" one expert after another in ascending id, each output rounded to the states' dtype first
+# (eager's index_add_). Not batched_mm: its one batched product of every pair does not give a pair
+# the same bits as a batch of a slice's pairs (float32 on CPU).
+COMBINE = {"grouped_mm": "sum", "eager": "ordered"}
+
+
+def implementation(module: nn.Module) -> str:
+    """Which of transformers' experts functions ``module`` runs (hsx's FP8 experts: grouped_mm; None
+    configured: the class's own, eager)."""
+    if not isinstance(module, StoredExperts):
+        return "grouped_mm"
+    return module.config._experts_implementation or "eager"
 
 
 def expert_bytes(module: nn.Module, dtype: torch.dtype) -> int:
@@ -188,6 +197,34 @@ def per_slice(module: nn.Module, budget: int | None, dtype: torch.dtype) -> int:
     return count if budget is None else max(1, min(count, budget // expert_bytes(module, dtype)))
 
 
+def pair_order(implementation: str, top_k_index: torch.Tensor) -> torch.Tensor:
+    """The (token, expert) pairs (flat ids, token-major) by expert, each expert's in the order
+    ``implementation`` stacks its rows for one GEMM: a GEMM's rows on CPU do not come out the same
+    bits in another order. grouped_mm: its own sort of the pairs' expert ids (the same call on the
+    same ids, ties included); eager: top-k position first, then token (its ``torch.where`` over the
+    expert's [top_k, tokens] mask)."""
+    if implementation == "grouped_mm":
+        return torch.sort(top_k_index.reshape(-1)).indices
+    tokens, top_k = top_k_index.shape
+    by_position = torch.sort(top_k_index.t().reshape(-1), stable=True).indices  # k * tokens + t
+    return (by_position % tokens) * top_k + by_position // tokens
+
+
+def grouped_rows(view, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Unweighted outputs of ``rows`` (states stacked by expert, ``counts`` of each) through the
+    experts of ``view``, as transformers' grouped_mm function computes its sorted rows: its grouped
+    GEMMs and gate, on these rows in this order (its own function would sort them again, and its
+    sort does not keep the order of equal ids)."""
+    from transformers.integrations.moe import _grouped_linear
+
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    up = view.gate_up_proj if view.has_gate else view.up_proj
+    out = _grouped_linear(rows, up, offsets, is_transposed=view.is_transposed)
+    out = view._apply_gate(out) if view.has_gate else view.act_fn(out)
+    out = _grouped_linear(out, view.down_proj, offsets, is_transposed=view.is_transposed)
+    return view.post_expert_norm(out) if view.has_post_expert_norm else out
+
+
 @torch.compiler.disable
 def sliced(
     module: nn.Module,
@@ -201,11 +238,12 @@ def sliced(
 ) -> torch.Tensor:
     """``function`` (transformers' experts function ``implementation``) over ``module``'s experts
     expanded ``step`` at a time by ``expand``, with the numbers of one call over all of them: each
-    slice computes the outputs of the (token, expert) pairs routed to it, unweighted (unit weights:
-    exact), each kept in its pair's place; once every slice has run, the pairs are weighted and added up as
-    ``function`` adds them (``COMBINE``), in the original order. A pair routed to no local expert
-    (an EP sentinel, id ``num_experts``) adds zero, as it does there. Run eagerly: which pairs a
-    slice gets is known only once routed (one host sync a layer)."""
+    slice computes the outputs of the (token, expert) pairs routed to it, unweighted, each expert's
+    rows in the order the function stacks them (``pair_order``), and keeps them in their pairs'
+    places; once every slice has run, the pairs are weighted and added up as the function adds them
+    (``COMBINE``), in the original order. A pair routed to no local expert (an EP sentinel, id
+    ``num_experts``) adds zero, as it does there. Run eagerly: which pairs a slice gets is known only
+    once routed (one host sync a layer)."""
     combine = COMBINE.get(implementation)
     if combine is None:
         raise ValueError(
@@ -214,7 +252,7 @@ def sliced(
     count = int(module.num_experts)
     tokens, top_k = top_k_index.shape
     ids = top_k_index.reshape(-1)
-    order = torch.sort(ids, stable=True).indices  # the pairs by expert, each expert's in pair order
+    order = pair_order(implementation, top_k_index)
     ends = torch.bincount(ids, minlength=count + 1).cumsum(0).tolist()
     pairs = hidden_states.new_zeros(ids.numel(), hidden_states.shape[-1])
     for start in range(0, count, step):
@@ -223,21 +261,50 @@ def sliced(
         if lo == hi:
             continue  # no token routed here: nothing expanded
         rows = order[lo:hi]
-        weights = expand(slice(start, stop))
-        view = Expanded(module, num_experts=stop - start, _is_expert_parallel=False, **weights)
-        unit = top_k_weights.new_ones(hi - lo, 1)
-        pairs[rows] = function(view, hidden_states[rows // top_k], (ids[rows] - start)[:, None], unit)
-        del weights, view
+        local = ids[rows] - start
+        view = Expanded(module, num_experts=stop - start, _is_expert_parallel=False, **expand(slice(start, stop)))
+        if implementation == "grouped_mm":
+            pairs[rows] = grouped_rows(
+                view, hidden_states[rows // top_k], torch.bincount(local, minlength=stop - start)
+            )
+        else:  # eager: one pair a row (top 1, unit weight: its output exactly), each expert's rows in order
+            unit = top_k_weights.new_ones(hi - lo, 1)
+            pairs[rows] = function(view, hidden_states[rows // top_k], local[:, None], unit)
+        del view
     weighted = pairs * top_k_weights.reshape(-1, 1)
     if combine == "sum":
         return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
-    by_id = top_k_index.argsort(dim=1, stable=True)  # eager adds a token's experts in ascending id
+    by_id = torch.sort(top_k_index, dim=1, stable=True).indices  # eager adds a token's experts in ascending id
     ordered = weighted.to(hidden_states.dtype).view(tokens, top_k, -1)
     ordered = ordered.gather(1, by_id[..., None].expand_as(ordered))
     out = torch.zeros_like(hidden_states)
     for k in range(top_k):
         out += ordered[:, k]
     return out
+
+
+def set_slice(model: nn.Module, budget: int, dtype: torch.dtype) -> str:
+    """Every MoE layer whose experts hsx expands (held stored, or FP8) expands at most ``budget``
+    bytes of them at once from now on; what that makes, in words for the log."""
+    from hsx.errors import UnsupportedModel
+
+    layers = [m for m in model.modules() if hasattr(m, "slice_bytes")]
+    for module in layers:
+        how = implementation(module)
+        if how not in COMBINE:
+            raise UnsupportedModel(
+                f"--expert-slice-gb: the experts run transformers' {how!r}; a slice at a time runs "
+                f"{' and '.join(COMBINE)} only"
+            )
+        module.slice_bytes = budget
+    if not layers:
+        return f"--expert-slice-gb {budget / 1e9:g}: no routed experts here are expanded by hsx, nothing to slice"
+    one = layers[0]
+    step, count, each = per_slice(one, budget, dtype), int(one.num_experts), expert_bytes(one, dtype) / 1e9
+    return (
+        f"routed experts expanded {step} of a MoE layer's {count} at a time ({step * each:.1f} GB under "
+        f"--expert-slice-gb {budget / 1e9:g}; the whole layer's: {count * each:.1f} GB), the same states"
+    )
 
 
 def _expand(fmt: ExpertFormat, gate_up: dict, down: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

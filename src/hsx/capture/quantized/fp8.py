@@ -215,6 +215,7 @@ def install(model: torch.nn.Module) -> Installed:
         elif isinstance(module, hf.FP8Experts):
             other += _misaligned(name, module)
             _swap(module, _experts_forward)
+            module.slice_bytes = None  # the whole layer expanded at once; ``experts.set_slice`` sets a budget
             experts += 1
         elif type(module).__module__ == hf.__name__ and type(module).__name__ != "FP8Embedding":
             other.append(f"{name} ({type(module).__name__})")
@@ -274,7 +275,7 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     (``experts.sliced``: the same numbers, one graph break)."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    from hsx.capture.quantized.experts import Expanded, per_slice, sliced
+    from hsx.capture.quantized.experts import Expanded, implementation, per_slice, sliced
 
     block = tuple(self.block_size)
     names = _expert_weights(self)
@@ -286,10 +287,10 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
             for n in names
         }
 
-    step = per_slice(self, getattr(self, "slice_bytes", None), dtype)
+    step = per_slice(self, self.slice_bytes, dtype)
     routing = (hidden_states, top_k_index, top_k_weights)
     if step < self.num_experts:
-        return sliced(self, grouped_mm_experts_forward, "grouped_mm", expand, step, *routing)
+        return sliced(self, grouped_mm_experts_forward, implementation(self), expand, step, *routing)
     return grouped_mm_experts_forward(Expanded(self, **expand(slice(None))), *routing)
 
 
