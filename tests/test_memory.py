@@ -198,9 +198,9 @@ def test_hsx_memory_prints_the_arithmetic_and_exits_2_where_it_cannot_fit():
 
 def test_the_layout_advised_for_kimi_k25_is_tp_on_nvlink_and_a_pipeline_on_pcie(kimi):
     """8 GPUs: on PCIe at the published untuned all-reduce bandwidth (22.2 GB/s), TP8 + EP8's 183
-    all-reduces a token cost 14,336 B x 1.75 each; a pipeline of 2 stages of TP4 halves the
-    all-reduces and shortens the ring, and fits 96 GB cards where 4 or 8 stages do not (each holds
-    a whole MoE layer's 384 experts expanded at once): it is advised. On NVLink (8 x H200) TP8 + EP8
+    all-reduces a token cost 14,336 B x 1.75 each; 8 stages of one GPU all-reduce nothing, and
+    fit 96 GB cards once their MoE layers' 384 experts are expanded a slice at a time (a whole
+    layer at once does not fit): they are advised, with the slice. On NVLink (8 x H200) TP8 + EP8
     is advised, its all-reduces cheap there, though every layout fits."""
     from hsx.interconnect import Links
 
@@ -208,15 +208,44 @@ def test_the_layout_advised_for_kimi_k25_is_tp_on_nvlink_and_a_pipeline_on_pcie(
     tp8 = next(line for line in pcie if line.startswith("  TP8 + EP8"))
     assert "87.5 GB a GPU, fits; 183 all-reduces x 14,336 B x 1.75 / 22.2 GB/s = 206.8 us" in tp8
     assert "4,835 tok/s" in tp8  # 1 / 206.8 us: what the interconnect lets TP8 reach
-    assert any(line.startswith("  PP8 x TP1") and "does NOT fit" in line for line in pcie)
-    assert any(line.startswith("  PP4 x TP2 + EP2") and "does NOT fit" in line for line in pcie)
-    assert pcie[-1].startswith("advice: --tensor-parallel 4 --expert-parallel 4 --pipeline-parallel 2 (PP2 x TP4")
+    pp8 = next(line for line in pcie if line.startswith("  PP8 x TP1"))
+    assert pp8.startswith(
+        "  PP8 x TP1, packed experts, bfloat16: 122.1 GB a GPU, does NOT fit; with --expert-slice-gb 2.8"
+    )
+    assert "(31 of 384 experts expanded at a time): 91.0 GB, fits; hand-off 4 x 14,336 B / 25 GB/s" in pp8
+    assert any(line.startswith("  PP4 x TP2 + EP2") and "does NOT fit; with --expert-slice-gb" in line for line in pcie)
+    assert pcie[-1].startswith(
+        "advice: --tensor-parallel 1 --expert-parallel 1 --pipeline-parallel 8 --expert-slice-gb 2.8 (PP8 x TP1, "
+        "packed experts, bfloat16, experts expanded 2.8 GB at a time), since it moves the least a token"
+    )
     nvlink = memory.advise(kimi, Layout(experts="packed"), 8, 150_700_000_000, Links(361.0, 380.0, True, "stated"))
     assert all("fits" in line and "NOT" not in line for line in nvlink[1:-1])
     assert nvlink[-1] == (
         "advice: --tensor-parallel 8 --expert-parallel 8 (TP8 + EP8, packed experts, bfloat16), since its "
         "all-reduces run on NVLink"
     )
+
+
+def test_kimi_k25_pp8_fits_96_gb_with_its_experts_expanded_a_slice_at_a_time(kimi):
+    """A stage of PP8 holds 8 layers' 384 packed experts (76.1 GB); one layer's expanded at once
+    (33.8 GB) does not fit a 96 GB card, and the refusal names the slice that would; a slice of
+    31 experts (2.8 GB, whole experts of 3 x 2048 x 7168 bf16) does, counted as a slice."""
+    whole = kimi.estimate(Layout(1, 1, "packed", pipeline=8))
+    one = 3 * MOE * HIDDEN * 2
+    assert whole.expansion == EXPERTS * one and whole.expert_bytes == one
+    with pytest.raises(LayoutTooLarge) as refused:
+        memory.check(kimi, Layout(1, 1, "packed", pipeline=8), 96 * GB, 8)
+    said = "with --expert-slice-gb 2.8 (31 of 384 experts expanded at a time, the same states) it would fit"
+    assert f"{said} (91.0 GB per GPU)" in str(refused.value)
+    est = memory.check(kimi, Layout(1, 1, "packed", pipeline=8, slice_gb=2.8), 96 * GB, 8)
+    assert est.expansion == 31 * one and est.at_once == (31, 384)
+    assert est.total == whole.total - whole.expansion + 31 * one
+    assert "  31 of a MoE layer's 384 local experts expanded to bfloat16 at a time (--expert-slice-gb 2.8): 2.7 GB" in (
+        est.lines(96 * GB)
+    )
+    assert est.fits(96 * GB) and not kimi.estimate(Layout(1, 1, "packed", pipeline=8, slice_gb=3.5)).fits(96 * GB)
+    # a slice larger than the layer counts the layer
+    assert kimi.estimate(Layout(8, 8, "packed", slice_gb=100.0)).expansion == 48 * one
 
 
 def test_hsx_memory_without_a_layout_advises_one_from_stated_bandwidths():
@@ -227,7 +256,7 @@ def test_hsx_memory_without_a_layout_advises_one_from_stated_bandwidths():
     args = ["memory", "--model", str(KIMI), "--gpus", "8", "--gpu-memory", "96", "--allreduce-gbps", "22.2"]
     r = CliRunner().invoke(app, [*args, "--p2p-gbps", "25", "--interconnect", "pcie"])
     advice = next(line for line in r.output.splitlines() if line.startswith("advice:"))  # then the storage lines
-    assert r.exit_code == 0 and "--pipeline-parallel 2" in advice, r.output
+    assert r.exit_code == 0 and "--pipeline-parallel 8 --expert-slice-gb 2.8" in advice, r.output
     r = CliRunner().invoke(app, args)  # no point-to-point figure, and no GPU here to measure
     assert r.exit_code == 0 and "give --gpu-memory, --allreduce-gbps and --p2p-gbps" in r.output, r.output
 

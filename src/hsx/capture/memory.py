@@ -15,7 +15,8 @@ Per GPU of a layout (``tensor`` ranks, routed experts over ``expert`` ranks):
   ``_tp_plan``, e.g. attention projections, shared experts, lm_head) take 1/``tensor``; the others
   are replicated (norms, the router, the embeddings, DeepSeek-V3's q_a / kv_a projections);
 - expansion: with packed experts, one MoE layer's local experts expanded to the run's dtype (what
-  just-in-time expansion holds at once);
+  just-in-time expansion holds at once), or with a slice budget (``--expert-slice-gb``) the whole
+  experts of it that fit (``hsx.capture.quantized.experts.sliced``: the same states);
 - activations for ``batch_tokens`` tokens: a stated upper bound (``activations``);
 - headroom: 5% of the device for the CUDA context and allocator slack.
 Weights are counted in the run's dtype except the modules transformers keeps in float32
@@ -85,12 +86,21 @@ class Layout:
     max_length: int = 4096
     captured: int = 3  # layers whose states the hooks keep per batch (besides the final state)
     pipeline: int = 1  # stages of contiguous decoder layers, each over ``tensor`` GPUs
+    slice_gb: float | None = None  # GB of a MoE layer's experts expanded at once (--expert-slice-gb); None: all
 
     def __str__(self) -> str:
         ep = f" + EP{self.expert}" if self.expert > 1 else ""
         pp = f"PP{self.pipeline} x " if self.pipeline > 1 else ""
         form = f"{self.experts} experts, " if self.experts != "unquantized" else ""
-        return f"{pp}TP{self.tensor}{ep}, {form}{self.dtype}"
+        sliced = f", experts expanded {self.slice_gb:g} GB at a time" if self.slice_gb is not None else ""
+        return f"{pp}TP{self.tensor}{ep}, {form}{self.dtype}{sliced}"
+
+    @property
+    def flags(self) -> str:
+        """The extraction's options that ask for this layout."""
+        out = f"--tensor-parallel {self.tensor} --expert-parallel {self.expert}"
+        out += f" --pipeline-parallel {self.pipeline}" if self.pipeline > 1 else ""
+        return out + (f" --expert-slice-gb {self.slice_gb:g}" if self.slice_gb is not None else "")
 
     @property
     def gpus(self) -> int:
@@ -110,6 +120,8 @@ class Estimate:
     quantized: bool  # the routed experts are stored quantized
     source: str  # where the shapes came from
     stage: str = ""  # a pipeline layout: the stage these figures are (its largest), e.g. "stage 0 of 8, layers 0-7"
+    at_once: tuple[int, int] = (0, 0)  # (experts expanded at once, local experts a MoE layer) under a slice budget
+    expert_bytes: int = 0  # one routed expert expanded to the run's dtype
 
     @property
     def total(self) -> int:
@@ -117,6 +129,36 @@ class Estimate:
 
     def fits(self, device_bytes: int) -> bool:
         return self.total <= device_bytes * (1 - HEADROOM)
+
+    @property
+    def expanded(self) -> str:
+        """What the expansion figure counts, in words."""
+        lo, (step, local) = self.layout, self.at_once
+        if lo.slice_gb is None:
+            return f"one MoE layer's local experts expanded to {lo.dtype}"
+        said = f"{step} of a MoE layer's {local} local experts expanded to {lo.dtype} at a time"
+        return f"{said} (--expert-slice-gb {lo.slice_gb:g})"
+
+    def slice_to_fit(self, device_bytes: int) -> Estimate | None:
+        """This layout with the largest slice budget (whole experts, in tenths of a GB) that makes it
+        fit ``device_bytes``; None where the whole layer fits already or not even one expert does."""
+        if self.fits(device_bytes) or not self.expert_bytes:
+            return None
+        room = device_bytes * (1 - HEADROOM) - (self.total - self.expansion)
+        budget = math.floor(room / self.expert_bytes) * self.expert_bytes / GB
+        budget = math.floor(budget * 10) / 10
+        if int(budget * GB) // self.expert_bytes < 1:
+            return None
+        return self.sliced(budget)
+
+    def sliced(self, budget: float) -> Estimate:
+        """This estimate with at most ``budget`` GB of experts expanded at once."""
+        local = self.at_once[1] or 1
+        step = max(1, min(local, round(budget * GB) // self.expert_bytes))
+        layout = replace(self.layout, slice_gb=budget)
+        return replace(
+            self, layout=layout, expansion=min(self.expansion, step * self.expert_bytes), at_once=(step, local)
+        )
 
     def lines(self, device_bytes: int | None = None) -> list[str]:
         lo = self.layout
@@ -127,7 +169,7 @@ class Estimate:
             f"  routed experts, {form if self.quantized else lo.dtype}, {share}: {gb(self.experts)}",
             f"  weights split by the TP plan over {lo.tensor}: {gb(self.sharded)}",
             f"  replicated weights (norms, router, embeddings, ...): {gb(self.replicated)}",
-            f"  one MoE layer's local experts expanded to {lo.dtype}: {gb(self.expansion)}",
+            f"  {self.expanded}: {gb(self.expansion)}",
             f"  activations for {lo.batch_tokens} tokens (upper bound): {gb(self.activations)}",
             f"  total: {gb(self.total)}",
         ]
@@ -204,6 +246,13 @@ class Inventory:
         return any(p.fullmatch(m.module) for p in self.split)
 
     @property
+    def routed(self) -> int:
+        """Routed experts a MoE layer of the model has (0: none)."""
+        from hsx.capture.transformers import EXPERT_COUNTS
+
+        return next((int(self.config[k]) for k in EXPERT_COUNTS if self.config.get(k)), 0)
+
+    @property
     def quantized_experts(self) -> bool:
         return any(m.quantized and m.expert for m in self.modules)
 
@@ -236,10 +285,14 @@ class Inventory:
             else:
                 replicated += size
         expansion = max(per_layer.values(), default=0) / layout.expert
-        return Estimate(
-            layout, round(experts), round(sharded), round(replicated), round(expansion),
-            activations(self.config, layout), self.quantized_experts, self.source,
+        local = self.routed // layout.expert if self.routed else 0
+        one = round(expansion / local) if local else 0
+        est = Estimate(
+            replace(layout, slice_gb=None), round(experts), round(sharded), round(replicated), round(expansion),
+            activations(self.config, layout), self.quantized_experts, self.source, at_once=(local, local),
+            expert_bytes=one,
         )  # fmt: skip
+        return est.sliced(layout.slice_gb) if layout.slice_gb is not None and one else est
 
     def held(self, m: Module, layout: Layout) -> float:
         """Bytes of ``m`` on one GPU of ``layout``: as stored where it stays packed, else in the
@@ -546,6 +599,12 @@ def check(inventory: Inventory, layout: Layout, device_bytes: int, gpus: int) ->
         packed = inventory.estimate(replace(layout, experts="packed"))
         if packed.fits(device_bytes):
             lines.append(f"with the experts kept packed, {packed.layout} would fit ({gb(packed.total)} per GPU)")
+    if (sliced := est.slice_to_fit(device_bytes)) is not None:
+        step, local = sliced.at_once
+        lines.append(
+            f"with --expert-slice-gb {sliced.layout.slice_gb:g} ({step} of {local} experts expanded at a time, the "
+            f"same states) it would fit ({gb(sliced.total)} per GPU)"
+        )
     raise LayoutTooLarge(f"the model does not fit {layout} on {gpus} x {gb(device_bytes)}:\n  " + "\n  ".join(lines))
 
 
@@ -607,18 +666,29 @@ def advise(inventory: Inventory, base: Layout, gpus: int, device_bytes: int, lin
     the model splits into, its memory and what moving data costs a token at its slowest stage.
     Among those that fit: on NVLink tensor + expert parallel over all of them (its all-reduces are
     cheap there); on PCIe the one that moves the least a token (a pipeline, or TP within its
-    stages where a pipeline alone does not fit)."""
+    stages where a pipeline alone does not fit). A layout whose whole MoE layer's expansion does
+    not fit but a slice of its experts does counts as fitting with that slice (the same states)."""
     found = candidates(inventory, base, gpus, links)
     link = "NVLink" if links.nvlink else "PCIe (no NVLink)"
     lines = [
         f"layouts of {gpus} GPUs of {gb(device_bytes)} over {link}: all-reduce {links.allreduce_gbps:g} GB/s, "
         f"neighbour to neighbour {links.p2p_gbps:g} GB/s ({links.source}); per token at the slowest stage:"
     ]
+    fitting = []
     for c in found:
-        fits = "fits" if c.estimate.fits(device_bytes) else "does NOT fit"
+        line = (
+            f"  {c.layout}: {gb(c.estimate.total)} a GPU, {'fits' if c.estimate.fits(device_bytes) else 'does NOT fit'}"
+        )
+        if (sliced := c.estimate.slice_to_fit(device_bytes)) is not None:
+            step, local = sliced.at_once
+            line += (
+                f"; with --expert-slice-gb {sliced.layout.slice_gb:g} ({step} of {local} experts expanded at a time): "
+                f"{gb(sliced.total)}, fits"
+            )
+            c = replace(c, estimate=sliced)
         ceiling = f"the interconnect allows {1 / c.seconds:,.0f} tok/s" if c.seconds else "no interconnect limit"
-        lines.append(f"  {c.layout}: {gb(c.estimate.total)} a GPU, {fits}; {c.arithmetic}; {ceiling}")
-    fitting = [c for c in found if c.estimate.fits(device_bytes)]
+        lines.append(f"{line}; {c.arithmetic}; {ceiling}")
+        fitting += [c] if c.estimate.fits(device_bytes) else []
     if not fitting:
         lines.append(f"advice: no layout of {gpus} GPUs fits; see the memory of each above")
         return lines
@@ -629,10 +699,7 @@ def advise(inventory: Inventory, base: Layout, gpus: int, device_bytes: int, lin
         pick = min(fitting, key=lambda c: (c.seconds, c.layout.pipeline))
         why = "it moves the least a token"
         why += "" if links.nvlink else ": over PCIe the all-reduces, not the forward pass, set TP's pace"
-    lo = pick.layout
-    flags = f"--tensor-parallel {lo.tensor} --expert-parallel {lo.expert}"
-    flags += f" --pipeline-parallel {lo.pipeline}" if lo.pipeline > 1 else ""
-    lines.append(f"advice: {flags} ({lo}), since {why}")
+    lines.append(f"advice: {pick.layout.flags} ({pick.layout}), since {why}")
     return lines
 
 
@@ -690,6 +757,7 @@ def check_run(spec: RunSpec, model_dir: Path, device: str, log: Callable[[str], 
         max_length=spec.max_length,
         captured=len(spec.layers),
         pipeline=spec.parallel.pipeline,
+        slice_gb=spec.expert_slice_gb,
     )
     usable, gpus, measured = device_memory(device, spec.parallel.ranks)
     try:

@@ -11,7 +11,7 @@ from typing import Annotated as A
 from hsx import target
 from hsx.bounds import Bound, Bounds, Flag
 from hsx.errors import OptionError
-from hsx.extract.options import check_gpus, resolve_parallel
+from hsx.extract.options import SLICE, check_gpus, resolve_parallel
 from hsx.job.options import DEVICES, TOKENS
 
 GBPS = Bound(min=0.0, max=100_000.0, min_open=True)
@@ -27,6 +27,7 @@ MEMORY = Bounds(
     gpus=DEVICES,
     gpu_memory=Bound(min=0.0, max=100_000.0, min_open=True),
     experts=Bound(choices=("auto", "packed", "dequantized")),
+    expert_slice_gb=Bound(min=0.0, min_open=True, max=1e6),
     dtype=Bound(choices=("bfloat16", "float16", "float32")),
 )
 EXPERTS = "Quantized weights as stored (packed) or expanded (dequantized); auto: as loaded."
@@ -42,6 +43,7 @@ class MemoryOptions:
         int | None, Flag("N stages of contiguous layers, each over --tensor-parallel ranks.", default="1")
     ] = None
     experts: A[str, Flag(EXPERTS)] = "auto"
+    expert_slice_gb: A[float | None, Flag(SLICE, "GB", "a whole MoE layer's")] = None
     dtype: A[str, Flag("The run's dtype.")] = "bfloat16"
     batch_tokens: A[int, Flag("Tokens per forward pass.")] = 16384
     max_length: A[int, Flag("Longest sample.")] = 4096
@@ -82,8 +84,9 @@ def explain(opts: MemoryOptions) -> list[str]:
 
     model_dir = target.resolve(opts.model)
     base = mem.Layout(
-        experts=opts.experts, dtype=opts.dtype, batch_tokens=opts.batch_tokens, max_length=opts.max_length
-    )
+        experts=opts.experts, dtype=opts.dtype, batch_tokens=opts.batch_tokens, max_length=opts.max_length,
+        slice_gb=opts.expert_slice_gb,
+    )  # fmt: skip
     layout = None
     asked = (opts.tensor_parallel, opts.expert_parallel, opts.pipeline_parallel)
     if any(v is not None for v in asked):
@@ -92,7 +95,7 @@ def explain(opts: MemoryOptions) -> list[str]:
             check_gpus(parallel, node)
         layout = mem.Layout(
             parallel.tensor, parallel.expert, opts.experts, opts.dtype, opts.batch_tokens, opts.max_length,
-            pipeline=parallel.pipeline,
+            pipeline=parallel.pipeline, slice_gb=opts.expert_slice_gb,
         )  # fmt: skip
     device = None if opts.gpu_memory is None else int(opts.gpu_memory * mem.GB)
     nvlink = None if opts.interconnect is None else opts.interconnect == "nvlink"
