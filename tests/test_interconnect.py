@@ -111,3 +111,95 @@ def test_the_record_keeps_the_last_measurements(tmp_path):
     assert len(interconnect.recorded(tmp_path)) == interconnect.KEPT
     (tmp_path / "interconnect.json").write_text("{not json")
     assert interconnect.recorded(tmp_path) == []
+
+
+# ---------------------------------------------------------------- sm120's known faults
+
+
+class Work:
+    """A collective started asynchronously, as NCCL's handle reports it: done after ``polls`` looks,
+    or never (a hang)."""
+
+    def __init__(self, polls: int | None):
+        self.polls, self.seen = polls, 0
+
+    def is_completed(self) -> bool:
+        self.seen += 1
+        return self.polls is not None and self.seen > self.polls
+
+
+def test_a_first_allreduce_that_does_not_return_stops_the_job_with_the_p2p_advice(tmp_path, monkeypatch):
+    """The bound on the first all-reduce (a simulated handle that never completes, on a clock that
+    jumps), a rank's hang exit turned into the stop by ``measure``, and the group's start: stopped
+    before any rank starts, with NCCL_P2P_DISABLE=1 and the topology file named, recorded as a
+    failure that ``hsx status`` shows with the same fix."""
+    import torch.distributed.launcher.api as launcher
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from hsx import launch
+    from hsx.assess import links
+    from hsx.errors import InterconnectHung
+    from hsx.extract import group
+    from hsx.extract.options import ExtractOptions
+    from hsx.spec import Parallel
+
+    ticks = iter(range(10**6))
+    clock = lambda: float(next(ticks))  # noqa: E731 - one second a look
+    hang = Work(None)
+    assert not interconnect.returned_within(hang, 30.0, clock) and hang.seen == 30  # then it gives up
+    assert interconnect.returned_within(Work(3), 30.0, clock)
+
+    def ranks(n, entry, run_id):
+        def ran(*args):
+            assert args[-1] == interconnect.FIRST_BOUND
+            failed = {r: ProcessFailure(r, 1000 + r, interconnect.HANG_EXIT, "") for r in range(n)}
+            raise ChildFailedError("interconnect", failed)
+
+        return ran
+
+    monkeypatch.setattr(launch, "local_ranks", ranks)
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    with pytest.raises(InterconnectHung) as stopped:
+        interconnect.measure(8, "cuda")
+    said = str(stopped.value)
+    assert said.startswith(f"the first all-reduce over 8 GPUs did not return within {interconnect.FIRST_BOUND:g} s")
+    assert "fix: run with NCCL_P2P_DISABLE=1: on some PCIe nodes of sm120 GPUs" in said
+    assert "NCCL_TOPO_FILE" in said and "8.5x" in said
+
+    monkeypatch.setattr(interconnect, "measure", lambda ranks, device: (_ for _ in ()).throw(stopped.value))
+    monkeypatch.setattr(interconnect, "read_topology", lambda count: pcie_node())
+    monkeypatch.setattr(launcher, "elastic_launch", lambda config, entry: pytest.fail("a rank was started"))
+    out = tmp_path / "run"
+    out.mkdir()
+    spec = SimpleNamespace(parallel=Parallel(tensor=8, expert=8), model_dump_json=lambda: "{}")
+    logged: list[str] = []
+    with pytest.raises(InterconnectHung):
+        group.Group().run(ExtractOptions(out=out, device="cpu"), spec, log=logged.append)
+    assert logged[0].startswith("interconnect: the first all-reduce over 8 GPUs did not return")
+    assert logged[1].startswith("  fix: run with NCCL_P2P_DISABLE=1")
+    kept = interconnect.recorded(out)
+    assert kept[-1]["level"] == "fail" and kept[-1]["hung"]
+    monkeypatch.setattr(interconnect, "read_topology", lambda count: None)  # status, the GPUs not seen
+    line = links.check(out, 8, busy=False)
+    assert line.level == "fail" and "did not return" in line.figure and "recorded" in line.figure
+    assert line.action.startswith("run with NCCL_P2P_DISABLE=1")
+    # measured afresh by status: the same stop, as a failure
+    monkeypatch.setattr(interconnect, "read_topology", lambda count: pcie_node())
+    line = links.check(out, 8, busy=False)
+    assert line.level == "fail" and "(measured now)" in line.figure
+    assert line.action.startswith("run with NCCL_P2P_DISABLE=1") and any("NCCL_TOPO_FILE" in d for d in line.details)
+
+
+def test_a_slow_ring_names_the_fix_its_nccl_settings_point_to():
+    """Far under the link: with P2P disabled (the hang's workaround) that is named first, with the
+    topology file as what to give NCCL; without a topology file, the file (and the 8.5x loss of
+    PCIe nodes without it); with one set, a check of that file instead."""
+    slow = [50.0] * 8
+    disabled = judge(Measurement(8, 9.0, slow, {"NCCL_P2P_DISABLE": "1"}), pcie_node()).fixes
+    assert disabled[0].startswith("NCCL_P2P_DISABLE is set: every copy goes through host memory")
+    assert "(some sm120 nodes), keep it and give NCCL the host's topology (NCCL_TOPO_FILE)" in disabled[0]
+    bare = judge(Measurement(8, 9.0, slow, {}), pcie_node()).fixes
+    assert bare[0].startswith("NCCL may not see the real PCIe topology") and "8.5x slower without it" in bare[0]
+    given = judge(Measurement(8, 9.0, slow, {"NCCL_TOPO_FILE": "/etc/nccl/topo.xml"}), pcie_node()).fixes
+    assert given[0].startswith("NCCL_TOPO_FILE=/etc/nccl/topo.xml is set: check that it describes this host")
+    assert not any("8.5x" in f for f in given)

@@ -114,6 +114,11 @@ class CaptureFailed(Refused):
     pass
 
 
+class InterconnectHung(Refused):
+    """The node's first all-reduce did not return within its bound (``hsx.interconnect``): NCCL
+    hangs so on some PCIe nodes with peer-to-peer copies on. The message names the fixes."""
+
+
 class FidelityFailed(Refused):
     """The final states of a batch, through the target's own final norm and LM head, do not predict
     the next tokens as the run's floor or baseline says they must (``hsx.fidelity``); nothing of that

@@ -11,9 +11,12 @@ seconds, with the job's own NCCL settings:
   reports it), on 256 MB of bf16;
 - the point-to-point bandwidth from each GPU to the next (each sends and receives at once);
 
-and reads from NVML what joins each neighbouring pair (NVLink, a PCIe switch, a host bridge, the
-CPU, the interconnect between CPU sockets) and what that link gives one way (NVLink: links x their
-version's rate; PCIe: lanes x the generation's rate). A figure under ``SLOW`` of that is named
+the first all-reduce bounded (``FIRST_BOUND``): on some PCIe nodes of sm120 GPUs (RTX PRO 6000
+Blackwell) NCCL hangs there, forever, unless peer-to-peer copies are disabled; one that does not
+return in time stops the job with that advice (``InterconnectHung``), not a run that never
+starts. It also reads from NVML what joins each neighbouring pair (NVLink, a PCIe switch, a host
+bridge, the CPU, the interconnect between CPU sockets) and what that link gives one way (NVLink:
+links x their version's rate; PCIe: lanes x the generation's rate). A figure under ``SLOW`` of that is named
 with the known fixes. The figures are recorded in the run (``interconnect.json``, the last
 ``KEPT``), and ``hsx status`` shows them (measuring afresh where no extractor of the run holds the
 GPUs).
@@ -25,6 +28,7 @@ import datetime as dt
 import json
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +37,8 @@ from hsx.store import layout
 from hsx.store.durable import write_durable
 
 SLOW = 0.4  # a measured figure under this share of what the link gives one way is far below it
+FIRST_BOUND = 120.0  # seconds a rank's first all-reduce (NCCL's set-up included) may take before it is a hang
+HANG_EXIT = 75  # a measuring rank's exit status when its first all-reduce did not return within the bound
 KEPT = 20  # measurements a run keeps
 BYTES = 256 << 20  # per all-reduce and per send: large enough for the link's rate, not its latency
 SECONDS = 1.0  # per measurement (all-reduce, then point to point)
@@ -104,10 +110,11 @@ class Verdict:
     fixes: list[str] = field(default_factory=list)
     when: str = ""
     host: str = ""
+    hung: bool = False  # the first all-reduce did not return within FIRST_BOUND
 
     @property
     def level(self) -> str:
-        return "warn" if self.slow else "ok"
+        return "fail" if self.hung else "warn" if self.slow else "ok"
 
     def figure(self) -> str:
         m = self.measurement
@@ -119,6 +126,8 @@ class Verdict:
         )
 
     def lines(self) -> list[str]:
+        if self.hung:
+            return [f"interconnect: {self.slow[0]}", *(f"  fix: {f}" for f in self.fixes)]
         out = [f"interconnect: {self.figure()}"]
         out += [f"interconnect: far below what the link gives: {s}" for s in self.slow]
         out += [f"  fix: {f}" for f in self.fixes]
@@ -133,6 +142,7 @@ class Verdict:
             "measurement": asdict(self.measurement),
             "slow": self.slow,
             "fixes": self.fixes,
+            "hung": self.hung,
         }
 
 
@@ -162,10 +172,18 @@ def judge(measurement: Measurement, topology: Topology | None) -> Verdict:
 
 
 def fixes(topology: Topology, nccl: dict[str, str]) -> list[str]:
-    """The known causes of a slow ring on this kind of node, most likely first."""
+    """The known causes of a slow ring on this kind of node, the one the settings point to first:
+    peer-to-peer copies disabled (the sm120 hang's workaround: its cost, and what to try instead),
+    then a PCIe topology NCCL cannot see (no ``NCCL_TOPO_FILE``: the published 8.5x prefill loss of
+    such nodes), the CPU sockets, and ACS."""
     out = []
+    topo = nccl.get("NCCL_TOPO_FILE")
     if nccl.get("NCCL_P2P_DISABLE", "0") not in ("", "0"):
-        out.append("NCCL_P2P_DISABLE is set: unset it, so that GPUs copy to each other directly")
+        out.append(
+            "NCCL_P2P_DISABLE is set: every copy goes through host memory. Unset it, so that GPUs copy to each "
+            "other directly; where that hangs the first all-reduce (some sm120 nodes), keep it and give NCCL "
+            "the host's topology (NCCL_TOPO_FILE)"
+        )
     if "NCCL_P2P_LEVEL" in nccl:
         out.append(f"NCCL_P2P_LEVEL={nccl['NCCL_P2P_LEVEL']} limits direct copies: unset it or raise it (SYS)")
     if topology.nvlink:
@@ -180,15 +198,52 @@ def fixes(topology: Topology, nccl: dict[str, str]) -> list[str]:
             "allows it; else keep tensor parallelism within a socket and lay a pipeline across "
             "(--pipeline-parallel), whose stages hand on one activation a token"
         )
-    out.append(
-        "NCCL may not see the real PCIe topology (virtual machines hide it): write what it sees with "
-        "NCCL_TOPO_DUMP_FILE=FILE, compare with `nvidia-smi topo -m`, and give it the host's with NCCL_TOPO_FILE"
-    )
+    if topo:
+        out.append(
+            f"NCCL_TOPO_FILE={topo} is set: check that it describes this host (`nvidia-smi topo -m`); "
+            "NCCL_TOPO_DUMP_FILE=FILE writes what NCCL sees"
+        )
+    else:
+        out.append(
+            "NCCL may not see the real PCIe topology (virtual machines hide it; nodes of PCIe GPUs are reported "
+            "8.5x slower without it): write what it sees with NCCL_TOPO_DUMP_FILE=FILE, compare with "
+            "`nvidia-smi topo -m`, and give it the host's with NCCL_TOPO_FILE"
+        )
     out.append(
         "PCIe Access Control Services (ACS) on the switches send peer traffic up through the root complex: "
         "disable ACS (BIOS, or setpci), and run the IOMMU in passthrough (iommu=pt)"
     )
     return out
+
+
+def hang_fixes(nccl: dict[str, str]) -> list[str]:
+    """What to do when the first all-reduce does not return: the known cause first (sm120 PCIe
+    nodes with peer-to-peer copies on), then the topology NCCL is given."""
+    out = []
+    if nccl.get("NCCL_P2P_DISABLE", "0") in ("", "0"):
+        out.append(
+            "run with NCCL_P2P_DISABLE=1: on some PCIe nodes of sm120 GPUs (RTX PRO 6000 Blackwell) NCCL's "
+            "peer-to-peer copies hang the first all-reduce; disabled, copies go through host memory"
+        )
+    else:
+        out.append("NCCL_P2P_DISABLE is set and it still hangs: check the GPUs' driver and NCCL_DEBUG=INFO's log")
+    out.append(
+        "give NCCL the host's PCIe topology with NCCL_TOPO_FILE (write what it sees with NCCL_TOPO_DUMP_FILE=FILE, "
+        "compare with `nvidia-smi topo -m`): without it such nodes are reported 8.5x slower"
+    )
+    out.append("then resume with the same command: hsx measures the interconnect again before it starts")
+    return out
+
+
+def returned_within(work, bound: float, clock: Callable[[], float] = time.monotonic) -> bool:
+    """Whether a collective started asynchronously (``work``: its ``is_completed``) returned within
+    ``bound`` seconds, polled every 10 ms."""
+    deadline = clock() + bound
+    while not work.is_completed():
+        if clock() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 # ---------------------------------------------------------------- NVML: what joins the GPUs
@@ -276,18 +331,36 @@ def measure(ranks: int, device: str) -> Measurement | None:
     there is nothing to measure (CPU ranks, or one GPU)."""
     if not device.startswith("cuda") or ranks < 2:
         return None
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from hsx.errors import InterconnectHung
     from hsx.launch import local_ranks
 
-    allreduce, p2p = local_ranks(ranks, _rank, f"hsx-interconnect-{os.getpid()}")(BYTES, SECONDS)[0]
-    nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+    nccl = nccl_settings()
+    try:
+        allreduce, p2p = local_ranks(ranks, _rank, f"hsx-interconnect-{os.getpid()}")(BYTES, SECONDS, FIRST_BOUND)[0]
+    except ChildFailedError as e:
+        if not any(f.exitcode == HANG_EXIT for f in e.failures.values()):
+            raise
+        raise InterconnectHung(hung(ranks, FIRST_BOUND, nccl)) from None
     return Measurement(ranks, allreduce, p2p, nccl)
 
 
-def _rank(nbytes: int, seconds: float) -> tuple[float, list[float]]:
-    """One GPU's part (the launcher's entry): the all-reduce's bus bandwidth, then its sends to the
-    next GPU while it receives from the one before; rank 0 returns every rank's figures, GB/s."""
-    import time
+def nccl_settings() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
 
+
+def hung(ranks: int, bound: float, nccl: dict[str, str]) -> str:
+    """The stop message of a first all-reduce that did not return, with what to do."""
+    said = f"the first all-reduce over {ranks} GPUs did not return within {bound:g} s: NCCL hangs"
+    return "\n  ".join([said, *(f"fix: {f}" for f in hang_fixes(nccl))])
+
+
+def _rank(nbytes: int, seconds: float, bound: float) -> tuple[float, list[float]]:
+    """One GPU's part (the launcher's entry): a first all-reduce of one value, which must return
+    within ``bound`` seconds (else this rank exits ``HANG_EXIT``: a hung NCCL cannot be torn down),
+    then the all-reduce's bus bandwidth, then its sends to the next GPU while it receives from the
+    one before; rank 0 returns every rank's figures, GB/s."""
     import torch
     import torch.distributed as dist
 
@@ -295,6 +368,9 @@ def _rank(nbytes: int, seconds: float) -> tuple[float, list[float]]:
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=device)
+    if not returned_within(dist.all_reduce(torch.ones(1, device=device), async_op=True), bound):
+        print(f"rank {rank}: the first all-reduce did not return within {bound:g} s", flush=True)
+        os._exit(HANG_EXIT)
     try:
         buf = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
         inbox = torch.empty_like(buf)
@@ -382,7 +458,18 @@ def recorded(run: Path) -> list[dict]:
 def before_job(run: Path, ranks: int, device: str, log: Callable[[str], None]) -> Verdict | None:
     """A multi-GPU job's check of its node before it starts: measured, judged, logged (a warning
     named, with its fixes) and recorded in the run; None where there is nothing to measure."""
-    found = measure(ranks, device)
+    from hsx.errors import InterconnectHung
+
+    try:
+        found = measure(ranks, device)
+    except InterconnectHung as e:
+        verdict = Verdict(read_topology(ranks), Measurement(ranks, 0.0, [], nccl_settings()), hung=True)
+        verdict.slow, verdict.fixes = [str(e).split("\n")[0]], hang_fixes(verdict.measurement.nccl)
+        verdict.when, verdict.host = dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), socket.gethostname()
+        record(run, verdict)
+        for line in verdict.lines():
+            log(line)
+        raise
     if found is None:
         return None
     verdict = judge(found, read_topology(ranks))

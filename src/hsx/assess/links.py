@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hsx import interconnect
 from hsx.assess.checks import Check
+from hsx.errors import InterconnectHung
 
 
 def check(run: Path, gpus: int, busy: bool) -> Check:
@@ -17,7 +18,12 @@ def check(run: Path, gpus: int, busy: bool) -> Check:
         return Check("interconnect", "ok", "one GPU a replica: nothing joins GPUs", data={"gpus": gpus})
     topology = None if busy else interconnect.read_topology(gpus)
     if topology is not None and len(topology.names) >= gpus:
-        found = interconnect.measure(gpus, "cuda")
+        try:
+            found = interconnect.measure(gpus, "cuda")
+        except InterconnectHung as e:
+            said, *fixes = str(e).split("\n")
+            fixes = [f.strip().removeprefix("fix: ") for f in fixes]
+            return Check("interconnect", "fail", f"{said} (measured now)", [f"fix: {f}" for f in fixes[1:]], fixes[0])
         if found is not None:
             verdict = interconnect.judge(found, topology)
             interconnect.record(run, verdict)
@@ -27,6 +33,8 @@ def check(run: Path, gpus: int, busy: bool) -> Check:
         why = "its extractor holds the GPUs" if busy else f"this machine does not show {gpus} GPUs"
         return Check("interconnect", "ok", f"not measured ({why}), and none recorded", data={"gpus": gpus})
     last = kept[-1]
+    if last.get("hung"):
+        return _check(last, last["slow"][0], f"recorded {last['when']} on {last['host']}")
     m = last["measurement"]
     figure = (
         f"{m['ranks']} GPUs: all-reduce {m['allreduce_gbps']:,.1f} GB/s bus bandwidth, neighbour to neighbour "
@@ -39,9 +47,10 @@ def _check(verdict: dict, figure: str, when: str) -> Check:
     slow, fixes = verdict["slow"], verdict["fixes"]
     return Check(
         "interconnect",
-        "warn" if slow else "ok",
+        "fail" if verdict.get("hung") else "warn" if slow else "ok",
         f"{figure} ({when})",
-        details=[f"far below what the link gives: {s}" for s in slow] + [f"fix: {f}" for f in fixes[1:]],
+        details=[f"far below what the link gives: {s}" for s in slow if not verdict.get("hung")]
+        + [f"fix: {f}" for f in fixes[1:]],
         action=fixes[0] if fixes else None,
         data=verdict,
     )
