@@ -152,3 +152,42 @@ def test_node_bench_times_the_stage_that_sets_a_pipelines_pace():
     assert (config.n_routed_experts, config.num_experts_per_tok, config.first_k_dense_replace) == (384, 8, 0)
     assert pace.pace.allreduce_bytes(7168 * 2, 1) == 0.0
     assert Pace.handoff_bytes(7168 * 2, 3) == 3 * 7168 * 2
+
+
+def test_node_bench_runs_a_stage_with_its_experts_expanded_a_slice_at_a_time(tmp_path, capsys, monkeypatch):
+    """``hsx.bench.node --expert-slice-gb --gpu-memory`` at toy size on CPU: a pipeline stage of a
+    tiny INT4 DeepSeek-V3 shape folder built and run with 3 of its 16 experts expanded at a time
+    (never a whole layer), and the whole stage judged by ``hsx memory``'s arithmetic with the
+    same slice."""
+    from conftest import require
+    from hsx.bench import node
+    from hsx.capture.quantized import experts as jit
+    from hsx.capture.quantized import int4
+    from test_quantized import tiny_config
+
+    require("compressed_tensors")
+    config = tiny_config(n_routed_experts=16, num_experts_per_tok=4, num_hidden_layers=5).to_dict()
+    config |= {"architectures": ["DeepseekV3ForCausalLM"], "quantization_config": int4.quantization_config(32)}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    one = 3 * 64 * 64 * 2  # an expert of the tiny shape in bf16
+    sizes = []
+    expand_slice = jit.StoredExperts.expand_slice
+    monkeypatch.setattr(jit.StoredExperts, "expand", lambda self: pytest.fail("a whole layer was expanded"))
+    monkeypatch.setattr(
+        jit.StoredExperts, "expand_slice", lambda m, e: sizes.append(e.stop - e.start) or expand_slice(m, e)
+    )
+    budget = 3.5 * one / 1e9
+    node.main([
+        "--model", str(tmp_path), "--device", "cpu", "--ranks", "1", "--pipeline", "2", "--p2p-gbps", "25",
+        "--expert-slice-gb", str(budget), "--gpu-memory", "1", "--samples", "6", "--mean-len", "24",
+        "--min-len", "8", "--max-len", "48", "--batch-tokens", "96", "--warm-up", "1",
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert f"routed experts expanded 3 of a MoE layer's 16 at a time (0.0 GB under --expert-slice-gb {budget:g}" in out
+    assert sizes and max(sizes) == 3
+    assert "memory, as hsx memory counts the whole stage:" in out
+    assert (
+        f"  3 of a MoE layer's 16 local experts expanded to bfloat16 at a time (--expert-slice-gb {budget:g}): " in out
+    )
+    assert "device: 1.0 GB, 0.9 GB usable (5% headroom): fits" in out
+    assert "node (2 GPUs, PP2 x TP1+EP1: hand-offs" in out

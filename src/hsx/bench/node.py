@@ -22,6 +22,16 @@ runs at that one stage's pace.
 
     python -m hsx.bench.node --model bench/kimi-k25-shape --ranks 8 --layers 16 --allreduce-gbps 361
     python -m hsx.bench.node --model bench/kimi-k25-shape --ranks 1 --pipeline 8 --layers 3 --p2p-gbps 25
+
+``--expert-slice-gb GB`` expands each MoE layer's experts a slice at a time, as ``hsx extract
+--expert-slice-gb`` does (the same states), and ``--gpu-memory GB`` judges the whole stage (or
+rank) on a card of that size: ``hsx memory``'s arithmetic of it, against what the built layers
+measured (their peak, and the peak above their weights next to the arithmetic's activations and
+expansion), so that a stage built at fewer layers than the card holds still says whether the
+whole stage fits:
+
+    python -m hsx.bench.node --model bench/kimi-k25-shape --ranks 1 --pipeline 8 --layers 6 \
+        --expert-slice-gb 2.8 --gpu-memory 96 --batch-tokens 16384 --p2p-gbps 25
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +62,7 @@ class NodeEstimate:
     weight_bytes: int
     peak_bytes: int
     handoff_at_1: float = 0.0  # a pipeline stage's hand-offs of ``tokens`` at 1 GB/s, seconds
+    memory: list[str] = field(default_factory=list)  # --gpu-memory: the whole stage's memory, counted and measured
 
     def collective_seconds(self, gbps: float | None) -> float:
         return self.allreduce_at_1 / gbps if self.allreduce_at_1 else 0.0
@@ -219,6 +230,10 @@ def run(args) -> NodeEstimate:
         f"{time.perf_counter() - t0:.0f} s",
         flush=True,
     )
+    if args.expert_slice_gb is not None:
+        from hsx.capture.quantized import experts as jit
+
+        print(jit.set_slice(model, round(args.expert_slice_gb * 1e9), torch.bfloat16), flush=True)
     backend = TransformersBackend(model, default_layers(built), compiled=cuda)
     backend.set_packed(True)  # one padding-free row per batch, on the varlen attention kernel
     lengths = lognormal_lengths(args.samples, args.mean_len, args.min_len, args.max_len, seed=1)
@@ -259,6 +274,8 @@ def run(args) -> NodeEstimate:
         peak_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
         handoff_at_1=tokens * Pace.handoff_bytes(hidden * 2, stage.handoff_states) / 1e9 if stage else 0.0,
     )
+    if args.gpu_memory is not None:
+        est.memory = stage_memory(args, model, built, total, est.peak_bytes)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -270,6 +287,38 @@ def run(args) -> NodeEstimate:
         Path(args.profile).write_text(table)
         print(table)
     return est
+
+
+def stage_memory(args, model, built: int, total: int, peak: int) -> list[str]:
+    """The whole stage (or rank) on a card of ``--gpu-memory`` GB: ``hsx memory``'s arithmetic of
+    its layout, and what the ``built`` layers measured (``peak``: CUDA's peak allocation over the
+    timed batches; 0 on CPU), their weights scaled to the stage's ``total`` layers."""
+    from hsx.capture.memory import GB, HEADROOM, Inventory, Layout, gb
+
+    inventory = Inventory.of(Path(args.model))
+    if inventory is None:
+        raise SystemExit(f"error: {args.model}: no weights, and no DeepSeek-V3 shapes in config.json to count")
+    layout = Layout(
+        args.ranks, args.ranks, "packed", "bfloat16", args.batch_tokens, args.max_len,
+        pipeline=args.pipeline, slice_gb=args.expert_slice_gb,
+    )  # fmt: skip
+    counted = inventory.estimate(layout)
+    device = round(args.gpu_memory * GB)
+    out = [f"memory, as hsx memory counts the whole {'stage' if args.pipeline > 1 else 'rank'}:"]
+    out += counted.lines(device)
+    layers = model.model.layers
+    per_layer = sum(t.numel() * t.element_size() for t in [*layers[-1].parameters(), *layers[-1].buffers()])
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    if peak:
+        whole = peak + (total - built) * per_layer
+        verdict = "fits" if whole <= device * (1 - HEADROOM) else "does NOT fit"
+        out.append(
+            f"measured: peak {gb(peak)} with {built} of {total} layers built ({gb(weights)} of weights); "
+            f"with the other {total - built} layers' weights ({gb(per_layer)} each) the stage would peak at "
+            f"{gb(whole)}: {verdict} {args.gpu_memory:g} GB; above its weights the peak is {gb(peak - weights)}, "
+            f"against the arithmetic's activations and expansion, {gb(counted.activations + counted.expansion)}"
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -292,6 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--p2p-gbps", type=figures, help="--pipeline: bandwidth between stages, GB/s, or several a,b,c")
     p.add_argument("--job-samples", type=int, default=37312, help="samples of the job whose hours are printed")
     p.add_argument("--profile", type=Path, help="write a profile of two batches of the rank's forward here")
+    p.add_argument("--expert-slice-gb", type=float, help="expand each MoE layer's experts at most this many GB at once")
+    p.add_argument("--gpu-memory", type=float, help="judge the whole stage (or rank) on a card of this many GB")
     args = p.parse_args(argv)
     if args.ranks > 1 and args.allreduce_gbps is None:
         p.error(f"--ranks {args.ranks} all-reduces: give --allreduce-gbps (and say where the figure comes from)")
@@ -299,6 +350,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--pipeline {args.pipeline} hands batches on: give --p2p-gbps (and say where the figure comes from)")
     if args.pipeline < 1 or args.ranks < 1:
         p.error("--pipeline and --ranks take 1 or more")
+    if args.expert_slice_gb is not None and args.expert_slice_gb <= 0:
+        p.error("--expert-slice-gb takes GB above 0")
     est = run(args)
     gpus = args.ranks * args.pipeline
     where = "stage" if args.pipeline > 1 else "rank"
@@ -307,6 +360,8 @@ def main(argv: list[str] | None = None) -> None:
         f"(measured on {est.layers_built}); weights {est.weight_bytes / 1e9:.1f} GB, peak {est.peak_bytes / 1e9:.1f} "
         f"GB on {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"
     )
+    for line in est.memory:
+        print(line)
     layout = f"PP{args.pipeline} x TP{args.ranks}+EP{args.ranks}" if args.pipeline > 1 else ""
     layout = layout or f"one TP{args.ranks}+EP{args.ranks} replica"
     for allreduce in args.allreduce_gbps if args.ranks > 1 else [None]:
