@@ -29,7 +29,7 @@ installed() { [ -f "$1/.installed" ] || { echo "installing $1 failed:"; cat "$1.
 .venv/bin/ruff format --check src tests
 # Two test processes (HSX_TEST_WORKERS): most tests wait on subprocesses, so two keep a 2-core machine busy.
 workers=(-n "${HSX_TEST_WORKERS:-2}")
-HSX_REQUIRE=ray,specforge,speculators,modelopt,compressed_tensors .venv/bin/python -m pytest -q "${workers[@]}" "$@"
+HSX_REQUIRE=ray,specforge,speculators,modelopt,compressed_tensors,tiktoken .venv/bin/python -m pytest -q "${workers[@]}" "$@"
 wait "$side_installs" || true
 installed .venv-vllm
 bash scripts/test-vllm.sh test

@@ -9,6 +9,8 @@
     │   ├── ModelNotFound          the model is not where the spec or --model says
     │   ├── ModelChanged           the model there is not the run's (fingerprint differs)
     │   ├── UnsupportedModel       the capture backend cannot hook this architecture
+    │   ├── TokenizerError         the model's tokenizer cannot load (its code does not import, remote code not
+    │   │                          allowed) or cannot plan (no chat template, no template of the name asked)
     │   ├── Locked                 another extractor (or scale-out driver) holds the run
     │   ├── NotEnoughSpace         the projected size exceeds free space (--allow-partial starts anyway)
     │   ├── LayoutTooLarge         the model does not fit the devices' memory in the asked parallel layout
@@ -91,6 +93,10 @@ class ModelChanged(Refused):
 
 
 class UnsupportedModel(Refused):
+    pass
+
+
+class TokenizerError(Refused):
     pass
 
 

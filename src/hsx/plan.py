@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from hsx.errors import PlanError
+from hsx.errors import PlanError, TokenizerError
 from hsx.input import REASONING, Conversation, Reject, ToolCall, Turn, split_think, to_message, tools_of
 from hsx.store.layout import PLAN_DIR, PLAN_FILE, part_name
 
@@ -236,11 +236,12 @@ class Tokenize:
     """Render with the tokenizer's chat template and derive the assistant-token mask."""
 
     def __init__(self, tokenizer, max_length: int, template_kwargs: dict | None = None):
-        if not getattr(tokenizer, "is_fast", False):
-            raise TemplateError("hsx needs a fast (Rust) tokenizer: it maps tokens to characters by offsets")
         if not tokenizer.chat_template:
-            raise TemplateError("the tokenizer has no chat template")
+            raise TokenizerError(f"the tokenizer ({type(tokenizer).__name__}) has no chat template")
         self.tokenizer = tokenizer
+        # a fast (Rust) tokenizer maps tokens to characters by offsets; any other (a slow, Python one such
+        # as Kimi's TikTokenTokenizer) by the token boundaries its own encoding proves (``_marks``)
+        self.offsets = bool(getattr(tokenizer, "is_fast", False))
         self.max_length = max_length
         self.template_kwargs = dict(template_kwargs or {})  # e.g. enable_thinking, passed to the template
 
@@ -345,16 +346,70 @@ class Tokenize:
         counts["call_ids_given"] = conv.ids_given
         return pieces, counts
 
+    def marks(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Token ids of ``text`` (as far as a sample reaches: ``head``), the mask of every token that
+        holds some of a span (one may begin with blanks before it), and each span's first token."""
+        if not self.offsets:
+            return self._marks(text, spans)
+        ids, starts, ends = self.head(text)
+        mask = np.zeros(len(ids), dtype=np.int8)
+        firsts = []
+        for lo, hi in spans:
+            mask[(ends > lo) & (starts < hi)] = 1
+            firsts.append(int(np.searchsorted(starts, lo)))
+        return ids, mask, firsts
+
+    def _marks(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """``marks`` for a tokenizer without offsets, as exactly: the text is encoded whole and in the
+        pieces the spans cut it into; where the pieces' tokens, concatenated, are the whole's, each cut
+        is a token boundary and a span's tokens are its pieces'. Where a token crosses a cut, each cut
+        is placed by decoding: ``before(c)`` tokens decode to text ending at or before ``c``."""
+        ids = np.asarray(self.ids(text), dtype=np.int32)
+        cuts = sorted({c for span in spans for c in span} | {0, len(text)})
+        parts = [self.ids(text[a:b]) for a, b in itertools.pairwise(cuts)]
+        if [t for p in parts for t in p] == ids.tolist():
+            starts = ends = dict(zip(cuts, np.cumsum([0, *map(len, parts)]).tolist(), strict=True))
+        else:
+            starts, ends = self._decoded_cuts(text, ids, cuts)
+        mask = np.zeros(len(ids), dtype=np.int8)
+        for lo, hi in spans:  # tokens that end after lo and start before hi
+            mask[ends[lo] : starts[hi]] = 1
+        return ids[: self.max_length + 1], mask[: self.max_length + 1], [ends[lo] for lo, _ in spans]
+
+    def _decoded_cuts(self, text: str, ids: np.ndarray, cuts: list[int]) -> tuple[dict, dict]:
+        """For each cut ``c``: how many tokens end at or before it, and how many start before it, from
+        the length of text the first ``k`` tokens decode to (a binary search; the prefix of ``text``
+        they decode to, so a character split between tokens counts from its start)."""
+        if self.tokenizer.decode(ids.tolist()) != text:
+            raise TemplateError(
+                f"the tokenizer ({type(self.tokenizer).__name__}) has no offsets, merges tokens across a turn's "
+                "boundary and does not decode its tokens back to the rendered text: the turn cannot be masked exactly"
+            )
+        memo: dict[int, int] = {0: 0}
+
+        def length(k: int) -> int:
+            if k not in memo:
+                memo[k] = _common(self.tokenizer.decode(ids[:k].tolist()), text)
+            return memo[k]
+
+        def last(ok) -> int:  # the largest k in 0..n with ok(length(k)), which holds for k = 0 and up to it
+            lo, hi = 0, len(ids)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if ok(length(mid)) else (lo, mid - 1)
+            return lo
+
+        ends = {c: last(lambda m, c=c: m <= c) for c in cuts}
+        starts = {c: min(len(ids), last(lambda m, c=c: m < c) + 1) if c else 0 for c in cuts}
+        return starts, ends
+
     def __call__(self, conv: Conversation) -> Tokenized:
         pieces, counts = self.pieces(conv)
         src = conv.source
         samples, truncated = [], False
         for text, spans in pieces:
-            ids, starts, ends = self.head(text)
-            mask = np.zeros(len(ids), dtype=np.int8)
-            for lo, hi in spans:  # every token that holds some of the turn (one may begin with blanks before it)
-                mask[(ends > lo) & (starts < hi)] = 1
-                counts["past_max_length_turns"] += int(np.searchsorted(starts, lo)) >= self.max_length
+            ids, mask, firsts = self.marks(text, spans)
+            counts["past_max_length_turns"] += sum(k >= self.max_length for k in firsts)
             cut = len(ids) > self.max_length
             ids, mask = ids[: self.max_length], mask[: self.max_length]
             truncated |= cut

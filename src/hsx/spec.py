@@ -66,7 +66,11 @@ class ModelIdentity(BaseModel):
 
 class TokenizerIdentity(BaseModel):
     digest: str  # the tokenizer's vocabulary, merges, normaliser and special tokens
-    chat_template: str  # digest of the template text
+    chat_template: str  # digest of the template text (of a repository's named templates, all of them)
+    # which class planned the run (a repository's by auto_map, slow ones marked) and the files it was
+    # built from (name -> digest); None in specs written before hsx recorded them
+    tokenizer_class: str | None = None
+    files: dict[str, str] | None = None
 
 
 OPTIONAL_DATA = ("split", "limit", "column")  # a DataFile's fields written only where given

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx.errors import ModelChanged, ModelNotFound, SpecError, UnsupportedModel
+from hsx.errors import ModelChanged, ModelNotFound, SpecError, TokenizerError, UnsupportedModel
 from hsx.fingerprint import (
     FileState,
     ModelFiles,
@@ -245,19 +245,89 @@ def identity(model: str, model_dir: Path) -> ModelIdentity:
     )
 
 
+def remote_tokenizer(model_dir: Path) -> str | None:
+    """The repository's tokenizer class its ``tokenizer_config.json`` names by ``auto_map``
+    (``tokenization_kimi.TikTokenTokenizer``), None where it names none."""
+    try:
+        config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    named = (config.get("auto_map") or {}).get("AutoTokenizer")
+    named = next((n for n in named if n), None) if isinstance(named, list) else named
+    return str(named).split("--")[-1] if named else None
+
+
 def load_tokenizer(model_dir: Path, trust_remote_code: bool):
+    """The checkpoint's own tokenizer, through its own class: a repository's (by ``auto_map``, under
+    --trust-remote-code) as serving engines load it, slow (Python) ones such as Kimi's
+    ``TikTokenTokenizer`` included. Refused by name, before anything is written, where that class is
+    the repository's code and remote code is not allowed, or where its code does not import under the
+    installed transformers (Kimi-K2's imports ``bytes_to_unicode`` from where transformers 5 no longer
+    has it), with the fix. Never a stand-in: without the repository's code, transformers converts
+    Kimi's ``tiktoken.model`` to a fast tokenizer whose template renders the tools as JSON, a prompt
+    the target is never served."""
+    import transformers
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    code = remote_tokenizer(model_dir)
+    if code is not None and not trust_remote_code:
+        raise TokenizerError(
+            f"{model_dir}: the tokenizer is the repository's code ({code}, by auto_map in "
+            "tokenizer_config.json): pass --trust-remote-code to run it (hsx runs the tokenizer's code only)"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except ImportError as e:
+        if code is None:
+            raise
+        file = f"{code.rsplit('.', 1)[0]}.py"
+        missing = re.search(r"cannot import name '(\w+)' from '([\w.]+)'", str(e))
+        fix = (
+            f"change that import in {file} to where transformers {transformers.__version__} has {missing[1]}"
+            + (
+                " (from transformers.convert_slow_tokenizer import bytes_to_unicode, as Kimi-K2.5's "
+                "tokenization_kimi.py imports it)"
+                if missing[1] == "bytes_to_unicode"
+                else ""
+            )
+            if missing
+            else "install what it names"
+        )
+        raise TokenizerError(
+            f"{model_dir}: the repository's tokenizer code ({file}) does not import under transformers "
+            f"{transformers.__version__}: {str(e).splitlines()[0]}. The fix: {fix}"
+        ) from None
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+
+
+def tokenizer_files(tokenizer) -> dict[str, str]:
+    """The files of its folder the tokenizer was built from, by name, with their digests: its
+    vocabulary files, its config and chat templates, and the repository code its ``auto_map`` names."""
+    folder = Path(tokenizer.name_or_path)
+    code = remote_tokenizer(folder)
+    names = {*TOKENIZER_FILES, *tokenizer.vocab_files_names.values(), "tokenizer.json"}
+    names |= {f"{code.rsplit('.', 1)[0]}.py"} if code else set()
+    names |= {f"additional_chat_templates/{p.name}" for p in folder.glob("additional_chat_templates/*.jinja")}
+    return {n: digest_file(folder / n) for n in sorted(names) if (folder / n).is_file()}
 
 
 def tokenizer_identity(tokenizer) -> TokenizerIdentity:
+    """What identifies the tokenizer a run planned with: its vocabulary and special tokens, its chat
+    template (a repository's named templates, ``{name: template}``, as a whole), and which class
+    and files it is (a slow tokenizer's vocabulary is read through its class: ``get_vocab``)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     specials = tokenizer.special_tokens_map
+    template = tokenizer.chat_template
+    kind = type(tokenizer).__name__ + ("" if getattr(tokenizer, "is_fast", False) else " (slow)")
+    code = remote_tokenizer(Path(tokenizer.name_or_path))
     return TokenizerIdentity(
         digest=digest_json({"vocab": digest_bytes(vocab.encode()), "special": specials}),
-        chat_template=digest_bytes((tokenizer.chat_template or "").encode()),
+        chat_template=digest_json(template) if isinstance(template, dict) else digest_bytes((template or "").encode()),
+        tokenizer_class=kind + (f", the repository's {code}" if code else ""),
+        files=tokenizer_files(tokenizer),
     )
 
 

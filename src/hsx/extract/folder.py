@@ -149,6 +149,7 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
             log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
         else:
             log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
+            log(f"plan: tokenizer {target.tokenizer_identity(tokenizer).tokenizer_class}")
             if opts.template_kwargs:
                 log(f"plan: the chat template's arguments: {json.dumps(opts.template_kwargs)}")
             rows = read_conversations(opts.data, opts.split, opts.limit, opts.column)

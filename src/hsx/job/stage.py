@@ -157,6 +157,7 @@ def open_run(stage: Stage[Opts, S, R], opts: Opts, model: Model, log: Log) -> S:
     lock), so neither overwrites the other's spec or plan (invariant 4). The session takes it again."""
     if not (opts.out / layout.SPEC).exists():
         require_start(opts)
+        _ = model.tokenizer  # loaded, or refused by name (its code cannot run), before anything is written
         opts.out.mkdir(parents=True, exist_ok=True)  # where the lock lives; an empty folder is no run
     with RunLock(opts.out, command=stage.lock_command(opts), warn=log):
         if not (opts.out / layout.SPEC).exists():
