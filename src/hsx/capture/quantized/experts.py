@@ -174,6 +174,7 @@ class Expanded:
 # (eager's index_add_). Not batched_mm: its one batched product of every pair does not give a pair
 # the same bits as a batch of a slice's pairs (float32 on CPU).
 COMBINE = {"grouped_mm": "sum", "eager": "ordered"}
+COMBINED = 2048  # tokens whose pairs are weighted and added at once (each a token's own reduction: any count)
 
 
 def implementation(module: nn.Module) -> str:
@@ -271,15 +272,18 @@ def sliced(
             unit = top_k_weights.new_ones(hi - lo, 1)
             pairs[rows] = function(view, hidden_states[rows // top_k], local[:, None], unit)
         del view
-    weighted = pairs * top_k_weights.reshape(-1, 1)
-    if combine == "sum":
-        return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
-    by_id = torch.sort(top_k_index, dim=1, stable=True).indices  # eager adds a token's experts in ascending id
-    ordered = weighted.to(hidden_states.dtype).view(tokens, top_k, -1)
-    ordered = ordered.gather(1, by_id[..., None].expand_as(ordered))
     out = torch.zeros_like(hidden_states)
-    for k in range(top_k):
-        out += ordered[:, k]
+    by_id = torch.sort(top_k_index, dim=1, stable=True).indices  # eager adds a token's experts in ascending id
+    for lo in range(0, tokens, COMBINED):  # a few tokens at a time: the weighted pairs' transient stays small
+        hi = min(lo + COMBINED, tokens)
+        weighted = (pairs[lo * top_k : hi * top_k] * top_k_weights[lo:hi].reshape(-1, 1)).view(hi - lo, top_k, -1)
+        if combine == "sum":
+            out[lo:hi] = weighted.sum(dim=1).to(hidden_states.dtype)
+            continue
+        ordered = weighted.to(hidden_states.dtype)
+        ordered = ordered.gather(1, by_id[lo:hi, :, None].expand_as(ordered))
+        for k in range(top_k):
+            out[lo:hi] += ordered[:, k]
     return out
 
 
