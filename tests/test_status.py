@@ -412,3 +412,97 @@ def test_a_resume_without_model_refuses_a_tensor_the_probes_miss_and_a_changed_t
     assert r.exit_code == 0 and "samples    20/20 done, 10 written now" in r.output, r.output
     code, report = status_json(run)  # the resume proved them the same and recorded where they stand
     assert code == 0 and "moved" not in next(c for c in report["checks"] if c["name"] == "model")["data"]
+
+
+# ---------------------------------------------------------------- the run's own records, damaged
+
+
+def another_runs_records(finished_run: Path, tmp_path: Path) -> Path:
+    """A run of its own (another spec: its identity), whose shard 1 hsx sealed and whose shard 2's
+    files hsx deleted as consumed: records as hsx writes them, of another run."""
+    from hsx.extract.window import delete_released
+    from hsx.store.scan import scan_shard
+    from hsx.store.writer import seal
+
+    other = copy_run(finished_run, tmp_path / "other")
+    spec = json.loads((other / layout.SPEC).read_text())
+    (other / layout.SPEC).write_text(json.dumps(spec | {"created": "2020-01-01T00:00:00+00:00"}))
+    for shard in (1, 2):
+        seal(other, shard, list(scan_shard(other, shard, range(shard * 10, shard * 10 + 10), deep=False).good.values()))
+    assert delete_released(other, set(range(20, 30)), 10) == 10
+    return other
+
+
+def integrity_files(out: Path) -> dict[str, str]:
+    _, report = status_json(out)
+    files = next(c for c in report["checks"] if c["name"] == "integrity")["data"]["files"]
+    return {f["path"]: f"{f['kind']}: {f['detail']}" for f in files}
+
+
+def test_every_damage_to_the_seal_records_is_named_and_the_resume_rebuilds_them(finished_run, tmp_path):
+    """sealed/ records truncated, garbled, deleted, and another run's swapped in (its shard deleted
+    too: the lost-shard protection holds); each is named by status (exit 1), none trusted nor read
+    as none, and the resume rebuilds each from the data."""
+    other = another_runs_records(finished_run, tmp_path)
+    run = copy_run(finished_run, tmp_path / "run")
+    reference = run_files(run)
+    record = lambda s: layout.seal_record(run, s)  # noqa: E731
+    record(0).write_bytes(record(0).read_bytes()[:20])  # truncated
+    record(1).write_bytes(bytes(range(64)))  # garbage
+    shutil.copy(layout.seal_record(other, 2), record(2))  # another run's, with this run's shard 2 gone
+    shutil.rmtree(layout.shard_dir(run, 2))
+    record(3).unlink()  # deleted, its shard whole
+    found = integrity_files(run)
+    assert found["sealed/000000.json"] == "damaged record: truncated or garbled (not JSON)", found
+    assert found["sealed/000001.json"] == "damaged record: truncated or garbled (not JSON)", found
+    assert found["sealed/000002.json"].startswith("damaged record: another run's record"), found
+    assert found["sealed/000003.json"] == "damaged record: missing, though the shard's SEALED manifest is there"
+    code, text = status(run)
+    assert code == 1 and "4 damaged record" in text, text
+
+    r = hsx("extract", "--out", run)
+    assert "40/40 done, 10 written now" in r.stdout, r.stdout
+    assert run_files(run) == reference and status(run)[0] == 0
+    assert [json.loads(record(s).read_text())["ids"] for s in range(4)] == [[s * 10, s * 10 + 10] for s in range(4)]
+    (run / layout.SEALS).rename(tmp_path / "sealed-aside")
+    (run / layout.SEALS).write_text("not a folder")  # a file where the folder should be
+    found = integrity_files(run)
+    aside = "sealed is a file where the folder of records should be: move it aside, then resume"
+    assert all(found[f"sealed/{s:06d}.json"].endswith(aside) for s in range(4)), found
+    r = hsx("extract", "--out", run, check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert aside in " ".join(r.stderr.split()), r.stderr
+    (run / layout.SEALS).unlink()
+    (tmp_path / "sealed-aside").rename(run / layout.SEALS)
+    assert status(run)[0] == 0
+
+
+def test_every_damage_to_a_consumed_record_is_named_and_its_samples_are_redone(finished_run, tmp_path):
+    """consumed/ records truncated, garbled and another run's swapped in (with its shard's files
+    deleted): status crashed on the first (JSONDecodeError) and read the last as "consumed, nothing
+    wrong". Each is named now (exit 1), its samples counted missing, never consumed nor lost; the
+    resume redoes them and moves the record aside."""
+    from hsx.extract.window import delete_released
+
+    other = another_runs_records(finished_run, tmp_path)
+    run = copy_run(finished_run, tmp_path / "run")
+    reference = run_files(run)
+    assert delete_released(run, set(range(0, 20)), 10) == 20
+    layout.consumed_record(run, 0).write_bytes(layout.consumed_record(run, 0).read_bytes()[:30])
+    layout.consumed_record(run, 1).write_bytes(b"\x00garbage" * 8)
+    shutil.copy(layout.consumed_record(other, 2), layout.consumed_record(run, 2))
+    for i in range(20, 30):
+        layout.sample_path(run, i, 10).unlink()
+    found = integrity_files(run)
+    why = "damaged record: truncated or garbled (not JSON); its samples count as missing"
+    assert found["consumed/000000.json"] == found["consumed/000001.json"] == why, found
+    assert found["consumed/000002.json"].startswith("damaged record: another run's record"), found
+    assert sum(k.startswith("missing") for k in found.values()) == 30, found  # lost or redone, never consumed
+    code, text = status(run)
+    assert code == 1 and "3 damaged record" in text, text
+
+    r = hsx("extract", "--out", run)
+    assert "redone     30 missing" in r.stdout, r.stdout
+    assert run_files(run) == reference and status(run)[0] == 0, status(run)[1]
+    assert not list((run / layout.CONSUMED).glob("*.json"))
+    assert len(list((run / layout.QUARANTINE / layout.CONSUMED).glob("*.json"))) == 3  # moved aside, kept

@@ -100,3 +100,44 @@ def test_a_sealed_shard_deleted_whole_is_data_lost_named_by_shard(finished_run, 
     r = CliRunner().invoke(app, ["extract", "--out", str(run)])
     assert r.exit_code == 0 and "redone     10 missing" in r.output, r.output
     assert run_files(run) == reference and verify(run, "--deep")[0] == 0
+
+
+def test_a_shard_copied_from_another_run_is_foreign_everywhere_and_redone(finished_run, tmp_path):
+    """A shard copied whole (mtimes kept, its SEALED with it) from a ``--layers dflash:3 --final-state
+    pre`` run of the same data into this EAGLE-3 post-norm run: its files parse, their digests hold and
+    their shapes fit, but their headers name other layers and the other side of the norm. Status,
+    verify --deep and the dataset name them foreign; the resume moves them aside and redoes them."""
+    import warnings
+
+    from conftest import conversations, extract_args, write_jsonl
+    from hsx.assess.status import assess
+    from hsx.data import HsxDataset, SampleUnavailable
+
+    other = tmp_path / "other"
+    hsx(*extract_args(write_jsonl(tmp_path / "ten.jsonl", conversations(10)), other, "--layers", "dflash:3",
+                      "--final-state", "pre"))  # fmt: skip
+    run = Path(shutil.copytree(finished_run, tmp_path / "run"))
+    reference = run_files(run)
+    shutil.rmtree(run / "shards" / "000000")
+    shutil.copytree(other / "shards" / "000000", run / "shards" / "000000")  # copy2: mtimes as they were
+
+    for args in ((), ("--deep",)):
+        code, text = verify(run, *args)
+        assert code == 1 and "1 corrupt, 10 foreign; 30 files good" in text, text
+        assert "another run's file: its layers [1, 3, 5], this run's [1, 3, 4]" in text, text
+        assert "corrupt: shards/000000/SEALED (SEALED manifest unreadable or another run's)" in text, text
+    assert assess(run).exit_code == 1
+    with warnings.catch_warnings(record=True):
+        sealed, listed = HsxDataset(run), HsxDataset(run, sealed_only=False)
+    assert len(sealed) == len(listed) == 30 and all("foreign: " in listed.unavailable[i] for i in range(10))
+    try:
+        HsxDataset(run, ids=[0], verify=True)[0]
+        raise AssertionError("another run's file was served")
+    except SampleUnavailable as e:
+        assert "another run's file" in str(e)
+
+    r = CliRunner().invoke(app, ["extract", "--out", str(run)])
+    assert r.exit_code == 0 and "redone     10 foreign" in r.output, r.output
+    assert run_files(run) == reference and verify(run, "--deep")[0] == 0
+    moved = sorted(p.name for p in (run / layout.QUARANTINE).rglob("*.safetensors"))
+    assert len(moved) == 10  # moved aside, never deleted

@@ -35,26 +35,31 @@ from hsx.plan import Plan, batches_for, load_plan
 from hsx.spec import RunSpec, load_spec
 from hsx.store import layout
 from hsx.store.codec import Codec
-from hsx.store.format import BadFile, check, decode, read_checked
+from hsx.store.format import BadFile, Expected, check, decode, read_checked
 from hsx.store.scan import scan_run
 from hsx.store.writer import any_consumed
 
 
-def read_verified(path: Path, sample_id: int, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
+def read_verified(
+    path: Path, sample_id: int, keep_fp8: bool = False, expected: Expected | None = None
+) -> dict[str, torch.Tensor]:
     """Read one sample file whole, digest-checked by the store (one read for digest and tensors),
     decoded: ``aux_hidden_states``, ``hidden_states``, ``input_ids``, ``loss_mask`` for any codec
-    (``keep_fp8``: an fp8 file's states as stored, with their scales; see ``format.decode_tensors``)."""
-    return decode(read_checked(path, sample_id), keep_fp8)
+    (``keep_fp8``: an fp8 file's states as stored, with their scales; see ``format.decode_tensors``).
+    ``expected``: what its run's files hold (``RunSpec.footprint().files``): another run's is refused."""
+    return decode(read_checked(path, sample_id, expected), keep_fp8)
 
 
-def read_mapped(path: Path, sample_id: int, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
+def read_mapped(
+    path: Path, sample_id: int, keep_fp8: bool = False, expected: Expected | None = None
+) -> dict[str, torch.Tensor]:
     """Read a raw sample through a memory map after the cheap check (header, size, id). An encoded
     one is read whole and digest-checked before it is decoded: its bytes are copied out anyway, and
     hashing costs a small part of decoding, so damaged bytes never reach a decoder."""
     from safetensors import safe_open
 
-    if check(path, sample_id, deep=False).codec is not Codec.RAW:
-        return read_verified(path, sample_id, keep_fp8)
+    if check(path, sample_id, deep=False, expected=expected).codec is not Codec.RAW:
+        return read_verified(path, sample_id, keep_fp8, expected)
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a Mapping
 
@@ -90,7 +95,9 @@ def available_ids(
     """Every id with a good file (cheap check, or ``deep``: its digest too), and why each other one
     is left out. ``sealed_only``: only files a SEALED manifest records (the scan already refuses a
     file that differs from its shard's manifest); a shard without one is still being written."""
-    scans = scan_run(run, spec.plan.num_samples, spec.shard_size, deep=deep, threads=threads, codec=spec.codec)
+    scans = scan_run(
+        run, spec.plan.num_samples, spec.shard_size, deep=deep, threads=threads, want=spec.footprint().files
+    )
     out = Availability()
     for s in scans:
         if sealed_only and s.manifest is None:
@@ -150,6 +157,7 @@ class HsxDataset(Dataset):
         self.keep_fp8 = keep_fp8
         self.layers = list(self.spec.layers)
         self.final_norm = self.spec.final_norm  # "post" or "pre": the norm of ``hidden_states``
+        self.files = self.spec.footprint().files  # what each file must say of itself (another run's is refused)
         self.unavailable: dict[int, str] = {}  # id -> why it is not served (ids given: not looked at)
         if ids is None:
             found = available_ids(self.run, self.spec, sealed_only, deep=deep)
@@ -177,16 +185,19 @@ class HsxDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         sid = self.ids[index]
-        return load_sample(self.run, self.path(sid), sid, self.verify, self.keep_fp8)
+        return load_sample(self.run, self.path(sid), sid, self.files, self.verify, self.keep_fp8)
 
 
-def load_sample(run: Path, path: Path, sid: int, verify: bool = True, keep_fp8: bool = False) -> dict:
+def load_sample(
+    run: Path, path: Path, sid: int, expected: Expected | None, verify: bool = True, keep_fp8: bool = False
+) -> dict:
     """One sample as every reader of a run serves it (``HsxDataset``, ``StreamDataset``): its file's
     tensors, decoded, ids and mask as int64, with its ``sample_id``; ``SampleUnavailable`` names a
-    missing or bad file (``verify``: its digest checked in the same read)."""
+    missing or bad file (``verify``: its digest checked in the same read), or another run's
+    (``expected``: what the run's files hold)."""
     try:
         read = read_verified if verify else read_mapped
-        t = read(path, sid, keep_fp8)
+        t = read(path, sid, keep_fp8, expected)
     except FileNotFoundError as e:
         raise SampleUnavailable(f"sample {sid}: {path} is missing; redo it with hsx extract --out {run}") from e
     except BadFile as e:
@@ -372,6 +383,7 @@ class StreamDataset(IterableDataset):
     ):
         self.run = Path(run)
         self.spec = load_spec(self.run)
+        self.files = self.spec.footprint().files
         window = self.spec.window
         if window is not None and window.delete and consumer not in window.consumers and any_consumed(self.run):
             raise ConsumerRefused(
@@ -402,7 +414,7 @@ class StreamDataset(IterableDataset):
         path = layout.sample_path(self.run, sid, self.spec.shard_size)
         while not self._stop.is_set():
             try:
-                return load_sample(self.run, path, sid, True, self.keep_fp8)
+                return load_sample(self.run, path, sid, self.files, True, self.keep_fp8)
             except SampleUnavailable as e:
                 why = NOT_WRITTEN if isinstance(e.__cause__, FileNotFoundError) else str(e)
                 if why != self._why.get(sid) and why != NOT_WRITTEN:

@@ -80,6 +80,16 @@ class SpecError(Refused):
     pass
 
 
+class RecordDamaged(Refused):
+    """A record hsx keeps beside the data is there but cannot be trusted (``store.records``); ``why``
+    says how, for status and the repair."""
+
+    def __init__(self, path: Path, why: str):
+        super().__init__(f"{path}: {why}")
+        self.path = path
+        self.why = why
+
+
 class PlanError(Refused):
     pass
 
@@ -246,6 +256,7 @@ class Damage(StrEnum):
     MISPLACED = "misplaced"
     FOREIGN = "foreign"
     STRAY = "stray"
+    RECORD = "damaged record"  # a record hsx keeps of a shard (sealed/, consumed/): missing or damaged
 
 
 class BadFile(HsxError):

@@ -28,7 +28,7 @@ from hsx.fingerprint import ModelFingerprint, digest_file
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
-from hsx.store.format import FINAL_STATE, LAYER_CONVENTION, FinalStateNorm
+from hsx.store.format import FINAL_STATE, LAYER_CONVENTION, Expected, FinalStateNorm
 from hsx.units import size
 
 FORMAT = "hsx-run/1"
@@ -215,13 +215,14 @@ class Footprint:
     ``bytes_per_token`` raw; ``codec`` its states are stored with (None: its files hold no states,
     any codec a scan finds is the file's own); a state value's ``itemsize`` and ``hidden_size``
     (a codec's ratio depends on them); ``batch_tokens``: the most tokens one batch holds (0: a
-    sample at a time)."""
+    sample at a time); ``files``: what each file's header must say (a scan judges by it)."""
 
     bytes_per_token: int
     codec: Codec | None = None
     itemsize: int = 0
     hidden_size: int = 0
     batch_tokens: int = 0
+    files: Expected | None = None  # what each sample file says of itself (None: files of no states)
 
 
 class JobSpec(Protocol):
@@ -299,7 +300,12 @@ class RunSpec(BaseModel):
 
     def footprint(self) -> Footprint:
         return Footprint(
-            self.bytes_per_token, self.codec, self.state_itemsize, self.model.hidden_size, self.batch_tokens
+            self.bytes_per_token,
+            self.codec,
+            self.state_itemsize,
+            self.model.hidden_size,
+            self.batch_tokens,
+            Expected(self.codec, tuple(self.layers), self.final_norm, self.dtype, self.model.hidden_size),
         )
 
     def save(self, run: Path) -> None:

@@ -117,7 +117,7 @@ def recompute(run: Path, spec: RunSpec, scans: list[ShardScan], model_dir: Path,
     tie = fidelity.NEAR_TIE[spec.dtype]  # the run's own: near ties as its head saw them
     total, wrong, differ = NO_FIGURE, [], []
     for sid in chosen:
-        t = decode(read_checked(layout.sample_path(run, sid, spec.shard_size), sid))
+        t = decode(read_checked(layout.sample_path(run, sid, spec.shard_size), sid, spec.footprint().files))
         ids, mask = t["input_ids"].numpy(), t["loss_mask"].numpy()
         final = t["hidden_states"].to(device, torch.float32)[None]
         every = fidelity.positions(sid, mask, 1)

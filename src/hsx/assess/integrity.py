@@ -32,6 +32,7 @@ MEANING = {
     Damage.STRAY: "temporary file left by an interrupted write",
     Damage.FOREIGN: "not a file hsx writes",
     Damage.MISSING: "listed in the shard's SEALED manifest but absent",
+    Damage.RECORD: "the run's record of a shard (sealed/, consumed/) missing, truncated, garbled or another run's",
 }
 LOST = f"sealed once (the run's record: {layout.SEALS}/), now absent with its shard's SEALED manifest"
 
@@ -74,7 +75,13 @@ def _seal_problems(run: Path, scan: ShardScan) -> list[Problem]:
     """What the scan's SEALED manifest says beyond the files: it is unreadable, or lists a file that is gone."""
     folder = layout.shard_dir(run, scan.shard)
     if scan.manifest_unreadable:
-        return [Problem(str((folder / layout.SEALED).relative_to(run)), Damage.CORRUPT, "SEALED manifest unreadable")]
+        return [
+            Problem(
+                str((folder / layout.SEALED).relative_to(run)),
+                Damage.CORRUPT,
+                "SEALED manifest unreadable or another run's",
+            )
+        ]
     why = MEANING[Damage.MISSING] if scan.manifest is not None else LOST
     return [
         Problem(str((folder / layout.sample_name(sid)).relative_to(run)), Damage.MISSING, why, sid) for sid in scan.gone
@@ -95,7 +102,7 @@ def inspect(run: Path, spec: JobSpec, deep: bool, writer_alive: bool, threads: i
             deep,
             threads=threads,
             on_shard=lambda _: bar.advance(),
-            codec=spec.footprint().codec,
+            want=spec.footprint().files,
         )
     result = Integrity(deep, scans, seconds=time.perf_counter() - t0)
     for s in scans:

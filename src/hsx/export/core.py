@@ -264,7 +264,7 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
                     continue
                 path = layout.sample_path(run, sid, spec.shard_size)
                 try:
-                    t = read_verified(path, sid)
+                    t = read_verified(path, sid, expected=spec.footprint().files)
                 except (BadFile, FileNotFoundError) as e:
                     progress_log.close()
                     what = "missing" if isinstance(e, FileNotFoundError) else str(e)

@@ -25,6 +25,7 @@ from hsx.lock import Liveness
 from hsx.spec import Window
 from hsx.store import layout
 from hsx.store.durable import flocked, fsync_dir, write_durable
+from hsx.store.records import record_folder
 from hsx.store.writer import read_seal, record_consumed
 from hsx.units import size
 
@@ -119,7 +120,7 @@ def delete_released(run: Path, ids: set[int], shard_size: int) -> int:
     if not ids:
         return 0
     gone = 0
-    (run / layout.CONSUMED).mkdir(exist_ok=True)
+    record_folder(run / layout.CONSUMED)  # a file in its place is named, never written through
     with flocked(layout.consumed_guard(run)):
         for shard in sorted({layout.shard_of(i, shard_size) for i in ids}):
             manifest = read_seal(run, shard)

@@ -90,7 +90,7 @@ class Prologue:
         headers: seconds), at the codec's ratio they measure."""
         spec, lengths = self.spec, self.lengths
         fp = spec.footprint()
-        scans = scan_run(self.opts.out, spec.plan.num_samples, spec.shard_size, deep=False, codec=fp.codec)
+        scans = scan_run(self.opts.out, spec.plan.num_samples, spec.shard_size, deep=False, want=fp.files)
         missing = np.asarray([i for s in scans for i in s.missing], dtype=np.int64)
         ratio = stored_ratio(spec, Measured.on_disk(spec, lengths, scans))
         needed = projected_bytes(int(lengths[missing].sum()), len(missing), fp.bytes_per_token, ratio)

@@ -77,34 +77,41 @@ class Summary:
 
 
 def tidy(run: Path, problems: list[Problem], summary: Summary) -> None:
-    """Remove stray temp files; move files that are not where they belong aside, never delete them."""
+    """Remove stray temp files; move files that are not where they belong aside (another run's
+    file in a sample's place too), never delete them."""
     for p in problems:
         if p.kind == Damage.STRAY:
             (run / p.path).unlink(missing_ok=True)
             summary.stray_removed += 1
-        elif p.kind in (Damage.MISPLACED, Damage.FOREIGN) and p.sample_id is None:
+        elif p.kind == Damage.FOREIGN or (p.kind == Damage.MISPLACED and p.sample_id is None):
             quarantine(run, p)
             summary.quarantined += 1
-        elif p.sample_id is not None:
+        if p.sample_id is not None and p.kind != Damage.STRAY:
             summary.redone[p.kind] = summary.redone.get(p.kind, 0) + 1
 
 
 def settle(run: Path, scan: ShardScan, summary: Summary) -> ShardScan:
     """After a shard's scan: tidy it, count its good files as done (and as redone those its seal
-    lists that are gone), seal it if every id verified."""
+    lists that are gone), seal it if every id verified. A damaged record of the shard is rebuilt
+    from its files: sealed again (the SEALED manifest and the run's record); a damaged record of
+    files consumed, whose samples count as missing (redone), is moved aside."""
     tidy(run, scan.problems, summary)
     if scan.gone:
         summary.redone[Damage.MISSING] = summary.redone.get(Damage.MISSING, 0) + len(scan.gone)
     summary.already_done += len(scan.accounted)  # consumed samples are done, gone on purpose
-    if scan.complete and not scan.sealed:
-        seal(run, scan.shard, list(scan.good.values()))
+    damaged = [p for p in scan.problems if p.kind == Damage.RECORD]
+    for p in damaged:  # its samples count as missing, redone now: the record is moved aside, kept
+        if Path(p.path).parent.name == layout.CONSUMED:
+            quarantine(run, p)
+    if scan.complete and (not scan.sealed or damaged):
+        seal(run, scan.shard, list(scan.accounted.values()))  # consumed files as their record has them
     return scan
 
 
 def verify_shard(run: Path, spec: JobSpec, shard: int, deep: bool, summary: Summary) -> ShardScan:
     """Scan and settle one shard (a scale-out worker's first step on each shard it is handed)."""
     ids = layout.shard_ids(shard, spec.shard_size, spec.plan.num_samples)
-    scan = scan_shard(run, shard, ids, deep, codec=spec.footprint().codec)
+    scan = scan_shard(run, shard, ids, deep, want=spec.footprint().files)
     return settle(run, scan, summary)
 
 
@@ -121,7 +128,7 @@ def scan_all(run: Path, spec: JobSpec, deep: bool) -> list[ShardScan]:
             spec.shard_size,
             deep,
             on_shard=lambda _: bar.advance(),
-            codec=spec.footprint().codec,
+            want=spec.footprint().files,
         )
 
 
@@ -209,7 +216,7 @@ class Verifier:
                 deep=True,
                 shards=[s.shard for s in order],
                 on_shard=self._settled,
-                codec=self.spec.footprint().codec,
+                want=self.spec.footprint().files,
             )
         except _Stopped:
             pass

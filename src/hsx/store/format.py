@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Literal
 
 import xxhash
 
-from hsx.errors import BadFile
+from hsx.errors import BadFile, Damage
 from hsx.store.codec import Codec, Encoded, decode_state, encode_state
 
 if TYPE_CHECKING:
@@ -350,6 +350,51 @@ class Header:
         return None if self.metadata.get("format") == CONVERSATION else codec_of(self.metadata)
 
 
+STATE_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}  # a run's dtype as safetensors names it
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What every sample file of a run says of itself, by the run's spec: its codec, layers, final
+    state's side of the norm, dtype and width. A valid file that says otherwise is another run's (a
+    shard copied in): never this run's sample, whatever its digest."""
+
+    codec: Codec
+    layers: tuple[int, ...]
+    final: FinalStateNorm
+    dtype: str  # the run's dtype (``STATE_DTYPES``'s keys)
+    hidden_size: int
+
+    def judge(self, header: Header) -> None:
+        """Raise ``BadFile`` naming the first thing ``header`` holds that this run's files do not."""
+        if header.codec is not self.codec:
+            raise BadFile(Damage.CORRUPT, f"stored with codec {header.codec}; this run's is {self.codec}")
+        meta = header.metadata
+        try:
+            theirs = [
+                ("layers", json.loads(meta.get("layers", "null")), list(self.layers)),
+                ("final state", final_norm_of(meta), self.final),
+                *((f"{name} (dtype, width)", got, want) for name, got, want in self._states(header)),
+            ]
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise BadFile(Damage.CORRUPT, f"header does not parse ({e!r})") from e
+        for what, got, want in theirs:
+            if got != want:
+                raise BadFile(Damage.FOREIGN, f"another run's file: its {what} {got}, this run's {want}")
+
+    def _states(self, header: Header) -> list[tuple[str, tuple, tuple]]:
+        """Each state's (dtype, width) as the file stores it (an encoded file's before encoding), and the run's."""
+        stored = json.loads(header.metadata["states"]) if "states" in header.metadata else header.tensors
+        widths = {"aux_hidden_states": len(self.layers) * self.hidden_size, "hidden_states": self.hidden_size}
+        dtype = STATE_DTYPES[self.dtype]
+        out = []
+        for name, width in widths.items():
+            info = stored.get(name)
+            got = (info["dtype"], info["shape"][-1]) if info is not None else None
+            out.append((name, got, (dtype, width) if width else None))
+        return out
+
+
 def read_header(path: Path) -> Header:
     """Parse and sanity-check the header (the cheap check, minus the id match)."""
     with open(path, "rb") as f:
@@ -374,10 +419,12 @@ def read_header(path: Path) -> Header:
     return Header(metadata, header, start, pos)
 
 
-def _checked_header(path: Path, expected_id: int) -> Header:
+def _checked_header(path: Path, expected_id: int, expected: Expected | None = None) -> Header:
     header = read_header(path)
     if header.sample_id != expected_id:
         raise BadFile("misplaced", f"holds sample {header.sample_id}, expected {expected_id}")
+    if expected is not None:
+        expected.judge(header)
     return header
 
 
@@ -386,10 +433,11 @@ def _match(header: Header, h) -> None:
         raise BadFile("corrupt", "digest mismatch")
 
 
-def check(path: Path, expected_id: int, deep: bool) -> Header:
+def check(path: Path, expected_id: int, deep: bool, expected: Expected | None = None) -> Header:
     """Verify one file; raise ``BadFile`` on any problem, return its header when it is good.
-    The deep check streams the data (bounded memory); ``read_checked`` keeps it."""
-    header = _checked_header(path, expected_id)
+    The deep check streams the data (bounded memory); ``read_checked`` keeps it. ``expected``: what
+    the run's files hold (``Expected``; None: a file read on its own)."""
+    header = _checked_header(path, expected_id, expected)
     if deep:
         h = xxhash.xxh3_128()
         with open(path, "rb") as f:
@@ -400,9 +448,9 @@ def check(path: Path, expected_id: int, deep: bool) -> Header:
     return header
 
 
-def read_checked(path: Path, expected_id: int) -> bytes:
+def read_checked(path: Path, expected_id: int, expected: Expected | None = None) -> bytes:
     """The whole file after the deep check, for a reader that wants the tensors too (one read)."""
-    header = _checked_header(path, expected_id)
+    header = _checked_header(path, expected_id, expected)
     raw = path.read_bytes()
     if len(raw) != header.data_start + header.data_size:
         raise BadFile("truncated", f"{path} changed size while being read")

@@ -25,11 +25,10 @@ from pathlib import Path
 
 import xxhash
 
-from hsx.errors import Damage
+from hsx.errors import Damage, RecordDamaged
 from hsx.store import layout
-from hsx.store.codec import Codec
 from hsx.store.durable import is_temp
-from hsx.store.format import BadFile, check, digest_text
+from hsx.store.format import BadFile, Expected, check, digest_text
 from hsx.store.writer import FileRecord, read_consumed, read_seal, sealed_ids
 
 CHUNK = 1 << 20  # one read: big sequential requests, yet hashed while still in the CPU's cache
@@ -50,9 +49,9 @@ class Readers:
         self.large = ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="hsx-read")
         self.small = ThreadPoolExecutor(SMALL_THREADS, thread_name_prefix="hsx-check")
 
-    def submit(self, batch: list[tuple[Path, int, str]], deep: bool, nbytes: int, codec: Codec | None) -> Future:
+    def submit(self, batch: list[tuple[Path, int, str]], deep: bool, nbytes: int, want: Expected | None) -> Future:
         pool = self.large if deep and nbytes >= CHUNK else self.small
-        return pool.submit(_check_batch, batch, deep, codec)
+        return pool.submit(_check_batch, batch, deep, want)
 
     def __enter__(self) -> Readers:
         return self
@@ -149,19 +148,17 @@ def _hash(path: Path, start: int, end: int) -> str:
 
 
 def _check_batch(
-    batch: list[tuple[Path, int, str]], deep: bool, codec: Codec | None
+    batch: list[tuple[Path, int, str]], deep: bool, want: Expected | None
 ) -> list[tuple[str, FileRecord | Problem, int]]:
     """Check (path, id, relative path) in turn: each one's record, or its problem, and the bytes read.
-    ``codec``: the run's; a valid file stored with another one is not this run's sample (the codec
-    is per run: a run never mixes them)."""
+    ``want``: what the run's files hold (codec, layers, final state, dtype: ``format.Expected``);
+    a valid file that holds other is not this run's sample (a run never mixes them)."""
     out: list[tuple[str, FileRecord | Problem, int]] = []
     for path, sid, rel in batch:
         read = 0
         try:
-            header = check(path, sid, deep=False)
+            header = check(path, sid, deep=False, expected=want)
             read = size = header.data_start + header.data_size
-            if codec is not None and header.codec is not codec:
-                raise BadFile(Damage.CORRUPT, f"stored with codec {header.codec}; this run's is {codec}")
             if not deep:
                 read = header.data_start
             elif _hash(path, header.data_start, size) != header.digest:
@@ -193,22 +190,21 @@ def _size(entry: os.DirEntry) -> int:
 
 
 def scan_shard(
-    run: Path, shard: int, expected: range, deep: bool, readers: Readers | None = None, codec: Codec | None = None
+    run: Path, shard: int, expected: range, deep: bool, readers: Readers | None = None, want: Expected | None = None
 ) -> ShardScan:
-    """One shard; its files are checked on ``readers`` (pools of its own when None). ``codec``:
+    """One shard; its files are checked on ``readers`` (pools of its own when None). ``want``:
     the run's (None: any)."""
     if readers is None:
         with Readers() as own:
-            return scan_shard(run, shard, expected, deep, own, codec)
-    return _collect(*_list(run, shard, expected, deep, readers, codec))
+            return scan_shard(run, shard, expected, deep, own, want)
+    return _collect(*_list(run, shard, expected, deep, readers, want))
 
 
 def _list(
-    run: Path, shard: int, expected: range, deep: bool, readers: Readers, codec: Codec | None
+    run: Path, shard: int, expected: range, deep: bool, readers: Readers, want: Expected | None
 ) -> tuple[ShardScan, list[Future]]:
     """Classify the shard's listing; files that need opening are queued to ``readers``, in batches."""
     out = ShardScan(shard, expected)
-    out.consumed = read_consumed(run, shard)
     folder = layout.shard_dir(run, shard)
     try:
         with os.scandir(folder) as it:
@@ -218,8 +214,7 @@ def _list(
     if any(e.name == layout.SEALED for e in entries):
         out.manifest = read_seal(run, shard)
         out.manifest_unreadable = out.manifest is None
-    else:
-        out.recorded = sealed_ids(run, shard)
+    _records(run, out)
     if not entries:
         return out, []
     seal = out.manifest or {}
@@ -250,11 +245,36 @@ def _list(
         batch.append((Path(e.path), sid, rel))
         batch_bytes += _size(e) if deep else 0
         if len(batch) >= BATCH_FILES or batch_bytes >= CHUNK:
-            batches.append(readers.submit(batch, deep, batch_bytes, codec))
+            batches.append(readers.submit(batch, deep, batch_bytes, want))
             batch, batch_bytes = [], 0
     if batch:
-        batches.append(readers.submit(batch, deep, batch_bytes, codec))
+        batches.append(readers.submit(batch, deep, batch_bytes, want))
     return out, batches
+
+
+def _records(run: Path, out: ShardScan) -> None:
+    """The run's own records of the shard (``store.records``): the files consumed, and that it sealed
+    the shard. A damaged one is a problem named (``Damage.RECORD``), never trusted nor read as none:
+    a damaged record of files consumed counts them missing (redone), never lost nor done."""
+    shard = out.shard
+    try:
+        out.consumed = read_consumed(run, shard)
+    except RecordDamaged as e:
+        out.problems.append(Problem(_rel(run, e.path), Damage.RECORD, f"{e.why}; its samples count as missing"))
+    try:
+        out.recorded = sealed_ids(run, shard)
+    except RecordDamaged as e:
+        out.problems.append(Problem(_rel(run, e.path), Damage.RECORD, e.why))
+        return
+    record = _rel(run, layout.seal_record(run, shard))
+    if out.manifest is not None and not out.recorded:
+        out.problems.append(Problem(record, Damage.RECORD, "missing, though the shard's SEALED manifest is there"))
+    elif out.manifest is not None and list(out.recorded) != sorted(out.manifest):
+        out.problems.append(Problem(record, Damage.RECORD, "disagrees with the shard's SEALED manifest"))
+
+
+def _rel(run: Path, path: Path) -> str:
+    return str(path.relative_to(run))
 
 
 def _collect(out: ShardScan, batches: list[Future]) -> ShardScan:
@@ -285,13 +305,14 @@ def scan_run(
     shards: Iterable[int] | None = None,
     threads: int | None = None,
     on_shard: Callable[[ShardScan], None] | None = None,
-    codec: Codec | None = None,
+    want: Expected | None = None,
 ) -> list[ShardScan]:
     """Scan the given shards (default: all of the plan's) with ``threads`` readers; results in shard
     order, ``on_shard`` called (in this thread) as each one is done, so a resume can start on the
     first shards while later ones are still read. A few threads list shards ahead and queue their
     files in shard order, so the readers never wait at a shard's end; listing is mostly Python work
-    under the GIL, where more threads would only contend. ``codec``: the run's (None: any)."""
+    under the GIL, where more threads would only contend. ``want``: what the run's files hold (None:
+    any file hsx writes)."""
     todo = list(range(layout.num_shards(num_samples, shard_size)) if shards is None else shards)
     n = threads or default_threads()
     listers = ThreadPoolExecutor(min(n, max(2, (os.cpu_count() or 2) // 4)), thread_name_prefix="hsx-list")
@@ -299,7 +320,7 @@ def scan_run(
         try:
             out = []
             listed = listers.map(
-                lambda s: _list(run, s, layout.shard_ids(s, shard_size, num_samples), deep, readers, codec), todo
+                lambda s: _list(run, s, layout.shard_ids(s, shard_size, num_samples), deep, readers, want), todo
             )
             for scan, batches in listed:
                 out.append(_collect(scan, batches))

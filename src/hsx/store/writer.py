@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hsx.errors import RecordDamaged
 from hsx.store import layout
 from hsx.store.codec import Codec, Encoded, encode_early, prepare
-from hsx.store.durable import fsync_dir, write_durable, write_parts
+from hsx.store.durable import fsync_dir, write_parts
 from hsx.store.format import Figure, FinalStateNorm, SampleTensors, encode
+from hsx.store.records import parse_record, read_record, record_folder, write_record
 
 if TYPE_CHECKING:
     import torch
@@ -241,23 +243,26 @@ def seal(run: Path, shard: int, records: list[FileRecord]) -> None:
         except FileNotFoundError:
             pass
         files.append(entry)
-    body = {"format": SEAL_FORMAT, "shard": shard, "files": files}
-    write_durable(folder / layout.SEALED, json.dumps(body, indent=0).encode())
+    write_record(run, folder / layout.SEALED, {"format": SEAL_FORMAT, "shard": shard, "files": files})
     ids = [r.sample_id for r in records]
     record = {"shard": shard, "ids": [min(ids), max(ids) + 1], "bytes": sum(r.size for r in records)}
-    layout.seal_record(run, shard).parent.mkdir(exist_ok=True)
-    write_durable(layout.seal_record(run, shard), json.dumps(record | {"sealed": _now()}).encode())
+    record_folder(run / layout.SEALS)
+    write_record(run, layout.seal_record(run, shard), record | {"sealed": _now()}, indent=None)
 
 
 def sealed_ids(run: Path, shard: int) -> range:
     """The ids the run recorded as sealed in ``shard`` (``seal``'s record, kept outside the shard's
-    folder): what existed, verified, whatever the folder holds now; empty where it never sealed it
-    (or the record is unreadable: the SEALED manifest, if there, still says it)."""
-    try:
-        lo, hi = json.loads(layout.seal_record(run, shard).read_bytes())["ids"]
-        return range(int(lo), int(hi))
-    except (OSError, ValueError, KeyError, TypeError):
+    folder): what existed, verified, whatever the folder holds now; empty where it never sealed it.
+    A damaged record raises ``RecordDamaged``: read as none, a lost shard would pass for one not written."""
+    path = layout.seal_record(run, shard)
+    body = read_record(run, path)
+    if body is None:
         return range(0)
+    try:
+        lo, hi = body["ids"]
+        return range(int(lo), int(hi))
+    except (KeyError, TypeError, ValueError):
+        raise RecordDamaged(path, "garbled (no range of ids)") from None
 
 
 def _now() -> str:
@@ -281,7 +286,7 @@ def record_consumed(run: Path, shard: int, records: list[FileRecord]) -> None:
             for r in sorted(files.values(), key=lambda r: r.sample_id)
         ],
     }
-    write_durable(layout.consumed_record(run, shard), json.dumps(body, indent=0).encode())
+    write_record(run, layout.consumed_record(run, shard), body)
 
 
 def any_consumed(run: Path) -> bool:
@@ -294,19 +299,22 @@ def any_consumed(run: Path) -> bool:
 
 def read_consumed(run: Path, shard: int) -> dict[int, FileRecord]:
     """The shard's files recorded consumed (deleted on purpose), by id; empty where none was.
-    An unreadable record is raised: reading it as none would count consumed samples as lost."""
-    try:
-        raw = layout.consumed_record(run, shard).read_bytes()
-    except FileNotFoundError:
+    A damaged record raises ``RecordDamaged``: read as none, consumed samples would count as lost,
+    trusted, another run's record would count lost ones as consumed."""
+    path = layout.consumed_record(run, shard)
+    body = read_record(run, path, CONSUMED_FORMAT)
+    if body is None:
         return {}
-    body = json.loads(raw)
-    if body.get("format") != CONSUMED_FORMAT:
-        raise ValueError(f"{layout.consumed_record(run, shard)}: not an {CONSUMED_FORMAT} record")
-    out = {}
-    for e in body["files"]:
-        sid = layout.parse_sample_name(e["name"])
-        out[sid] = FileRecord(sid, int(e["size"]), e["digest"])
-    return out
+    try:
+        out = {}
+        for e in body["files"]:
+            sid = layout.parse_sample_name(e["name"])
+            if sid is None:
+                raise ValueError(e["name"])
+            out[sid] = FileRecord(sid, int(e["size"]), e["digest"])
+        return out
+    except (KeyError, TypeError, ValueError):
+        raise RecordDamaged(path, "garbled (a file entry does not parse)") from None
 
 
 def read_seal(run: Path, shard: int) -> dict[int, FileRecord] | None:
@@ -319,9 +327,7 @@ def read_seal(run: Path, shard: int) -> dict[int, FileRecord] | None:
     try:
         with open(path, "rb") as f:  # one open: the mtime and the text are of the same manifest
             sealed_ns = os.fstat(f.fileno()).st_mtime_ns
-            body = json.loads(f.read())
-        if body.get("format") != SEAL_FORMAT:
-            return None
+            body = parse_record(run, path, f.read(), SEAL_FORMAT)  # another run's is none of this shard's
         out = {}
         for e in body["files"]:
             sid = layout.parse_sample_name(e["name"])
@@ -329,5 +335,5 @@ def read_seal(run: Path, shard: int) -> dict[int, FileRecord] | None:
             mtime = int(mtime) if mtime is not None and int(mtime) < sealed_ns else None
             out[sid] = FileRecord(sid, int(e["size"]), e["digest"], mtime, Figure.parse(e.get("fidelity")))
         return out
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecordDamaged):
         return None
