@@ -514,3 +514,29 @@ def test_packed_experts_trace_into_the_decoder_layers_graph():
     assert torch.equal(
         eager[0] if isinstance(eager, tuple) else eager, traced[0] if isinstance(traced, tuple) else traced
     )
+
+
+def test_a_traced_layer_runs_its_sliced_experts_outside_its_graph():
+    """Under torch.compile a MoE decoder layer whose experts are sliced breaks its graph only at
+    ``sliced`` (which pairs a slice gets is known only once routed) and computes what it computes
+    eagerly."""
+    import torch._dynamo
+
+    model = sliced_model(int4.Int4Experts(32), "grouped_mm", torch.bfloat16)
+    captured = {}
+    layer = model.model.layers[1]
+    hook = layer.register_forward_pre_hook(lambda m, a, k: captured.update(args=a, kwargs=k), with_kwargs=True)
+    with torch.no_grad():
+        model(torch.as_tensor(SEQS[2])[None].long())
+    hook.remove()
+    layer.mlp.experts.slice_bytes = 3 * jit.expert_bytes(layer.mlp.experts, torch.bfloat16)
+    with torch.no_grad():
+        eager = layer(*captured["args"], **captured["kwargs"])
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(layer)(*captured["args"], **captured["kwargs"])
+        torch._dynamo.reset()
+        traced = torch.compile(layer, backend="eager")(*captured["args"], **captured["kwargs"])
+    assert explained.graph_break_count >= 1
+    assert all("sliced" in r.reason for r in explained.break_reasons), [r.reason for r in explained.break_reasons]
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+    assert torch.equal(first(eager), first(traced))
