@@ -14,7 +14,7 @@ python3 -m venv .venv
 .venv/bin/pip install -q "torch==2.13.0" -e ".[test,ray,int4]"
 # The trainers' loaders, without their own pins on torch/transformers (see the file's header).
 .venv/bin/pip install -q --no-deps -r scripts/extras-trainers.txt
-.venv/bin/pip install -q "torch==2.13.0" "datasets==5.1.0" "pydantic-settings==2.16.3" openai requests omegaconf pulp scipy
+.venv/bin/pip install -q -r scripts/extras-trainers-deps.txt
 
 rm -f .venv-vllm/.installed .venv-lowest/.installed
 # One after the other: two editable builds of this folder at once could race on its metadata.

@@ -126,6 +126,8 @@ def test_presets_give_the_taps_the_trainers_compute():
     from specforge.modeling.draft.dflash import build_target_layer_ids as specforge_ids
 
     assert drafts.dflash_taps(5, 36) == [1, 9, 17, 25, 33]
+    assert drafts.dflash_taps(2, 3) == specforge_ids(3, 2) == [1, 0]  # a small model: the formula as it is
+    assert drafts.dflash_taps(5, 11) == specforge_ids(11, 5)  # round half to even, as theirs
     for layers in (8, 28, 36, 61, 94):
         for n in (1, 2, 3, 5, 8):
             theirs = specforge_ids(layers, n)
@@ -143,6 +145,23 @@ def test_presets_give_the_taps_the_trainers_compute():
             drafts.check_preset(bad)
     with pytest.raises(OptionError, match="1 to 8 taps"):
         drafts.resolve("dflash:9", 8)
+
+
+def test_small_models_presets_follow_the_documented_formulas_and_say_where_they_cannot():
+    """dflash:2 on 3 layers is the formula's [1, 0], SpecForge's too (hsx clamped the last tap and
+    refused [1, 1]); ``round`` is half to even; EAGLE-3 on 2 layers stores [0, 1] sorted, the
+    formula recorded with what was clipped (it stored [1, 0] under the bare formula)."""
+    assert drafts.resolve("dflash:2", 3).ids == [1, 0]
+    assert drafts.dflash_taps(5, 11) == [1, 3, 4, 6, 8]  # 1 + 1.75 i: 2.75, 4.5 (half to even: 4), 6.25
+    with pytest.raises(OptionError, match=r"layers outside 0..N-1 \[1, -1\] on this 2-layer model"):
+        drafts.dflash_taps(2, 2)
+    small = drafts.resolve("eagle3", 2)
+    assert small.ids == [0, 1]
+    assert (
+        small.formula
+        == "eagle3: [1, N//2-1, N-4], N = 2 gives [1, 0, -2]: clipped to layers 0..1, de-duplicated, [0, 1]"
+    )
+    assert drafts.resolve("eagle3", 7).formula == "eagle3: [1, N//2-1, N-4], N = 7"
 
 
 def test_layers_takes_a_preset_on_the_command_line_and_refuses_a_bad_one(tmp_path):
@@ -226,11 +245,15 @@ def test_specforge_dflash_and_dspark_read_the_dflash_run_with_its_own_reader(run
     lengths = [s["input_ids"].shape[0] for s in src]
     for kind, keys in (("dflash", ()), ("dspark", ("target_last_hidden_states",))):
         dest = tmp_path / kind
-        out = export(runs["dflash"], dest, "--to", "specforge", "--draft", kind)
-        assert "specforge train -c CONFIG.yaml" in out and "exact" in out
+        # its DFlash reads no final state, so it reads no model either (it asked for one, "pass --model")
+        gone = ("--model", tmp_path / "moved-away") if kind == "dflash" else ()
+        out = export(runs["dflash"], dest, "--to", "specforge", "--draft", kind, *gone)
+        assert "specforge train -c CONFIG.yaml" in out
         if kind == "dflash":  # the formula gives the taps: the draft's layer count names them
-            assert '"draft_num_hidden_layers": 5' in out
+            assert '"draft_num_hidden_layers": 5' in out and "final      none (a DFlash draft reads the taps" in out
+            assert json.loads((dest / MANIFEST).read_text())["final_state_norm"]["exported"] is None
         else:  # no DSpark draft config is made by SpecForge: the line says what it must name
+            assert "exact" in out
             assert f"a dspark draft config with num_hidden_layers 5 and dflash_config.target_layer_ids {TAPS}" in out
         manifest_ok(dest, 48)
         got = specforge_read(dest, lengths, kind, ("input_ids", "hidden_states", *keys))
@@ -261,11 +284,16 @@ def test_speculators_reads_every_draft_type_with_vllm_ids_and_the_exact_pre_norm
     src = samples(runs["dflash"])
     for kind in drafts.DRAFT_TYPES:
         dest = tmp_path / kind
+        if kind == "mtp":  # a Llama has no MTP head for speculators to fine-tune: refused by name (it exported)
+            out = export(runs["dflash"], dest, "--to", "speculators", "--draft", kind, code=2)
+            assert "MTP draft fine-tunes the target's own MTP head, for Qwen3-family targets alone" in out
+            assert "this run's target is LlamaForCausalLM" in out and not dest.exists()
+            continue
         out = export(runs["dflash"], dest, "--to", "speculators", "--draft", kind)
         (train,) = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("train ")]
-        taps = {"mtp": [], "eagle3": [1, 3, 4], "peagle": [1, 3, 4]}.get(kind, TAPS)
+        taps = {"eagle3": [1, 3, 4], "peagle": [1, 3, 4]}.get(kind, TAPS)
         assert f"--speculator-type {kind} " in train
-        assert train.endswith(" ".join(["--target-layer-ids", *(str(k + 1) for k in taps)]) if taps else str(dest))
+        assert train.endswith(" ".join(["--target-layer-ids", *(str(k + 1) for k in taps)]))
         ds = ArrowDataset(max_len=4096, datapath=str(dest), on_missing="raise")
         for i, s in enumerate(src):
             got = ds[i]

@@ -25,6 +25,7 @@ from hsx.data import HsxDataset
 from hsx.errors import NormUnavailable
 from hsx.export.core import JOB, LOG, MANIFEST
 from hsx.export.norm import TOLERANCE, load_final_norm, measure
+from hsx.export.trainer import DIRECTION_ONLY
 from hsx.plan import Plan
 
 warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
@@ -160,6 +161,7 @@ def test_specforge_reads_a_custom_layer_float32_export_and_its_bf16_head_compute
     assert "specforge train -c CONFIG.yaml" in out and '"aux_hidden_state_layer_ids": [1, 3, 7]' in out
     m = manifest_ok(dest, 20)
     assert m["source"]["dtype"] == "float32" and "bfloat16" in m["final_state"]
+    assert m["final_state_norm"] == {"stored": "post", "exported": "post", "derived": None}
     src = hsx_samples(runs["last"])
     assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*.ckpt"))[:2] == [
         "rows_0-2000/data_0.ckpt",
@@ -243,8 +245,10 @@ def check_speculators(dest: Path, run: Path, reference, exact: bool) -> None:
 def test_speculators_reads_the_export_and_its_norm_gives_back_the_reference(runs, reference, tmp_path):
     dest = tmp_path / "sp"
     out = export(runs["run"], dest, "--to", "speculators", "--draft-vocab", "64")
-    assert "post-norm state / model.norm.weight" in out
+    assert "DERIVED from the post-norm state / model.norm.weight" in out
+    assert "warning: the pre-norm final state is derived from this post-norm run: its direction exact" in out
     m = manifest_ok(dest, 20)
+    assert m["final_state_norm"] == {"stored": "post", "exported": "pre", "derived": DIRECTION_ONLY}
     assert 0 < m["max_norm_error"] < TOLERANCE["float32"]
     assert json.loads((dest / "state.json").read_text())["_format_type"] == "torch"
     check_speculators(dest, runs["run"], reference, exact=False)
@@ -391,6 +395,8 @@ def test_a_killed_export_resumes_without_redoing_finished_files(runs, tmp_path):
         assert (full / "hidden_states" / name).read_bytes() == (dest / "hidden_states" / name).read_bytes()
     again = export(runs["run"], dest, "--to", "speculators")  # complete: nothing redone
     assert "0 written now, 20 already done" in again
+    whole, rerun = (json.loads((d / MANIFEST).read_text()) for d in (full, dest))
+    assert rerun["max_norm_error"] == whole["max_norm_error"] > 0  # a rerun wrote 0.0: it had converted nothing
     assert "holds another export" in export(runs["run"], dest, "--to", "modelopt", code=2)
 
 
@@ -512,6 +518,80 @@ def test_a_draft_vocabulary_the_target_cannot_hold_is_refused_before_dest_is_tou
     assert "draft vocabulary size 5000 must be in 1..2048" in out and not dest.exists()
     out = export(runs["run"], dest, "--to", "specforge", "--draft-vocab", "64")
     assert "20 written now" in out and (dest / "vocab_mapping-64.pt").is_file()
+
+
+SCRIPTS = Path(__file__).parent.parent / "scripts"
+BLOCKED_RUN = """
+import sys, json
+blocked = set(json.loads(sys.argv[1]))
+class Block:  # what the documented install does not hold cannot be imported
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r} (not in the documented trainer install)")
+        return None
+sys.meta_path.insert(0, Block())
+from importlib.metadata import entry_points
+(ep,) = entry_points(group="console_scripts", name=sys.argv[2])
+sys.argv = sys.argv[2:]
+ep.load()()
+"""
+
+
+def documented_install() -> set[str]:
+    """The distributions the README's install and trainer install make: hsx's own dependencies and
+    ``scripts/extras-trainers-deps.txt``'s, each with what it requires, and the trainers of
+    ``scripts/extras-trainers.txt`` (installed with --no-deps: those alone)."""
+    import importlib.metadata as md
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    def listed(path: Path) -> list[str]:
+        lines = (line.split("#")[0].strip() for line in path.read_text().splitlines())
+        return [Requirement(line).name for line in lines if line]
+
+    pyproject = tomllib.loads((SCRIPTS.parent / "pyproject.toml").read_text())["project"]
+    todo = [Requirement(r).name for r in pyproject["dependencies"]] + listed(SCRIPTS / "extras-trainers-deps.txt")
+    seen: set[str] = set()
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            required = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        todo += [r.name for r in map(Requirement, required) if r.marker is None or r.marker.evaluate({"extra": ""})]
+    return seen | {canonicalize_name(n) for n in listed(SCRIPTS / "extras-trainers.txt")} | {"hsx"}
+
+
+def test_every_printed_train_command_starts_under_the_documented_trainer_install(runs, tmp_path):
+    """The ``train`` line an export prints runs where the README's trainer install is all there is:
+    each trainer command's ``--help``, in a process that can import no module of a distribution
+    outside it (speculators' failed there: its CLI imports loguru, which the --no-deps install left
+    out and this suite had only through another extra)."""
+    import importlib.metadata as md
+
+    from packaging.utils import canonicalize_name
+
+    require("speculators")
+    require("specforge")
+    allowed = documented_install()
+    owners = md.packages_distributions()
+    blocked = sorted(m for m, ds in owners.items() if not any(canonicalize_name(d) in allowed for d in ds))
+    for to in ("speculators", "specforge"):
+        out = export(runs["run"], tmp_path / to, "--to", to)
+        (train,) = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("train ")]
+        prog, command = train.split()[:2]
+        r = subprocess.run(
+            [sys.executable, "-c", BLOCKED_RUN, json.dumps(blocked), prog, command, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=HANG_GUARD_S,
+        )
+        assert r.returncode == 0 and "usage" in r.stdout.lower(), f"{prog} {command} --help:\n{r.stderr[-2000:]}"
 
 
 # ---------------------------------------------------------------- DeepSpec

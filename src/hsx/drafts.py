@@ -4,8 +4,8 @@ A draft type fixes how many taps a draft reads and where they sit by default:
 - ``eagle3``: EAGLE-3's three, ``[1, N//2-1, N-4]`` (N = the target's decoder layers);
 - ``dflash:n`` (DFlash, DFlash2, DSpark, P-EAGLE, XPress): one tap per draft layer, by the formula
   SpecForge and Model-Optimizer share: one tap, layer ``N//2``; n taps, ``round(1 + i*(N-4)/(n-1))``
-  for i in 0..n-1 (N = 36, n = 5: 1, 9, 17, 25, 33). Both count as hsx does (their ``hidden_states[id
-  + 1]``); speculators and vLLM count one higher;
+  for i in 0..n-1, ``round`` half to even (N = 36, n = 5: 1, 9, 17, 25, 33; N = 11: 1, 3, 4, 6, 8).
+  Both count as hsx does (their ``hidden_states[id + 1]``); speculators and vLLM count one higher;
 - ``mtp``: none; multi-token prediction reads the final state alone.
 
 ``--layers`` takes such a preset or explicit ids; the run spec records the ids and, for a preset,
@@ -37,26 +37,29 @@ class Taps:
     formula: str | None = None
 
 
+def eagle3_formula(num_layers: int) -> list[int]:
+    """EAGLE-3's default aux layers as its formula gives them: [1, N//2-1, N-4]."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
 def eagle3_taps(num_layers: int) -> list[int]:
-    """EAGLE-3's default aux layers [1, N//2-1, N-4], de-duplicated and clipped for tiny models."""
-    out: list[int] = []
-    for k in (1, num_layers // 2 - 1, num_layers - 4):
-        k = min(max(k, 0), num_layers - 1)
-        if k not in out:
-            out.append(k)
-    return out
+    """EAGLE-3's default aux layers; on a model of fewer than 7 layers, where the formula's fall
+    outside it or coincide, clipped to its layers, de-duplicated and sorted (``resolve`` says so)."""
+    return sorted({min(max(k, 0), num_layers - 1) for k in eagle3_formula(num_layers)})
 
 
 def dflash_taps(n: int, num_layers: int) -> list[int]:
-    """The DFlash family's n taps of an N-layer target (module docstring)."""
+    """The DFlash family's n taps of an N-layer target, exactly as its formula gives them (module
+    docstring; Python's ``round``, half to even, as SpecForge's and Model-Optimizer's own); refused
+    where they fall outside the model or repeat."""
     if not 1 <= n <= num_layers:
         raise OptionError(f"dflash:{n}: a DFlash draft takes 1 to {num_layers} taps of this {num_layers}-layer model")
     if n == 1:
         return [num_layers // 2]
-    start, end = min(1, num_layers - 1), max(1, num_layers - 3)
-    ids = [round(start + i * (end - start) / (n - 1)) for i in range(n)]
-    if len(set(ids)) != n:
-        raise OptionError(f"dflash:{n}: the formula gives repeated layers {ids} on a {num_layers}-layer model")
+    ids = [round(1 + i * (num_layers - 4) / (n - 1)) for i in range(n)]
+    if len(set(ids)) != n or not all(0 <= k < num_layers for k in ids):
+        what = "repeated layers" if len(set(ids)) != n else "layers outside 0..N-1"
+        raise OptionError(f"dflash:{n}: the formula gives {what} {ids} on this {num_layers}-layer model: give ids")
     return ids
 
 
@@ -78,7 +81,10 @@ def resolve(layers: list[int] | str | None, num_layers: int) -> Taps:
     if name == "mtp":
         return Taps([], "mtp: no taps, the final state alone")
     if name == "eagle3":
-        return Taps(eagle3_taps(num_layers), f"eagle3: [1, N//2-1, N-4], N = {num_layers}")
+        ids, rule = eagle3_taps(num_layers), f"eagle3: [1, N//2-1, N-4], N = {num_layers}"
+        if ids != eagle3_formula(num_layers):  # a model too small for three distinct taps in it
+            rule += f" gives {eagle3_formula(num_layers)}: clipped to layers 0..{num_layers - 1}, de-duplicated, {ids}"
+        return Taps(ids, rule)
     n = int(count or DFLASH_TAPS)
     rule = "N//2" if n == 1 else f"round(1 + i*(N-4)/(n-1)), i = 0..{n - 1}"
     return Taps(dflash_taps(n, num_layers), f"dflash:{n}: {rule}, N = {num_layers}")

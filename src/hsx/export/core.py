@@ -30,7 +30,15 @@ from hsx.export.deepspec import DeepSpec
 from hsx.export.modelopt import ModelOpt
 from hsx.export.specforge import SpecForge
 from hsx.export.speculators import Speculators
-from hsx.export.trainer import Context, ExportOptions, TrainerFormat, Written, export_taps
+from hsx.export.trainer import (
+    DIRECTION_ONLY,
+    PRENORM_ADVICE,
+    Context,
+    ExportOptions,
+    TrainerFormat,
+    Written,
+    export_taps,
+)
 from hsx.export.vocab import check_map, draft_map, target_vocab_size, token_counts
 from hsx.plan import load_plan
 from hsx.progress import Progress
@@ -67,6 +75,7 @@ class Done:
 
     sample_id: int
     files: list[Written]
+    norm_error: float = 0.0  # the export's largest norm error when it was logged (``Context.max_norm_error``)
 
 
 def open_dest(dest: Path, job: dict) -> dict[int, Done]:
@@ -98,11 +107,11 @@ def open_dest(dest: Path, job: dict) -> dict[int, Done]:
         try:
             entry = json.loads(line)
             files = [Written(f["path"], int(f["size"]), f["digest"]) for f in entry["files"]]
-            index, sid = int(entry["index"]), int(entry["sample_id"])
+            index, sid, error = int(entry["index"]), int(entry["sample_id"]), float(entry.get("norm_error", 0.0))
         except (ValueError, KeyError, TypeError):
             continue  # a torn last line of a killed export
         if all((dest / w.path).is_file() and (dest / w.path).stat().st_size == w.size for w in files):
-            done[index] = Done(sid, files)
+            done[index] = Done(sid, files, error)
     return done
 
 
@@ -137,8 +146,9 @@ class ProgressLog:
         self.f = open(path, "a")  # noqa: SIM115 - closed in close()
         self.every, self.pending = every, 0
 
-    def add(self, index: int, sid: int, files: list[Written]) -> None:
-        entry = {"index": index, "sample_id": sid, "files": [w.to_json() for w in files]}
+    def add(self, index: int, sid: int, files: list[Written], norm_error: float) -> None:
+        """``norm_error``: the export's largest so far, so that a rerun reports what earlier runs checked."""
+        entry = {"index": index, "sample_id": sid, "files": [w.to_json() for w in files], "norm_error": norm_error}
         self.f.write(json.dumps(entry, separators=(",", ":")) + "\n")
         self.pending += 1
         if self.pending >= self.every:
@@ -235,8 +245,12 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
     ids = [sid for sid in ids if sid not in filtered]
     if not ids:
         raise ExportRefused(f"none of the run's samples can be exported for {opts.to}: {next(iter(filtered.values()))}")
-    ctx.load_norm(fmt.side())
-    converted = fmt.side() == "pre" and spec.final_norm == "post"  # the pre-norm state derived, checked
+    final = fmt.side() if fmt.holds_final() else None  # the final state's side the files hold
+    if final is not None:
+        ctx.load_norm(final)
+    converted = final == "pre" and spec.final_norm == "post"  # the pre-norm state derived, checked
+    if ctx.derived == DIRECTION_ONLY:
+        log(f"warning: the pre-norm final state is derived from this post-norm run: {DIRECTION_ONLY}; {PRENORM_ADVICE}")
     vocab_size = None
     if opts.draft_vocab is not None:  # checked before DEST is touched: a refusal leaves it free for the fix
         vocab_size = opts.target_vocab or target_vocab_size(ctx.model())
@@ -253,6 +267,7 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
     dest = opts.dest
     done = open_dest(dest, job)
     ids = ctx.ids = assign(ids, done, dest)
+    ctx.max_norm_error = max((d.norm_error for d in done.values()), default=0.0)  # what earlier runs checked
     t0 = time.monotonic()
     progress_log = ProgressLog(dest / LOG)
     written = 0
@@ -274,8 +289,8 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
                         f"{opts.command()}"
                     ) from None
                 files = fmt.sample(index, sid, t)
-                progress_log.add(index, sid, files)
-                done[index] = Done(sid, files)
+                progress_log.add(index, sid, files, ctx.max_norm_error)
+                done[index] = Done(sid, files, ctx.max_norm_error)
                 written += 1
                 bar.advance()
                 if opts.pace:
@@ -308,6 +323,7 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
         "draft": opts.draft,
         "taps": ctx.taps,
         "final_state": fmt.final_state(),
+        "final_state_norm": {"stored": spec.final_norm, "exported": final, "derived": ctx.derived or None},
         "train": fmt.train_hint(),
         "max_norm_error": ctx.max_norm_error if converted else None,
         "filtered": [{"sample_id": sid, "why": why} for sid, why in sorted(filtered.items())],

@@ -55,7 +55,9 @@ class DeepSpec(TrainerFormat):
         taps = self.ctx.taps
         if taps != sorted(taps):
             raise ExportRefused(
-                f"DeepSpec's reader takes target_layer_ids in ascending order; --taps {taps} is not: name them in order"
+                "DeepSpec's reader takes target_layer_ids in ascending order; "
+                + (f"--taps {taps} is not" if self.ctx.opts.taps is not None else f"the run's taps {taps} are not")
+                + f": export with --taps {','.join(map(str, sorted(taps)))}"
             )
         if self.ctx.opts.draft_vocab is not None:
             raise ExportRefused(

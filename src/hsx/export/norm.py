@@ -4,9 +4,11 @@ The norm itself (which tensor, which family, how it is applied) is ``hsx.finalno
 is its per-channel scale. A run stores the final state after the norm (``post = w * x / sqrt(m +
 eps)``, m = mean(x^2)) unless it was asked to keep it before (``--final-state pre``); some trainers
 want the other one. From ``x`` the norm gives ``post`` exactly. The other way, ``y = post / w``
-(= ``x / sqrt(m + eps)``) holds ``x``'s direction, and its mean square tells its length:
-``mean(y^2) = m / (m + eps)``, so the deficit ``d = 1 - mean(y^2) = eps / (m + eps)`` and ``x = y *
-sqrt(eps / d)``. Measured on the stored ``post``, ``d`` also carries its rounding, and then
+(= ``x / sqrt(m + eps)``) holds ``x``'s direction; in exact arithmetic its mean square would give
+the length: ``mean(y^2) = m / (m + eps)``, so the deficit ``d = 1 - mean(y^2) = eps / (m + eps)`` and
+``x = y * sqrt(eps / d)``. Where m is far above eps (most models) ``d`` is a few roundings and the
+length so estimated is essentially arbitrary; exports say so (``trainer.DIRECTION_ONLY``).
+Measured on the stored ``post``, ``d`` also carries its rounding, and then
 ``norm(y * sqrt(eps / d)) = post / sqrt(mean(y^2) + d)`` is the stored ``post`` exactly (to the
 arithmetic's own rounding): what the trainer's norm must give back. Where ``d`` is below the
 dtype's rounding (``finfo.eps``: m beyond about eps / finfo.eps, or no deficit at all), it tells

@@ -24,12 +24,21 @@ import numpy as np
 import torch
 
 from hsx.drafts import dflash_taps
-from hsx.errors import ExportRefused
+from hsx.errors import ExportRefused, OptionError
 from hsx.export.serialize import torch_bytes
 from hsx.export.trainer import TrainerFormat, Written, put
 
 GROUP = 2000
 DTYPE = torch.bfloat16  # what its target head computes in
+
+
+def formula_taps(n: int, num_layers: int) -> list[int] | None:
+    """The taps SpecForge's DFlash computes for a draft of ``n`` layers, or None where the formula
+    gives none hsx would take (then the draft config names them)."""
+    try:
+        return dflash_taps(n, num_layers)
+    except OptionError:
+        return None
 
 
 def has_consecutive_loss(mask: np.ndarray) -> bool:
@@ -62,7 +71,12 @@ class SpecForge(TrainerFormat):
             return "no two consecutive loss tokens (SpecForge's DFlash-family reader raises on it)"
         return None
 
+    def holds_final(self) -> bool:
+        return self.draft != "dflash"  # its DFlash reads the taps alone
+
     def final_state(self) -> str:
+        if not self.holds_final():
+            return "none (a DFlash draft reads the taps alone)"
         return f"{super().final_state()}, in bfloat16 (its target head's dtype)"
 
     def train_hint(self) -> str:
@@ -72,7 +86,7 @@ class SpecForge(TrainerFormat):
         (SpecForge makes DFlash's alone) naming them."""
         taps = self.ctx.taps
         model: dict = {"target_model_path": self.ctx.model_named()}
-        formula = self.draft == "dflash" and taps == dflash_taps(len(taps), self.ctx.spec.model.num_layers)
+        formula = self.draft == "dflash" and taps == formula_taps(len(taps), self.ctx.spec.model.num_layers)
         if self.draft == "eagle3":
             model["aux_hidden_state_layer_ids"] = taps
         elif formula:
@@ -92,7 +106,7 @@ class SpecForge(TrainerFormat):
     def sample(self, index: int, sid: int, t: dict[str, torch.Tensor]) -> list[Written]:
         g = index // GROUP * GROUP
         record = {"input_ids": t["input_ids"].to(torch.int64), "loss_mask": t["loss_mask"].to(torch.int64)}
-        final = self.ctx.final(sid, t, "post")[None].to(DTYPE)
+        final = self.ctx.final(sid, t, "post")[None].to(DTYPE) if self.holds_final() else None
         if self.draft == "eagle3":
             record |= {"hidden_state": final, "aux_hidden_state": self.ctx.aux(t)[None].to(DTYPE)}
         else:

@@ -24,12 +24,23 @@ import pyarrow as pa
 import torch
 from safetensors.torch import save
 
-from hsx.drafts import DRAFT_TYPES
+from hsx.drafts import DRAFT_TYPES, MTP
+from hsx.errors import ExportRefused
 from hsx.export.serialize import npy_bytes, torch_bytes
 from hsx.export.trainer import TrainerFormat, Written, put
 from hsx.store.format import digest
 
 ARROW = "data-00000-of-00001.arrow"
+# The targets whose native MTP head speculators 0.9 fine-tunes (its ``mtp_model_classes``: model types
+# qwen3, qwen3_next, qwen3_5_text, qwen3_5_moe_text), by the architectures transformers gives them
+MTP_ARCHITECTURES = (
+    "Qwen3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 TOKENS = {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "List"}
 FEATURES = {"input_ids": TOKENS, "loss_mask": TOKENS, "seq_len": {"dtype": "int64", "_type": "Value"}}
 
@@ -68,6 +79,15 @@ class Speculators(TrainerFormat):
         "speculators 0.9 offline: DEST = datasets.save_to_disk (format torch) with input_ids, loss_mask, seq_len; "
         "hidden_states/hs_{i}.safetensors = {hidden_states [T,L+1,H] (taps..., final pre-norm), token_ids [T] int64}"
     )
+
+    def check(self) -> None:
+        architecture = self.ctx.spec.model.architecture
+        if self.draft == MTP and architecture not in MTP_ARCHITECTURES:
+            raise ExportRefused(
+                f"speculators' MTP draft fine-tunes the target's own MTP head, for Qwen3-family targets alone "
+                f"({', '.join(MTP_ARCHITECTURES)}); this run's target is {architecture}: train another draft type "
+                "(--draft eagle3, dflash ...)"
+            )
 
     def final_state(self) -> str:
         return f"{super().final_state()}, last slot of hidden_states"

@@ -116,6 +116,18 @@ def export_taps(spec: RunSpec, draft: str, asked: list[int] | None) -> list[int]
     return sorted(picked)
 
 
+# What a pre-norm state derived from a post-norm run holds: its length is estimated from the
+# mean-square deficit, which on most models is a few float32 roundings (docs/exports.md).
+DIRECTION_ONLY = (
+    "its direction exact, its length an estimate (off by percents or more where the final states' mean "
+    "square is far above the norm's eps, as in most models)"
+)
+PRENORM_ADVICE = (
+    "a trainer that applies the final norm itself (speculators, Model-Optimizer --prenorm) gets its target "
+    "exactly; for the true pre-norm state, extract with --final-state pre"
+)
+
+
 @dataclass
 class Context:
     """Everything a trainer format needs while writing: the run, its plan, the taps exported, the final norm."""
@@ -127,6 +139,7 @@ class Context:
     taps: list[int] = field(default_factory=list)  # the taps exported, hsx ids, in the run's order or as asked
     norm: FinalNorm | None = None
     conversion: str = ""  # how the final state is turned into the other norm's, for the manifest
+    derived: str = ""  # what of the exported final state is exact where it is derived from the run's other side
     max_norm_error: float = 0.0
     model_dir: Path | None = None
 
@@ -212,6 +225,7 @@ class Context:
             self.norm = load_final_norm(self.model(), self.hidden)
         except NormUnavailable as e:
             raise ExportRefused(f"this export needs the final state {side}-norm, and {e}") from e
+        self.derived = "exact"
         if side == "post":
             self.conversion = f"the stored pre-norm state through {self.norm.tensor} (eps {self.norm.eps}): exact"
             return
@@ -219,9 +233,10 @@ class Context:
         if self.exact_prenorm:
             self.conversion = f"exact: the run holds hsx layer {last} (the last decoder layer's raw output)"
             return
+        self.derived = DIRECTION_ONLY
         self.conversion = (
-            f"post-norm state / {self.norm.tensor}, its length from the mean-square deficit (eps {self.norm.eps}): "
-            "norm(pre) = post to rounding; each sample checked within "
+            f"DERIVED from the post-norm state / {self.norm.tensor} (eps {self.norm.eps}): {DIRECTION_ONLY}; "
+            "norm(pre) = post to rounding, each sample checked within "
             f"{tolerance(self.spec.dtype, self.spec.codec):.0e}"
         )
         if not is_lossless(self.spec.codec):
@@ -252,6 +267,10 @@ class TrainerFormat:
     def side(self) -> FinalStateNorm:
         """The final state's norm this export writes."""
         return self.reads
+
+    def holds_final(self) -> bool:
+        """Whether its files hold the final state (else neither the norm nor the model is read for it)."""
+        return True
 
     def job(self) -> dict:
         """Options that change the bytes written (part of the export's identity)."""
