@@ -8,6 +8,7 @@ and tokenization, and the offsets of a fast tokenizer on the same text."""
 from __future__ import annotations
 
 import json
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import transformers
 from conftest import TINY, hsx, require, write_jsonl
 from hsx.errors import TokenizerError
 from hsx.extract import ExtractOptions, extract
+from hsx.fingerprint import digest_json
 from hsx.generate.engines.base import Completion, Engine, Request
 from hsx.generate.job import generate
 from hsx.generate.options import GenerateOptions
@@ -27,6 +29,7 @@ from hsx.input import Conversation, read_conversations, to_message, tools_of
 from hsx.plan import Plan, Tokenize
 from hsx.store import layout
 from hsx.target import load_tokenizer
+from hsx.tinymodel import CHATML_TEMPLATE
 from kimi_fixtures import kimi_k25, language_model_reference
 from kimi_tokenizer import KIMI_K2_IMPORT, kimi_tokenizer, tokenizer_code
 
@@ -269,3 +272,60 @@ def test_hsx_generate_round_trips_kimis_calls_through_its_own_tokenizer(kimi, tm
         *first.prompt_ids.tolist(),
         *first.completion_ids.tolist(),
     ]
+
+
+# ---------------------------------------------------------------- named chat templates
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory) -> Path:
+    """The tiny model with its chat templates laid out as Hermes-3's tokenizer_config.json has them:
+    a list of named ones, ``default`` (ChatML: the bundled template) and ``tool_use`` (Hermes-3's own)."""
+    path = tmp_path_factory.mktemp("hermes") / "model"
+    shutil.copytree(TINY, path)
+    (path / "chat_template.jinja").unlink()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": CHATML_TEMPLATE},
+        {"name": "tool_use", "template": (TEMPLATES / "Hermes-3-Llama-3.1-8B" / "tool_use.jinja").read_text()},
+    ]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_named_templates_render_as_transformers_picks_them_and_the_choice_is_recorded(hermes, tmp_path):
+    """Hermes-3's named templates: hsx extract plans (it crashed digesting the dict), each row rendered
+    with tool_use where it offers tools, else with default, as transformers and serving engines pick;
+    the spec records the templates' digest and the choice, the plan counts the rows of each. With
+    --chat-template NAME every row renders with that one; a name the tokenizer lacks is refused by
+    name, the names it has listed, before anything is written."""
+    rows = [json.loads(line) for line in AGENTIC.read_text().splitlines()]
+    data = write_jsonl(tmp_path / "convs.jsonl", [r for r in rows if r.get("id") in ("story", "plain-openai")])
+    out = tmp_path / "run"
+    proc = hsx("extract", "--model", hermes, "--data", data, "--out", out, "--device", "cpu")
+    assert "plan: the tokenizer's named chat templates (default, tool_use): tool_use for rows with tools" in proc.stderr
+    spec = json.loads((out / layout.SPEC).read_text())
+    tok = load_tokenizer(hermes, False)
+    assert spec["tokenizer"]["chat_template"] == digest_json(tok.chat_template) and spec["chat_template"] is None
+    assert spec["plan"]["rendering"]["tool_use_template_rows"] == 1
+    plan = Plan(out)
+    texts = {plan.sources.column("source_id")[i].as_py(): tok.decode(plan.input_ids(i).tolist()) for i in range(2)}
+    story, plain = _agentic(["story"])[0], _agentic(["plain-openai"])[0]
+    render = partial(tok.apply_chat_template, tokenize=False)
+    assert texts["story"] == render(
+        [to_message(t) for t in story.turns], tools=tools_of(story), chat_template="tool_use"
+    )
+    assert "<tools>" in texts["story"] and texts["plain-openai"] == render([to_message(t) for t in plain.turns])
+    forced = Tokenize(tok, 10_000, template="default")(story)  # the row's tools then go unrendered, counted
+    assert tok.decode(forced.samples[0].input_ids.tolist()) == render(
+        [to_message(t) for t in story.turns], tools=tools_of(story), chat_template="default"
+    )
+    assert forced.notes.counts["tools_unrendered"] == 1 and "tool_use_template_rows" not in forced.notes.counts
+    again = tmp_path / "named"
+    with pytest.raises(TokenizerError) as refused:
+        extract(ExtractOptions(out=again, model=str(hermes), data=[data], chat_template="nope"), log=lambda m: None)
+    assert str(refused.value) == (
+        "--chat-template nope: the tokenizer has no chat template of that name (its named templates are "
+        "default, tool_use)"
+    )
+    assert not again.exists()

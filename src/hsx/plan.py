@@ -92,6 +92,8 @@ COUNTS = {
     "past_max_length_turns": "assistant turns past --max-length (not extracted)",
     "unforced_turns": "assistant turns the template writes without the text their prompt forced after the "
     "generation prompt (DeepSeek-R1's <think>), masked after that prompt as written",
+    "tool_use_template_rows": "rows rendered with the tokenizer's tool_use chat template (they offer tools; the "
+    "others with its default), as transformers and serving engines pick",
     "call_ids_given": "tool calls without an id in the data, given one (functions.NAME:N, as Kimi-K2 writes them; "
     "templates such as Kimi-K2's and Mistral's render ids)",
 }
@@ -232,18 +234,42 @@ def _agree(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...], n: int) -> bool
     return all(np.array_equal(x[:n], y[:n]) for x, y in zip(a, b, strict=True))
 
 
+def named_templates(tokenizer, template: str | None = None) -> dict | None:
+    """The tokenizer's named chat templates (Hermes-3's and Command-R's: ``default`` and ``tool_use``),
+    None where it has one; ``template``, the name asked for (--chat-template), refused by name where
+    the tokenizer has no template of that name."""
+    named = tokenizer.chat_template if isinstance(tokenizer.chat_template, dict) else None
+    if template is not None and template not in (named or {}):
+        have = f"its named templates are {', '.join(named)}" if named else "it has one, unnamed"
+        raise TokenizerError(f"--chat-template {template}: the tokenizer has no chat template of that name ({have})")
+    return named
+
+
 class Tokenize:
     """Render with the tokenizer's chat template and derive the assistant-token mask."""
 
-    def __init__(self, tokenizer, max_length: int, template_kwargs: dict | None = None):
+    def __init__(self, tokenizer, max_length: int, template_kwargs: dict | None = None, template: str | None = None):
         if not tokenizer.chat_template:
             raise TokenizerError(f"the tokenizer ({type(tokenizer).__name__}) has no chat template")
+        self.named = named_templates(tokenizer, template)
+        self.template = template  # the one asked for (--chat-template), else transformers picks per row
         self.tokenizer = tokenizer
         # a fast (Rust) tokenizer maps tokens to characters by offsets; any other (a slow, Python one such
         # as Kimi's TikTokenTokenizer) by the token boundaries its own encoding proves (``_marks``)
         self.offsets = bool(getattr(tokenizer, "is_fast", False))
         self.max_length = max_length
         self.template_kwargs = dict(template_kwargs or {})  # e.g. enable_thinking, passed to the template
+
+    @property
+    def template_choice(self) -> str:
+        """Which template renders, as the plan log says it."""
+        if self.template is not None:
+            return f"the tokenizer's chat template {self.template!r} (--chat-template)"
+        if self.named is None:
+            return "the tokenizer's chat template"
+        pick = "tool_use for rows with tools, else default" if "tool_use" in self.named else "default"
+        names = ", ".join(self.named)
+        return f"the tokenizer's named chat templates ({names}): {pick}, as transformers and serving engines pick"
 
     def render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
         """The template's text of ``messages``; a turn's reasoning is offered under each name templates
@@ -252,7 +278,12 @@ class Tokenize:
             m | {k: m["reasoning_content"] for k in REASONING} if m.get("reasoning_content") else m for m in messages
         ]
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            chat_template=self.template,
+            **self.template_kwargs,
         )
 
     def ids(self, text: str) -> list[int]:
@@ -344,6 +375,9 @@ class Tokenize:
         names = [json.loads(t).get("function", {}).get("name", "") for t in conv.tools]
         counts["tools_unrendered"] = int(not all(any(n in text for text, _ in pieces) for n in names))
         counts["call_ids_given"] = conv.ids_given
+        counts["tool_use_template_rows"] = int(
+            self.template is None and bool(tools) and "tool_use" in (self.named or {})
+        )
         return pieces, counts
 
     def marks(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, list[int]]:

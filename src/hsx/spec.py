@@ -282,6 +282,8 @@ class RunSpec(BaseModel):
     expert_slice_gb: float | None = None
     # the chat template's arguments the plan rendered with (--chat-template-kwargs); runs made before: none
     template_kwargs: dict[str, Any] = {}
+    # the tokenizer's named template asked for (--chat-template); None: transformers' pick per row
+    chat_template: str | None = None
     data: list[DataFile]
     generate_spec: str | None = None  # the data is a generate run: the digest of its spec
     plan: PlanIdentity
@@ -491,6 +493,7 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
         "quantized_compute",
         "expert_slice_gb",
         "template_kwargs",
+        "chat_template",
         "final_norm",
         "window",
     ):

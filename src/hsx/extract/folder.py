@@ -46,7 +46,7 @@ def asked(opts: ExtractOptions, model: Model, num_layers: int) -> dict:
         out["data"] = data_files(opts.data, opts.split, opts.limit, opts.column, opts.out)
     out |= opts.rows_asked()
     keys = ("max_length", "batch_tokens", "shard_size", "backend", "codec", "quantized_compute", "expert_slice_gb")
-    for key in (*keys, "template_kwargs", "fidelity_stride"):
+    for key in (*keys, "template_kwargs", "chat_template", "fidelity_stride"):
         out[key] = getattr(opts, key)
     if opts.layers is not None:  # a preset is resolved against the run's model
         out["layers"] = drafts.resolve(opts.layers, num_layers).ids
@@ -89,11 +89,12 @@ def _generated_input(opts: ExtractOptions) -> Path | None:
         raise InputError(
             f"--split, --limit and --column select rows of files and datasets, not of a generate run ({runs[0]})"
         )
-    if runs and opts.template_kwargs is not None:
-        raise InputError(
-            f"--chat-template-kwargs renders data files and datasets; a generate run ({runs[0]}) is extracted "
-            "from the token ids it generated, rendered with its own (hsx generate --chat-template-kwargs)"
-        )
+    for flag, value in (("--chat-template-kwargs", opts.template_kwargs), ("--chat-template", opts.chat_template)):
+        if runs and value is not None:
+            raise InputError(
+                f"{flag} renders data files and datasets; a generate run ({runs[0]}) is extracted "
+                f"from the token ids it generated, rendered with its own (hsx generate {flag})"
+            )
     return runs[0] if runs else None
 
 
@@ -153,7 +154,9 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
             if opts.template_kwargs:
                 log(f"plan: the chat template's arguments: {json.dumps(opts.template_kwargs)}")
             rows = read_conversations(opts.data, opts.split, opts.limit, opts.column)
-            samples = tokenize_all(rows, Tokenize(tokenizer, max_length, opts.template_kwargs))
+            tokenize = Tokenize(tokenizer, max_length, opts.template_kwargs, opts.chat_template)
+            log(f"plan: {tokenize.template_choice}")
+            samples = tokenize_all(rows, tokenize)
         try:
             info, rejects = write_plan(opts.out, samples, max_length)
         except NoUsableSamples as e:
@@ -183,6 +186,7 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
         quantized_compute=compute,
         expert_slice_gb=opts.expert_slice_gb,
         template_kwargs=opts.template_kwargs or {},
+        chat_template=opts.chat_template,
         data=data or data_files(opts.data, opts.split, opts.limit, opts.column, opts.out),
         generate_spec=source_spec,
         plan=PlanIdentity.of(info, len(rejects)),

@@ -41,7 +41,8 @@ def asked(opts: GenerateOptions, model: Model) -> dict:
         out["data"] = [DataFile.of(p, opts.split, opts.limit, opts.column) for p in opts.data]
     out |= opts.rows_asked()
     for key in (
-        "max_length", "shard_size", "backend", "seed", "turns", "samples_per_prompt", "template_kwargs", "tool_parser"
+        "max_length", "shard_size", "backend", "seed", "turns", "samples_per_prompt", "template_kwargs",
+        "chat_template", "tool_parser",
     ):  # fmt: skip
         out[key] = getattr(opts, key)
     out["drop"] = sorted(opts.drop) if opts.drop is not None else None
@@ -150,8 +151,9 @@ def plan_run(opts: GenerateOptions, model: Model, engine: Capabilities, log: Cal
     tokenizer). A plan with no usable row writes its rejects where the refusal says, and no plan."""
     remove_stray_temps(opts.out)
     tokenizer = model.tokenizer
-    tokenize = Tokenize(tokenizer, opts.get("max_length"), opts.template_kwargs)
+    tokenize = Tokenize(tokenizer, opts.get("max_length"), opts.template_kwargs, opts.chat_template)
     log(f"planning {len(opts.data)} data file(s) with the model's chat template")
+    log(f"plan: {tokenize.template_choice}")
     if opts.template_kwargs:
         log(f"plan: the chat template's arguments: {json.dumps(opts.template_kwargs)}")
     items = _numbered(opts)
@@ -196,6 +198,7 @@ def create_spec(opts: GenerateOptions, model: Model, plan: PlanIdentity, engine:
         model=model.identity,
         tokenizer=target.tokenizer_identity(tokenizer),
         template_kwargs=opts.template_kwargs or {},
+        chat_template=opts.chat_template,
         tool_parser=toolcalls.ENGINE
         if engine.capabilities.parses_tool_calls
         else toolcalls.choose(tokenizer, opts.tool_parser),

@@ -305,7 +305,9 @@ class Generate(Stage[GenerateOptions, GenerateSpec, GenerateSummary]):
             check_engine(spec, self.engine)
             parses = spec.tool_parser not in (None, toolcalls.ENGINE)
             recognize = toolcalls.Recognizer(tokenizer, spec.tool_parser) if parses else None
-            prompter = Prompter(Tokenize(tokenizer, spec.max_length, spec.template_kwargs), stops, recognize)
+            prompter = Prompter(
+                Tokenize(tokenizer, spec.max_length, spec.template_kwargs, spec.chat_template), stops, recognize
+            )
             t0 = time.monotonic()
             progress.clock()
             try:

@@ -61,6 +61,7 @@ class GenerateSpec(BaseModel):
     model: ModelIdentity
     tokenizer: TokenizerIdentity
     template_kwargs: dict[str, Any]
+    chat_template: str | None = None  # the tokenizer's named template asked for; None: transformers' pick
     engine: EngineIdentity
     sampling: SamplingSpec
     seed: int
@@ -111,7 +112,7 @@ def generate_differences(stored: GenerateSpec, asked: dict) -> list[str]:
     """One line per setting a resume asks for that the run does not have: the model, tokenizer,
     template, data, length, shard size and backend as ``hsx.spec.differences`` says them, then the
     generate settings (``sampling``: the sampling options given, by name; ``seed``, ``turns``, ``samples_per_prompt``,
-    ``template_kwargs``, ``tool_parser``, ``engine_version``)."""
+    ``template_kwargs``, ``chat_template``, ``tool_parser``, ``engine_version``)."""
     shared = ("model", "tokenizer", "data", "column", "split", "limit", "max_length", "shard_size")
     out = differences(stored, {k: asked[k] for k in shared if k in asked})
     if (v := asked.get("backend")) is not None and v != stored.engine.name:
@@ -120,7 +121,7 @@ def generate_differences(stored: GenerateSpec, asked: dict) -> list[str]:
         have = getattr(stored.sampling, name)
         if want is not None and want != have:
             out.append(f"sampling: {name.replace('_', ' ')}: run has {have}, asked for {want}")
-    for key in ("seed", "turns", "samples_per_prompt", "template_kwargs", "drop", "tool_parser"):
+    for key in ("seed", "turns", "samples_per_prompt", "template_kwargs", "chat_template", "drop", "tool_parser"):
         if (v := asked.get(key)) is not None and v != getattr(stored, key):
             out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
     if (v := asked.get("engine_version")) is not None and v != stored.engine.version:

@@ -48,6 +48,7 @@ DATA = (
     "Conversations: .jsonl, .json or .parquet, a datasets folder or a cached Hugging Face dataset name; "
     "repeatable, each once."
 )
+TEMPLATE_NAME = "Which of the tokenizer's named chat templates renders (new run)."
 KWARGS = "The chat template's arguments as JSON, e.g. '{\"enable_thinking\": false}' (new run)."
 
 
@@ -73,6 +74,11 @@ class JobOptions:
     # the chat template's arguments (enable_thinking...): a new run's, in its spec (vLLM's and SGLang's name)
     template_kwargs: A[
         dict | None, Flag(KWARGS, "JSON", "none", str, template_kwargs, name="--chat-template-kwargs")
+    ] = None
+    # which of the tokenizer's named chat templates renders (Hermes-3's and Command-R's ship default and
+    # tool_use); None: as transformers and serving engines pick (tool_use for rows with tools). In the spec
+    chat_template: A[
+        str | None, Flag(TEMPLATE_NAME, "NAME", "tool_use for rows with tools, else default", name="--chat-template")
     ] = None
     threads: A[int | None, Flag("CPU: torch threads.", default="torch's")] = None  # None: torch's own choice
     max_length: A[int | None, Flag("Truncate samples to this many tokens.")] = None

@@ -35,6 +35,7 @@ from hsx.job.options import JobOptions
 from hsx.job.prologue import Prologue, locked
 from hsx.job.resume import Summary, Verifier
 from hsx.lock import RunLock
+from hsx.plan import named_templates
 from hsx.progress import Progress
 from hsx.spec import JobSpec
 from hsx.store import layout
@@ -157,7 +158,8 @@ def open_run(stage: Stage[Opts, S, R], opts: Opts, model: Model, log: Log) -> S:
     lock), so neither overwrites the other's spec or plan (invariant 4). The session takes it again."""
     if not (opts.out / layout.SPEC).exists():
         require_start(opts)
-        _ = model.tokenizer  # loaded, or refused by name (its code cannot run), before anything is written
+        # the tokenizer loaded and the template asked for found, or refused by name, before anything is written
+        named_templates(model.tokenizer, opts.chat_template)
         opts.out.mkdir(parents=True, exist_ok=True)  # where the lock lives; an empty folder is no run
     with RunLock(opts.out, command=stage.lock_command(opts), warn=log):
         if not (opts.out / layout.SPEC).exists():
