@@ -239,3 +239,20 @@ def test_a_model_with_no_causal_lm_class_is_refused_before_anything_is_written(t
     assert said.returncode == 2, said.stderr
     assert "has no causal-LM class for model type 'glm5_next / glm5_next_text'" in text, said.stderr
     assert written(tmp_path / "run") == []
+
+
+def test_the_spec_records_each_models_own_conventions(built):
+    """DeepSeek-V4's taps (the mean over its streams), LongCat-Flash's ids (decoder layers) and
+    Inkling's final state (the LM head's input) are recorded where a run's spec says what it holds."""
+    from hsx.extract.pipeline import final_state
+    from hsx.store.format import FINAL_STATE, LAYER_CONVENTION, final_norm_of
+    from hsx.target import layer_convention, load_config
+
+    v4 = layer_convention(load_config(built("deepseek_v4")[0]))
+    assert v4.startswith(LAYER_CONVENTION) and "mean over the layer output's 4 hyper-connection streams" in v4
+    longcat = layer_convention(load_config(built("longcat_flash")[0]))
+    assert "k counts decoder layers (num_layers)" in longcat
+    assert layer_convention(load_config(built("gpt_oss")[0])) == LAYER_CONVENTION
+    label = final_state(built("inkling_text")[0], "post")
+    assert label == f"{FINAL_STATE}, divided by logits_mup_width_multiplier 24: the LM head's input"
+    assert final_norm_of({"final_state": label}) == "post"

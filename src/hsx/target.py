@@ -88,6 +88,22 @@ def decoder_layers(config) -> int:
     return int(get(field))
 
 
+def layer_convention(config: dict) -> str:
+    """What a run's layer ids mean for this model, as its spec records it: hsx's convention, and
+    where the model's layers differ, how (DeepSeek-V4's streams, LongCat-Flash's sub-layers)."""
+    from hsx.store.format import LAYER_CONVENTION
+
+    notes = []
+    if config.get("hc_mult"):
+        notes.append(
+            f"a tap is the mean over the layer output's {config['hc_mult']} hyper-connection streams, as SGLang "
+            "captures it"
+        )
+    if (field := SUBLAYERED.get(str(config.get("model_type", "")))) is not None:
+        notes.append(f"k counts decoder layers ({field}), each of two attention + MLP sub-layers")
+    return "; ".join([LAYER_CONVENTION, *notes])
+
+
 @dataclass(frozen=True)
 class LanguageModel:
     """The part of a checkpoint hsx runs, and where the checkpoint keeps it: the one place that

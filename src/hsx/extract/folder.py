@@ -170,6 +170,7 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
         backend=backend,
         final_state=final_state,
         final_norm=final_norm,
+        layer_convention=target.layer_convention(target.load_config(model_dir)),
         model=model,
         tokenizer=target.tokenizer_identity(tokenizer),
         layers=taps.ids,

@@ -269,7 +269,14 @@ class Extractor:
 
 def final_state(model_dir: Path, norm: FinalStateNorm) -> str:
     """The transformers backend's final state: ``last_hidden_state``, after the model's own norm, or
-    the norm's input (the last layer's raw output)."""
+    the norm's input (the last layer's raw output). Where the model divides the normed state before
+    its LM head (Inkling), the label says so: the state stored is the head's input."""
+    from hsx.finalnorm import head_divisor
+    from hsx.target import load_config
+
+    divisor = head_divisor(load_config(model_dir))
+    if norm == "post" and divisor != 1.0:
+        return f"{FINAL_STATES[norm]}, divided by logits_mup_width_multiplier {divisor:g}: the LM head's input"
     return FINAL_STATES[norm]
 
 
