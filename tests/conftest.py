@@ -54,22 +54,23 @@ def hsx(
     return proc
 
 
-def save_random(config, path: Path, seed: int = 0) -> Path:
-    """A random model of ``config`` in float32, saved as transformers saves it."""
+def save_random(config, path: Path, seed: int = 0, whole=None) -> Path:
+    """A random model of ``config`` in float32, saved as transformers saves it (``whole``: the auto
+    class of a release that is no causal LM, e.g. ``AutoModelForImageTextToText``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).to(torch.float32).eval().save_pretrained(path)
+    (whole or AutoModelForCausalLM).from_config(config).to(torch.float32).eval().save_pretrained(path)
     return path
 
 
-def save_tiny(config, path: Path, seed: int = 0) -> Path:
+def save_tiny(config, path: Path, seed: int = 0, whole=None) -> Path:
     """``save_random`` with the bundled tokenizer and chat template (``config.vocab_size`` must be
     the tokenizer's 2048), so that ``hsx extract`` runs on it."""
     import shutil
 
-    save_random(config, path, seed)
+    save_random(config, path, seed, whole)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(TINY / name, path / name)
     return path

@@ -57,6 +57,7 @@ SMALL = dict(
     index_n_heads=2,
     index_head_dim=16,
     index_topk=6,  # fewer than a sample's tokens: the sparse selection matters
+    index_kpool=2,  # GLM-5-next: top-k picked in pools of this many
     sliding_window=6,  # so do windows
     first_k_dense_replace=1,
     num_experts_per_tok=2,
@@ -68,6 +69,7 @@ SMALL = dict(
     o_groups=2,
     shared_expert_intermediate_size=32,
 )
+VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64)
 EXPERTS = ("n_routed_experts", "num_experts", "num_local_experts")
 LAYER_LISTS = ("layer_types", "mlp_layer_types")
 
@@ -78,7 +80,7 @@ def tiny_config(model_type: str, layers: int = 4):
 
     base = AutoConfig.for_model(model_type)
     text = base.get_text_config()
-    small = {k: v for k, v in SMALL.items() if hasattr(text, k)}
+    small = {k: v for k, v in SMALL.items() if getattr(text, k, 0) != 0}  # 0: a part the release has not
     if hasattr(text, "num_key_value_heads"):
         small["num_key_value_heads"] = min(int(text.num_key_value_heads or 4), 2)
     for k in EXPERTS:
@@ -91,14 +93,16 @@ def tiny_config(model_type: str, layers: int = 4):
     for k in LAYER_LISTS:
         if isinstance(getattr(text, k, None), list):
             small[k] = list(getattr(text, k)[:layers])
-    if hasattr(text, "qk_rope_head_dim"):  # multi-head latent attention: head_dim is the rotary part
-        small["head_dim"] = small["qk_rope_head_dim"]
+    if hasattr(text, "qk_nope_head_dim"):  # multi-head latent attention: head_dim is the rotary part
+        if "qk_rope_head_dim" in small:
+            small["head_dim"] = small["qk_rope_head_dim"]
         small["num_key_value_heads"] = small["num_attention_heads"]  # no grouped kv heads
     if getattr(text, "full_attention_interval", None):
         small["full_attention_interval"] = 2
     if text is base:
         return AutoConfig.for_model(model_type, **small)
-    return AutoConfig.for_model(model_type, text_config=text.to_dict() | small)
+    vision = base.vision_config.to_dict() | VISION  # a vision tower of one small block, never run here
+    return AutoConfig.for_model(model_type, text_config=text.to_dict() | small, vision_config=vision)
 
 
 def reference(model, seqs) -> list[list[torch.Tensor]]:
@@ -145,10 +149,16 @@ def built(tmp_path_factory):
 
     def get(model_type: str):
         if model_type not in cache:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-            path = save_tiny(tiny_config(model_type), root / model_type)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            config = tiny_config(model_type)
+            if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+                path = save_tiny(config, root / model_type)
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            else:  # a vision-language release (GLM-5-next): saved whole, its own class the reference
+                path = save_tiny(config, root / model_type, whole=AutoModelForImageTextToText)
+                model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
             cache[model_type] = (path, model)
         return cache[model_type]
 
@@ -222,23 +232,34 @@ def test_gpt_oss_and_longcat_flash_run_through_the_command_line(built, data, tmp
 
 
 def test_a_model_with_no_causal_lm_class_is_refused_before_anything_is_written(tmp_path, data):
-    """GLM-5-next: a vision-language release whose text model transformers implements without a
-    causal-LM class; AutoModelForCausalLM failed after the spec and plan were written."""
+    """A checkpoint transformers has no causal-LM class for, nor a text model of a composite (a
+    vision encoder): refused by name before anything is written (GLM-5-next's AutoModelForCausalLM
+    failure came after the spec and plan were written)."""
     import shutil
 
     from transformers import AutoConfig
 
     from conftest import TINY
 
-    model = tmp_path / "glm5-next"
-    AutoConfig.for_model("glm5_next").save_pretrained(model)
+    model = tmp_path / "vit"
+    AutoConfig.for_model("vit").save_pretrained(model)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(TINY / name, model / name)
     said = _extract(model, tmp_path / "run", data)
     text = " ".join(said.stderr.split())
     assert said.returncode == 2, said.stderr
-    assert "has no causal-LM class for model type 'glm5_next / glm5_next_text'" in text, said.stderr
+    assert "has no causal-LM class for model type 'vit'" in text, said.stderr
     assert written(tmp_path / "run") == []
+
+
+def test_glm5_next_runs_its_language_model_alone_through_the_command_line(built, data, tmp_path):
+    """GLM-5-next: transformers has no causal-LM class for it (AutoModelForCausalLM failed after the
+    spec was written); hsx runs its text model with its head, never loading the vision tower."""
+    path, _ = built("glm5_next")
+    done = _extract(path, tmp_path / "run", data)
+    assert done.returncode == 0, done.stderr
+    assert "UNEXPECTED" not in done.stderr, done.stderr  # the vision tower's weights are left unread, unreported
+    assert len(list((tmp_path / "run" / "shards").rglob("*.safetensors"))) == 3
 
 
 def test_the_spec_records_each_models_own_conventions(built):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from hsx import fidelity, target
-from hsx.capture import CapturedBatch, check_layers, checkpoint, varlen
+from hsx.capture import CapturedBatch, check_layers, checkpoint, textlm, varlen
 from hsx.capture.locate import locate
 from hsx.errors import OptionError
 
@@ -190,10 +190,10 @@ def _causal_lm_class(config, trust_remote_code: bool):
 
 def refuse_unloadable(model_dir: Path, trust_remote_code: bool) -> None:
     """Refuse, before a run is made of it, a model this backend cannot load: a config.json
-    transformers cannot read, or a model type with no causal-LM class (GLM-5-next's release is a
-    vision-language composite whose text model transformers implements without a head), unless
-    the repository's own code is allowed to run. A composite whose text config names a causal LM
-    (Kimi-K2.5) is its language model (``target.LanguageModel``)."""
+    transformers cannot read, or a model type with no causal-LM class, unless the repository's own
+    code is allowed to run. A composite whose text config names a causal LM (Kimi-K2.5) is its
+    language model (``target.LanguageModel``); one whose text model transformers implements
+    without a head (GLM-5-next) is that text model with its head (``textlm``)."""
     import transformers
 
     from hsx.errors import UnsupportedModel
@@ -206,7 +206,7 @@ def refuse_unloadable(model_dir: Path, trust_remote_code: bool) -> None:
     except Exception as e:
         version = transformers.__version__
         raise UnsupportedModel(f"{model_dir}/config.json: transformers {version} cannot read it ({e})") from e
-    if found is None and not trust_remote_code:
+    if found is None and not trust_remote_code and textlm.TextLM.of(model_dir) is None:
         top, text = checkpoint.read_config(model_dir), target.load_config(model_dir)
         kinds = [str(c.get("model_type")) for c in (top, text) if c.get("model_type")]
         raise UnsupportedModel(
@@ -372,6 +372,9 @@ class TransformersBackend:
         how = checkpoint.prepared(model_dir, device, dtype, quantized_compute)  # quantized / native-class checkpoints
         fmt = how.experts
         model_class = _causal_lm_class(how.config or model_dir, trust_remote_code)
+        alone = textlm.TextLM.of(model_dir, trust_remote_code) if model_class is None and how.config is None else None
+        if alone is not None:  # a composite's language model that transformers puts no head on (GLM-5-next)
+            model_class = alone.model_class
         unquantized = how.quantization_config is None and not target.quantization_of(model_dir)
         if fmt is None and expert > 1 and unquantized and model_class and experts.experts_classes(model_class):
             fmt = experts.DENSE  # dense experts split by hsx too: the same on every transformers version
@@ -385,7 +388,8 @@ class TransformersBackend:
                 tp_size=tensor, pp_size=pipeline, ep_size=1 if fmt else expert
             )
         rank = torch.distributed.get_rank() if expert > 1 or stages is not None else 0
-        loader, owned, group = AutoModelForCausalLM, None, None  # group: the ranks the experts are split over
+        loader = model_class if alone else AutoModelForCausalLM
+        owned, group = None, None  # group: the ranks the experts are split over
         with contextlib.ExitStack() as stack:
             if stages is not None:
                 from hsx.capture.stages import stage_groups, stage_loader
@@ -403,7 +407,7 @@ class TransformersBackend:
                 trust_remote_code=trust_remote_code,
                 attn_implementation=varlen.register() if packed else padded_attention(model_class),
                 **placement,
-                **how.kwargs(),
+                **(how.kwargs() | (alone.kwargs() if alone else {})),
             )
         if tensor == 1 and pipeline == 1:
             model = model.to(device)
