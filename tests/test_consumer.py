@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -29,12 +30,13 @@ from conftest import (
     write_jsonl,
 )
 from hsx.assess.status import assess
-from hsx.consumer import RankRecord, folder, inspect, read_acks
+from hsx.consumer import NOT_WRITTEN, RankRecord, folder, inspect, read_acks
 from hsx.data import HsxDataset, SamplesUnavailableWarning, StreamDataset, collate_packed, stream_batches
 from hsx.errors import ConsumerRefused
-from hsx.extract.window import read_state
+from hsx.extract.window import Pause, delete_released, read_state, released
 from hsx.plan import Plan
 from hsx.spec import Window, differences, load_spec
+from hsx.store import layout
 
 BUDGET = 300  # tokens a batch: the 40 samples make 13 batches
 
@@ -191,9 +193,9 @@ TRAINER = Path(__file__).with_name("stream_trainer.py")
 class Trainer:
     """``stream_trainer.py`` in a process of its own, its ``acked STEP`` lines read as they come."""
 
-    def __init__(self, run: Path, ckpt: Path, name: str):
-        env = os.environ | {"PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, str(TRAINER), str(run), str(ckpt), name]
+    def __init__(self, run: Path, ckpt: Path, name: str, *args: str, env: dict | None = None):
+        env = os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {})
+        cmd = [sys.executable, str(TRAINER), str(run), str(ckpt), name, *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
@@ -218,6 +220,47 @@ class Trainer:
         out = "".join(self.lines)
         assert self.proc.returncode == 0 and out.endswith("done\n"), out
         return out
+
+
+class DiskPoll:
+    """The bytes of sample files on disk that the run's window waits for (some consumer it names has
+    not released them: not acknowledged at a step that rank's own checkpoint covers), looked at
+    every 50 ms on a thread of its own; ``peak`` is the largest seen. The files are listed before
+    the records are read, so a release in between can only lower a look, never raise it."""
+
+    def __init__(self, run: Path, names: list[str]):
+        self.run, self.names, self.peak, self.largest = run, names, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def start(self) -> DiskPoll:
+        self._thread.start()
+        return self
+
+    def _look(self) -> None:
+        files = {}
+        for shard in os.scandir(self.run / "shards") if (self.run / "shards").exists() else []:
+            for e in os.scandir(shard.path):
+                if (sid := layout.parse_sample_name(e.name)) is not None:
+                    try:
+                        files[sid] = e.stat().st_size
+                    except FileNotFoundError:  # deleted once released, between the listing and its stat
+                        pass
+        by_name = {v.name: v.released for v in inspect(self.run)}
+        done = set.intersection(*(by_name.get(n, set()) for n in self.names))
+        self.peak = max(self.peak, sum(b for sid, b in files.items() if sid not in done))
+        self.largest = max([self.largest, *files.values()])
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.05):
+            self._look()
+
+    def stop(self) -> int:
+        """Stop polling; the documented bound: the window, a whole shard and the two batches in flight."""
+        self._stop.set()
+        self._thread.join()
+        spec = load_spec(self.run)
+        return spec.window.bytes + spec.shard_size * self.largest + 2 * spec.batch_tokens * spec.bytes_per_token
 
 
 def test_trainer_and_extractor_killed_9_in_both_orders_train_the_sequence_of_an_uninterrupted_stream(
@@ -251,6 +294,7 @@ def test_trainer_and_extractor_killed_9_in_both_orders_train_the_sequence_of_an_
     while not (out / "hsx.json").exists():  # a consumer reads a run, which exists once its spec does
         assert producer.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
+    disk = DiskPoll(out, ["draft"]).start()  # the window's bound holds throughout, resumes included
     trainer = Trainer(out, ckpt, "draft")
     trainer.kill_after(1)  # the consumer first, mid-stream
     kill_on_progress(producer, 2)  # then the producer, mid-batch (or as it waits at its window)
@@ -261,11 +305,13 @@ def test_trainer_and_extractor_killed_9_in_both_orders_train_the_sequence_of_an_
     trainer = Trainer(out, ckpt, "draft")
     assert producer.wait(timeout=HANG_GUARD_S) == 0
     trainer.finish()
+    bound = disk.stop()
+    assert 0 < disk.peak <= bound, (disk.peak, bound)
     # the reference: the sequence an uninterrupted stream of the same seed gives (hsx.data.stream_batches,
     # which the first test checks against what a stream hands out)
     sequence = [i for b in stream_batches(Plan(out).lengths, 10, BUDGET, False, seed=7) for i in b]
     final = load_file(ckpt / "final.safetensors")
-    trained = final["trained"].tolist()
+    trained = final["trained0"].tolist()
     assert trained == sequence and sorted(trained) == list(range(40))
     acks = read_acks(folder(out, "draft") / "acks-000000.jsonl")[0]
     assert [i for a in acks for i in a.ids] == sequence and [a.step for a in acks] == list(range(1, len(acks) + 1))
@@ -290,6 +336,67 @@ def test_trainer_and_extractor_killed_9_in_both_orders_train_the_sequence_of_an_
                 hits[kind][1] += int(mask.sum())
     real, control = (hits[k][0] / hits[k][1] for k in ("real", "shuffled"))
     assert real > 2 * control, (real, control)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_ranks_over_gloo_in_the_documented_loop_train_each_sample_once_after_one_dies(tmp_path, finished_run):
+    """Two DistributedDataParallel ranks (gloo) step together in docs/streaming.md's loop (ack, a
+    barrier, rank 0 saves, a barrier, every rank declares) beside a deleting window. One rank is
+    killed -9: status fails naming it (the window waits for it: the extraction pauses anyway); its
+    partner, blocked at the next collective, is stopped too and the group restarted from the last
+    checkpoint, as torchrun does. Each rank trains its sequence once, the disk stays within the
+    window's bound, and every file is deleted once both ranks' own checkpoints cover it."""
+    lengths = Plan(finished_run).lengths  # the same 40 conversations: a budget that gives both ranks as many steps
+    budget = next(b for b in range(300, 600, 4) if len(stream_batches(lengths, 10, b, False, seed=7)) % 2 == 0)
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40))
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    ckpt.mkdir()
+    window = ("--window", "0.0003", "--consumer", "ddp", "--delete-released")
+    cmd = [sys.executable, "-m", "hsx", *map(str, extract_args(data, out, *window))]
+    producer = subprocess.Popen(cmd, env=os.environ | {"HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (out / "hsx.json").exists():
+        assert producer.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    disk = DiskPoll(out, ["ddp"]).start()
+
+    def group() -> list[Trainer]:
+        env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        return [Trainer(out, ckpt, "ddp", "--max-tokens", str(budget), env=env | {"RANK": str(r)}) for r in (0, 1)]
+
+    ranks = group()
+    try:
+        ranks[1].kill_after(3)  # after the checkpoint of step 2
+        while "ddp rank 1 dead" not in (line := assess(out).get("consumers")).figure:
+            assert time.monotonic() < deadline, line.figure
+            time.sleep(0.05)
+        assert assess(out).exit_code == 2
+        ranks[0].proc.kill()
+        ranks[0].proc.wait(timeout=HANG_GUARD_S)
+        ranks = group()
+        for t in ranks:
+            t.finish()
+        assert producer.wait(timeout=HANG_GUARD_S) == 0
+    finally:
+        for t in ranks:
+            t.proc.kill()
+        producer.kill()
+    bound = disk.stop()
+    assert 0 < disk.peak <= bound, (disk.peak, bound)
+    order = stream_batches(Plan(out).lengths, 10, budget, False, seed=7)
+    final = load_file(ckpt / "final.safetensors")
+    for r in (0, 1):  # the trainer's own record of what each rank trained: its sequence, once
+        assert final[f"trained{r}"].tolist() == [i for b in order[r::2] for i in b]
+        acks = read_acks(folder(out, "ddp") / f"acks-{r:06d}.jsonl")[0]
+        assert [a.ids for a in acks] == order[r::2]
+    hsx("extract", "--out", out)  # what the last checkpoint released after the extraction ended
+    report = assess(out, deep=True)
+    assert report.exit_code == 0 and report.get("progress").data["consumed"] == 40
 
 
 # ---------------------------------------------------------------- a real trainer's own loop
@@ -432,6 +539,7 @@ def test_a_stalled_consumer_pauses_the_extraction_at_its_window_and_its_releases
         assert producer.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.01)
     assert load_spec(out).window == Window(bytes=window, consumers=["draft"], delete=True)
+    disk = DiskPoll(out, ["draft"]).start()
     ds = stream(run=out)
     batches = iter(ds)
     for step in (1, 2):  # two steps, each checkpointed: released
@@ -453,10 +561,22 @@ def test_a_stalled_consumer_pauses_the_extraction_at_its_window_and_its_releases
     assert len(written) < 40 and state.held <= window + shard_bytes + in_flight
     line = assess(out).get("consumers")
     assert "for draft; the extractor waits since " in line.figure, line.figure
+    # killed -9 at its pause, mid-shard: the resume finishes that shard first, the one the consumer
+    # will wait on (it wrote the shards no one reads yet first, and the waiting consumer lifted the
+    # pause for all of them: the disk went past the bound)
+    partial = max(int(p.parent.name) for p in written)
+    assert not (layout.shard_dir(out, partial) / layout.SEALED).exists()
+    producer.kill()
+    producer.wait(timeout=HANG_GUARD_S)
+    with open(log, "a") as err:
+        resume = [sys.executable, "-m", "hsx", "extract", "--out", str(out)]
+        producer = subprocess.Popen(resume, env=os.environ | {"HF_HUB_OFFLINE": "1"}, stdout=err, stderr=err)
     for step, _ in enumerate(batches, 3):  # it goes on: each step released a step later, the extraction follows
         ds.ack(step)
         ds.checkpointed(step - 1)
     assert producer.wait(timeout=HANG_GUARD_S) == 0, log.read_text()
+    bound = disk.stop()
+    assert 0 < disk.peak <= bound, (disk.peak, bound)
     assert "window: goes on after " in log.read_text()
     report = assess(out)
     assert report.exit_code == 0 and "the extractor waits" not in report.get("consumers").figure
@@ -484,3 +604,144 @@ def test_a_stalled_consumer_pauses_the_extraction_at_its_window_and_its_releases
     assert not list((out / "shards").rglob("*.safetensors"))
     report = assess(out, deep=True)
     assert report.exit_code == 0 and report.get("progress").data["consumed"] == 40
+
+
+# ---------------------------------------------------------------- ranks, reads and status
+
+
+def test_each_rank_releases_only_what_its_own_checkpoint_covers_and_declares_only_steps_it_acknowledged(run):
+    """Two ranks stepping apart: rank 0 saved step 3, rank 1 only step 1. One checkpoint for the
+    consumer let rank 0's release rank 1's steps 2-3, which rank 1's restart from step 1 must train
+    again (a deleting window deleted them: it waited forever). A rank declaring a checkpoint of a
+    step it has not acknowledged (saved by another rank before its own ack: the docs' loop needs
+    the barrier) is refused, since it could not resume from it."""
+    ranks = [stream(run, "pair", rank=r, ranks=2) for r in (0, 1)]
+    got = [consume(ds, 3) for ds in ranks]
+    with pytest.raises(ConsumerRefused, match=r"declares a checkpoint of step 4, which it has not acknowledged \(last"):
+        ranks[1].checkpointed(4)
+    ranks[0].checkpointed(3)
+    ranks[1].checkpointed(1)
+    saved = {i for b in got[0] for i in b} | set(got[1][0])
+    assert inspect(run)[0].released == saved
+    assert released(Window(bytes=1, consumers=["pair"]), inspect(run)) == saved
+    assert inspect(run)[0].checkpoint.step == 1  # the step every rank's checkpoint covers
+    ranks[1].close()
+    again = stream(run, "pair", rank=1, ranks=2, resume_step=1)  # what it did not save is trained again
+    assert consume(again, first=2) == again.batches[1:]
+    again.close()
+    ranks[0].close()
+
+
+def test_a_sample_being_read_is_not_one_not_written_and_a_wait_lifts_the_pause_for_its_shard_alone(run, monkeypatch):
+    """The window's pause lets through the shard a consumer waits on (a file not there). A read in
+    progress (slow storage) was recorded as 'not written yet' and lifted every pause; now it is
+    'being read' and lifts none; a wait for a file of shard 0 lifts the pause for shard 0 only."""
+    import hsx.data
+
+    ds = stream(run)
+    head = ds.batches[0][0]
+    opened, go = threading.Event(), threading.Event()
+    real = hsx.data.load_sample
+
+    def slow(run_, path, sid, *args):
+        if sid == head:
+            opened.set()
+            assert go.wait(HANG_GUARD_S)
+        return real(run_, path, sid, *args)
+
+    monkeypatch.setattr(hsx.data, "load_sample", slow)
+    window = Window(bytes=1, consumers=["draft"])
+
+    def fits(shard: int) -> bool:
+        return Pause(run, window, 10, lambda _: None, lambda: (shard, set()))._fits(1)[0]
+
+    def waits(why: str) -> None:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while (rec := inspect(run)[0].ranks[0].record).waiting_for != head or rec.waiting_why != why:
+            assert time.monotonic() < deadline, rec
+            time.sleep(0.01)
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(next, iter(ds))
+        try:
+            assert opened.wait(HANG_GUARD_S)
+            waits("being read")
+            assert not fits(0) and not fits(1)
+        finally:
+            go.set()
+        assert first.result()["sample_ids"].tolist() == ds.batches[0]
+    ds.close()
+    path = layout.sample_path(run, ds.batches[1][0], 10)
+    body = path.read_bytes()
+    path.unlink()
+    ds = stream(run, resume_step=0)
+    head = ds.batches[1][0]
+    it = iter(ds)
+    next(it)
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(next, it)
+        waits(NOT_WRITTEN)
+        assert fits(0) and not fits(1)  # its shard's batches go through; no other shard's
+        assert Pause(run, window, 10, lambda _: None, lambda: (1, {head}))._fits(1)[0]  # held back past the gate
+        path.write_bytes(body)
+        assert second.result()["sample_ids"].tolist() == ds.batches[1]
+    ds.close()
+
+
+def test_status_fails_on_a_dead_rank_a_corrupt_or_deleted_sample_waited_for_and_names_a_dead_trainer(run):
+    """Each thing that keeps a consumer from finishing fails the consumers line, with its exit code
+    (a corrupt sample: 1, hsx extract redoes it, and a resume is offered; else 2), never 'nothing
+    wrong'. A rank whose process died is taken over as a dead trainer's, not an extractor's."""
+    ds = stream(run, "pair", rank=0, ranks=2)
+    consume(ds, 1)
+    dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    dead.kill()
+    dead.wait()
+    record = folder(run, "pair") / "rank-000001.json"
+    now = time.time()
+    left = RankRecord(host=socket.gethostname(), pid=dead.pid, pid_started=now, started=now, heartbeat=now)
+    record.write_text(left.model_copy(update={"consumer": "pair", "rank": 1, "leased": [1]}).model_dump_json())
+    report = assess(run)
+    line = report.get("consumers")
+    assert report.exit_code == 2 and line.level == "fail" and "pair rank 1 dead" in line.figure, line.figure
+    assert line.action.startswith("restart the trainer from its last checkpoint")
+    lines: list[str] = []
+    other = stream(run, "pair", rank=1, ranks=2, log=lines.append)
+    assert lines[0].startswith(
+        f"taking over a lock left by a dead trainer (rank 1 of consumer pair: held by pid {dead.pid} "
+    )
+    other.close()
+    ds.close()
+    shutil.rmtree(folder(run, "pair"))
+    # a corrupt sample the trainer waits for: hsx extract redoes it (exit 1, and a resume is offered)
+    ds = stream(run)
+    victim = layout.sample_path(run, ds.batches[0][0], 10)
+    good = victim.read_bytes()
+    flip_byte(victim, -3)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(next, iter(ds))
+        try:
+            deadline = time.monotonic() + HANG_GUARD_S
+            while "does not verify" not in (line := assess(run).get("consumers")).figure:
+                assert time.monotonic() < deadline, line.figure
+                time.sleep(0.01)
+            report = assess(run)
+            assert report.exit_code == 1 and report.resume is not None
+            assert not any("nothing to resume" in n for n in report.next), report.next
+            action = report.get("consumers").action
+            assert action == f"hsx extract --out {run} redoes it (the trainer goes on once it verifies)"
+        finally:
+            victim.write_bytes(good)
+        first.result()
+    # a sample deleted as consumed (released by the consumers a deleting window names): refused, and status says so
+    ds.ack(1)
+    gone = ds.batches[1]
+    assert delete_released(run, set(gone), 10) == len(gone)
+    with ThreadPoolExecutor(1) as pool, pytest.raises(ConsumerRefused, match="was deleted as consumed") as refused:
+        pool.submit(next, iter(ds)).result(timeout=HANG_GUARD_S)
+    sid = int(re.search(r"sample (\d+) was deleted", str(refused.value)).group(1))
+    assert sid in gone
+    report = assess(run)
+    line = report.get("consumers")
+    assert report.exit_code == 2 and f"waits for sample {sid}, deleted as consumed" in line.figure, line.figure
+    ds.close()

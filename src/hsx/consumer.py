@@ -11,7 +11,9 @@ acknowledged at which optimizer step, and which step its last durable checkpoint
       acks-000000.jsonl      rank 0's acknowledgements, one line per optimizer step, appended and
                              fsynced: {"step": S, "batches": B, "ids": [...], "t": time}; B counts
                              the rank's batches acknowledged through S
-      checkpoint.json        the last step whose trainer checkpoint the consumer declared durable
+      checkpoint-000000.json the last step whose trainer checkpoint rank 0 declared durable: what rank 0
+                             acknowledged through it is released (each rank declares its own, so one
+                             rank's checkpoint never releases another's unsaved steps)
 
 Every rank of a consumer draws from one sequence of batches fixed by the plan and the consumer's
 parameters (``hsx.data.stream_batches``): rank r takes every ``ranks``-th, so ranks are disjoint
@@ -47,10 +49,11 @@ from hsx.store.layout import CONSUMERS
 
 FORMAT = "hsx-consumer/1"
 SPEC = "consumer.json"
-CHECKPOINT = "checkpoint.json"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 LEASE_TIMEOUT = STALE_AFTER
 NOT_WRITTEN = "not written yet"  # why a rank waits for a sample whose file is not there (a producer's window goes on)
+DELETED = "deleted as consumed"  # why a rank waits for a sample the run deleted once released (it never comes back)
+READING = "being read"  # a sample whose file is there, its read not done yet: no reason to write more
 
 
 def folder(run: Path, name: str) -> Path:
@@ -63,6 +66,10 @@ def rank_name(rank: int) -> str:
 
 def acks_name(rank: int) -> str:
     return f"acks-{rank:06d}.jsonl"
+
+
+def checkpoint_name(rank: int) -> str:
+    return f"checkpoint-{rank:06d}.json"
 
 
 class ConsumerSpec(BaseModel):
@@ -111,6 +118,10 @@ class RankRecord(Holder):
     def describe(self) -> str:
         return f"rank {self.rank} of consumer {self.consumer}: held by {super().describe()}"
 
+    @property
+    def noun(self) -> str:
+        return "trainer"
+
 
 class Checkpoint(BaseModel):
     step: int
@@ -145,9 +156,9 @@ def read_acks(path: Path) -> tuple[list[Ack], int]:
     return out, good
 
 
-def read_checkpoint(run: Path, name: str) -> Checkpoint | None:
+def read_checkpoint(run: Path, name: str, rank: int) -> Checkpoint | None:
     try:
-        return Checkpoint.model_validate_json((folder(run, name) / CHECKPOINT).read_bytes())
+        return Checkpoint.model_validate_json((folder(run, name) / checkpoint_name(rank)).read_bytes())
     except (OSError, ValueError):
         return None
 
@@ -173,6 +184,14 @@ class RankView:
     record: RankRecord | None
     state: Liveness | None
     acks: list[Ack]
+    checkpoint: Checkpoint | None = None
+
+    @property
+    def released(self) -> set[int]:
+        """Ids this rank acknowledged at a step its own declared checkpoint covers."""
+        if self.checkpoint is None:
+            return set()
+        return {i for a in self.acks if a.step <= self.checkpoint.step for i in a.ids}
 
 
 @dataclass
@@ -181,7 +200,6 @@ class ConsumerView:
 
     name: str
     spec: ConsumerSpec
-    checkpoint: Checkpoint | None
     ranks: list[RankView] = field(default_factory=list)
 
     @property
@@ -190,10 +208,15 @@ class ConsumerView:
 
     @property
     def released(self) -> set[int]:
-        """Ids acknowledged at a step the declared checkpoint covers: the trainer never needs them again."""
-        if self.checkpoint is None:
-            return set()
-        return {i for r in self.ranks for a in r.acks if a.step <= self.checkpoint.step for i in a.ids}
+        """Ids acknowledged at a step the acknowledging rank's declared checkpoint covers: the trainer
+        never needs them again."""
+        return {i for r in self.ranks for i in r.released}
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """The step every rank's declared checkpoint covers (None until each rank declared one)."""
+        points = [r.checkpoint for r in self.ranks]
+        return None if None in points else min(points, key=lambda c: c.step)
 
     @property
     def leased(self) -> set[int]:
@@ -218,7 +241,7 @@ def inspect(run: Path, lease_timeout: float = LEASE_TIMEOUT) -> list[ConsumerVie
         spec = read_spec(run, name)
         if spec is None:
             continue
-        view = ConsumerView(name, spec, read_checkpoint(run, name))
+        view = ConsumerView(name, spec)
         d = folder(run, name)
         for r in range(spec.ranks):
             try:
@@ -226,7 +249,7 @@ def inspect(run: Path, lease_timeout: float = LEASE_TIMEOUT) -> list[ConsumerVie
                 state = rec.state(stale_after=lease_timeout)
             except (OSError, ValueError):
                 rec, state = None, None
-            view.ranks.append(RankView(r, rec, state, read_acks(d / acks_name(r))[0]))
+            view.ranks.append(RankView(r, rec, state, read_acks(d / acks_name(r))[0], read_checkpoint(run, name, r)))
         out.append(view)
     return out
 
@@ -254,6 +277,7 @@ class RankLease:
         self.dir = folder(run, check_name(spec.name))
         self.lease_timeout = lease_timeout
         self.acks_path = self.dir / acks_name(rank)
+        self.checkpoint_path = self.dir / checkpoint_name(rank)
         self._lock = threading.Lock()
         self.dir.mkdir(parents=True, exist_ok=True)
         self._agree()
@@ -342,9 +366,9 @@ class RankLease:
                 f"rank {self.rank} of consumer {self.spec.name} resumes at step {step}: its acknowledgements of "
                 f"steps {dropped[0].step}..{dropped[-1].step} are rolled back ({n} samples are trained again)"
             )
-        checkpoint = read_checkpoint(self.run, self.spec.name)
+        checkpoint = read_checkpoint(self.run, self.spec.name, self.rank)
         if checkpoint is not None and checkpoint.step > step:
-            write_durable(self.dir / CHECKPOINT, Checkpoint(step=step, t=time.time()).model_dump_json().encode())
+            self._declare(step)
         return kept
 
     def _size(self) -> int:
@@ -394,8 +418,21 @@ class RankLease:
         return ack.ids
 
     def checkpointed(self, step: int) -> None:
-        """The trainer's checkpoint of ``step`` is durable: what was acknowledged through it is released."""
-        write_durable(self.dir / CHECKPOINT, Checkpoint(step=step, t=time.time()).model_dump_json().encode())
+        """The trainer's checkpoint of ``step`` is durable: what this rank acknowledged through it is
+        released. ``step`` must be one this rank acknowledged: a checkpoint of a step it had not
+        acknowledged yet (another rank saved it first) could not be resumed by this rank."""
+        with self._lock:
+            steps = [a.step for a in self.acks]
+        if step not in steps:
+            raise ConsumerRefused(
+                f"rank {self.rank} of consumer {self.spec.name} declares a checkpoint of step {step}, which it has "
+                f"not acknowledged (last acknowledged: {steps[-1] if steps else 'none'}): acknowledge each step "
+                "before its checkpoint is saved (with several ranks: every rank's ack, then a barrier, then the save)"
+            )
+        self._declare(step)
+
+    def _declare(self, step: int) -> None:
+        write_durable(self.checkpoint_path, Checkpoint(step=step, t=time.time()).model_dump_json().encode())
 
     def start(self) -> RankLease:
         """Keep the rank's heartbeat fresh until ``close``."""

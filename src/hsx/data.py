@@ -21,7 +21,7 @@ import time
 import warnings
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
-from hsx.consumer import LEASE_TIMEOUT, NOT_WRITTEN, ConsumerSpec, RankLease
+from hsx.consumer import DELETED, LEASE_TIMEOUT, NOT_WRITTEN, READING, ConsumerSpec, RankLease
 from hsx.errors import ConsumerRefused, Damage, SampleUnavailable
 from hsx.plan import Plan, batches_for, load_plan
 from hsx.spec import RunSpec, load_spec
@@ -37,7 +37,7 @@ from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.format import BadFile, Expected, check, decode, read_checked
 from hsx.store.scan import scan_run
-from hsx.store.writer import any_consumed
+from hsx.store.writer import any_consumed, read_consumed
 
 
 def read_verified(
@@ -410,18 +410,35 @@ class StreamDataset(IterableDataset):
         return self.lease.position
 
     def _read(self, sid: int) -> dict:
-        """The sample once its file is there and verifies."""
+        """The sample once its file is there and verifies; ``ConsumerRefused`` where the run deleted it
+        as consumed (every consumer its window names released it: this one would wait forever)."""
         path = layout.sample_path(self.run, sid, self.spec.shard_size)
         while not self._stop.is_set():
             try:
-                return load_sample(self.run, path, sid, self.files, True, self.keep_fp8)
+                sample = load_sample(self.run, path, sid, self.files, True, self.keep_fp8)
+                self._why.pop(sid, None)
+                return sample
             except SampleUnavailable as e:
-                why = NOT_WRITTEN if isinstance(e.__cause__, FileNotFoundError) else str(e)
+                missing = isinstance(e.__cause__, FileNotFoundError)
+                if missing and sid in read_consumed(self.run, layout.shard_of(sid, self.spec.shard_size)):
+                    self._deleted(sid)
+                why = NOT_WRITTEN if missing else str(e)
                 if why != self._why.get(sid) and why != NOT_WRITTEN:
                     self.log(f"consumer {self.lease.spec.name}: {why}; waiting for it")
                 self._why[sid] = why
             time.sleep(self.poll)
         raise SampleUnavailable(f"sample {sid}: the stream was closed while waiting for it")
+
+    def _deleted(self, sid: int) -> None:
+        """Refuse a sample the run deleted as consumed, recorded as what the rank waits for (status names it)."""
+        window = self.spec.window
+        named = ", ".join(window.consumers) if window is not None else "none"
+        why = self._why[sid] = f"{DELETED} once the consumers the run's window names ({named}) released it"
+        self.lease.waiting(sid, why)
+        raise ConsumerRefused(
+            f"consumer {self.lease.spec.name}: sample {sid} was {why}; this consumer would wait for it forever: "
+            "read a run that deletes nothing, or name the consumer in the --window of a new run"
+        )
 
     def __iter__(self) -> Iterator:
         if get_worker_info() is not None:
@@ -438,8 +455,9 @@ class StreamDataset(IterableDataset):
                 ids, reads = ahead.popleft()
                 samples = []
                 for sid, read in zip(ids, reads, strict=True):
-                    if not read.done():
-                        self.lease.waiting(sid, self._why.get(sid, NOT_WRITTEN))
+                    while not read.done():  # what it waits for, kept current (a producer's window reads it)
+                        self.lease.waiting(sid, self._why.get(sid, READING))
+                        wait([read], timeout=self.poll)
                     samples.append(read.result())
                 self.lease.waiting(None)
                 self.lease.handed(ids)

@@ -115,7 +115,10 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         checks["integrity"] = integrity.check(result, command=command)
         checks["fidelity"] = fidelity.line(run, spec, result.scans)
         window = getattr(spec, "window", None)  # an extraction's (a generate run has none)
-        readers = consumers.check(run, result.scans, spec.plan.num_samples, spec.shard_size, window, worker.alive)
+        in_flight = 2 * spec.batch_tokens * spec.bytes_per_token if window is not None else 0  # the window's bound
+        readers = consumers.check(
+            run, result.scans, spec.plan.num_samples, spec.shard_size, window, worker.alive, in_flight
+        )
         checks["progress"] = tally.check(t, command)
         if spec.kind == GENERATE:
             _outcomes(checks["progress"], run, spec)

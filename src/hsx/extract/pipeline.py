@@ -123,10 +123,12 @@ class Extractor:
         # called with a batch's raw bytes before it is captured (fidelity's ``gate`` judges it after):
         # each may stop the work (the disk guard's LowSpace) or hold it (the window's pause waits here)
         self.gates: list[Callable[[int], None]] = []
+        self.next_shard = 0  # the shard of the batch the gates are asked about
+        self.unwritten: set[int] = set()  # ids of batches past the gates not yet handed to the writer
         if reserve is not None:
             self.gates.append(DiskGuard(run, reserve, lambda: self.writer.inflight + self.in_flight, self.forecast))
         if spec.window is not None:  # after the guard: a full disk stops the run even while it would wait
-            self.gates.append(Pause(run, spec.window, spec.shard_size, log))
+            self.gates.append(Pause(run, spec.window, spec.shard_size, log, lambda: (self.next_shard, self.unwritten)))
         self.sealing_waited = 0.0
         progress.waited_for_disk = self.waited_for_disk
 
@@ -158,11 +160,13 @@ class Extractor:
             for n, batch in enumerate(batches):
                 ids = list(batch.ids)
                 raw = sum(int(self.plan.lengths[i]) for i in missing.intersection(ids)) * self.spec.bytes_per_token
+                self.next_shard = scan.shard
                 for gate in self.gates:
                     gate(raw)
                 if self.peers is not None:
                     self.peers.batch(ids)
                 self.in_flight += raw
+                self.unwritten |= missing.intersection(ids)
                 checks = fidelity.checks_for(self.spec.fidelity, ids, [self.plan.loss_mask(i) for i in ids])
                 yield (scan, missing, len(batches) - 1 - n), ids, [self.plan.input_ids(i) for i in ids], checks
 
@@ -205,6 +209,7 @@ class Extractor:
             for _, captured, wanted, host in staged:
                 host.drop()
                 self.in_flight -= self._bytes(captured, wanted)
+                self.unwritten.difference_update(captured.sample_ids[row] for row in wanted)
 
     def _bytes(self, captured: CapturedBatch, wanted: list[int]) -> int:
         return sum(captured.lengths[row] for row in wanted) * self.spec.bytes_per_token
@@ -212,6 +217,7 @@ class Extractor:
     def _submit(self, captured: CapturedBatch, wanted: list[int], host: HostBatch) -> list[Future]:
         """Hand a captured batch's wanted samples to the writer, once the gate has passed its figures."""
         self.in_flight -= self._bytes(captured, wanted)
+        self.unwritten.difference_update(captured.sample_ids[row] for row in wanted)
         figures = None
         if self.gate is not None and host.figures is not None:
             host.ready()

@@ -6,9 +6,11 @@ A sample is released by a consumer once its checkpoint covers the step that ackn
 released. The pause is one of ``Extractor.gates``, called before each batch is captured: it
 blocks there, logs when it starts and ends, and keeps ``OUT/window.json`` (since when it waits,
 the bytes held, for whom) for ``hsx status``. A batch larger than the window is written once
-nothing is held (no release could make room for it). It never pauses while a named consumer waits
-for a sample not written yet: that consumer can release nothing until the producer writes it, so the
-disk may exceed the window by what is written for a waiting consumer (at most the shard it reads).
+nothing is held (no release could make room for it). It lets through the batches of the shard a
+named consumer waits on (a sample not written yet: that consumer can release nothing until the
+producer writes it), so the disk may exceed the window by that shard; a wait on another shard, or
+on a file being read, lifts nothing (a resume writes the shard a consumer waits on first:
+``job.resume``).
 """
 
 from __future__ import annotations
@@ -100,14 +102,22 @@ class Sealed:
         return self.known.get(folder, {})
 
 
-def waited_on(views: list[ConsumerView], names: list[str]) -> bool:
-    """Whether a live rank of a named consumer waits for a sample not written yet."""
+def waited_on(
+    run: Path, views: list[ConsumerView], names: list[str], shard_size: int, shard: int, unwritten: set[int]
+) -> bool:
+    """Whether a live rank of a named consumer waits for a sample not written yet (its file is not
+    there) that is of ``shard`` (the next batch's) or ``unwritten`` (captured past the gate, held
+    back until the next batch is: the fidelity check judges one behind): that consumer can release
+    nothing until it is written. A sample of another shard lifts no pause (the bound counts one
+    shard), nor one whose file is there (a read in progress)."""
     return any(
-        r.state == Liveness.ALIVE and r.record.waiting_for is not None and r.record.waiting_why == NOT_WRITTEN
+        r.record.waiting_why == NOT_WRITTEN
+        and (layout.shard_of(r.record.waiting_for, shard_size) == shard or r.record.waiting_for in unwritten)
+        and not layout.sample_path(run, r.record.waiting_for, shard_size).exists()
         for v in views
         if v.name in names
         for r in v.ranks
-        if r.record is not None
+        if r.record is not None and r.state == Liveness.ALIVE and r.record.waiting_for is not None
     )
 
 
@@ -152,10 +162,20 @@ def sweep(run: Path, window: Window | None, shard_size: int, log: Callable[[str]
 
 
 class Pause:
-    """The window's gate (``Extractor.gates``): returns once the next ``nbytes`` fit."""
+    """The window's gate (``Extractor.gates``): returns once the next ``nbytes`` fit. ``ahead``: the
+    shard of the batch the gate is asked about, and the ids past the gate not yet written."""
 
-    def __init__(self, run: Path, window: Window, shard_size: int, log: Callable[[str], None], poll: float = 0.5):
+    def __init__(
+        self,
+        run: Path,
+        window: Window,
+        shard_size: int,
+        log: Callable[[str], None],
+        ahead: Callable[[], tuple[int, set[int]]],
+        poll: float = 0.5,
+    ):
         self.run, self.window, self.shard_size, self.log, self.poll = run, window, shard_size, log, poll
+        self.ahead = ahead
         self.sealed = Sealed(run)
         self.oversized = False  # whether the log said that a batch exceeds the window
 
@@ -167,7 +187,7 @@ class Pause:
         state = WindowState(window=self.window.bytes, held=used, waiting_for=behind, pid=os.getpid(), t=time.time())
         # with nothing held, a batch larger than the window goes alone: no release could ever make room for it
         fits = used + nbytes <= self.window.bytes or not used
-        return fits or waited_on(views, self.window.consumers), state
+        return fits or waited_on(self.run, views, self.window.consumers, self.shard_size, *self.ahead()), state
 
     def __call__(self, nbytes: int) -> None:
         fits, state = self._fits(nbytes)

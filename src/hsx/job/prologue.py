@@ -23,7 +23,7 @@ from hsx.job.options import JobOptions, resume_command
 from hsx.job.resume import Summary, Verifier, scan_all
 from hsx.job.space import Measured, Space, plan_space, projected_bytes, stored_ratio
 from hsx.lock import RunLock
-from hsx.spec import JobSpec
+from hsx.spec import JobSpec, RunSpec
 from hsx.store.scan import ShardScan, scan_run
 
 
@@ -81,7 +81,10 @@ class Prologue:
         def done(scan: ShardScan) -> None:
             add_done(len(scan.good), int(lengths[list(scan.good)].sum()) if scan.good else 0)
 
-        return Verifier(self.opts.out, self.spec, self.headers, self.opts.deep_verify, self.summary, done).start()
+        streamed = isinstance(self.spec, RunSpec) and self.spec.window is not None  # shards in a trainer's order
+        return Verifier(
+            self.opts.out, self.spec, self.headers, self.opts.deep_verify, self.summary, done, streamed
+        ).start()
 
     def clean_stop(self, summary: object, path: Path, reason: str | None = None) -> CleanStop:
         """The clean stop of a full disk (the guard's reserve reached, or a real ENOSPC), wherever the

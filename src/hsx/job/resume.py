@@ -166,9 +166,11 @@ class Verifier:
     ``first`` is the header-only scan every resume starts with (``scan_all(deep=False)``): it is what
     the space projection counts, and it tells which shards hold nothing good yet. With ``deep``, a
     thread re-reads every file's digest, those shards first (their scans are cheap: nothing to hash),
-    then the rest in shard order; without, ``first`` is settled as it is. ``todo`` yields the settled
-    scans that still miss samples, as they come, and ``done`` is called with each shard's good files
-    (the progress count)."""
+    then the rest in shard order; without, ``first`` is settled as it is. ``in_order``: every shard in
+    shard order, as a trainer streams them (a run with a ``--window``: the shard a consumer waits on
+    is finished first, never after shards no one reads yet). ``todo`` yields the settled scans that
+    still miss samples, as they come, and ``done`` is called with each shard's good files (the
+    progress count)."""
 
     def __init__(
         self,
@@ -178,8 +180,10 @@ class Verifier:
         deep: bool,
         summary: Summary,
         done: Callable[[ShardScan], None] = lambda scan: None,
+        in_order: bool = False,
     ):
         self.run, self.spec, self.first, self.deep, self.summary, self.done = run, spec, first, deep, summary, done
+        self.in_order = in_order
         self.stats = Verified()
         self._queue: queue.Queue = queue.Queue()
         self._stopping = threading.Event()
@@ -208,7 +212,8 @@ class Verifier:
                     self._settled(scan)
                 return
             # nothing good yet first (no digests to read), then partial shards, then complete ones
-            order = sorted(self.first, key=lambda s: (bool(s.good), s.complete, s.shard))
+            first = (lambda s: s.shard) if self.in_order else (lambda s: (bool(s.good), s.complete, s.shard))
+            order = sorted(self.first, key=first)
             scan_run(
                 self.run,
                 self.spec.plan.num_samples,
