@@ -561,16 +561,6 @@ def test_a_stalled_consumer_pauses_the_extraction_at_its_window_and_its_releases
     assert len(written) < 40 and state.held <= window + shard_bytes + in_flight
     line = assess(out).get("consumers")
     assert "for draft; the extractor waits since " in line.figure, line.figure
-    # killed -9 at its pause, mid-shard: the resume finishes that shard first, the one the consumer
-    # will wait on (it wrote the shards no one reads yet first, and the waiting consumer lifted the
-    # pause for all of them: the disk went past the bound)
-    partial = max(int(p.parent.name) for p in written)
-    assert not (layout.shard_dir(out, partial) / layout.SEALED).exists()
-    producer.kill()
-    producer.wait(timeout=HANG_GUARD_S)
-    with open(log, "a") as err:
-        resume = [sys.executable, "-m", "hsx", "extract", "--out", str(out)]
-        producer = subprocess.Popen(resume, env=os.environ | {"HF_HUB_OFFLINE": "1"}, stdout=err, stderr=err)
     for step, _ in enumerate(batches, 3):  # it goes on: each step released a step later, the extraction follows
         ds.ack(step)
         ds.checkpointed(step - 1)
@@ -604,6 +594,60 @@ def test_a_stalled_consumer_pauses_the_extraction_at_its_window_and_its_releases
     assert not list((out / "shards").rglob("*.safetensors"))
     report = assess(out, deep=True)
     assert report.exit_code == 0 and report.get("progress").data["consumed"] == 40
+
+
+def test_a_resume_of_an_extractor_killed_mid_shard_first_finishes_the_shard_a_consumer_waits_on(tmp_path):
+    """An extractor killed -9 at its window's pause, mid-shard, while its trainer stalls; the trainer
+    goes on, trains what is there and waits for a sample of that shard; then the resume. It wrote
+    the shards no one reads yet first and that shard last, and the waiting consumer lifted the pause
+    for all of them: the disk went past the window's bound. Now it finishes that shard first, the
+    disk (polled throughout) stays within the bound, and the trainer trains every sample once."""
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(60, start=40))
+    out = tmp_path / "run"
+    small = ("--shard-size", "10", "--batch-tokens", "128", "--writers", "2", "--device", "cpu", "--codec", "raw")
+    window = ("--window", "0.0003", "--consumer", "draft")
+    cmd = [sys.executable, "-m", "hsx", "extract", "--model", TINY, "--data", data, "--out", out, *small, *window]
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    producer = subprocess.Popen(list(map(str, cmd)), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (out / "hsx.json").exists():
+        assert producer.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    disk = DiskPoll(out, ["draft"]).start()
+    ds = stream(out)
+    batches = iter(ds)
+    for step in (1, 2):
+        next(batches)
+        ds.ack(step)
+        ds.checkpointed(step)
+    while (state := read_state(out)) is None or state.paused_since is None or state.pid != producer.pid:
+        assert producer.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    producer.kill()
+    producer.wait(timeout=HANG_GUARD_S)
+    partial = max(int(p.parent.name) for p in (out / "shards").rglob("*.safetensors"))
+    assert not (layout.shard_dir(out, partial) / layout.SEALED).exists()  # killed mid-shard
+
+    def train() -> None:
+        for step, _ in enumerate(batches, 3):
+            ds.ack(step)
+            ds.checkpointed(step)
+
+    with ThreadPoolExecutor(1) as pool:
+        trainer = pool.submit(train)
+        while (rec := inspect(out)[0].ranks[0].record).waiting_why != NOT_WRITTEN or rec.waiting_for // 10 != partial:
+            assert not trainer.done() and time.monotonic() < deadline, rec
+            time.sleep(0.01)
+        resume = subprocess.run(
+            [sys.executable, "-m", "hsx", "extract", "--out", str(out)], env=env, capture_output=True, text=True
+        )
+        assert resume.returncode == 0, resume.stderr
+        trainer.result(timeout=HANG_GUARD_S)
+    bound = disk.stop()
+    assert 0 < disk.peak <= bound, (disk.peak, bound)
+    acks = read_acks(folder(out, "draft") / "acks-000000.jsonl")[0]
+    assert [a.ids for a in acks] == ds.batches and sorted(i for a in acks for i in a.ids) == list(range(60))
+    ds.close()
 
 
 # ---------------------------------------------------------------- ranks, reads and status
