@@ -245,10 +245,6 @@ REFUSED = [
     (("generate", *NEW, "--device", "cuda"), "--device cuda: "),
     (("bench", "--device", "cuda"), "--device cuda: "),
     (("extract", *NEW, "--backend", "vllm"), f"--backend vllm {NO_VLLM}"),
-    (
-        ("extract", *NEW, "--window", "1", "--consumer", "draft", "--backend", "vllm"),
-        "--window pauses the transformers backend's batches; the vllm backend's feed has no pause",
-    ),
     (("generate", *NEW, "--backend", "vllm"), f"--backend vllm {NO_VLLM}"),
     (("bench", "--generate"), f"hsx bench --generate {NO_VLLM}"),
     (("generate", *NEW, "--samples-per-prompt", "2"), "--samples-per-prompt above 1 needs --temperature above 0"),

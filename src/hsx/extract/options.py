@@ -166,11 +166,6 @@ class ExtractOptions(JobOptions):
         super().__post_init__()
         if self.device is not None and not self.workers:  # Ray workers' devices are theirs, not this machine's
             check_device(self.device)
-        if self.backend == "vllm" and self.window is not None:
-            raise OptionError(
-                "--window pauses the transformers backend's batches; the vllm backend's feed has no pause: "
-                "extract with --backend transformers, or without --window"
-            )
         if self.backend == "vllm":
             check_vllm("--backend vllm")
         if isinstance(self.layers, str):

@@ -1,11 +1,11 @@
 """The vLLM backend's side of the extraction (``extract.backends``): the job feeds vLLM the plan's
-token ids as prompts, shard by shard within a window of tokens in flight (the disk guard before each
-batch is enqueued), checks that vLLM ran the plan's ids and that each sample file its connector
-wrote has a sound header, judges the fidelity figures the connector measured (``fidelity.Gate``,
-on the samples each engine step finished) and gives the files that passed their own names (vLLM
-wrote them under their pending names: a step that fails, or a driver killed before its verdict,
-leaves nothing counted), counts progress, and seals each shard whose ids are all done. vLLM
-itself, its drafter and the connector are ``capture.vllm``.
+token ids as prompts, shard by shard within a window of tokens in flight (the disk guard and, with
+a ``--window``, its pause before each batch is enqueued), checks that vLLM ran the plan's ids and
+that each sample file its connector wrote has a sound header, judges the fidelity figures the
+connector measured (``fidelity.Gate``, on the samples each engine step finished) and gives the
+files that passed their own names (vLLM wrote them under their pending names: a step that fails,
+or a driver killed before its verdict, leaves nothing counted), counts progress, and seals each
+shard whose ids are all done. vLLM itself, its drafter and the connector are ``capture.vllm``.
 
 Importing this module imports vLLM.
 """
@@ -26,6 +26,7 @@ from hsx.capture.vllm import close_llm, final_state, open_llm
 from hsx.capture.vllm_connector import SAMPLE_KEY
 from hsx.errors import BadFile, CaptureFailed, DiskFull, FidelityFailed
 from hsx.extract.backends import Session
+from hsx.extract.window import Pause
 from hsx.fidelity import Gate
 from hsx.job.space import DiskGuard
 from hsx.plan import Plan
@@ -45,7 +46,8 @@ class VllmFeed:
     seals shards as they finish.
 
     ``todo``: the scans of the shards with missing samples; ``guard`` is called with a batch's
-    bytes before it is enqueued (the disk guard), ``window`` bounds the tokens in flight."""
+    bytes before it is enqueued (the disk guard), then ``pause`` (a run's ``--window``: it waits
+    there while its consumers have not released enough), ``window`` bounds the tokens in flight."""
 
     def __init__(
         self,
@@ -57,9 +59,11 @@ class VllmFeed:
         guard: Callable[[int], None] | None,
         window: int,
         gate: Gate | None = None,
+        pause: Callable[[int], None] | None = None,
     ):
         self.run, self.spec, self.plan, self.progress, self.guard = run, spec, plan, progress, guard
-        self.gate = gate
+        self.gate, self.pause = gate, pause
+        self.next_shard = 0  # the shard of the batch the pause is asked about
         self.window = window  # tokens enqueued and not yet finished, at most
         self.batches: deque[list[int]] = deque()
         self.left: dict[int, set[int]] = {}
@@ -85,6 +89,9 @@ class VllmFeed:
             tokens = int(sum(int(self.plan.lengths[i]) for i in ids))
             if self.guard is not None:
                 self.guard(tokens * self.spec.bytes_per_token)
+            if self.pause is not None:
+                self.next_shard = layout.shard_of(ids[0], self.spec.shard_size)
+                self.pause(tokens * self.spec.bytes_per_token)
             prompts = [{"prompt_token_ids": self.plan.input_ids(i).tolist()} for i in ids]
             params = [
                 SamplingParams(
@@ -180,6 +187,8 @@ def run(session: Session, todo: Iterable[ShardScan]) -> None:
     if gate is not None:
         s.progress.fidelity = gate.metrics
     feed = VllmFeed(s.run, s.spec, s.plan, todo, s.progress, None, window=window, gate=gate)
+    if s.spec.window is not None:  # the enqueued requests are captured and not written: a wait on one goes on
+        feed.pause = Pause(s.run, s.spec.window, s.spec.shard_size, s.log, lambda: (feed.next_shard, feed.requests))
     forecast = s.space.forecast
     forecast.session = s.progress.session
     feed.guard = DiskGuard(s.run, s.space.reserve, in_flight=feed.inflight_bytes, forecast=forecast)
