@@ -440,3 +440,44 @@ def test_text_the_prompt_forces_is_context_and_a_turn_that_cannot_follow_it_is_c
     assert _runs(tok, sample) == [run]
     unforced = {"unforced_turns": 1} if "DeepSeek" in file else {}
     assert done.notes.counts == {"reasoning_unrendered": 1, "own_sample_turns": 1} | unforced
+
+
+def test_a_template_that_concatenates_the_arguments_as_text_is_given_them_as_text_and_counted():
+    """DeepSeek-R1-Distill's template (as DeepSeek-V3.1's official one) writes a call's arguments by
+    concatenating them as text: given the objects serving engines hand templates, every tool row was
+    rejected ("can only concatenate str (not "dict") to str"). Each now renders with the arguments as
+    their JSON text, exactly as transformers renders that form, the calls masked, and the rows counted;
+    a template that fails on both forms is a reject naming both errors."""
+    tok = _tokenizer((DATA / "templates" / "DeepSeek-R1-Distill-Qwen-32B" / "chat_template.jinja").read_text())
+    tokenize = Tokenize(tok, 100_000)
+    tool_rows = [c for c in _agentic() if any(t.tool_calls for t in c.turns)]
+    assert len(tool_rows) == 8
+    dropped = 0  # its rendering of a turn after a tool result drops a second turn's calls (multi-step)
+    for conv in tool_rows:
+        done = tokenize(conv)
+        assert done.notes.counts["text_arguments_rows"] == 1, conv.source.id
+        messages = [to_message(t) for t in conv.turns]
+        for m in messages:
+            for c in m.get("tool_calls") or []:
+                c["function"]["arguments"] = json.dumps(c["function"]["arguments"], ensure_ascii=False)
+        render = partial(tok.apply_chat_template, tools=tools_of(conv), tokenize=False, add_generation_prompt=True)
+        served = {render(messages[:i]) for i, t in enumerate(conv.turns) if t.role == "assistant"}
+        for sample in done.samples:  # each turn masked right after the prompt served with text arguments
+            ids = sample.input_ids.tolist()
+            starts = np.flatnonzero(np.diff(np.concatenate([[0], sample.loss_mask])) == 1)
+            assert all(tok.decode(ids[:a]) in served for a in starts), conv.source.id
+        masked = "".join(r for s in done.samples for r in _runs(tok, s))
+        calls = [call for t in conv.turns for call in t.tool_calls]
+        shown = sum(f"{call.name}\n```json\n{call.arguments}\n```" in masked for call in calls)
+        assert len(calls) - shown == done.notes.counts.get("calls_unrendered", 0), (conv.source.id, masked)
+        dropped += len(calls) - shown
+    assert dropped == 1
+    plain = next(c for c in _agentic() if c.source.id == "plain-openai")
+    assert "text_arguments_rows" not in tokenize(plain).notes.counts
+    both = (  # objects fail its concatenation, text its keys()
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments.keys() | list | join(',')"
+        " + c.function.arguments }}{% endfor %}{{ m.content }}{% endfor %}"
+    )
+    with pytest.raises(Exception, match=r"fails on the calls' arguments as objects \(.*can only concatenate") as e:
+        Tokenize(_tokenizer(both), 1000)(tool_rows[0])
+    assert "and as JSON text (" in str(e.value) and "has no attribute 'keys'" in str(e.value)

@@ -92,6 +92,8 @@ COUNTS = {
     "past_max_length_turns": "assistant turns past --max-length (not extracted)",
     "unforced_turns": "assistant turns the template writes without the text their prompt forced after the "
     "generation prompt (DeepSeek-R1's <think>), masked after that prompt as written",
+    "text_arguments_rows": "rows whose calls' arguments the chat template renders only as JSON text, not as the "
+    "objects serving engines give it (DeepSeek's official templates concatenate them as text): given as text",
     "tool_use_template_rows": "rows rendered with the tokenizer's tool_use chat template (they offer tools; the "
     "others with its default), as transformers and serving engines pick",
     "call_ids_given": "tool calls without an id in the data, given one (functions.NAME:N, as Kimi-K2 writes them; "
@@ -245,6 +247,23 @@ def named_templates(tokenizer, template: str | None = None) -> dict | None:
     return named
 
 
+def _text_arguments(messages: list[dict]) -> list[dict] | None:
+    """``messages`` with each call's arguments as their JSON text; None where no call has an object."""
+    out, changed = [], False
+    for m in messages:
+        calls = m.get("tool_calls") or []
+        if any(not isinstance(c["function"].get("arguments"), str) for c in calls):
+            changed = True
+            m = m | {"tool_calls": [c | {"function": c["function"] | {"arguments": _json_text(c)}} for c in calls]}
+        out.append(m)
+    return out if changed else None
+
+
+def _json_text(call: dict) -> str:
+    arguments = call["function"].get("arguments")
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
 class Tokenize:
     """Render with the tokenizer's chat template and derive the assistant-token mask."""
 
@@ -252,6 +271,7 @@ class Tokenize:
         if not tokenizer.chat_template:
             raise TokenizerError(f"the tokenizer ({type(tokenizer).__name__}) has no chat template")
         self.named = named_templates(tokenizer, template)
+        self.text_arguments = False  # a render since ``pieces`` began gave the calls' arguments as JSON text
         self.template = template  # the one asked for (--chat-template), else transformers picks per row
         self.tokenizer = tokenizer
         # a fast (Rust) tokenizer maps tokens to characters by offsets; any other (a slow, Python one such
@@ -273,10 +293,32 @@ class Tokenize:
 
     def render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
         """The template's text of ``messages``; a turn's reasoning is offered under each name templates
-        read (``input.REASONING``: Qwen3's and Kimi's ``reasoning_content``, gpt-oss' ``thinking``...)."""
+        read (``input.REASONING``: Qwen3's and Kimi's ``reasoning_content``, gpt-oss' ``thinking``...).
+        Calls' arguments go to the template as objects, the form serving engines hand it (vLLM parses
+        OpenAI's JSON text); a template that fails on them (DeepSeek's official ones concatenate the
+        arguments as text) is given the JSON text instead, which ``text_arguments`` records, and where
+        it fails on both the error names both."""
         messages = [
             m | {k: m["reasoning_content"] for k in REASONING} if m.get("reasoning_content") else m for m in messages
         ]
+        try:
+            return self._render(messages, generation_prompt, tools)
+        except Exception as first:
+            text = _text_arguments(messages)
+            if text is None:
+                raise
+            try:
+                rendered = self._render(text, generation_prompt, tools)
+            except Exception as second:
+                if str(second) == str(first):  # not the arguments' form: the template's own refusal
+                    raise first from None
+                raise TemplateError(
+                    f"the chat template fails on the calls' arguments as objects ({first}) and as JSON text ({second})"
+                ) from None
+        self.text_arguments = True
+        return rendered
+
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None) -> str:
         return self.tokenizer.apply_chat_template(
             messages,
             tools=tools,
@@ -345,6 +387,7 @@ class Tokenize:
         own. What a turn held but its rendering lacks is counted, never silently dropped.
         """
         messages, tools = [to_message(t) for t in conv.turns], tools_of(conv)
+        self.text_arguments = False
         full = self.render(messages, False, tools)
         found: list[tuple[str, int, int]] = []
         counts: Counter = Counter()
@@ -375,6 +418,7 @@ class Tokenize:
         names = [json.loads(t).get("function", {}).get("name", "") for t in conv.tools]
         counts["tools_unrendered"] = int(not all(any(n in text for text, _ in pieces) for n in names))
         counts["call_ids_given"] = conv.ids_given
+        counts["text_arguments_rows"] = int(self.text_arguments)
         counts["tool_use_template_rows"] = int(
             self.template is None and bool(tools) and "tool_use" in (self.named or {})
         )
