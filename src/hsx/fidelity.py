@@ -56,6 +56,8 @@ from hsx.target import LanguageModel
 if TYPE_CHECKING:
     import torch  # imported where the device work needs it: status and verify's judging never load torch
 
+    from hsx.plan import Plan
+
 # a miss by less than this share of the top logit's size (at least 1) is a near tie: what rounding
 # in the head's dtype, or another engine's kernels, can flip; a fault misses by far more
 NEAR_TIE = {"float32": 1e-3, "float16": 2**-7, "bfloat16": 2**-5}  # by the logits' dtype
@@ -318,8 +320,9 @@ def _listed(ids: Sequence[int], most: int = 16) -> str:
     return ", ".join(map(str, ids[:most])) + more
 
 
-def checks_for(check: FidelityCheck | None, ids: Sequence[int], masks: Sequence[np.ndarray]) -> list | None:
-    """The checked positions of a batch's samples (None: the run checks nothing)."""
+def checks_for(check: FidelityCheck | None, plan: Plan, ids: Sequence[int]) -> list | None:
+    """The checked positions of a batch's samples, from the plan's loss masks (None: the run checks
+    nothing): what every rank that checks a batch takes, so all of them check the same tokens."""
     if check is None:
         return None
-    return [positions(sid, mask, check.stride) for sid, mask in zip(ids, masks, strict=True)]
+    return [positions(sid, plan.loss_mask(sid), check.stride) for sid in ids]

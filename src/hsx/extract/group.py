@@ -245,7 +245,7 @@ def _follow(run: Path, model: str | None, spec: RunSpec, device: str, control, l
         kind, ids = receive(control)
         if kind == STOP:
             return
-        checks = fidelity.checks_for(spec.fidelity, ids, [plan.loss_mask(i) for i in ids])  # as rank 0's
+        checks = fidelity.checks_for(spec.fidelity, plan, ids)  # as rank 0's
         captured = backend.capture(ids, [plan.input_ids(i) for i in ids], checks)
         if not agreed:
             _agree(control, captured)

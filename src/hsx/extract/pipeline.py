@@ -167,7 +167,7 @@ class Extractor:
                     self.peers.batch(ids)
                 self.in_flight += raw
                 self.unwritten |= missing.intersection(ids)
-                checks = fidelity.checks_for(self.spec.fidelity, ids, [self.plan.loss_mask(i) for i in ids])
+                checks = fidelity.checks_for(self.spec.fidelity, self.plan, ids)
                 yield (scan, missing, len(batches) - 1 - n), ids, [self.plan.input_ids(i) for i in ids], checks
 
     def batches_of(self, scan: ShardScan) -> list:

@@ -108,7 +108,6 @@ def _follow(run: Path, model: str | None, spec: RunSpec, device: str, control, l
         plan = load_plan(run, spec)
 
         def checked(ids: list[int]) -> tuple[list, list | None]:
-            masks = [plan.loss_mask(i) for i in ids]
-            return [plan.input_ids(i) for i in ids], fidelity.checks_for(spec.fidelity, ids, masks)
+            return [plan.input_ids(i) for i in ids], fidelity.checks_for(spec.fidelity, plan, ids)
 
     follow(runner, Link(stages, rank, control, backend.device), lead, checked)
