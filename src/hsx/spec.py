@@ -15,6 +15,7 @@ import datetime as dt
 import getpass
 import json
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
@@ -459,6 +460,36 @@ def load_spec(run: Path) -> RunSpec:
     return spec if growth is None else spec.model_copy(update={"plan": growth.plan, "data": growth.data})
 
 
+# the settings a resume's ask is compared with as they are stored (``differences``)
+SETTINGS = (
+    "layers",
+    "dtype",
+    "max_length",
+    "batch_tokens",
+    "shard_size",
+    "backend",
+    "packed",
+    "compiled",
+    "codec",
+    "parallel",
+    "quantized_compute",
+    "expert_slice_gb",
+    "template_kwargs",
+    "chat_template",
+    "final_norm",
+    "window",
+)
+
+
+def setting_differences(stored: object, asked: dict, keys: Sequence[str]) -> list[str]:
+    """One line per setting of ``keys`` that ``asked`` gives another value than ``stored`` holds."""
+    return [
+        f"{key.replace('_', ' ')}: run has {getattr(stored, key, None)}, asked for {v}"
+        for key in keys
+        if (v := asked.get(key)) is not None and v != getattr(stored, key, None)
+    ]
+
+
 def differences(stored: JobSpec, asked: dict) -> list[str]:
     """Compare what a resume asks for with the stored spec; one line per difference.
 
@@ -479,26 +510,7 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
             out.append("tokenizer: vocabulary or special tokens differ")
         if t.chat_template != stored.tokenizer.chat_template:
             out.append("chat template differs")
-    for key in (
-        "layers",
-        "dtype",
-        "max_length",
-        "batch_tokens",
-        "shard_size",
-        "backend",
-        "packed",
-        "compiled",
-        "codec",
-        "parallel",
-        "quantized_compute",
-        "expert_slice_gb",
-        "template_kwargs",
-        "chat_template",
-        "final_norm",
-        "window",
-    ):
-        if (v := asked.get(key)) is not None and v != getattr(stored, key, None):
-            out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
+    out += setting_differences(stored, asked, SETTINGS)
     if (v := asked.get("fidelity_stride")) is not None:
         have = getattr(stored, "fidelity", None)
         if have is None or v != have.stride:

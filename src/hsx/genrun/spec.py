@@ -29,6 +29,7 @@ from hsx.spec import (
     kind_of,
     load_spec,
     read_spec,
+    setting_differences,
 )
 from hsx.store import layout
 from hsx.store.durable import write_durable
@@ -121,9 +122,11 @@ def generate_differences(stored: GenerateSpec, asked: dict) -> list[str]:
         have = getattr(stored.sampling, name)
         if want is not None and want != have:
             out.append(f"sampling: {name.replace('_', ' ')}: run has {have}, asked for {want}")
-    for key in ("seed", "turns", "samples_per_prompt", "template_kwargs", "chat_template", "drop", "tool_parser"):
-        if (v := asked.get(key)) is not None and v != getattr(stored, key):
-            out.append(f"{key.replace('_', ' ')}: run has {getattr(stored, key)}, asked for {v}")
+    out += setting_differences(
+        stored,
+        asked,
+        ("seed", "turns", "samples_per_prompt", "template_kwargs", "chat_template", "drop", "tool_parser"),
+    )
     if (v := asked.get("engine_version")) is not None and v != stored.engine.version:
         out.append(f"engine: run was generated with {stored.engine.name} {stored.engine.version}, this is {v}")
     return out
