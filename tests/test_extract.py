@@ -316,3 +316,17 @@ def test_chat_template_kwargs_render_the_plan_are_recorded_and_a_resume_asking_o
     (generated / "hsx.json").write_text(json.dumps({"kind": "generate"}))
     with pytest.raises(InputError, match="--chat-template-kwargs renders data files and datasets"):
         extract(_opts(tmp_path / "x", generated, template_kwargs=kwargs), log=lambda m: None)
+
+
+def test_one_value_given_from_python_where_a_list_is_taken_is_refused_by_name(tmp_path):
+    """``ExtractOptions(consumer="ab")`` was read letter by letter, a window waiting for consumers
+    ``a`` and ``b``; ``data="x.jsonl"`` as files ``x``, ``.``, ... Both are refused by name; one
+    value alone where the option takes one (``layers="eagle3"``) is not."""
+    data = write_jsonl(tmp_path / "c.jsonl", conversations(2))
+    out = tmp_path / "run"
+    with pytest.raises(Refused, match="--consumer takes a list of values, not the one 'ab'"):
+        _opts(out, data, window=1.0, consumer="ab")
+    with pytest.raises(Refused, match="--data takes a list of values, not the one"):
+        ExtractOptions(out=out, model=str(TINY), data=str(data))
+    asked = _opts(out, data, layers="eagle3", window=1.0, consumer=["ab"]).window_asked()
+    assert asked is not None and asked.consumers == ["ab"] and not out.exists()

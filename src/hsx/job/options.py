@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from operator import not_
 from pathlib import Path
+from types import UnionType
 from typing import Annotated as A
-from typing import ClassVar, get_type_hints
+from typing import ClassVar, get_args, get_origin, get_type_hints
 
 from hsx.bounds import Bound, Bounds, Flag
 from hsx.errors import OptionError
@@ -105,8 +106,11 @@ class JobOptions:
     def __post_init__(self) -> None:
         """Refuse what cannot be meant, before anything is read or written."""
         self.BOUNDS.check(self)
+        hints = get_type_hints(type(self))
         for f in fields(self):
             value = getattr(self, f.name)
+            if lone_item(hints[f.name], value):  # iterated, it would be read letter by letter
+                raise OptionError(f"{flag_name(type(self), f.name)} takes a list of values, not the one {value!r}")
             for v in value if isinstance(value, list) else [value]:
                 if isinstance(v, str | Path) and not str(v).strip():  # Path("") is "." and cannot be told
                     raise OptionError(f"{flag_name(type(self), f.name)} takes a value, not {v!r}")
@@ -136,6 +140,14 @@ class JobOptions:
 
     def telemetry(self, metrics: Callable[[], dict]) -> Telemetry:
         return Telemetry(self.out, metrics, self.metrics_port, self.metrics_textfile)
+
+
+def lone_item(hint: object, value: object) -> bool:
+    """Whether ``value`` is one str or path given (from Python) where the field takes a list of
+    them, and no lone value: ``consumer="ab"`` was read as two consumers, ``a`` and ``b``."""
+    args = get_args(hint) if isinstance(hint, UnionType) else (hint,)
+    alone = any(isinstance(value, a) for a in args if isinstance(a, type))
+    return isinstance(value, str | Path) and not alone and any(get_origin(a) is list for a in args)
 
 
 def template_kwargs(text: str | None) -> dict | None:
