@@ -191,3 +191,11 @@ def test_node_bench_runs_a_stage_with_its_experts_expanded_a_slice_at_a_time(tmp
     )
     assert "device: 1.0 GB, 0.9 GB usable (5% headroom): fits" in out
     assert "node (2 GPUs, PP2 x TP1+EP1: hand-offs" in out
+    # the same stage with bf16 experts, the INT4 stage's reference (one layer built): nothing packed
+    node.main([
+        "--model", str(tmp_path), "--device", "cpu", "--ranks", "1", "--pipeline", "2", "--p2p-gbps", "25",
+        "--experts", "bf16", "--layers", "1", "--samples", "6", "--mean-len", "24", "--min-len", "8",
+        "--max-len", "48", "--batch-tokens", "96", "--warm-up", "1",
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "rank model: 1 of 3 layers, experts bf16" in out and "node (2 GPUs, PP2 x TP1+EP1" in out

@@ -316,8 +316,8 @@ class RunSpec(BaseModel):
 
     @model_serializer(mode="wrap")
     def _drafts_where_asked(self, handler) -> dict:
-        """``layers_formula`` and ``final_norm`` only where a run asked for them: a run given ids and
-        the post-norm final state is written as before."""
+        """``layers_formula``, ``final_norm`` and ``expert_slice_gb`` only where a run asked for them:
+        a run given ids, the post-norm final state and whole-layer expansion is written as before."""
         out = handler(self)
         return {k: v for k, v in out.items() if k not in DRAFT_DEFAULTS or v != DRAFT_DEFAULTS[k]}
 

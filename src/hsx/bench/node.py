@@ -114,7 +114,9 @@ def rank_config(text: dict, ranks: int, layers: int, dense: int | None = None):
 
 def build_rank(config, experts: str, device: torch.device):
     """The rank's model, random weights, its routed experts INT4-packed (one layer quantized, copied to
-    every layer: the same bytes and work) or block FP8 (``to_block_fp8``)."""
+    every layer: the same bytes and work), block FP8 (``to_block_fp8``) or bf16 parameters as
+    transformers holds unquantized experts (the INT4 stage's reference: ``--layers`` small enough to
+    hold them)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MLP
 
     from hsx.capture.quantized import experts as jit
@@ -298,8 +300,9 @@ def stage_memory(args, model, built: int, total: int, peak: int) -> list[str]:
     inventory = Inventory.of(Path(args.model))
     if inventory is None:
         raise SystemExit(f"error: {args.model}: no weights, and no DeepSeek-V3 shapes in config.json to count")
+    form = "dequantized" if args.experts == "bf16" else "packed"  # bf16: as if expanded at load
     layout = Layout(
-        args.ranks, args.ranks, "packed", "bfloat16", args.batch_tokens, args.max_len,
+        args.ranks, args.ranks, form, "bfloat16", args.batch_tokens, args.max_len,
         pipeline=args.pipeline, slice_gb=args.expert_slice_gb,
     )  # fmt: skip
     counted = inventory.estimate(layout)
@@ -328,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ranks", type=int, default=8, help="GPUs of a replica, or of each pipeline stage: TP = EP")
     p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (the node has pipeline x ranks GPUs)")
     p.add_argument("--layers", type=int, default=0, help="build this many layers and scale (0: all)")
-    p.add_argument("--experts", choices=("int4", "fp8"), default="int4")
+    p.add_argument("--experts", choices=("int4", "fp8", "bf16"), default="int4", help="bf16: unquantized experts")
     p.add_argument("--samples", type=int, default=64, help="samples timed (warm-up batches excluded)")
     p.add_argument("--mean-len", type=int, default=2200)
     p.add_argument("--min-len", type=int, default=256)
