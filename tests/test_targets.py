@@ -288,3 +288,21 @@ def test_the_spec_records_each_models_own_conventions(built):
     label = final_state(built("inkling_text")[0], "post")
     assert label == f"{FINAL_STATE}, divided by logits_mup_width_multiplier 24: the LM head's input"
     assert final_norm_of({"final_state": label}) == "post"
+
+
+def test_inklings_final_state_is_its_lm_heads_input_for_the_fidelity_check_and_exports(built):
+    """Inkling divides the normed state by logits_mup_width_multiplier before its head: the state
+    hsx stores, put through the head the fidelity check uses, gives the model's own logits, and the
+    norm exports derive it with (read from the checkpoint) gives it from the pre-norm state."""
+    from hsx.finalnorm import locate
+
+    path, model = built("inkling_text")
+    seqs = [np.random.default_rng(5).integers(0, VOCAB, 12)]
+    post = TransformersBackend.load(path, [], "float32", "cpu")
+    pre = TransformersBackend.load(path, [], "float32", "cpu", prenorm=True)
+    final, prenorm = post.capture([0], seqs).sample(0)[1], pre.capture([0], seqs).sample(0)[1]
+    with torch.inference_mode():
+        logits = model(torch.as_tensor(seqs[0])[None].long()).logits[0]
+        torch.testing.assert_close(post.head.lm_head(final), logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(pre.head.lm_head(pre.head.norm(prenorm)), logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(locate(path).apply(prenorm), final, rtol=1e-5, atol=1e-6)

@@ -138,6 +138,8 @@ def parallel_refusal(config: dict, tensor: int, expert: int, pipeline: int = 1) 
     layers = target.decoder_layers(config)
     if pipeline > 1 and pipeline > layers:
         return f"{pipeline} pipeline stages need as many decoder layers, and the model has {layers}"
+    if pipeline > 1 and config.get("hc_mult"):
+        return "hsx does not split a model with hyper-connection streams (DeepSeek-V4, GLM-5-next) into pipeline stages"
     if expert not in (1, tensor):
         return f"the expert-parallel size must be 1 or the tensor-parallel size ({tensor}), not {expert}"
     for key in ("num_attention_heads", "num_key_value_heads"):
