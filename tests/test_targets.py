@@ -90,6 +90,9 @@ def tiny_config(model_type: str, layers: int = 4):
             small[k] = 4
     if (getattr(text, "pad_token_id", None) or 0) >= VOCAB:
         small["pad_token_id"] = 0
+    kinds = getattr(text, "layer_types", None)
+    if isinstance(kinds, list):  # enough layers for every kind of the release's to be among them
+        layers = max(layers, next(n for n in range(1, len(kinds) + 1) if set(kinds[:n]) == set(kinds)))
     field = "num_layers" if model_type == "longcat_flash" else "num_hidden_layers"
     small[field] = layers
     for k in LAYER_LISTS:
@@ -128,7 +131,7 @@ def compare(got: torch.Tensor, want: torch.Tensor, moe: bool, what: str) -> None
         assert torch.allclose(got[keep], want[keep], rtol=RTOL, atol=RTOL * want.abs().max().item()), what
 
 
-TAPS = [0, 1, 2]  # of 4 decoder layers: hidden_states[k + 1] (the last layer's is after the final norm)
+TAPS = [0, 1, 2]  # of 4 or more decoder layers: hidden_states[k + 1] (the last layer's is after the final norm)
 
 
 def supported() -> list[tuple[str, bool]]:
@@ -244,7 +247,7 @@ def test_gpt_oss_and_longcat_flash_run_through_the_command_line(built, data, tmp
         assert len(list((tmp_path / model_type / "shards").rglob("*.safetensors"))) == 3
 
 
-def test_a_model_with_no_causal_lm_class_is_refused_before_anything_is_written(tmp_path, data):
+def test_a_model_hsx_cannot_load_is_refused_before_anything_is_written(tmp_path, data):
     """A checkpoint transformers has no causal-LM class for, nor a text model of a composite (a
     vision encoder): refused by name before anything is written (GLM-5-next's AutoModelForCausalLM
     failure came after the spec and plan were written)."""
@@ -261,6 +264,10 @@ def test_a_model_with_no_causal_lm_class_is_refused_before_anything_is_written(t
     said = _refusal(model, tmp_path / "run", data)
     assert "has no causal-LM class for model type 'vit'" in said, said
     assert written(tmp_path / "run") == []
+    (model / "config.json").write_text('{"model_type": "llama", "hidden_size": ')  # cut short
+    said = _refusal(model, tmp_path / "cut", data)
+    assert f"{model}/config.json: transformers" in said and "cannot read it" in said, said
+    assert written(tmp_path / "cut") == []
 
 
 def test_glm5_next_runs_its_language_model_alone_through_the_command_line(built, data, tmp_path):

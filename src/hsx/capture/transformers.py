@@ -190,7 +190,7 @@ def _causal_lm_class(config, trust_remote_code: bool):
     return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
 
 
-def refuse_unloadable(model_dir: Path, trust_remote_code: bool) -> None:
+def refuse_unloadable(model_dir: Path, trust_remote_code: bool, device: str = "cpu", dtype: str = "float32") -> None:
     """Refuse, before a run is made of it, a model this backend cannot load: a config.json
     transformers cannot read, or a model type with no causal-LM class, unless the repository's own
     code is allowed to run. A composite whose text config names a causal LM (Kimi-K2.5) is its
@@ -201,7 +201,7 @@ def refuse_unloadable(model_dir: Path, trust_remote_code: bool) -> None:
     from hsx.errors import UnsupportedModel
 
     try:
-        native = checkpoint.plan(model_dir, "cpu").config
+        native = checkpoint.plan(model_dir, device, dtype).config  # as ``load`` reads it
         found = _causal_lm_class(native or model_dir, trust_remote_code)
     except UnsupportedModel:
         raise

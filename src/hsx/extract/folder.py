@@ -108,23 +108,31 @@ def write_rejects(run: Path, rejects: list) -> None:
     write_durable(run / layout.REJECTS, "".join(json.dumps(r.to_json()) + "\n" for r in rejects).encode())
 
 
+def refuse_model(opts: ExtractOptions, model: Model) -> None:
+    """A new run's model the transformers backend cannot load (its config unreadable, no causal LM
+    of it), refused by name before anything is written (``capture.transformers.refuse_unloadable``)."""
+    from hsx.capture.transformers import refuse_unloadable, resolve_dtype
+
+    if (opts.backend or "transformers") == "transformers":
+        device = opts.resources().device
+        refuse_unloadable(model.dir, opts.trust_remote_code, device, resolve_dtype(given(opts, "dtype"), device))
+
+
 def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None]) -> RunSpec:
     """A new run (``job.stage.open_run``: its folder checked, the spec saved last): read and tokenize the
     data into the frozen plan, write the rejects; its spec."""
     from hsx.capture import check_layers
-    from hsx.capture.transformers import refuse_unloadable, resolve_dtype
+    from hsx.capture.transformers import resolve_dtype
 
     generated = _generated_input(opts)
     opts.refuse_unused(opts.backend or "transformers", generated is not None)
     for path in opts.data if generated is None else []:
         check_source(path, opts.split, opts.column)
-    if (opts.backend or "transformers") == "transformers":  # a model it cannot load: refused before any write
-        refuse_unloadable(job_model.dir, opts.trust_remote_code)
+    device = opts.resources().device
+    dtype = resolve_dtype(given(opts, "dtype"), device)
     model_dir, tokenizer, model = job_model.dir, job_model.tokenizer, job_model.identity
     taps = drafts.resolve(opts.layers, model.num_layers)
     check_layers(taps.ids, model.num_layers)
-    device = opts.resources().device
-    dtype = resolve_dtype(given(opts, "dtype"), device)
     packed = resolve_packing(opts.packing, device, target.load_config(model_dir), dtype, log)
     backend = opts.backend or "transformers"
     final_norm = given(opts, "final_state")

@@ -30,6 +30,9 @@ class Extract(Stage[ExtractOptions, RunSpec, ExtractSummary]):
     def create(self, opts: ExtractOptions, model: Model, log: Log) -> RunSpec:
         return folder.create_run(opts, model, log)
 
+    def refuse_model(self, opts: ExtractOptions, model: Model) -> None:
+        folder.refuse_model(opts, model)
+
     def load(self, run: Path) -> RunSpec:
         return load_spec(run)
 

@@ -103,14 +103,16 @@ def crashed(opts: JobOptions, error: Exception, log: list[str]) -> Crashed:
     message: what failed, where, and that a resume as it stands meets it again."""
     failure = Failure.of(error, opts.command(), log)
     where = f" at {failure.where}" if failure.where else ""
-    recorded = "."
+    recorded = ""
     if opts.out.is_dir():
         path = record_failure(opts, error, log)
-        recorded = f"; the traceback and the log's last lines are in {path}"
+        recorded = (
+            f"; the traceback and the log's last lines are in {path} (hsx status {opts.out} reports it until "
+            "a session completes)"
+        )
     return Crashed(
-        f"hsx {opts.COMMAND} failed unexpectedly: {failure.reason}{where}{recorded}. "
-        "This is a bug in hsx or a model it cannot run: a resume as it stands is likely to fail the same way "
-        f"(hsx status {opts.out} reports it until a session completes)"
+        f"hsx {opts.COMMAND} failed unexpectedly: {failure.reason}{where}{recorded}. This is a bug in hsx or "
+        "a model it cannot run: the same command as it stands is likely to fail the same way"
     )
 
 

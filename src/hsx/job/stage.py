@@ -97,6 +97,10 @@ class Stage(ABC, Generic[Opts, S, R]):
     def differences(self, spec: S, asked: dict) -> list[str]:
         """One line per setting asked for that the run does not have."""
 
+    def refuse_model(self, opts: Opts, model: Model) -> None:
+        """A new run's model that the stage cannot run, refused by name before anything is written
+        (its tokenizer is read next)."""
+
     def opened(self, opts: Opts, spec: S, log: Log) -> S:
         """After the drift check, before the lock: the spec the job goes on with."""
         return spec
@@ -158,6 +162,7 @@ def open_run(stage: Stage[Opts, S, R], opts: Opts, model: Model, log: Log) -> S:
     lock), so neither overwrites the other's spec or plan (invariant 4). The session takes it again."""
     if not (opts.out / layout.SPEC).exists():
         require_start(opts)
+        stage.refuse_model(opts, model)
         # the tokenizer loaded and the template asked for found, or refused by name, before anything is written
         named_templates(model.tokenizer, opts.chat_template)
         opts.out.mkdir(parents=True, exist_ok=True)  # where the lock lives; an empty folder is no run
