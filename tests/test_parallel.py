@@ -285,6 +285,7 @@ def test_kill9_of_the_launcher_or_of_a_rank_then_resume_is_byte_identical(dense_
             _, err = proc.communicate(timeout=HANG_GUARD_S)
             assert proc.returncode == Exit.ACT, err
             assert f"rank 1 (pid {pids[1]}) killed by SIGKILL" in err
+            assert f"samples are done and durable; once the cause is fixed, resume with: hsx extract --out {out}" in err
         _wait("every rank's exit", lambda p=pids: _gone(p), seed)  # no rank outlives its launcher
         on_disk = _sample_files(out)
         assert set(verified_files(out)) == on_disk, f"seed {seed}: a partial file has a sample's name"

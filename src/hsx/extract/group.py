@@ -44,6 +44,7 @@ from hsx.extract.options import ExtractOptions, check_gpus
 from hsx.extract.outcome import Outcome
 from hsx.extract.pipeline import open_backend
 from hsx.extract.summary import ExtractSummary
+from hsx.job.options import resume_command
 from hsx.launch import local_ranks
 from hsx.plan import load_plan
 from hsx.spec import RunSpec
@@ -117,15 +118,23 @@ def run_group(
         results = entry(
             lead, follow or _follow, lead_rank, str(run), model, on, spec.model_dump_json(), payload, os.getpid()
         )
-    except ChildFailedError as e:
-        raise WorkerFailed(f"the group of {n} ranks ({spec.parallel}) failed: {_failures(e)}") from None
+    except ChildFailedError as e:  # the agent stopped every other rank; what they wrote is durable
+        raise WorkerFailed(
+            f"the group of {n} ranks ({spec.parallel}) failed: {_failures(e)}; {_durable(run, spec)}; "
+            f"once the cause is fixed, resume with: {resume_command(run, model)}"
+        ) from None
     except SignalException as e:  # SIGTERM to the launcher: the agent stopped every rank, which stop cleanly
         registry.clear_group(run)  # no rank is left of it
         stop = errors.Terminated() if e.sigval == signal.SIGTERM else KeyboardInterrupt()
-        done = sum(len(s.good) for s in scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False))
-        stop.add_note(f"{done}/{spec.plan.num_samples} samples are done and durable")
+        stop.add_note(_durable(run, spec))
         raise stop from None
     return results[lead_rank]
+
+
+def _durable(run: Path, spec: RunSpec) -> str:
+    """How many of the run's samples are on disk and good, in words: what a stopped group leaves."""
+    done = sum(len(s.good) for s in scan_run(run, spec.plan.num_samples, spec.shard_size, deep=False))
+    return f"{done}/{spec.plan.num_samples} samples are done and durable"
 
 
 def rank_main(
