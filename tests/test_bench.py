@@ -54,6 +54,10 @@ def test_bench_measures_every_variant_in_one_run(tmp_path):
     assert rows["fidelity check (packed, compiled)"][0] == rows["forward only (packed, compiled)"][0]
     cost = next(line for line in proc.stdout.splitlines() if line.startswith("fidelity check (packed, compiled): "))
     assert "% of the forward pass" in cost
+    # --teacher topk:64 beside it: the head on every masked token, the same batches, timed apart
+    assert rows["teacher topk:64 (packed, compiled)"][0] == rows["forward only (packed, compiled)"][0]
+    taught = next(line for line in proc.stdout.splitlines() if line.startswith("teacher topk:64 (packed, compiled): "))
+    assert "% of the forward pass" in taught and "tokens given their top-64" in taught
     waits = [line for line in proc.stdout.splitlines() if "the forward pass waited" in line]
     assert len(waits) == 5 and all(line.startswith("hsx extract (") for line in waits)
     # the codecs next to raw, on the same batches: stored / raw bytes, tok/s, encode MB/s (1 core, N threads)

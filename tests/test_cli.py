@@ -94,7 +94,7 @@ def test_extract_refuses_an_option_out_of_range_before_anything_is_written(tmp_p
         (("vocab", "RUN", "--size", "0"), "--size takes an integer >= 1 and <= 10000000, not 0"),
         (
             ("export", "RUN", "DEST", "--to", "eagle"),
-            "--to takes specforge, speculators, modelopt or deepspec, not 'eagle'",
+            "--to takes specforge, speculators, modelopt, deepspec or automodel, not 'eagle'",
         ),
         (("export", "RUN", "DEST", "--to", "specforge", "--draft-vocab", "0"), "--draft-vocab takes an integer >= 1"),
         (("bench", "--samples", "0"), "--samples takes an integer >= 1 and <= 10000000, not 0"),
@@ -480,7 +480,7 @@ def test_help_shows_defaults_and_choices_and_fits_80_columns(command):
             "(an integer >= 1 and <= 1000000)",
         ],
         "status": ["--threads N", "[default: 8]"],
-        "export": ["--to [specforge|speculators|modelopt|deepspec]", "[default: (the model's config)]"],
+        "export": ["--to [specforge|speculators|modelopt|deepspec|automodel]", "[default: (the model's config)]"],
         "vocab": ["[default: (OUT/vocab)]", "[default: 32000]"],
         "bench": ["--compile [auto|on|off]", "[default: auto]"],
         "generate": [

@@ -131,7 +131,7 @@ class Bounds:
 VOCAB = Bound(min=1, max=10**7)  # a vocabulary's size
 # ``hsx export``'s (here, not beside ``ExportOptions``: the command line reads them without torch)
 EXPORT = Bounds(
-    to=Bound(choices=("specforge", "speculators", "modelopt", "deepspec")),
+    to=Bound(choices=("specforge", "speculators", "modelopt", "deepspec", "automodel")),
     draft=Bound(choices=DRAFT_TYPES),
     draft_vocab=VOCAB,
     target_vocab=VOCAB,

@@ -35,9 +35,10 @@ from hsx.plan import Plan, batches_for, load_plan
 from hsx.spec import RunSpec, load_spec
 from hsx.store import layout
 from hsx.store.codec import Codec
-from hsx.store.format import BadFile, Expected, check, decode, read_checked
+from hsx.store.format import TEACHER, BadFile, Expected, check, decode, read_checked
 from hsx.store.scan import scan_run
 from hsx.store.writer import any_consumed, read_consumed
+from hsx.teacher import spread
 
 
 def read_verified(
@@ -126,7 +127,8 @@ class HsxDataset(Dataset):
     """A run's samples as dicts of tensors: ``input_ids`` and ``loss_mask`` int64 [T],
     ``aux_hidden_states`` [T, L*H] (absent where the run has no taps: ``--layers mtp``),
     ``hidden_states`` [T, H] (after the final norm, or before it where ``final_norm`` says
-    ``pre``: the run's ``--final-state``), ``sample_id``.
+    ``pre``: the run's ``--final-state``), ``sample_id``; a ``--teacher`` run's ``store.format.TEACHER``
+    tensors, one row per masked position (``collate_padded``/``collate_packed`` place them by position).
 
     ``ids`` restricts (and orders) the samples; by default every sample with a good file (header
     and size checked; ``deep``: its digest too, one parallel pass over the run before serving)
@@ -206,11 +208,16 @@ def load_sample(
         "sample_id": sid,
         "input_ids": t["input_ids"].to(torch.int64),
         "loss_mask": t["loss_mask"].to(torch.int64),
-        **{k: t[k] for k in STATE_KEYS if k in t},
+        **{k: t[k] for k in (*STATE_KEYS, *TEACHER) if k in t},
     }
 
 
 STATE_KEYS = ("aux_hidden_states", "hidden_states", "aux_hidden_states_scale", "hidden_states_scale")
+
+
+def _per_token(sample: dict) -> dict:
+    """A sample's teacher rows (one per masked position) spread over its tokens, zeros elsewhere."""
+    return {k: spread(sample[k], sample["loss_mask"]) for k in TEACHER if k in sample}
 
 
 # ---------------------------------------------------------------- batching and sharding
@@ -283,16 +290,18 @@ def shard_indices(n: int, rank: int, world_size: int, seed: int | None = None) -
 
 
 def collate_padded(samples: list[dict], pad_id: int = 0) -> dict:
-    """Right-padded batch: ``input_ids``/``loss_mask``/``attention_mask`` [B, T], states [B, T, *]."""
+    """Right-padded batch: ``input_ids``/``loss_mask``/``attention_mask`` [B, T], states [B, T, *];
+    a ``--teacher`` run's rows at their masked positions, [B, T, *] (zeros where ``loss_mask`` is 0)."""
     lengths = torch.tensor([s["input_ids"].shape[0] for s in samples], dtype=torch.int64)
     T, B = int(lengths.max()), len(samples)
+    samples = [s | _per_token(s) for s in samples]
     first = samples[0]
-    states = [k for k in STATE_KEYS if k in first]
+    states = [k for k in (*STATE_KEYS, *TEACHER) if k in first]
     out = {
         "input_ids": torch.full((B, T), pad_id, dtype=torch.int64),
         "loss_mask": torch.zeros(B, T, dtype=torch.int64),
         "attention_mask": torch.zeros(B, T, dtype=torch.int64),
-        **{k: first[k].new_zeros(B, T, first[k].shape[-1]) for k in states},
+        **{k: first[k].new_zeros(B, T, *first[k].shape[1:]) for k in states},
     }
     for b, s in enumerate(samples):
         n = int(lengths[b])
@@ -306,14 +315,16 @@ def collate_padded(samples: list[dict], pad_id: int = 0) -> dict:
 
 def collate_packed(samples: list[dict]) -> dict:
     """All samples in one row [1, sum T], no padding: ``position_ids`` restart per sample,
-    ``document_ids`` give each token's sample (0..B-1), ``cu_seqlens`` [B+1] int32 for varlen attention."""
+    ``document_ids`` give each token's sample (0..B-1), ``cu_seqlens`` [B+1] int32 for varlen attention;
+    a ``--teacher`` run's rows at their masked positions, [1, sum T, *] (zeros elsewhere)."""
     lengths = torch.tensor([s["input_ids"].shape[0] for s in samples], dtype=torch.int64)
+    samples = [s | _per_token(s) for s in samples]
     cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lengths, 0)
     return {
         "input_ids": torch.cat([s["input_ids"] for s in samples])[None],
         "loss_mask": torch.cat([s["loss_mask"] for s in samples])[None],
-        **{k: torch.cat([s[k] for s in samples])[None] for k in STATE_KEYS if k in samples[0]},
+        **{k: torch.cat([s[k] for s in samples])[None] for k in (*STATE_KEYS, *TEACHER) if k in samples[0]},
         "position_ids": torch.cat([torch.arange(int(n)) for n in lengths])[None],
         "document_ids": torch.repeat_interleave(torch.arange(len(samples)), lengths)[None],
         "cu_seqlens": cu,
@@ -490,8 +501,10 @@ class StreamDataset(IterableDataset):
 
 def describe(run: str | Path) -> dict:
     """What a trainer needs to size its model from a run, without opening a sample file.
-    ``num_samples`` is the plan's; ``len(HsxDataset(run))`` is how many are served now."""
+    ``num_samples`` is the plan's; ``len(HsxDataset(run))`` is how many are served now. ``teacher``:
+    what a ``--teacher`` run stores at each masked position (``kind`` and ``k`` or ``vocab_size``)."""
     spec = load_spec(Path(run))
+    teacher = None if spec.teacher is None else spec.teacher.model_dump(exclude={"masked_share"}, exclude_defaults=True)
     return {
         "hidden_size": spec.model.hidden_size,
         "num_layers": spec.model.num_layers,
@@ -499,4 +512,5 @@ def describe(run: str | Path) -> dict:
         "final_norm": spec.final_norm,
         "dtype": spec.dtype,
         "num_samples": spec.plan.num_samples,
+        "teacher": teacher,
     }

@@ -96,8 +96,9 @@ def bytes_per_token(taps: int, hidden: int, itemsize: int) -> int:
     return (taps + 1) * hidden * itemsize + 8 + 1
 
 
-def storage_lines(num_layers: int, hidden: int, dtype: str) -> list[str]:
-    """What a sample costs on disk for each draft preset of this model (``hsx memory``)."""
+def storage_lines(num_layers: int, hidden: int, dtype: str, teacher: int = 0) -> list[str]:
+    """What a sample costs on disk for each draft preset of this model (``hsx memory``); ``teacher``:
+    the bytes of a ``--teacher`` row, which each loss-masked token adds."""
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     presets = ("eagle3", f"dflash:{DFLASH_TAPS}", "mtp")
     taps = {p: resolve(p, num_layers).ids for p in presets}
@@ -108,4 +109,6 @@ def storage_lines(num_layers: int, hidden: int, dtype: str) -> list[str]:
         what = f"{len(taps[p])} taps {taps[p]} + the final state" if taps[p] else "the final state alone"
         size = f"{n:,} bytes, {n * 1000 / 1e6:,.1f} MB per 1,000 tokens ({n / base:.2f}x eagle3)"
         out.append(f"  --layers {p}: {what}: {size}")
+    if teacher:
+        out.append(f"  --teacher: {teacher:,} bytes per loss-masked token ({teacher / base:.2f}x eagle3's per token)")
     return out

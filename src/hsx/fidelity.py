@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -92,6 +92,18 @@ class Head:
     lm_head: Callable[[torch.Tensor], torch.Tensor]
     vocab: int  # the logits' width
 
+    def logits(self, final: torch.Tensor, at: torch.Tensor, normed: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
+        """The head's logits, in its dtype, at rows ``at`` (device int64) of ``final`` [R, T, H] seen
+        as [R*T, H], in chunks of at most ``LOGITS_BYTES`` of float32: (first row, [n, vocab]).
+        ``normed``: the states are after the final norm (else it is applied first). What the
+        fidelity check and the stored teacher (``hsx.teacher``) both read."""
+        states = final.reshape(-1, final.shape[-1]).index_select(0, at)
+        if not normed:
+            states = self.norm(states)
+        chunk = max(1, LOGITS_BYTES // (4 * self.vocab))
+        for lo in range(0, states.shape[0], chunk):
+            yield lo, self.lm_head(states[lo : lo + chunk])
+
     @classmethod
     def of_model(cls, model, norm: torch.nn.Module) -> Head:
         """A loaded transformers model's own head (sharded over a tensor-parallel group, it gathers
@@ -107,7 +119,7 @@ class Head:
         from hsx.finalnorm import locate as locate_norm
 
         lm = LanguageModel.of(model_dir)
-        weight = _read(lm, _head_name(lm)).to(device, dtype)
+        weight = read_weight(lm, _head_name(lm)).to(device, dtype)
         return cls(locate_norm(model_dir).apply, lambda x: x @ weight.T, int(weight.shape[0]))
 
 
@@ -121,7 +133,8 @@ def _head_name(lm: LanguageModel) -> str:
     return found
 
 
-def _read(lm: LanguageModel, name: str) -> torch.Tensor:
+def read_weight(lm: LanguageModel, name: str) -> torch.Tensor:
+    """One unquantized weight of the checkpoint, read alone (``NormUnavailable`` where it is quantized)."""
     from safetensors import safe_open
 
     path, entry = lm.weights[name]
@@ -152,21 +165,14 @@ def measure(
     if not sum(len(c) for c in checks):
         return out
     seg = np.repeat(np.arange(len(checks)), [len(c) for c in checks])
-    at = np.concatenate([r * final.shape[1] + o + c for r, o, c in zip(rows, offsets, checks, strict=True)])
+    at = flat_rows(rows, offsets, final.shape[1], checks)
     nxt = np.concatenate([s[c + 1] for s, c in zip(sequences, checks, strict=True)])
-    index = torch.from_numpy(np.stack([at, nxt, seg]).astype(np.int64))
-    if final.device.type == "cuda":
-        index = index.pin_memory()
-    index = index.to(final.device, non_blocking=True)
+    index = to_device(np.stack([at, nxt, seg]), final.device)
     # each token's sample as a [samples, tokens] matrix: the sums are a product, in a fixed order
     # (index_add_ adds with atomics on CUDA, in no fixed order, and the figure is part of the file)
     owner = (index[2][None, :] == torch.arange(len(checks), device=final.device)[:, None]).double()
-    states = final.reshape(-1, final.shape[-1]).index_select(0, index[0])
-    if not normed:
-        states = head.norm(states)
-    chunk = max(1, LOGITS_BYTES // (4 * head.vocab))
-    for lo in range(0, states.shape[0], chunk):
-        logits = head.lm_head(states[lo : lo + chunk])
+    for lo, logits in head.logits(final, index[0], normed):
+        chunk = logits.shape[0]
         share = tie or NEAR_TIE.get(str(logits.dtype).removeprefix("torch."), NEAR_TIE["bfloat16"])
         logits = logits.float()
         top = logits.amax(-1)
@@ -177,6 +183,23 @@ def measure(
         per = torch.stack([torch.ones_like(top), agreed.float(), near.float(), logprob], 1).double()
         out += owner[:, lo : lo + chunk] @ per
     return out
+
+
+def flat_rows(rows: Sequence[int], offsets: Sequence[int], width: int, positions: Sequence[np.ndarray]) -> np.ndarray:
+    """Each sample's ``positions`` as rows of its batch's states seen as [R*T, H] (sample i at row
+    ``rows[i]``, from token ``offsets[i]``, rows ``width`` tokens long), concatenated in order."""
+    parts = [r * width + o + np.asarray(p) for r, o, p in zip(rows, offsets, positions, strict=True)]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def to_device(index: np.ndarray, device: torch.device) -> torch.Tensor:
+    """An int64 index on the device, its copy not blocking the host (pinned first on CUDA)."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def figures(measured: torch.Tensor) -> list[Figure]:

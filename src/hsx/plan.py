@@ -609,6 +609,11 @@ class Plan:
     def __len__(self) -> int:
         return len(self.lengths)
 
+    @property
+    def masked_share(self) -> float:
+        """Loss-masked tokens per token, over the whole plan."""
+        return float(np.count_nonzero(self._mask_flat)) / max(len(self._mask_flat), 1)
+
     def input_ids(self, i: int) -> np.ndarray:
         return self._ids_flat[self._offsets[i] : self._offsets[i + 1]]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import getpass
 import json
+import math
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ class TokenizerIdentity(BaseModel):
 
 OPTIONAL_DATA = ("split", "limit", "column")  # a DataFile's fields written only where given
 # RunSpec's fields written only where not these
-DRAFT_DEFAULTS = {"layers_formula": None, "final_norm": "post", "expert_slice_gb": None}
+DRAFT_DEFAULTS = {"layers_formula": None, "final_norm": "post", "expert_slice_gb": None, "teacher": None}
 
 
 class DataFile(BaseModel):
@@ -210,6 +211,36 @@ class FidelityCheck(BaseModel):
         return f"{1 - self.drop:.0%} of the run's baseline {baseline:.1%}"
 
 
+class TeacherSpec(BaseModel):
+    """``--teacher``: the target's own next-token distribution stored beside its states
+    (``hsx.teacher``), one row per loss-masked position. ``topk``: its ``k`` largest
+    log-probabilities over the full vocabulary and their token ids; ``draft-vocab``: its
+    probabilities over the ``vocab_size`` token ids of a draft vocabulary (the run keeps them:
+    ``layout.TEACHER_VOCAB``, ``vocab_digest`` its digest) and the full vocabulary's argmax.
+    ``masked_share``: the plan's loss-masked tokens per token, which the space forecast counts."""
+
+    kind: Literal["topk", "draft-vocab"]
+    k: int = 0
+    vocab_size: int = 0
+    vocab_digest: str | None = None
+    masked_share: float = 1.0
+
+    def row_bytes(self, itemsize: int) -> int:
+        """Bytes one masked token's row takes: int32 ids and values in the run's dtype."""
+        return self.k * (4 + itemsize) if self.kind == "topk" else self.vocab_size * itemsize + 4
+
+    def same_choice(self, other: TeacherSpec) -> bool:
+        """The same distribution stored (the plan's share aside)."""
+        return (self.kind, self.k, self.vocab_size, self.vocab_digest) == (
+            other.kind, other.k, other.vocab_size, other.vocab_digest,
+        )  # fmt: skip
+
+    def __str__(self) -> str:
+        if self.kind == "topk":
+            return f"top-{self.k} log-probabilities over the full vocabulary"
+        return f"probabilities over a draft vocabulary of {self.vocab_size} ({self.vocab_digest})"
+
+
 @dataclass(frozen=True)
 class Footprint:
     """What a run's files take on disk, as the space forecast and the store's scan need it:
@@ -290,11 +321,16 @@ class RunSpec(BaseModel):
     plan: PlanIdentity
     fidelity: FidelityCheck | None = None  # None: a run made before hsx checked fidelity checks nothing
     window: Window | None = None  # pause while what the named consumers have not released exceeds it
+    teacher: TeacherSpec | None = None  # the target's distribution stored beside its states (--teacher)
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token costs on disk: L aux states + the final state + input id + mask."""
-        return bytes_per_token(len(self.layers), self.model.hidden_size, self.state_itemsize)
+        """Bytes one token costs on disk: L aux states + the final state + input id + mask, and the
+        teacher's row at the plan's share of masked tokens (rounded up)."""
+        base = bytes_per_token(len(self.layers), self.model.hidden_size, self.state_itemsize)
+        if self.teacher is None:
+            return base
+        return base + math.ceil(self.teacher.row_bytes(self.state_itemsize) * self.teacher.masked_share)
 
     @property
     def state_itemsize(self) -> int:
@@ -316,8 +352,9 @@ class RunSpec(BaseModel):
 
     @model_serializer(mode="wrap")
     def _drafts_where_asked(self, handler) -> dict:
-        """``layers_formula``, ``final_norm`` and ``expert_slice_gb`` only where a run asked for them:
-        a run given ids, the post-norm final state and whole-layer expansion is written as before."""
+        """``layers_formula``, ``final_norm``, ``expert_slice_gb`` and ``teacher`` only where a run asked
+        for them: a run given ids, the post-norm final state and whole-layer expansion, storing no
+        teacher, is written as before."""
         out = handler(self)
         return {k: v for k, v in out.items() if k not in DRAFT_DEFAULTS or v != DRAFT_DEFAULTS[k]}
 
@@ -497,7 +534,7 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
     ``layers``, ``dtype``, ``max_length``, ``batch_tokens``, ``shard_size``, ``data`` (DataFiles),
     ``backend``, ``packed``, ``compiled``, ``codec``, ``parallel``, ``quantized_compute``, ``expert_slice_gb``,
     ``template_kwargs``, ``column``, ``split`` and ``limit`` (asked without ``data``; with it, the data's own),
-    ``fidelity_stride``.
+    ``fidelity_stride``, ``teacher`` (a ``TeacherSpec``).
     """
     out = []
     if (m := asked.get("model")) is not None:
@@ -511,6 +548,10 @@ def differences(stored: JobSpec, asked: dict) -> list[str]:
         if t.chat_template != stored.tokenizer.chat_template:
             out.append("chat template differs")
     out += setting_differences(stored, asked, SETTINGS)
+    if (v := asked.get("teacher")) is not None:
+        have = getattr(stored, "teacher", None)
+        if have is None or not have.same_choice(v):
+            out.append(f"teacher: the run stores {have or 'no teacher'}, asked for {v}")
     if (v := asked.get("fidelity_stride")) is not None:
         have = getattr(stored, "fidelity", None)
         if have is None or v != have.stride:

@@ -6,8 +6,9 @@ the writer at once; a writer thread waits on the event before hashing, and the s
 the ring when its last sample is written. The compute stream never waits for the disk unless
 every slot is still being written (backpressure, bounded host memory).
 On CPU: the captured tensors already live in host memory; samples are views of them.
-A batch's fidelity figures (``CapturedBatch.fidelity``), where measured, come over with its states,
-behind the same fence.
+A batch's fidelity figures (``CapturedBatch.fidelity``), where measured, and its teacher rows
+(``CapturedBatch.teacher``), where the run stores them, come over with its states, behind the same
+fence (the rows in pinned buffers of their own: they are small next to the states).
 
 With the fp8 codec the ring carries encoded states: each batch is quantized on the device, on the
 side stream, before its copy (``codec.encode_early``), so the copy and the pinned slots hold half the
@@ -26,6 +27,7 @@ import torch
 
 from hsx.capture import CapturedBatch
 from hsx.store.codec import Codec, Encoded, encode_early
+from hsx.teacher import Rows
 
 State = torch.Tensor | Encoded  # one sample's state as the writer receives it
 Slot = list[list[torch.Tensor]]  # per state (aux, final): its host buffers
@@ -45,7 +47,8 @@ def _runs(batch: CapturedBatch, wanted: list[int]) -> list[tuple[int, int, int]]
 
 class HostBatch:
     """Host views of one batch's samples plus a readiness fence and a release hook; ``figures``:
-    the batch's fidelity figures on the host (valid once ``ready`` returns), where measured."""
+    the batch's fidelity figures on the host (valid once ``ready`` returns), where measured;
+    ``teacher``: each wanted sample's teacher rows on the host (valid as ``figures``), where stored."""
 
     def __init__(
         self,
@@ -53,8 +56,9 @@ class HostBatch:
         ready: Callable[[], None],
         release: Callable[[], None],
         figures: torch.Tensor | None = None,
+        teacher: list[dict[str, torch.Tensor]] | None = None,
     ):
-        self.views, self.ready, self.figures = views, ready, figures
+        self.views, self.ready, self.figures, self.teacher = views, ready, figures, teacher
         self._left = len(views)
         self._lock = threading.Lock()
         self._release = release
@@ -130,7 +134,8 @@ class CpuStaging:
 
     def stage(self, batch: CapturedBatch, wanted: list[int]) -> HostBatch:
         views = [batch.sample(i) for i in wanted]
-        return HostBatch(views, lambda: None, lambda: None, batch.fidelity)
+        teacher = None if batch.teacher is None else [batch.teacher.sample(i) for i in wanted]
+        return HostBatch(views, lambda: None, lambda: None, batch.fidelity, teacher)
 
     def close(self) -> None:
         pass
@@ -164,11 +169,22 @@ class CudaStaging:
                 figures = torch.empty(batch.fidelity.shape, dtype=batch.fidelity.dtype, pin_memory=True)
                 figures.copy_(batch.fidelity, non_blocking=True)
                 batch.fidelity.record_stream(self.stream)
+            teacher = None if batch.teacher is None else self._teacher(batch.teacher, wanted)
             event = torch.cuda.Event()
             event.record(self.stream)
         batch.aux.record_stream(self.stream)  # keep device memory alive until the copy is done
         batch.final.record_stream(self.stream)
-        return HostBatch(views, event.synchronize, lambda: self.free.put(slot), figures)
+        return HostBatch(views, event.synchronize, lambda: self.free.put(slot), figures, teacher)
+
+    def _teacher(self, rows: Rows, wanted: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The batch's teacher rows copied to pinned host buffers on the side stream: each wanted
+        sample's, as views of them."""
+        host = {}
+        for name, t in rows.tensors.items():
+            host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host[name].copy_(t, non_blocking=True)
+            t.record_stream(self.stream)
+        return [Rows(host, rows.counts).sample(i) for i in wanted]
 
     def close(self) -> None:
         self.stream.synchronize()

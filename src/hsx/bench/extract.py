@@ -14,7 +14,9 @@ On one model, one set of samples and the same batches it times:
 - fidelity: on the last layout, the fidelity check (``hsx.fidelity``: the target's head on 1 in
   ``--fidelity-stride`` masked tokens, on the device) timed on its own after each batch's capture,
   the same batches: its cost as a share of the forward pass. Every synthetic token is masked, so
-  this is the most a run's check costs (chat data masks its answers only);
+  this is the most a run's check costs (chat data masks its answers only); and beside it the
+  ``--teacher topk:64`` rows (``hsx.teacher``: the head on every masked token, log-softmax, top-64)
+  timed the same way, the most they cost;
 - disk: fsync'd writes of sample-sized files from the writer threads, alone (is the disk the limit?).
 - fp8 (``fp8=True``, CUDA): the same model then built as a block-FP8 checkpoint loads (its random
   weights quantized 128x128, on hsx's FP8 kernels: ``capture.quantized.fp8``), forward-only and hsx's
@@ -53,6 +55,7 @@ from hsx.spec import FidelityCheck, ModelIdentity, PlanIdentity, RunSpec, Tokeni
 from hsx.store.codec import Codec
 from hsx.store.format import SampleTensors
 
+TEACHER_K = 64  # the --teacher topk:K the benchmark times
 LLAMA_8B = dict(
     vocab_size=128256,
     hidden_size=4096,
@@ -80,7 +83,7 @@ class Result:
     encode: CodecResult | None = None  # codec rows: encoding one sample of this model's states
     encoded_on: str | None = None  # codec rows: "device" (before the copy: fp8 on CUDA) or "host" (writers)
     expert_bytes: int | None = None  # MoE rows: bytes of the routed experts as held (bf16, or INT4 packed)
-    checked: int | None = None  # the fidelity check's row: tokens it checked
+    checked: int | None = None  # the fidelity check's and the teacher's rows: tokens they computed at
 
     @property
     def rate(self) -> float:
@@ -418,8 +421,13 @@ def check_cost(backend, plan, batches, check: FidelityCheck, tag: str, dev: torc
             torch.cuda.synchronize(dev)
         return time.perf_counter()
 
+    from hsx.spec import TeacherSpec
+    from hsx.teacher import Teacher
+
+    teacher = Teacher(TeacherSpec(kind="topk", k=TEACHER_K))
     capture = Result(f"capture ({tag})", 0, 0.0)
     checked = Result(f"fidelity check ({tag})", 0, 0.0, checked=0)
+    taught = Result(f"teacher topk:{TEACHER_K} ({tag})", 0, 0.0, checked=0)
     for timed in (False, True):  # the first pass warms the head's kernels up
         for b in batches if timed else batches[:2]:
             ids, seqs = list(b.ids), [plan.input_ids(i) for i in b.ids]
@@ -432,11 +440,17 @@ def check_cost(backend, plan, batches, check: FidelityCheck, tag: str, dev: torc
                     backend.head, batch.final, batch.rows, batch.offsets, seqs, checks, normed=not backend.prenorm
                 )
             t2 = sync()
+            work = teacher.work(plan, ids)
+            with torch.inference_mode():
+                work.compute(backend.head, batch.final, batch.rows, batch.offsets, normed=not backend.prenorm)
+            t3 = sync()
             if timed:
                 capture.tokens, capture.seconds = capture.tokens + b.tokens, capture.seconds + t1 - t0
                 checked.tokens, checked.seconds = checked.tokens + b.tokens, checked.seconds + t2 - t1
                 checked.checked += sum(map(len, checks))
-    results += [capture, checked]
+                taught.tokens, taught.seconds = taught.tokens + b.tokens, taught.seconds + t3 - t2
+                taught.checked += sum(map(len, work.positions))
+    results += [capture, checked, taught]
 
 
 def check_options(
@@ -628,11 +642,12 @@ def table(results: list[Result]) -> str:
         if r.waited_for_disk is not None:
             rows.append(f"{r.name}: the forward pass waited {r.waited_for_disk:.2f} s for the disk")
     for r in (r for r in results if r.checked is not None):
-        tag = r.name.removeprefix("fidelity check (").removesuffix(")")
+        tag = r.name.split(" (", 1)[1].removesuffix(")")
         fwd = next(x for x in results if x.name == f"forward only ({tag})")
+        what = "checked" if r.name.startswith("fidelity") else "given their top-64"
         rows.append(
             f"{r.name}: {100 * r.seconds / fwd.seconds:.2f}% of the forward pass ({r.checked:,} of {r.tokens:,} "
-            "tokens checked, every synthetic token masked; timed apart, on the same batches)"
+            f"tokens {what}, every synthetic token masked; timed apart, on the same batches)"
         )
     moe = [r for r in results if r.expert_bytes is not None]
     for dense, packed in zip(moe[: len(moe) // 2], moe[len(moe) // 2 :], strict=False):

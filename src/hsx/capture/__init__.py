@@ -5,7 +5,8 @@ A backend turns a batch of token-id sequences into device tensors (``Capture``):
 final norm). Sample i lives at row ``rows[i]``, tokens ``offsets[i] : offsets[i] + lengths[i]``: one
 sample per row, right-padded (padding is never stored), or all samples packed into one row. Given
 the positions to check (``hsx.fidelity.positions``), it also measures each sample's fidelity on the
-device, beside the forward (``fidelity``: ``hsx.fidelity.measure``'s rows).
+device, beside the forward (``fidelity``: ``hsx.fidelity.measure``'s rows); given a run's teacher
+work (``hsx.teacher.Work``), the target's distribution at each masked position (``teacher``).
 Backends: ``transformers`` (forward hooks); ``vllm`` (its hidden-states drafter, whose KV
 connector hands each finished sample's states to the store from inside vLLM's workers). Feeding,
 sealing and the disk guard are the extraction job's (``extract.backends``); the store never sees
@@ -15,13 +16,16 @@ a backend, only these tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from hsx.drafts import eagle3_taps as default_layers  # noqa: F401 - EAGLE-3's, the default taps
 from hsx.errors import OptionError
+
+if TYPE_CHECKING:
+    from hsx.teacher import Rows, Work
 
 
 @dataclass
@@ -33,6 +37,7 @@ class CapturedBatch:
     rows: list[int]
     offsets: list[int]
     fidelity: torch.Tensor | None = None  # [samples, 4] on the device, where positions were checked
+    teacher: Rows | None = None  # the target's distribution at each masked position, where the run stores it
 
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample i's states, [n, L*H] and [n, H], as views."""
@@ -48,7 +53,11 @@ class Capture(Protocol):
     dtype: torch.dtype
 
     def capture(
-        self, sample_ids: list[int], sequences: list[np.ndarray], checks: list[np.ndarray] | None = None
+        self,
+        sample_ids: list[int],
+        sequences: list[np.ndarray],
+        checks: list[np.ndarray] | None = None,
+        teach: Work | None = None,
     ) -> CapturedBatch: ...
 
 

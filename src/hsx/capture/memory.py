@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from hsx.drafts import storage_lines
 from hsx.errors import LayoutTooLarge
+from hsx.fidelity import LOGITS_BYTES
 from hsx.interconnect import Links
 from hsx.spec import RunSpec
 from hsx.target import LanguageModel, decoder_layers, held_experts, int4_group
@@ -87,6 +88,7 @@ class Layout:
     captured: int = 3  # layers whose states the hooks keep per batch (besides the final state)
     pipeline: int = 1  # stages of contiguous decoder layers, each over ``tensor`` GPUs
     slice_gb: float | None = None  # GB of a MoE layer's experts expanded at once (--expert-slice-gb); None: all
+    teacher: int = 0  # bytes of one masked token's --teacher row (spec.TeacherSpec.row_bytes); 0: none
 
     def __str__(self) -> str:
         ep = f" + EP{self.expert}" if self.expert > 1 else ""
@@ -122,10 +124,11 @@ class Estimate:
     stage: str = ""  # a pipeline layout: the stage these figures are (its largest), e.g. "stage 0 of 8, layers 0-7"
     at_once: tuple[int, int] = (0, 0)  # (experts expanded at once, local experts a MoE layer) under a slice budget
     expert_bytes: int = 0  # one routed expert expanded to the run's dtype
+    teacher: int = 0  # the --teacher's head work and rows for one batch (``teacher_bytes``)
 
     @property
     def total(self) -> int:
-        return self.experts + self.sharded + self.replicated + self.expansion + self.activations
+        return self.experts + self.sharded + self.replicated + self.expansion + self.activations + self.teacher
 
     def fits(self, device_bytes: int) -> bool:
         return self.total <= device_bytes * (1 - HEADROOM)
@@ -173,6 +176,8 @@ class Estimate:
             f"  activations for {lo.batch_tokens} tokens (upper bound): {gb(self.activations)}",
             f"  total: {gb(self.total)}",
         ]
+        if lo.teacher:
+            out.insert(-1, f"  --teacher: the head's logits and the batch's rows (upper bound): {gb(self.teacher)}")
         if device_bytes is not None:
             usable = device_bytes * (1 - HEADROOM)
             verdict = "fits" if self.fits(device_bytes) else "does NOT fit"
@@ -290,7 +295,7 @@ class Inventory:
         est = Estimate(
             replace(layout, slice_gb=None), round(experts), round(sharded), round(replicated), round(expansion),
             activations(self.config, layout), self.quantized_experts, self.source, at_once=(local, local),
-            expert_bytes=one,
+            expert_bytes=one, teacher=round(teacher_bytes(self.config, layout)),
         )  # fmt: skip
         return est.sliced(layout.slice_gb) if layout.slice_gb is not None and one else est
 
@@ -393,6 +398,17 @@ def layer_of(m: Module) -> int:
     """The decoder layer ``m`` belongs to, -1 for none (embeddings, final norm, head)."""
     found = LAYER.search(m.name)
     return int(found.group(2)) if found else -1
+
+
+def teacher_bytes(config: dict, layout: Layout) -> float:
+    """Upper bound of a ``--teacher`` batch's memory on the GPU that holds the head: the logits of one
+    chunk of rows (``fidelity.LOGITS_BYTES`` of float32 at most) in the dtype, in float32 and their
+    log-softmax, and the rows of every token of the batch (each masked, at worst)."""
+    if not layout.teacher:
+        return 0
+    vocab = int(config.get("vocab_size") or 0)
+    chunk = min(LOGITS_BYTES, layout.batch_tokens * vocab * 4)
+    return chunk * (2 + DTYPE_BYTES[layout.dtype] / 4) + layout.batch_tokens * layout.teacher
 
 
 def activations(config: dict, layout: Layout) -> int:
@@ -758,6 +774,7 @@ def check_run(spec: RunSpec, model_dir: Path, device: str, log: Callable[[str], 
         captured=len(spec.layers),
         pipeline=spec.parallel.pipeline,
         slice_gb=spec.expert_slice_gb,
+        teacher=0 if spec.teacher is None else spec.teacher.row_bytes(spec.state_itemsize),
     )
     usable, gpus, measured = device_memory(device, spec.parallel.ranks)
     try:
@@ -807,7 +824,8 @@ def explain(
     if gpus is None:
         gpus = torch.cuda.device_count() or (layout.gpus if layout else 1)
     config = inventory.config
-    storage = storage_lines(decoder_layers(config), int(config["hidden_size"]), (layout or base).dtype)
+    lo = layout or base
+    storage = storage_lines(decoder_layers(config), int(config["hidden_size"]), lo.dtype, lo.teacher)
     if layout is None and gpus > 1:
         from hsx.interconnect import links
 

@@ -34,6 +34,7 @@ from hsx.errors import OptionError
 
 if TYPE_CHECKING:
     from hsx.capture.stages import Stages
+    from hsx.teacher import Work
 
 NAME = "transformers"
 
@@ -505,10 +506,15 @@ class TransformersBackend:
 
     @torch.inference_mode()
     def capture(
-        self, sample_ids: list[int], sequences: list[np.ndarray], checks: list[np.ndarray] | None = None
+        self,
+        sample_ids: list[int],
+        sequences: list[np.ndarray],
+        checks: list[np.ndarray] | None = None,
+        teach: Work | None = None,
     ) -> CapturedBatch:
         """The batch's states; with ``checks`` (each sample's positions to check) its fidelity too,
-        measured on the device after the forward (every rank of a group computes it together)."""
+        and with ``teach`` the target's distribution at its masked positions, both on the device
+        after the forward, through the same head (every rank of a group computes them together)."""
         lengths = [len(s) for s in sequences]
         self._outputs.clear()
         self.forward(self.inputs(sequences))
@@ -524,4 +530,6 @@ class TransformersBackend:
             batch.fidelity = fidelity.measure(
                 self.head, final, rows, offsets, sequences, checks, normed=not self.prenorm
             )
+        if teach is not None:
+            batch.teacher = teach.compute(self.head, final, rows, offsets, normed=not self.prenorm)
         return batch

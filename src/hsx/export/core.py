@@ -26,6 +26,7 @@ from pathlib import Path
 from hsx.data import available_ids, read_verified
 from hsx.drafts import EAGLE3
 from hsx.errors import BadFile, ExportRefused, OptionError
+from hsx.export.automodel import Automodel
 from hsx.export.deepspec import DeepSpec
 from hsx.export.modelopt import ModelOpt
 from hsx.export.specforge import SpecForge
@@ -52,7 +53,7 @@ LOG = ".hsx-export-progress.jsonl"
 MANIFEST = "hsx-export.json"
 # in the job of exports made before the export's samples could grow on a rerun; no longer compared
 FORMER_KEYS = ("samples", "ids_digest")
-FORMATS: dict[str, type[TrainerFormat]] = {f.name: f for f in (SpecForge, Speculators, ModelOpt, DeepSpec)}
+FORMATS: dict[str, type[TrainerFormat]] = {f.name: f for f in (SpecForge, Speculators, ModelOpt, DeepSpec, Automodel)}
 
 
 # ---------------------------------------------------------------- DEST: job identity, progress log
@@ -183,6 +184,7 @@ class ExportSummary:
     draft: str = EAGLE3
     taps: list[int] = field(default_factory=list)  # hsx ids
     filtered: dict[int, str] = field(default_factory=dict)  # sample id -> why its trainer cannot take it
+    teacher: str = ""  # what became of a --teacher run's distribution ("" for a run without)
 
     def lines(self) -> list[str]:
         err = "" if self.max_norm_error is None else f", max norm error {self.max_norm_error:.1e}"
@@ -192,6 +194,7 @@ class ExportSummary:
             f"files      {self.files}, {self.bytes / 1e6:,.1f} MB in {self.seconds:.1f}s; manifest hsx-export.json",
             f"final      {self.final_state}{err}",
             f"train      {self.train}",
+            *([f"teacher    {self.teacher}"] if self.teacher else []),
         ]
         if self.filtered:
             reasons = sorted(set(self.filtered.values()))
@@ -325,6 +328,7 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
         "final_state": fmt.final_state(),
         "final_state_norm": {"stored": spec.final_norm, "exported": final, "derived": ctx.derived or None},
         "train": fmt.train_hint(),
+        "teacher": fmt.teacher_note() or None,
         "max_norm_error": ctx.max_norm_error if converted else None,
         "filtered": [{"sample_id": sid, "why": why} for sid, why in sorted(filtered.items())],
         "samples": [{"index": i, "sample_id": sid} for i, sid in enumerate(ids)],
@@ -346,4 +350,5 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
         draft=opts.draft,
         taps=ctx.taps,
         filtered=filtered,
+        teacher=fmt.teacher_note(),
     )

@@ -44,6 +44,7 @@ def _bf16_bytes(x: torch.Tensor) -> bytes:
 
 class DeepSpec(TrainerFormat):
     name = "deepspec"
+    no_teacher = "DeepSpec's target cache v2 holds states and tokens only"
     drafts = ("dflash", "dspark")
     description = (
         "DeepSpec target cache v2: manifest.json, samples.idx (<QIIQQQQQ per sample: id, shard, T, offsets), "

@@ -24,6 +24,11 @@ PER_FOLDER = 1000
 
 class ModelOpt(TrainerFormat):
     name = "modelopt"
+    no_teacher = (
+        "Model-Optimizer 0.47's models take base_model_logits from a batch, but its OfflineSupervisedDataset and "
+        "EagleOfflineDataCollator load none (it recomputes them through the base model's head); full-vocabulary "
+        "logits would also cost vocab x dtype bytes a token"
+    )
     drafts = ("eagle3", "dflash", "dspark")
     takes_prenorm = True
     description = (

@@ -49,6 +49,10 @@ def has_consecutive_loss(mask: np.ndarray) -> bool:
 
 class SpecForge(TrainerFormat):
     name = "specforge"
+    no_teacher = (
+        "SpecForge 0.2's offline samples hold states and tokens, and its loss recomputes the target from "
+        "hidden_state through the target head it loads"
+    )
     drafts = ("eagle3", "dflash", "dspark")
     description = (
         "SpecForge 0.2 offline: rows_{g}-{g+2000}/data_{i}.ckpt = torch.save({input_ids [T] int64, "

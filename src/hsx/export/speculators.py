@@ -73,6 +73,10 @@ def dataset_files(columns: dict[str, list]) -> list[tuple[str, bytes]]:
 
 class Speculators(TrainerFormat):
     name = "speculators"
+    no_teacher = (
+        "speculators 0.9's data files hold hidden_states, verifier_last_hidden_states, input_ids and loss_mask, "
+        "and its losses recompute the target through the verifier's LM head"
+    )
     drafts = DRAFT_TYPES
     reads = "pre"  # its verifier_norm is applied in the trainer, even for its CE loss's target argmax
     description = (

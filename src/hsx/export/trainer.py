@@ -253,6 +253,8 @@ class TrainerFormat:
     drafts: tuple[str, ...] = (EAGLE3,)  # the draft types its trainer trains from such files
     takes_prenorm = False  # --prenorm changes what it writes (else it is refused as meaningless)
     reads: FinalStateNorm = "post"  # the final state's norm its trainer reads (without --prenorm)
+    # why its files carry no --teacher distribution: where in its data the trainer could read one
+    no_teacher = "its trainer reads no target distribution from its data"
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
@@ -294,3 +296,8 @@ class TrainerFormat:
     def train_hint(self) -> str:
         """What the trainer must be told that its files cannot say (the run's layers, in its ids)."""
         return ""
+
+    def teacher_note(self) -> str:
+        """What the export does with a ``--teacher`` run's distribution, in words ("" for a run without)."""
+        stored = self.ctx.spec.teacher
+        return "" if stored is None else f"the run's {stored} is not exported: {self.no_teacher}"

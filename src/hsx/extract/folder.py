@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from hsx import drafts, target
+from hsx import drafts, target, teacher
 from hsx.errors import InputError, OptionError, PlanError
 from hsx.extract import backends
 from hsx.extract.options import (
@@ -28,7 +28,7 @@ from hsx.genrun.spec import GenerateSpec, is_generate_run, load_generate_spec
 from hsx.input import check_source, read_conversations
 from hsx.job.folder import setting_up
 from hsx.job.model import Model
-from hsx.plan import NoUsableSamples, Tokenize, tokenize_all, write_plan
+from hsx.plan import NoUsableSamples, Plan, Tokenize, tokenize_all, write_plan
 from hsx.spec import DataFile, FidelityCheck, ModelIdentity, Parallel, PlanIdentity, RunSpec, now, who
 from hsx.store import layout
 from hsx.store.codec import Codec
@@ -54,6 +54,8 @@ def asked(opts: ExtractOptions, model: Model, num_layers: int) -> dict:
         out["final_norm"] = opts.final_state
     if opts.dtype not in (None, "auto"):
         out["dtype"] = opts.dtype
+    if opts.teacher is not None:
+        out["teacher"] = teacher.parse(opts.teacher).spec()
     out["window"] = opts.window_asked()
     if any(v is not None for v in (opts.tensor_parallel, opts.expert_parallel, opts.pipeline_parallel)):
         out["parallel"] = Parallel(
@@ -144,6 +146,7 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
         opts.tensor_parallel, opts.expert_parallel, target.load_config(model_dir), backend, opts.pipeline_parallel
     )
     compute = resolve_quantized_compute(opts.quantized_compute, model_dir, device, dtype, parallel, log)
+    teach = _teacher(opts, backend, parallel, model_dir)
     max_length, codec = given(opts, "max_length"), Codec(given(opts, "codec"))
     own = generated is not None and is_own(load_generate_spec(generated), model)
     refuse_unread_limit(opts, "floor" if own else "baseline")
@@ -172,6 +175,8 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
             see = f" (see {opts.out / layout.REJECTS})" if e.rejects else ""
             raise PlanError(f"{e}{see}: nothing to extract, no run was made") from None
         write_rejects(opts.out, rejects)
+        if teach is not None:
+            teacher.write_vocab(opts.out, teach)
     spec = RunSpec(
         created=now(),
         created_by=who(),
@@ -201,6 +206,7 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
         plan=PlanIdentity.of(info, len(rejects)),
         fidelity=_fidelity(opts, own),
         window=opts.window_asked(),
+        teacher=None if teach is None else teach.spec(Plan(opts.out).masked_share),
     )
     log(
         f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
@@ -211,7 +217,28 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
     if spec.fidelity is not None:
         f = spec.fidelity
         log(f"fidelity: 1 in {f.stride} masked tokens checked; the run stops under {f.rule()}")
+    if spec.teacher is not None:
+        log(f"teacher: {spec.teacher} at every loss-masked position, in {dtype}")
     return spec
+
+
+def _teacher(opts: ExtractOptions, backend: str, parallel: Parallel, model_dir: Path) -> teacher.Asked | None:
+    """A new run's ``--teacher``, refused where the run cannot compute it."""
+    if opts.teacher is None:
+        return None
+    if backend != "transformers" or parallel.pipeline > 1:
+        where = f"the {backend} backend" if backend != "transformers" else "--pipeline-parallel"
+        raise OptionError(
+            f"--teacher is computed by the transformers backend in one process or a tensor-parallel group; "
+            f"{where} does not compute it yet: extract without --teacher, or with the transformers backend "
+            "and no pipeline"
+        )
+    asked = teacher.parse(opts.teacher)
+    config = target.load_config(model_dir)
+    if "vocab_size" not in config:
+        raise OptionError(f"--teacher: {model_dir}/config.json has no vocab_size to check the choice against")
+    teacher.check_vocab(asked, int(config["vocab_size"]))
+    return asked
 
 
 # the engines that run the checkpoint hsx fingerprints, in hsx's process (a server's weights are its own)

@@ -50,6 +50,7 @@ from hsx.plan import load_plan
 from hsx.spec import RunSpec
 from hsx.store.format import digest_text
 from hsx.store.scan import scan_run
+from hsx.teacher import Teacher, work_for
 
 WAIT = dt.timedelta(days=7)  # the others wait on rank 0 through a whole verification of terabytes
 STOP, LOAD, BATCH = 0, 1, 2
@@ -249,13 +250,14 @@ def _follow(run: Path, model: str | None, spec: RunSpec, device: str, control, l
         return
     plan = load_plan(run, spec)
     backend = open_backend(spec, target.model_dir_for(run, spec, model), device)
+    teacher = Teacher.of_run(run, spec.teacher)
     agreed = False
     while True:
         kind, ids = receive(control)
         if kind == STOP:
             return
-        checks = fidelity.checks_for(spec.fidelity, plan, ids)  # as rank 0's
-        captured = backend.capture(ids, [plan.input_ids(i) for i in ids], checks)
+        checks = fidelity.checks_for(spec.fidelity, plan, ids)  # as rank 0's, and the teacher's rows
+        captured = backend.capture(ids, [plan.input_ids(i) for i in ids], checks, work_for(teacher, plan, ids))
         if not agreed:
             _agree(control, captured)
             agreed = True

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated as A
 
-from hsx import target
+from hsx import target, teacher
 from hsx.bounds import Bound, Bounds, Flag
 from hsx.errors import OptionError
 from hsx.extract.options import SLICE, check_gpus, resolve_parallel
@@ -56,6 +56,9 @@ class MemoryOptions:
     ] = None
     p2p_gbps: A[float | None, Flag("No layout given: one GPU's bandwidth to the next, GB/s.", default=MEASURED)] = None
     interconnect: A[str | None, Flag("With stated bandwidths: what joins the GPUs.")] = None
+    teacher: A[
+        str | None, Flag("The run's --teacher: topk:K, or draft-vocab:D (its size) or draft-vocab:FILE.", "KIND:ARG")
+    ] = None
 
     def __post_init__(self) -> None:
         """Refuse a value out of its bound, or one the answer would not read."""
@@ -83,9 +86,11 @@ def explain(opts: MemoryOptions) -> list[str]:
     from hsx.capture import memory as mem
 
     model_dir = target.resolve(opts.model)
+    row = 0 if opts.teacher is None else teacher.planned(opts.teacher).row_bytes(mem.DTYPE_BYTES[opts.dtype])
     base = mem.Layout(
         experts=opts.experts, dtype=opts.dtype, batch_tokens=opts.batch_tokens, max_length=opts.max_length,
         slice_gb=opts.expert_slice_gb,
+        teacher=row,
     )  # fmt: skip
     layout = None
     asked = (opts.tensor_parallel, opts.expert_parallel, opts.pipeline_parallel)
@@ -95,7 +100,7 @@ def explain(opts: MemoryOptions) -> list[str]:
             check_gpus(parallel, node)
         layout = mem.Layout(
             parallel.tensor, parallel.expert, opts.experts, opts.dtype, opts.batch_tokens, opts.max_length,
-            pipeline=parallel.pipeline, slice_gb=opts.expert_slice_gb,
+            pipeline=parallel.pipeline, slice_gb=opts.expert_slice_gb, teacher=row,
         )  # fmt: skip
     device = None if opts.gpu_memory is None else int(opts.gpu_memory * mem.GB)
     nvlink = None if opts.interconnect is None else opts.interconnect == "nvlink"

@@ -23,6 +23,7 @@ from hsx.job.options import DEVICES, JOB, THREADS, TOKENS, JobOptions, check_dev
 from hsx.spec import Parallel, Window
 from hsx.store.codec import DEFAULT_CODEC, Codec
 from hsx.store.format import FinalStateNorm
+from hsx.teacher import HELP as TEACHER_HELP
 
 Toggle = Literal["auto", "on", "off"]
 MAX_LAYER = 10_000  # a layer id past any model's (the model's own count is checked once it is read)
@@ -148,6 +149,11 @@ class ExtractOptions(JobOptions):
     )
     fidelity_floor: A[float | None, Flag(FLOOR)] = None
     fidelity_drop: A[float | None, Flag(DROP)] = None
+    # the target's distribution at each masked position, stored beside the states (hsx.teacher; spec)
+    teacher: A[
+        str | None,
+        Flag(f"Store the target's distribution at each loss-masked position: {TEACHER_HELP} (new run).", "KIND:ARG"),
+    ] = None
     # GB (10^9 bytes) of samples the named consumers have not released, at most (spec)
     window: A[
         float | None,

@@ -37,6 +37,7 @@ from hsx.store.codec import Codec
 from hsx.store.format import FINAL_STATES, FinalStateNorm, SampleTensors
 from hsx.store.scan import ShardScan
 from hsx.store.writer import FileRecord, SampleWriter, seal
+from hsx.teacher import Teacher, Work, work_for
 
 
 def open_backend(spec: RunSpec, model_dir: Path, device: str, stages: Stages | None = None) -> TransformersBackend:
@@ -92,6 +93,7 @@ class Extractor:
         if self.gate is not None:
             progress.fidelity = self.gate.metrics
         self.peers = peers
+        self.teacher = Teacher.of_run(run, spec.teacher)
         width = len(spec.layers) * spec.model.hidden_size
         self.staging = staging or staging_for(
             backend.device,
@@ -147,11 +149,11 @@ class Extractor:
 
     def _batches(
         self, scans: Iterable[ShardScan], seal_empty: bool
-    ) -> Iterator[tuple[tuple, list[int], list, list | None]]:
+    ) -> Iterator[tuple[tuple, list[int], list, list | None, Work | None]]:
         """Each shard's batches that hold a missing sample, in the plan's order, once the gates let
         them through: ((scan, its missing ids, how many of its batches follow), ids, sequences, the
-        positions the fidelity check takes). ``seal_empty``: a shard with none is sealed as it is
-        (else its caller seals it)."""
+        positions the fidelity check takes, the teacher's work). ``seal_empty``: a shard with none is
+        sealed as it is (else its caller seals it)."""
         for scan in scans:
             missing = set(scan.missing)
             batches = self.batches_of(scan)
@@ -168,7 +170,14 @@ class Extractor:
                 self.in_flight += raw
                 self.unwritten |= missing.intersection(ids)
                 checks = fidelity.checks_for(self.spec.fidelity, self.plan, ids)
-                yield (scan, missing, len(batches) - 1 - n), ids, [self.plan.input_ids(i) for i in ids], checks
+                sequences = [self.plan.input_ids(i) for i in ids]
+                yield (
+                    (scan, missing, len(batches) - 1 - n),
+                    ids,
+                    sequences,
+                    checks,
+                    work_for(self.teacher, self.plan, ids),
+                )
 
     def batches_of(self, scan: ShardScan) -> list:
         """The plan's batches of one shard that hold a missing sample: where its extraction begins."""
@@ -182,7 +191,7 @@ class Extractor:
         items = self._batches(scans, seal_empty)
         stream = getattr(self.backend, "stream", None)
         if stream is None:
-            stream = ((key, self.backend.capture(ids, seqs, checks)) for key, ids, seqs, checks in items)
+            stream = ((key, self.backend.capture(ids, seqs, checks, teach)) for key, ids, seqs, checks, teach in items)
         else:
             stream = stream(items)
         for key, captured in stream:
@@ -228,7 +237,7 @@ class Extractor:
                 host.drop()
                 raise
         futures = []
-        for row, (aux, final) in zip(wanted, host.views, strict=True):
+        for n, (row, (aux, final)) in enumerate(zip(wanted, host.views, strict=True)):
             sid = captured.sample_ids[row]
             sample = SampleTensors(
                 sample_id=sid,
@@ -237,6 +246,8 @@ class Extractor:
                 aux=aux,
                 final=final,
                 fidelity=None if figures is None else figures[row],
+                teacher=None if host.teacher is None else host.teacher[n],
+                teacher_info=None if self.teacher is None else self.teacher.info,
             )
             fut = self.writer.submit(sample, release=host.done_one, ready=host.ready)
             fut.add_done_callback(self.progress.on_written(captured.lengths[row]))

@@ -25,6 +25,20 @@ sample's ``Figure`` as JSON. It sits in the header beside the sample id and the 
 cheap check reads it without touching the data; like them it is outside the data digest (any
 reader's hash of the stored bytes stays the file's digest), and the shard's SEALED lists it too.
 A file without it (a run made before, or one that checks nothing) is as it was.
+
+A run made with ``--teacher`` (``hsx.teacher``) adds the target's own next-token distribution, one
+row per position whose ``loss_mask`` is 1, in order (M rows): the distribution the target's final
+norm and LM head give at that position, over the token after it. ``--teacher topk:K``:
+``teacher_ids`` [M, K] int32 (token ids, most likely first) and ``teacher_logprobs`` [M, K] in the
+model's dtype (log-softmax over the full vocabulary). ``--teacher draft-vocab:FILE``:
+``teacher_argmax`` [M] int32 (the full vocabulary's argmax, which tells a trainer whether the
+target's choice is in the draft vocabulary) and ``teacher_probs`` [M, D] in the model's dtype (softmax
+over the logits of the D draft-vocabulary ids only, in the order of the run's ``teacher-vocab.npy``).
+They lie between ``input_ids`` and ``loss_mask`` in a raw file (ints first, so every tensor stays
+aligned), and beside ``input_ids`` unencoded in an encoded one; they are in the data section, so
+the digest covers them. ``__metadata__`` adds ``teacher`` (JSON: ``kind``, ``k`` or ``vocab_size``
+and ``vocab_digest``); the format version is unchanged: a reader that predates them reads the states
+as before and leaves them.
 """
 
 from __future__ import annotations
@@ -51,6 +65,7 @@ FORMAT_ENCODED = "hsx-sample/2"  # states stored through a codec other than raw
 FORMATS = (FORMAT, FORMAT_ENCODED)
 CONVERSATION = "hsx-conversation/1"  # a generate run's file (``hsx.genrun.record``): token ids, no states
 STATES = ("aux_hidden_states", "hidden_states")
+TEACHER = ("teacher_ids", "teacher_argmax", "teacher_logprobs", "teacher_probs")  # a --teacher run's, in data order
 LAYER_CONVENTION = "hsx/1: layer k = output of decoder layer k (0-based) = HF hidden_states[k+1]"
 FINAL_STATE = "last decoder layer output after the final norm"
 FINAL_STATE_PRENORM = "last decoder layer output before the final norm"
@@ -179,11 +194,20 @@ class SampleTensors:
     aux: torch.Tensor | Encoded  # [T, L*H]
     final: torch.Tensor | Encoded  # [T, H]
     fidelity: Figure | None = None  # where the run checks its fidelity
+    teacher: dict[str, torch.Tensor] | None = None  # where the run stores one: ``TEACHER`` names -> rows
+    teacher_info: str | None = None  # its ``__metadata__`` entry (``hsx.teacher.Teacher.info``)
 
     def tensors(self) -> list[tuple[str, torch.Tensor | Encoded]]:
         """The file's tensors in data order; no aux states where the run has no taps (width 0)."""
         aux = [] if self.aux.shape[-1] == 0 else [("aux_hidden_states", self.aux)]
-        return [*aux, ("hidden_states", self.final), ("input_ids", self.input_ids), ("loss_mask", self.loss_mask)]
+        teacher = [(k, self.teacher[k]) for k in TEACHER if k in self.teacher] if self.teacher else []
+        return [
+            *aux,
+            ("hidden_states", self.final),
+            ("input_ids", self.input_ids),
+            *teacher,
+            ("loss_mask", self.loss_mask),
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -229,6 +253,8 @@ def encode(
     }
     if sample.fidelity is not None:
         metadata["fidelity"] = sample.fidelity.text()
+    if sample.teacher_info is not None:
+        metadata["teacher"] = sample.teacher_info
     if codec is not Codec.RAW:
         metadata["states"] = json.dumps(
             {name: {"dtype": _dtypes()[t.dtype], "shape": list(t.shape)} for name, t in states.items()},
@@ -261,7 +287,8 @@ def _align(t: torch.Tensor | bytes) -> int:
 
 def decode(data: bytes, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
     """A whole sample file's bytes (verified by the caller) as the tensors a raw file holds:
-    ``aux_hidden_states``, ``hidden_states`` in the model's dtype, ``input_ids``, ``loss_mask``.
+    ``aux_hidden_states``, ``hidden_states`` in the model's dtype, ``input_ids``, ``loss_mask``
+    (and a ``--teacher`` run's ``TEACHER`` tensors).
     ``keep_fp8``: see ``decode_tensors``. Raises ``BadFile`` when the stored tensors do not decode."""
     from safetensors import SafetensorError
     from safetensors.torch import load
@@ -282,9 +309,11 @@ def decode_tensors(
     them (``aux_hidden_states_scale`` [T, L], ``hidden_states_scale`` [T, 1]); other files decode."""
     try:
         codec = codec_of(metadata)
+        teacher = {k: stored[k] for k in TEACHER if k in stored}
         if codec is Codec.RAW:
-            return {k: stored[k] for k in (*STATES, "input_ids", "loss_mask") if k in stored or k != STATES[0]}
-        out = {k: stored[k] for k in ("input_ids", "loss_mask")}
+            kept = (*STATES, "input_ids", "loss_mask")
+            return {k: stored[k] for k in kept if k in stored or k != STATES[0]} | teacher
+        out = {k: stored[k] for k in ("input_ids", "loss_mask")} | teacher
         for name, info in json.loads(metadata["states"]).items():
             if name not in STATES:
                 raise ValueError(f"unknown state {name!r}")

@@ -9,6 +9,7 @@ OUT/
   plan/growth.json         GROWTH: samples appended since (an extraction following its generate run),
   plan/part-000001.parquet   and the files holding them (part_name)
   rejects.jsonl            REJECTS: every input row not in the plan, with its reason
+  teacher-vocab.npy        TEACHER_VOCAB: a --teacher draft-vocab run's draft vocabulary (target ids, int64)
   shards/000012/000012345.safetensors, shards/000012/SEALED
   sealed/000012.json       SEALS: the run's own record of each shard it sealed (outside the shard's
                            folder: a folder deleted whole is data lost, not data not yet written)
@@ -38,6 +39,7 @@ PLAN_FILE = "plan.parquet"
 GROWTH = "growth.json"
 PLAN_REJECTS = "rejects.jsonl"  # in a generate run's plan/: the rows planning rejected (the run's adds later ones)
 REJECTS = "rejects.jsonl"
+TEACHER_VOCAB = "teacher-vocab.npy"  # written before the spec, which records its digest
 SHARDS = "shards"
 SEALED = "SEALED"
 SEALS = "sealed"
@@ -57,7 +59,7 @@ CRASH = "crash.json"  # the last session met an error hsx did not expect: what, 
 STOP = "STOP"  # in WORKERS: written by a driver that stops handing out work (disk full, a worker failed)
 
 # what a run folder may hold before its spec exists (an interrupted set-up, or a lock taken early)
-SETUP_FILES = frozenset({PLAN_DIR, REJECTS, LOCK, GUARD, METRICS, HISTORY, GROUP, FAILED_START})
+SETUP_FILES = frozenset({PLAN_DIR, REJECTS, TEACHER_VOCAB, LOCK, GUARD, METRICS, HISTORY, GROUP, FAILED_START})
 
 
 def part_name(n: int) -> str:
