@@ -37,7 +37,6 @@ import torch
 
 from hsx import fidelity
 from hsx.capture import CapturedBatch
-from hsx.errors import OptionError
 
 Cost = tuple[float, ...]  # (compute, bytes): a token's weights met, and the bytes held on a GPU
 Key = TypeVar("Key")  # what a caller tells its batches by, handed back with each capture
@@ -430,14 +429,12 @@ class PipelineCapture:
         return self.collect()
 
     def stream(
-        self, batches: Iterable[tuple[object, list[int], list[np.ndarray], list[np.ndarray] | None, object]]
+        self, batches: Iterable[tuple[object, list[int], list[np.ndarray], list[np.ndarray] | None]]
     ) -> Iterator[tuple[object, CapturedBatch]]:
         """Each batch's capture, in order, with up to ``depth`` batches in the pipe: (key, ids,
-        sequences, fidelity positions or None, teacher work: None) in, (key, its capture) out."""
+        sequences, fidelity positions or None) in, (key, its capture) out."""
         keys: list[Key] = []
-        for key, ids, sequences, checks, teach in batches:
-            if teach is not None:  # a new run refuses --teacher with --pipeline-parallel (extract.folder)
-                raise OptionError("a pipeline of stages does not compute the target's teacher rows")
+        for key, ids, sequences, checks in batches:
             self.submit(ids, sequences, checks)
             keys.append(key)
             if len(self.pending) >= self.depth:

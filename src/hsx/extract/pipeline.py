@@ -26,6 +26,7 @@ from hsx.capture import Capture, CapturedBatch
 from hsx.capture.memory import check_run
 from hsx.capture.stages import Stages
 from hsx.capture.transformers import TransformersBackend
+from hsx.errors import OptionError
 from hsx.extract.backends import Peers, Resources, Session
 from hsx.extract.window import Pause
 from hsx.job.space import DiskGuard, Forecast
@@ -94,6 +95,8 @@ class Extractor:
             progress.fidelity = self.gate.metrics
         self.peers = peers
         self.teacher = Teacher.of_run(run, spec.teacher)
+        if self.teacher is not None and hasattr(backend, "stream"):  # a new run refuses it (extract.folder)
+            raise OptionError("a pipeline of stages does not compute the target's teacher rows (--teacher)")
         width = len(spec.layers) * spec.model.hidden_size
         self.staging = staging or staging_for(
             backend.device,
@@ -192,8 +195,8 @@ class Extractor:
         stream = getattr(self.backend, "stream", None)
         if stream is None:
             stream = ((key, self.backend.capture(ids, seqs, checks, teach)) for key, ids, seqs, checks, teach in items)
-        else:
-            stream = stream(items)
+        else:  # a pipeline computes no teacher (refused in __init__)
+            stream = stream((key, ids, seqs, checks) for key, ids, seqs, checks, _ in items)
         for key, captured in stream:
             if self.peers is not None:
                 self.peers.agree(captured)
