@@ -298,3 +298,23 @@ def test_automodel_reads_the_teacher_with_its_own_dataset(topk_run, vocab_run, t
             inside = torch.from_numpy(np.isin(t["teacher_argmax"][rows > 0].numpy(), vocab))
             assert torch.equal(item["position_mask"][at, 0], inside)
         assert int(item["position_mask"].sum()) == int(item["position_mask"][at].sum())  # nowhere else
+
+
+def test_a_file_without_the_runs_teacher_is_another_runs(topk_run, tmp_path):
+    """The run's files say which teacher they store; a valid file of the same sample that stores none
+    (a shard copied from a run without --teacher) is foreign to this run, never served as its sample."""
+    from hsx.errors import Damage
+    from hsx.store.format import BadFile, SampleTensors, encode
+
+    expected = load_spec(topk_run).expected()
+    path = files(topk_run)[0]
+    expected.judge(read_header(path))
+    t = decode(path.read_bytes())
+    sid = layout.parse_sample_name(path.name)
+    plain = SampleTensors(sid, t["input_ids"], t["loss_mask"], t["aux_hidden_states"], t["hidden_states"])
+    parts, _ = encode(plain, [1, 3, 4])
+    copied = tmp_path / path.name
+    copied.write_bytes(b"".join(bytes(p) for p in parts))
+    with pytest.raises(BadFile) as e:
+        expected.judge(read_header(copied))
+    assert e.value.kind == Damage.FOREIGN and "its teacher None" in str(e.value)

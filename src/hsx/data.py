@@ -14,6 +14,7 @@ computes the same list and takes its own slice: no communication, same result on
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import sys
 import threading
@@ -504,7 +505,7 @@ def describe(run: str | Path) -> dict:
     ``num_samples`` is the plan's; ``len(HsxDataset(run))`` is how many are served now. ``teacher``:
     what a ``--teacher`` run stores at each masked position (``kind`` and ``k`` or ``vocab_size``)."""
     spec = load_spec(Path(run))
-    teacher = None if spec.teacher is None else spec.teacher.model_dump(exclude={"masked_share"}, exclude_defaults=True)
+    teacher = None if spec.teacher is None else json.loads(spec.teacher.label())
     return {
         "hidden_size": spec.model.hidden_size,
         "num_layers": spec.model.num_layers,

@@ -229,6 +229,11 @@ class TeacherSpec(BaseModel):
         """Bytes one masked token's row takes: int32 ids and values in the run's dtype."""
         return self.k * (4 + itemsize) if self.kind == "topk" else self.vocab_size * itemsize + 4
 
+    def label(self) -> str:
+        """What each sample file's ``teacher`` metadata says (the choice, the plan's share aside)."""
+        body = self.model_dump(exclude={"masked_share"}, exclude_defaults=True)
+        return json.dumps(body, separators=(",", ":"), sort_keys=True)
+
     def same_choice(self, other: TeacherSpec) -> bool:
         """The same distribution stored (the plan's share aside)."""
         return (self.kind, self.k, self.vocab_size, self.vocab_digest) == (
@@ -344,8 +349,13 @@ class RunSpec(BaseModel):
             self.state_itemsize,
             self.model.hidden_size,
             self.batch_tokens,
-            Expected(self.codec, tuple(self.layers), self.final_norm, self.dtype, self.model.hidden_size),
+            self.expected(),
         )
+
+    def expected(self) -> Expected:
+        """What each of the run's sample files says of itself (``store.format.Expected``)."""
+        teacher = None if self.teacher is None else self.teacher.label()
+        return Expected(self.codec, tuple(self.layers), self.final_norm, self.dtype, self.model.hidden_size, teacher)
 
     def save(self, run: Path) -> None:
         write_durable(run / layout.SPEC, self.model_dump_json(indent=2).encode())

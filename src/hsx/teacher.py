@@ -20,7 +20,6 @@ The choice is in the spec (``spec.TeacherSpec``): a resume asking for another is
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,8 +176,7 @@ class Teacher:
     @property
     def info(self) -> str:
         """The sample file's ``teacher`` metadata: what its teacher tensors are."""
-        body = self.spec.model_dump(exclude={"masked_share"}, exclude_defaults=True)
-        return json.dumps(body, separators=(",", ":"), sort_keys=True)
+        return self.spec.label()
 
     def work(self, plan: Plan, ids: Sequence[int]) -> Work:
         """What a batch of the plan's samples ``ids`` asks of the capture (every rank computing the
@@ -190,8 +188,9 @@ class Teacher:
         import torch
 
         dtype = logits.dtype
-        if self.vocab is None:
-            values, ids = logits.float().log_softmax(-1).topk(self.spec.k, dim=-1)
+        if self.vocab is None:  # the top-k of the logits are those of the log-softmax: no [n, vocab] result kept
+            top, ids = logits.topk(self.spec.k, dim=-1)
+            values = top.float() - logits.float().logsumexp(-1, keepdim=True)
             return {"teacher_ids": ids.to(torch.int32), "teacher_logprobs": values.to(dtype)}
         device = str(logits.device)
         if device not in self._on:

@@ -385,14 +385,16 @@ STATE_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}  # a run
 @dataclass(frozen=True)
 class Expected:
     """What every sample file of a run says of itself, by the run's spec: its codec, layers, final
-    state's side of the norm, dtype and width. A valid file that says otherwise is another run's (a
-    shard copied in): never this run's sample, whatever its digest."""
+    state's side of the norm, dtype and width, and the teacher it stores (``--teacher``). A valid
+    file that says otherwise is another run's (a shard copied in): never this run's sample, whatever
+    its digest."""
 
     codec: Codec
     layers: tuple[int, ...]
     final: FinalStateNorm
     dtype: str  # the run's dtype (``STATE_DTYPES``'s keys)
     hidden_size: int
+    teacher: str | None = None  # a --teacher run's ``teacher`` metadata (``spec.TeacherSpec.label``)
 
     def judge(self, header: Header) -> None:
         """Raise ``BadFile`` naming the first thing ``header`` holds that this run's files do not."""
@@ -403,6 +405,7 @@ class Expected:
             theirs = [
                 ("layers", json.loads(meta.get("layers", "null")), list(self.layers)),
                 ("final state", final_norm_of(meta), self.final),
+                ("teacher", meta.get("teacher"), self.teacher),
                 *((f"{name} (dtype, width)", got, want) for name, got, want in self._states(header)),
             ]
         except (ValueError, KeyError, TypeError, IndexError) as e:
