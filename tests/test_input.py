@@ -138,9 +138,9 @@ def test_openai_tool_rows_keep_calls_results_tools_and_reasoning():
         ToolCall("get_weather", '{"city": "Lima"}', "call_b2"),
     )
     assert (call.content, call.reasoning) == ("", "Two cities, so two weather lookups at once.")
-    # each result paired with its call by id; the name a template renders is the call's
+    # each result paired with its call by id; no name the row did not give (a template renders the role then)
     pairs = [(t.tool_call_id, t.name) for t in conv.turns[3:5]]
-    assert pairs == [("call_a1", "get_weather"), ("call_b2", "get_weather")]
+    assert pairs == [("call_a1", ""), ("call_b2", "")]
     raw = json.loads(AGENTIC.read_text().splitlines()[4])
     assert tools_of(conv) == raw["tools"]
 
@@ -174,8 +174,8 @@ def test_sharegpt_function_calling_rows_read_as_the_same_calls_and_results():
     )
     assert glaive.ids_given == 2
     assert [(t.content, t.name, t.tool_call_id) for t in glaive.turns[3:5]] == [
-        ("TOOLRES Rome 18 C", "get_weather", "functions.get_weather:0"),
-        ("TOOLRES Cairo 31 C", "get_weather", "functions.get_weather:1"),
+        ("TOOLRES Rome 18 C", "", "functions.get_weather:0"),
+        ("TOOLRES Cairo 31 C", "", "functions.get_weather:1"),
     ]
     # bare function schemas are offered to the template as OpenAI's tools, as serving passes them
     assert [t["type"] for t in tools_of(glaive)] == ["function"]
@@ -183,7 +183,7 @@ def test_sharegpt_function_calling_rows_read_as_the_same_calls_and_results():
     single = rows["glaive-sharegpt"]
     call_id = "functions.get_stock_price:0"
     assert single.turns[2].tool_calls == (ToolCall("get_stock_price", '{"ticker": "ZETA"}', call_id),)
-    assert single.turns[3] == Turn("tool", '{"price": "TOOLRES 7.05"}', tool_call_id=call_id, name="get_stock_price")
+    assert single.turns[3] == Turn("tool", '{"price": "TOOLRES 7.05"}', tool_call_id=call_id)
     # calls a dataset writes in the assistant's text (ToolACE, Hermes) stay text; their results stay as given
     for key in ("toolace", "hermes-fc"):
         conv = rows[key]
@@ -226,7 +226,7 @@ def test_a_call_turn_right_after_the_assistants_text_is_that_turns_call():
     conv = normalize(row, Source("f", 0, ""))
     assert [t.role for t in conv.turns] == ["user", "assistant", "tool", "assistant"]
     assert conv.turns[1] == Turn("assistant", "Let me look.", tool_calls=(ToolCall("f", '{"x": 1}', "functions.f:0"),))
-    assert conv.turns[2] == Turn("tool", "r", tool_call_id="functions.f:0", name="f")
+    assert conv.turns[2] == Turn("tool", "r", tool_call_id="functions.f:0")
 
 
 @pytest.mark.parametrize(
@@ -378,7 +378,7 @@ def test_a_call_without_an_id_gets_one_and_a_results_own_id_still_pairs_it():
     )
     conv = normalize(row, Source("f", 0, ""))
     assert [c.id for c in conv.turns[1].tool_calls] == ["functions.f:0", "functions.f:1"]
-    assert [(t.tool_call_id, t.name) for t in conv.turns[2:4]] == [("mine", "f"), ("functions.f:1", "f")]
+    assert [(t.tool_call_id, t.name) for t in conv.turns[2:4]] == [("mine", ""), ("functions.f:1", "")]
     assert conv.turns[4].tool_calls[0].id == "kept" and conv.turns[5].tool_call_id == "kept"
     assert conv.ids_given == 2
 

@@ -153,6 +153,9 @@ def test_kimi_k25_is_planned_and_extracted_with_its_own_slow_tokenizer(kimi, tmp
         assert sorted(found) == turns, conv.source.id
         if tools:
             assert "namespace functions {" in served[turns[0]] and '"parameters"' not in served[turns[0]]
+        for t in conv.turns:  # a result served without a name is written under its role, none invented
+            if t.role == "tool" and not t.name:
+                assert f"<|im_system|>tool<|im_middle|>## Return of {t.tool_call_id}\n{t.content}" in served[turns[-1]]
     assert spec["plan"]["num_samples"] == len(plan)
 
 

@@ -315,7 +315,8 @@ def _turns(raw: list, role_key: str, text_key: str, list_key: str) -> tuple[list
 
 def _paired(turns: list[Turn], at: list[int]) -> tuple[list[Turn], int]:
     """Each tool result paired with a call of the assistant turn before it: by id, else by name, else
-    in order; its missing ``name`` / ``tool_call_id`` are the call's (templates render them). A call
+    in order; its missing ``tool_call_id`` is the call's (templates render it), its ``name`` stays as
+    given (a result served without one is rendered without one: Kimi's writes its role then). A call
     without an id is given one (``call_id``), after pairing, so a result's own id still pairs it.
     Where that turn writes its calls in its text (Hermes, ToolACE datasets), results stay as given.
     Returns the turns and how many ids were given."""
@@ -341,7 +342,7 @@ def _paired(turns: list[Turn], at: list[int]) -> tuple[list[Turn], int]:
         elif made:
             k = _match(turn, open_calls, made, i)
             open_calls.remove(k)
-            turn = Turn("tool", turn.content, tool_call_id=turn.tool_call_id or ids[k], name=turn.name or made[k].name)
+            turn = Turn("tool", turn.content, tool_call_id=turn.tool_call_id or ids[k], name=turn.name)
         out.append(turn)
     given = sum(not c.id for t in turns if t.role == "assistant" for c in t.tool_calls)
     return out, given

@@ -94,6 +94,8 @@ COUNTS = {
     "generation prompt (DeepSeek-R1's <think>), masked after that prompt as written",
     "text_arguments_rows": "rows whose calls' arguments the chat template renders only as JSON text, not as the "
     "objects serving engines give it (DeepSeek's official templates concatenate them as text): given as text",
+    "result_names_given": "rows whose tool results the chat template renders only with a name the data does not "
+    "give them (vLLM's Hermes template requires one): each named by the call it answers",
     "tool_use_template_rows": "rows rendered with the tokenizer's tool_use chat template (they offer tools; the "
     "others with its default), as transformers and serving engines pick",
     "call_ids_given": "tool calls without an id in the data, given one (functions.NAME:N, as Kimi-K2 writes them; "
@@ -247,8 +249,13 @@ def named_templates(tokenizer, template: str | None = None) -> dict | None:
     return named
 
 
+def _as_given(messages: list[dict]) -> list[dict]:
+    """as the row has it"""
+    return messages
+
+
 def _text_arguments(messages: list[dict]) -> list[dict] | None:
-    """``messages`` with each call's arguments as their JSON text; None where no call has an object."""
+    """with the calls' arguments as JSON text"""
     out, changed = [], False
     for m in messages:
         calls = m.get("tool_calls") or []
@@ -257,6 +264,28 @@ def _text_arguments(messages: list[dict]) -> list[dict] | None:
             m = m | {"tool_calls": [c | {"function": c["function"] | {"arguments": _json_text(c)}} for c in calls]}
         out.append(m)
     return out if changed else None
+
+
+def _result_names(messages: list[dict]) -> list[dict] | None:
+    """with each tool result named by the call it answers"""
+    out, names, changed = [], {}, False
+    for m in messages:
+        names |= {c["id"]: c["function"]["name"] for c in m.get("tool_calls") or [] if c.get("id")}
+        if m["role"] == "tool" and not m.get("name") and m.get("tool_call_id") in names:
+            changed = True
+            m = m | {"name": names[m["tool_call_id"]]}
+        out.append(m)
+    return out if changed else None
+
+
+def _named_text(messages: list[dict]) -> list[dict] | None:
+    """with the calls' arguments as JSON text and each tool result named"""
+    text = _text_arguments(messages)
+    return None if text is None else _result_names(text)
+
+
+# the forms a render tries, in order (``Tokenize.render``): each one's docstring says it in an error
+FORMS = (_as_given, _text_arguments, _result_names, _named_text)
 
 
 def _json_text(call: dict) -> str:
@@ -271,7 +300,7 @@ class Tokenize:
         if not tokenizer.chat_template:
             raise TokenizerError(f"the tokenizer ({type(tokenizer).__name__}) has no chat template")
         self.named = named_templates(tokenizer, template)
-        self.text_arguments = False  # a render since ``pieces`` began gave the calls' arguments as JSON text
+        self.forms: set[str] = set()  # the forms of ``FORMS`` the renders since ``pieces`` began took
         self.template = template  # the one asked for (--chat-template), else transformers picks per row
         self.tokenizer = tokenizer
         # a fast (Rust) tokenizer maps tokens to characters by offsets; any other (a slow, Python one such
@@ -295,28 +324,28 @@ class Tokenize:
         """The template's text of ``messages``; a turn's reasoning is offered under each name templates
         read (``input.REASONING``: Qwen3's and Kimi's ``reasoning_content``, gpt-oss' ``thinking``...).
         Calls' arguments go to the template as objects, the form serving engines hand it (vLLM parses
-        OpenAI's JSON text); a template that fails on them (DeepSeek's official ones concatenate the
-        arguments as text) is given the JSON text instead, which ``text_arguments`` records, and where
-        it fails on both the error names both."""
+        OpenAI's JSON text), and tool results as the row has them (no ``name`` it lacks); a template
+        that fails on that is given the other forms (``FORMS``: DeepSeek's official templates concatenate
+        the arguments as text, vLLM's Hermes template wants each result's ``name``), which ``forms``
+        records for the plan's counts; where every form fails, the error names what each gave."""
         messages = [
             m | {k: m["reasoning_content"] for k in REASONING} if m.get("reasoning_content") else m for m in messages
         ]
-        try:
-            return self._render(messages, generation_prompt, tools)
-        except Exception as first:
-            text = _text_arguments(messages)
-            if text is None:
-                raise
+        failed: list[tuple[str, Exception]] = []
+        for fix in FORMS:
+            fixed = fix(messages)
+            if fixed is None:
+                continue
             try:
-                rendered = self._render(text, generation_prompt, tools)
-            except Exception as second:
-                if str(second) == str(first):  # not the arguments' form: the template's own refusal
-                    raise first from None
-                raise TemplateError(
-                    f"the chat template fails on the calls' arguments as objects ({first}) and as JSON text ({second})"
-                ) from None
-        self.text_arguments = True
-        return rendered
+                rendered = self._render(fixed, generation_prompt, tools)
+            except Exception as e:
+                failed.append((fix.__doc__ or "", e))
+                continue
+            self.forms.add(fix.__name__)
+            return rendered
+        if len({str(e) for _, e in failed}) == 1:  # not the form: the template's own refusal, in its words
+            raise failed[0][1]
+        raise TemplateError("; ".join(f"{e} ({form})" for form, e in failed))
 
     def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None) -> str:
         return self.tokenizer.apply_chat_template(
@@ -387,7 +416,7 @@ class Tokenize:
         own. What a turn held but its rendering lacks is counted, never silently dropped.
         """
         messages, tools = [to_message(t) for t in conv.turns], tools_of(conv)
-        self.text_arguments = False
+        self.forms = set()
         full = self.render(messages, False, tools)
         found: list[tuple[str, int, int]] = []
         counts: Counter = Counter()
@@ -418,7 +447,8 @@ class Tokenize:
         names = [json.loads(t).get("function", {}).get("name", "") for t in conv.tools]
         counts["tools_unrendered"] = int(not all(any(n in text for text, _ in pieces) for n in names))
         counts["call_ids_given"] = conv.ids_given
-        counts["text_arguments_rows"] = int(self.text_arguments)
+        counts["text_arguments_rows"] = int(bool(self.forms & {"_text_arguments", "_named_text"}))
+        counts["result_names_given"] = int(bool(self.forms & {"_result_names", "_named_text"}))
         counts["tool_use_template_rows"] = int(
             self.template is None and bool(tools) and "tool_use" in (self.named or {})
         )

@@ -77,9 +77,8 @@ def pair(calls: tuple[ToolCall, ...], results: list[tuple[str, dict]], offered: 
                 return f"the target called {call.name!r} and the dataset has no tool result left for this turn"
             return f"the target called {call.name!r}, a tool the dataset's turn has no result of"
         _, result = results.pop(k)
-        answers.append(
-            {"role": "tool", "content": result.get("content", ""), "tool_call_id": call.id, "name": call.name}
-        )
+        named = {"name": call.name} if result.get("name") else {}  # a result the data serves unnamed stays so
+        answers.append({"role": "tool", "content": result.get("content", ""), "tool_call_id": call.id} | named)
     return answers
 
 
