@@ -71,6 +71,23 @@ def test_bench_measures_every_variant_in_one_run(tmp_path):
     assert list(tmp_path.iterdir()) == []  # it cleans up after itself
 
 
+def test_bench_consumer_extracts_again_beside_a_live_trainer_that_reads_every_batch(tmp_path):
+    """--consumer: the last layout's extraction again with a trainer's stream in its own process,
+    reading and acknowledging every batch (it must read them all, or the bench fails), and its
+    tok/s against the same extraction without one."""
+    args = ("--samples", "12", "--mean-len", "40", "--min-len", "8", "--max-len", "96", "--batch-tokens", "256")
+    proc = hsx(
+        "bench", "--device", "cpu", *args, "--naive-samples", "0", "--workdir", tmp_path, "--compile", "off",
+        "--codecs", "raw", "--consumer",
+    )  # fmt: skip
+    rows = {line[:42].strip(): line[42:].split() for line in proc.stdout.splitlines() if len(line[42:].split()) == 7}
+    assert {"hsx extract (packed)", "hsx extract (packed, live consumer)"} <= rows.keys(), proc.stdout
+    assert rows["hsx extract (packed, live consumer)"][0] == rows["hsx extract (packed)"][0]  # the same tokens
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("hsx extract (packed, live consumer) / without: "))
+    assert float(line.split("without: ")[1].split("x")[0]) > 0
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_pick_names_the_smallest_codec_that_keeps_pace_with_raw():
     """The bench's advice: zstd where it writes at >= 0.97x raw's rate, raw where it does not; fp8
     named beside it only where it keeps pace."""

@@ -33,7 +33,7 @@ BENCH = Bounds(
 GENERATE_ONLY = ("max_new_tokens", "tensor_parallel_size")
 EXTRACT_ONLY = (
     "device", "mean_len", "min_len", "max_len", "batch_tokens", "naive_samples", "writers", "compile", "codecs",
-    "fp8_model", "int4_experts", "fidelity_stride",
+    "fp8_model", "int4_experts", "fidelity_stride", "consumer",
 )  # fmt: skip
 
 
@@ -67,6 +67,9 @@ class BenchOptions:
     max_new_tokens: A[int, Flag("--generate: new tokens per prompt at most.")] = 256
     tensor_parallel_size: A[int, Flag("--generate: vLLM's GPUs per model replica.")] = 1
     fidelity_stride: A[int, Flag("The fidelity check's sampling: 1 in N masked tokens.")] = 8
+    consumer: A[
+        bool, Flag("The last layout again with a live trainer reading and acknowledging every batch (its own process).")
+    ] = False
 
     def __post_init__(self) -> None:
         BENCH.check(self)
@@ -102,5 +105,6 @@ def run(opts: BenchOptions, log: Callable[[str], None]) -> str:
         opts.model, opts.device, opts.samples, opts.mean_len, opts.min_len, opts.max_len, opts.batch_tokens,
         opts.naive_samples, opts.writers, opts.workdir, compile=opts.compile, log=log, codecs=codecs(opts.codecs),
         fp8=opts.fp8_model, int4_experts=opts.int4_experts, fidelity_stride=opts.fidelity_stride,
+        consumer=opts.consumer,
     )  # fmt: skip
     return table(results)

@@ -17,6 +17,9 @@ On one model, one set of samples and the same batches it times:
   this is the most a run's check costs (chat data masks its answers only); and beside it the
   ``--teacher topk:64`` rows (``hsx.teacher``: the head on every masked token, log-softmax, top-64)
   timed the same way, the most they cost;
+- consumer (``consumer=True``): hsx's extraction again on the last layout with a trainer's stream
+  beside it in a process of its own (``bench.consumer``: ``StreamDataset`` reading, verifying and
+  collating every sample as it lands, acknowledging every batch), against the same without one;
 - disk: fsync'd writes of sample-sized files from the writer threads, alone (is the disk the limit?).
 - fp8 (``fp8=True``, CUDA): the same model then built as a block-FP8 checkpoint loads (its random
   weights quantized 128x128, on hsx's FP8 kernels: ``capture.quantized.fp8``), forward-only and hsx's
@@ -33,6 +36,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -208,6 +213,21 @@ def synthetic_run(
     return spec, Plan(run)
 
 
+@contextmanager
+def live_consumer(run: Path, max_tokens: int) -> Iterator[None]:
+    """A trainer's stream of ``run`` (``bench.consumer``) in a process of its own while the body
+    extracts it; it must read every batch (waited for after)."""
+    cmd = [sys.executable, "-m", "hsx.bench.consumer", str(run), str(max_tokens)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield
+        out, err = proc.communicate(timeout=3600)
+    finally:
+        proc.kill()
+    if proc.returncode != 0 or not out.strip().isdigit():
+        raise RuntimeError(f"the bench's consumer failed (exit {proc.returncode}): {err[-2000:]}")
+
+
 def forward_only(backend: TransformersBackend, plan, batches) -> int:
     tokens = 0
     for b in batches:
@@ -263,6 +283,7 @@ def run_bench(
     int4_experts: bool = False,
     fp8: bool = False,
     fidelity_stride: int = 8,
+    consumer: bool = False,
 ) -> list[Result]:
     """``device``: checked as extraction checks it (None: CUDA where there is one).
     ``compile``: also measure the packed layout with compiled layers (auto: on CUDA only).
@@ -271,7 +292,8 @@ def run_bench(
     (compressed-tensors pack-quantized, group 32, from its own weights), expanded per layer.
     ``fp8``: then the same model as a block-FP8 checkpoint, on the last layout (not with
     ``int4_experts``: each rebuilds the model). ``fidelity_stride``: the runs' fidelity sampling,
-    and the check's cost measured on the last layout."""
+    and the check's cost measured on the last layout. ``consumer``: the last layout's extraction
+    again with a live trainer's stream beside it (``live_consumer``)."""
     from hsx.extract.backends import Resources
     from hsx.extract.pipeline import Extractor
     from hsx.progress import Progress
@@ -385,6 +407,12 @@ def run_bench(
                     r = extract(crun, cspec, cplan, f"{tag}, {codec}")
                     r.stored_ratio, r.encode = r.bytes / raw.bytes, encoded[codec]
                     shutil.rmtree(crun)
+            if consumer and (packed, compiled) == variants[-1]:
+                crun = root / f"run-{len(results)}"
+                cspec, cplan = synthetic(crun, packed, compiled)
+                with live_consumer(crun, batch_tokens):
+                    extract(crun, cspec, cplan, f"{tag}, live consumer")
+                shutil.rmtree(crun)
             shutil.rmtree(run)
         if fp8:
             run = root / "run-fp8"
@@ -638,6 +666,13 @@ def table(results: list[Result]) -> str:
     for r in results:
         if r.name.startswith("hsx extract") and naive_r is not None and naive_r.rate:
             rows.append(f"{r.name} / naive: {r.rate / naive_r.rate:.2f}x")
+    for r in results:
+        if r.name.endswith(", live consumer)"):
+            alone = next(x for x in results if x.name == r.name.replace(", live consumer)", ")"))
+            rows.append(
+                f"{r.name} / without: {r.rate / alone.rate:.3f}x tok/s (a trainer in its own process reading, "
+                "verifying and acknowledging every batch as it lands)"
+            )
     for r in results:
         if r.waited_for_disk is not None:
             rows.append(f"{r.name}: the forward pass waited {r.waited_for_disk:.2f} s for the disk")
