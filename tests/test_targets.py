@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import conversations, hsx, save_tiny, write_jsonl
+from conftest import conversations, hsx, load_states, save_tiny, write_jsonl
 from hsx.capture.transformers import TransformersBackend
 from hsx.store import layout
 
@@ -235,16 +235,31 @@ def test_sparse_attention_models_refuse_packing_by_name_and_auto_pads_them(built
     assert "sparse-attention indexer" in notes[0], notes
 
 
-def test_gpt_oss_and_longcat_flash_run_through_the_command_line(built, data, tmp_path):
-    """gpt-oss refused SDPA at load (it runs eagerly now); LongCat-Flash's config has no
-    num_hidden_layers (a KeyError): its layer ids count decoder layers."""
-    for model_type in ("gpt_oss", "longcat_flash"):
-        path, _ = built(model_type)
-        done = _extract(path, tmp_path / model_type, data)
-        assert done.returncode == 0, done.stderr
-        spec = json.loads((tmp_path / model_type / "hsx.json").read_text())
-        assert spec["model"]["num_layers"] == 4, spec["model"]  # LongCat-Flash: decoder layers, not 8 sub-layers
-        assert len(list((tmp_path / model_type / "shards").rglob("*.safetensors"))) == 3
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v4", "longcat_flash", "inkling_text"])
+def test_each_defect_found_runs_through_the_command_line(model_type, built, data, tmp_path):
+    """gpt-oss and DeepSeek-V4 refused SDPA at load (they run eagerly now); V4's taps came out as its
+    4 streams stacked (now their mean); LongCat-Flash's config has no num_hidden_layers (a KeyError;
+    its ids count decoder layers); Inkling's final state was 24x its LM head's input. Every file the
+    run writes holds transformers' own states of its sample."""
+    path, model = built(model_type)
+    done = _extract(path, tmp_path / "run", data)
+    assert done.returncode == 0, done.stderr
+    spec = json.loads((tmp_path / "run" / "hsx.json").read_text())
+    layers = len(model.get_decoder().layers)  # LongCat-Flash: its decoder layers, not twice as many sub-layers
+    assert spec["model"]["num_layers"] == layers, spec["model"]
+    files = sorted((tmp_path / "run" / "shards").rglob("*.safetensors"))
+    assert len(files) == 3
+    config = model.config.get_text_config()
+    hidden, moe = int(config.hidden_size), any(getattr(config, k, None) for k in EXPERTS)
+    divisor = float(getattr(config, "logits_mup_width_multiplier", None) or 1.0)
+    for f in files:
+        states = load_states(f)
+        ref = reference(model, [states["input_ids"].numpy()])[0]
+        assert states["aux_hidden_states"].shape[-1] == len(TAPS) * hidden
+        for j, k in enumerate(TAPS):
+            want = ref[k + 1].mean(dim=-2) if ref[k + 1].dim() == 3 else ref[k + 1]
+            compare(states["aux_hidden_states"][:, j * hidden : (j + 1) * hidden], want, moe, f"{f.name} tap {k}")
+        compare(states["hidden_states"], ref[-1] / divisor, moe, f"{f.name} final state")
 
 
 def test_a_model_hsx_cannot_load_is_refused_before_anything_is_written(tmp_path, data):
