@@ -18,11 +18,14 @@ from hsx.generate.toolcalls import (
     deepseek_v3,
     glm45,
     gpt_oss,
+    granite,
     hermes,
     kimi_k2,
     llama3_json,
+    minimax_m2,
     mistral,
     qwen3,
+    qwen3_coder,
 )
 from hsx.input import Conversation, ToolCall, read_conversations, to_message, tools_of
 
@@ -154,6 +157,9 @@ FAMILIES = {  # template, parser, the end-of-turn marker the template writes (a 
     "glm-4.6": ("GLM-4.6/chat_template.jinja", glm45, ""),
     "llama-3.1-json": ("tool_chat_template_llama3.1_json.jinja", llama3_json, "<|eot_id|>"),
     "mistral-small-3.1": ("Mistral-Small-3.1-24B-Instruct-2503.jinja", mistral, EOS),
+    "glm-4.7": ("GLM-4.7-Flash/chat_template.jinja", glm45, ""),  # no newline after the name
+    "qwen3-coder": ("Qwen3-Coder.jinja", qwen3_coder, EOS),
+    "minimax-m2": ("MiniMax-M2/chat_template.jinja", minimax_m2, "[e~["),
 }
 
 
@@ -185,7 +191,9 @@ def test_each_parser_reads_back_the_calls_its_familys_template_writes(family):
                 continue
             if family == "kimi-k2-thinking" and not all(c.id.startswith("functions.") for c in turn.tool_calls):
                 continue  # a dataset's own ids: Kimi's template writes no name then
-            assert upto.startswith(prompt)
+            if family in ("glm-4.7", "minimax-m2") and not upto.startswith(prompt):  # the prompt opens <think>,
+                prompt = prompt[: prompt.rindex("<think>")]  # which a turn without reasoning writes otherwise
+            assert upto.startswith(prompt), (family, conv.source.id)
             p = parser(upto[len(prompt) :].rstrip().removesuffix(end))
             calls = turn.tool_calls[:1] if family == "gpt-oss" else turn.tool_calls  # it writes the first only
             assert [(c.name, _args(c)) for c in p.calls] == [(c.name, _args(c)) for c in calls], (
@@ -194,10 +202,10 @@ def test_each_parser_reads_back_the_calls_its_familys_template_writes(family):
             )
             if family in ("kimi-k2-thinking", "mistral-small-3.1"):  # formats that write the id
                 assert [c.id for c in p.calls] == [c.id[-9:] if family.startswith("mistral") else c.id for c in calls]
-            rendered_reasoning = family not in ("llama-3.1-json", "mistral-small-3.1")
+            rendered_reasoning = family not in ("llama-3.1-json", "mistral-small-3.1", "qwen3-coder")
             said = turn.reasoning or (turn.content if family == "gpt-oss" else "")  # gpt-oss: text is analysis
             assert p.reasoning == (said if rendered_reasoning else ""), (family, conv.source.id, p)
-            kept_content = family in ("kimi-k2-thinking", "qwen3", "glm-4.6")
+            kept_content = family in ("kimi-k2-thinking", "qwen3", "glm-4.6", "glm-4.7", "qwen3-coder", "minimax-m2")
             assert p.content == (turn.content if kept_content else ""), (family, conv.source.id, p)
             read += 1
     assert read >= 5
@@ -240,3 +248,32 @@ def test_model_output_variants_and_malformed_calls_of_the_new_families():
     assert (p.reasoning, [(c.name, _args(c)) for c in p.calls]) == ("hm", [("search", {"q": 3})])  # "3" reads as 3
     with pytest.raises(Malformed, match="without a function name"):
         glm45("<tool_call><arg_key>q</arg_key><arg_value>x</arg_value></tool_call>")
+
+
+def test_granite_qwen3_coder_and_minimax_read_what_their_models_write_and_refuse_what_does_not_parse():
+    """Granite's template renders no calls: its system prompt tells the model to answer "with
+    <|tool_call|> followed by a JSON list of tools used", which the parser reads, parallel calls too.
+    Qwen3-Coder's and MiniMax-M2's markup cut short, and a Granite list that is not JSON, are
+    Malformed; text without markup is content."""
+    system = (DATA / "templates" / "granite-3.3-2b-instruct.jinja").read_text()
+    assert "respond only with <|tool_call|> followed by a JSON list of tools used" in system
+    p = granite(
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+        '{"name": "get_time", "arguments": {"tz": "Africa/Cairo", "h24": true}}]'
+    )
+    assert p.content == "" and [(c.name, _args(c)) for c in p.calls] == [
+        ("get_weather", {"city": "Rome"}),
+        ("get_time", {"tz": "Africa/Cairo", "h24": True}),
+    ]
+    assert granite("It is 18 C in Rome.") == type(p)("", "It is 18 C in Rome.", ())
+    with pytest.raises(Malformed, match="not JSON"):
+        granite('<|tool_call|>[{"name": "get_weather", "arguments": {"city": ')
+    with pytest.raises(Malformed, match="no function name"):
+        granite('<|tool_call|>[{"arguments": {}}]')
+    with pytest.raises(Malformed, match="does not close"):
+        qwen3_coder("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n")
+    assert qwen3_coder("The answer is 4.").content == "The answer is 4."
+    with pytest.raises(Malformed, match="without a complete call"):
+        minimax_m2('<minimax:tool_call>\n<invoke name="get_weather"><parameter name="city">Rome</parameter>')
+    p = minimax_m2("<think>\nNo call needed.\n</think>\n\nIt is 4.")
+    assert (p.reasoning, p.content, p.calls) == ("No call needed.", "It is 4.", ())

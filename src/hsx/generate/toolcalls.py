@@ -172,12 +172,76 @@ def glm45(text: str) -> Parsed:
         return Parsed(reasoning, rest.strip(), ())
     calls = []
     for m in _GLM_CALL.finditer(rest, start):
-        name, _, args = m.group("body").strip().partition("\n")
+        body = m.group("body").strip()  # GLM-4.5/4.6 write a newline after the name, GLM-4.7 none
+        end = min((at for at in (body.find("\n"), body.find("<arg_key>")) if at >= 0), default=len(body))
+        name, args = body[:end], body[end:]
         if not name.strip() or "<arg_" in name:
             raise Malformed(f"a GLM tool call without a function name: {m.group(0)[:80]!r}")
         arguments = {a.group("key").strip(): _glm_value(a.group("value")) for a in _GLM_ARG.finditer(args)}
         calls.append(ToolCall(name.strip(), json.dumps(arguments, ensure_ascii=False)))
     return Parsed(reasoning, rest[:start].strip(), tuple(calls))
+
+
+_CODER_CALL = re.compile(
+    r"<tool_call>\s*<function=(?P<name>[^>\n]*)>(?P<body>.*?)</function>\s*</tool_call>", re.DOTALL
+)
+_CODER_ARG = re.compile(r"<parameter=(?P<key>[^>\n]*)>\n?(?P<value>.*?)\n?</parameter>", re.DOTALL)
+
+
+def qwen3_coder(text: str) -> Parsed:
+    """Qwen3-Coder's XML calls: ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>
+    ...</function>\\n</tool_call>``, values written as GLM's are (``_glm_value``)."""
+    reasoning, rest = split_think(text)
+    start = rest.find("<tool_call>")
+    if start < 0:
+        return Parsed(reasoning, rest.strip(), ())
+    calls = list(_CODER_CALL.finditer(rest, start))
+    if not calls or rest[calls[-1].end() :].strip():
+        raise Malformed(f"a Qwen3-Coder <tool_call> that does not close: {rest[start:][:80]!r}")
+    return Parsed(reasoning, rest[:start].strip(), tuple(_xml_call(m, _CODER_ARG) for m in calls))
+
+
+def _xml_call(m: re.Match, args: re.Pattern) -> ToolCall:
+    name = m.group("name").strip()
+    if not name:
+        raise Malformed(f"a tool call without a function name: {m.group(0)[:80]!r}")
+    arguments = {a.group("key").strip(): _glm_value(a.group("value")) for a in args.finditer(m.group("body"))}
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+_MINIMAX_BEGIN, _MINIMAX_END = "<minimax:tool_call>", "</minimax:tool_call>"
+_MINIMAX_CALL = re.compile(r'<invoke name="(?P<name>[^"]*)">(?P<body>.*?)</invoke>', re.DOTALL)
+_MINIMAX_ARG = re.compile(r'<parameter name="(?P<key>[^"]*)">(?P<value>.*?)</parameter>', re.DOTALL)
+
+
+def minimax_m2(text: str) -> Parsed:
+    """MiniMax-M2's calls: ``<minimax:tool_call>`` then per call ``<invoke name="NAME">`` with a
+    ``<parameter name="KEY">VALUE</parameter>`` per argument (strings as they are, else JSON)."""
+    reasoning, rest = split_think(text)
+    start = rest.find(_MINIMAX_BEGIN)
+    if start < 0:
+        return Parsed(reasoning, rest.strip(), ())
+    end = rest.find(_MINIMAX_END, start)
+    block = rest[start + len(_MINIMAX_BEGIN) : end if end >= 0 else len(rest)]
+    calls = [_xml_call(m, _MINIMAX_ARG) for m in _MINIMAX_CALL.finditer(block)]
+    if end < 0 or not calls:
+        raise Malformed(f"a MiniMax tool-call block without a complete call: {rest[start:][:80]!r}")
+    return Parsed(reasoning, rest[:start].strip(), tuple(calls))
+
+
+_GRANITE = "<|tool_call|>"
+
+
+def granite(text: str) -> Parsed:
+    """Granite's calls: ``<|tool_call|>`` and a JSON list of ``{"name", "arguments"}``."""
+    start = text.find(_GRANITE)
+    if start < 0:
+        return Parsed("", text, ())
+    after = text[start + len(_GRANITE) :]
+    listed, _ = _decoded(text, "a Granite <|tool_call|> list", len(text) - len(after.lstrip()))
+    if not isinstance(listed, list):
+        raise Malformed(f"a Granite <|tool_call|> is a {type(listed).__name__}, not a list")
+    return Parsed("", text[:start].rstrip(), tuple(_named_call(c, "a Granite tool call") for c in listed))
 
 
 _HARMONY = re.compile(
@@ -266,6 +330,9 @@ PARSERS: dict[str, Callable[[str], Parsed]] = {
     "kimi_k2": kimi_k2,
     "deepseek_v3": deepseek_v3,
     "glm45": glm45,
+    "qwen3_coder": qwen3_coder,
+    "minimax_m2": minimax_m2,
+    "granite": granite,
     "gpt_oss": gpt_oss,
     "llama3_json": llama3_json,
     "mistral": mistral,
