@@ -309,6 +309,12 @@ FAMILIES = {
         "toolace": "'dict object' has no attribute 'tool_call_id'",  # results of calls written as text: no id
         "hermes-fc": "'dict object' has no attribute 'tool_call_id'",
     }),
+    "glm-4.7": ("GLM-4.7-Flash/chat_template.jinja", None, lambda t: True, {}),
+    "qwen3-coder": ("Qwen3-Coder.jinja", (EOS,), lambda t: False, {}),
+    "minimax-m2": ("MiniMax-M2/chat_template.jinja", ("[e~[",), lambda t: True, {
+        "toolace": "Message has tool role, but there was no previous assistant message with a tool call!",
+        "hermes-fc": "Message has tool role, but there was no previous assistant message with a tool call!",
+    }),
 }  # fmt: skip
 
 
