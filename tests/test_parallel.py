@@ -31,6 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
 from conftest import (
+    HANG_GUARD_S,
     TINY,
     conversations,
     hsx,
@@ -50,7 +51,6 @@ from hsx.store import layout
 
 TOL = 1e-5
 NEAR_TIE_SHARE = 0.01  # at most this share of a MoE model's tokens may differ (router near-ties)
-HANG_GUARD_S = 600  # a hang, not a pace
 HIDDEN = 64
 LAYERS = (0, 1)  # of 3-4 layers; the final state is captured too
 
@@ -437,7 +437,7 @@ def test_ray_workers_of_tp_groups_survive_a_killed_rank_and_equal_one_group(dens
     try:
         victim, groups = None, {}
         while victim is None:
-            rec = until(lambda: next((r for r in records(out) if r["phase"] == "working"), None), HANG_GUARD_S, driver)
+            rec = until(lambda: next((r for r in records(out) if r["phase"] == "working"), None), driver)
             os.kill(rec["pid"], signal.SIGSTOP)
             now = next((r for r in records(out) if r["pid"] == rec["pid"]), None)
             groups |= {r["pid"]: [rank["pid"] for rank in r["ranks"]] for r in records(out)}
@@ -474,11 +474,11 @@ def test_a_tp_worker_whose_driver_lost_the_run_stops_with_all_its_ranks(models, 
     out = tmp_path / "run"
     driver = Driver(_args(models["dense"], data, out, "--tensor-parallel", "2", "--workers", "1"), tmp_path / "d.log")
     try:
-        rec = until(lambda: next((r for r in records(out) if r["phase"] == "working"), None), HANG_GUARD_S, driver)
+        rec = until(lambda: next((r for r in records(out) if r["phase"] == "working"), None), driver)
         ranks = [r["pid"] for r in rec["ranks"]]
         os.kill(ranks[1], signal.SIGSTOP)
         write_durable(out / LOCK, this_process("extract").model_dump_json().encode())  # another extractor took it over
-        until(lambda: _gone(ranks), HANG_GUARD_S)
+        until(lambda: _gone(ranks))
         fenced = run_files(out)
         assert len(list((out / "shards").glob("*/SEALED"))) < 6, "the run ended before the fence"
         log = driver.wait(timeout=HANG_GUARD_S)
