@@ -42,6 +42,8 @@ def test_bench_measures_every_variant_in_one_run(tmp_path):
         "hsx extract (packed, compiled)",
         "hsx extract (packed, compiled, zstd)",
         "hsx extract (packed, compiled, fp8)",
+        "hsx extract (packed, compiled, shadow)",
+        "shadow (packed, compiled)",
         "disk alone (8 threads, fsync)",
     ):
         assert name in rows, proc.stdout
@@ -58,8 +60,12 @@ def test_bench_measures_every_variant_in_one_run(tmp_path):
     assert rows["teacher topk:64 (packed, compiled)"][0] == rows["forward only (packed, compiled)"][0]
     taught = next(line for line in proc.stdout.splitlines() if line.startswith("teacher topk:64 (packed, compiled): "))
     assert "% of the forward pass" in taught and "tokens given their top-64" in taught
+    # the shadow's cost (hsx.certify): hsx with it at the default 1 in 1000 (ids 0-3 of these 12 samples),
+    # and timed on its own against the forward, projected to a run
+    shadow = next(line for line in proc.stdout.splitlines() if line.startswith("shadow (packed, compiled): "))
+    assert "the forward pass's time per token" in shadow and "at 1 in 1000 samples: " in shadow, shadow
     waits = [line for line in proc.stdout.splitlines() if "the forward pass waited" in line]
-    assert len(waits) == 5 and all(line.startswith("hsx extract (") for line in waits)
+    assert len(waits) == 6 and all(line.startswith("hsx extract (") for line in waits)
     # the codecs next to raw, on the same batches: stored / raw bytes, tok/s, encode MB/s (1 core, N threads)
     lines = proc.stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("codec  stored/raw"))

@@ -172,6 +172,25 @@ def test_tp2_dense_equals_the_single_process_reference_and_records_the_layout(de
     assert spec["parallel"] == {"tensor": 2, "expert": 1, "pipeline": 1}
     assert not (out / layout.GROUP).exists()  # a group that ended cleanly leaves no record behind
     assert_figures(out, models["dense"], spec["fidelity"]["stride"])
+    assert_certified(out, dense=True)
+
+
+def assert_certified(out: Path, dense: bool) -> None:
+    """The shadow recomputed samples 0-3 (the first few; 1 in 1000 by id) through transformers' plain
+    path on the run's own ranks: every tap within its bound (a MoE model: but for the near ties
+    allowed; a dense one, none), and the run's certificate says so."""
+    from hsx import certify
+    from hsx.store.format import read_header
+
+    for sid in range(60):
+        taps = certify.Taps.parse(read_header(layout.sample_path(out, sid, 10)).metadata["taps"])
+        assert (taps.shadow is not None) == (sid < 4), sid
+        assert taps.zero == taps.nonfinite == [0] * (len(LAYERS) + 1)
+        if taps.shadow is not None:
+            assert not taps.shadow.failed and taps.shadow.allowed == (0 if dense else 1), (sid, taps.shadow)
+            assert max(taps.shadow.diff) < 1e-4  # float32: rounding alone
+    cert = certify.read_certificate(out)
+    assert cert.verdict == "passed" and cert.shadow.samples == [0, 1, 2, 3], cert
 
 
 def assert_figures(out: Path, model_dir: Path, stride: int) -> None:
@@ -201,6 +220,7 @@ def test_tp2_ep2_moe_equals_the_reference_but_for_a_counted_share_of_near_ties(n
     assert total > 2000
     assert off <= NEAR_TIE_SHARE * total
     assert worst <= TOL
+    assert_certified(out, dense=False)
 
 
 def test_a_layout_the_run_was_not_made_with_or_the_model_cannot_take_is_refused_by_name(
@@ -351,7 +371,8 @@ def test_a_pipeline_writes_one_process_bytes_through_a_killed_stage_and_a_full_d
     remount(d, size="64m")
     resumed = hsx(*resume.split()[1:])
     assert f"{60 - done} written now, {done} were already verified" in resumed.stdout
-    assert run_files(out) == reference
+    assert run_files(out) == reference  # the shadow's figures too: its samples went through the stages
+    assert_certified(out, dense=True)
     assert json.loads((out / "hsx.json").read_text())["parallel"] == {"tensor": 1, "expert": 1, "pipeline": 2}
     assert not (out / layout.GROUP).exists() and not (out / "lock.json").exists()
     refused = hsx("extract", "--out", out, "--pipeline-parallel", "4", check=False)
@@ -453,6 +474,7 @@ def test_ray_workers_of_tp_groups_survive_a_killed_rank_and_equal_one_group(dens
         pids = ", ".join(str(r["pid"]) for r in victim["ranks"])
         assert f"worker pid {victim['pid']} (rank 0 of 2: pids {pids}) on" in log and "died" in log, log
         assert run_files(out) == reference
+        assert_certified(out, dense=True)
         assert not (out / "workers").exists()
         every = [pid for ranks in groups.values() for pid in ranks]
         assert len(every) >= 4 and _gone(every), groups  # both workers' groups were seen, and are gone

@@ -72,8 +72,8 @@ def test_finished_run_is_ok_and_json_agrees(finished_run):
     assert code == 0, text
     lv = levels(text)
     assert list(lv) == [
-        "gpus", "interconnect", "volume", "progress", "pace", "integrity", "fidelity", "model", "capture", "spec",
-        "workers",
+        "gpus", "interconnect", "volume", "progress", "pace", "integrity", "fidelity", "certificate", "model",
+        "capture", "spec", "workers",
     ]  # fmt: skip
     assert all(lv[k] == "ok" for k in lv if k != "gpus")  # a machine without GPUs warns, never fails
     assert lv["gpus"] in ("ok", "warn")
@@ -93,7 +93,19 @@ def test_copied_run_is_still_ok_and_holds_no_absolute_path_of_its_own(finished_r
     assert code == 0, report
     assert report["run"] == str(moved)
     assert {k: v for k, v in json_levels(report).items() if k != "gpus"} == dict.fromkeys(
-        ["interconnect", "volume", "progress", "pace", "integrity", "fidelity", "model", "capture", "spec", "workers"],
+        [
+            "interconnect",
+            "volume",
+            "progress",
+            "pace",
+            "integrity",
+            "fidelity",
+            "certificate",
+            "model",
+            "capture",
+            "spec",
+            "workers",
+        ],
         "ok",
     )
     for path in moved.rglob("*"):  # only the spec may name outside paths (the model, the source data)

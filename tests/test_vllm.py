@@ -100,6 +100,15 @@ def test_vllm_files_equal_transformers_files(vllm, tmp_path, data, reference, mo
     assert all((out / "shards" / f"{s:06d}" / "SEALED").exists() for s in range(4))
     again = hsx("extract", "--out", out)  # resume of a finished run: verifies, starts no engine
     assert "0 written now" in again.stdout + again.stderr
+    # certified after the fact: vLLM's engine holds its own weights, so the run recomputes nothing itself
+    assert json.loads((out / "certificate.json").read_text())["verdict"] == "unchecked"
+    checked = hsx("verify", out, "--reference", "6", "--device", "cpu", "--json", check=False)
+    report = json.loads(checked.stdout)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert report["reference"]["level"] == "ok" and len(report["reference"]["data"]["samples"]) == 6
+    print("verify --reference:", report["reference"]["details"])
+    cert = json.loads((out / "certificate.json").read_text())
+    assert cert["verdict"] == "passed" and cert["reference"]["failed"] == [] and cert["shadow"] is None
 
 
 def test_sigkill_mid_run_then_resume(vllm, tmp_path, data, reference, monkeypatch):

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
+from hsx import certify
 from hsx.consumer import DELETED, LEASE_TIMEOUT, NOT_WRITTEN, READING, ConsumerSpec, RankLease
-from hsx.errors import ConsumerRefused, Damage, SampleUnavailable
+from hsx.errors import CertifyFailed, ConsumerRefused, Damage, SampleUnavailable
 from hsx.plan import Plan, batches_for, load_plan
 from hsx.spec import RunSpec, load_spec
 from hsx.store import layout
@@ -124,6 +125,19 @@ def available_ids(
     return out
 
 
+def certified(run: Path, spec: RunSpec, allow_failed: bool) -> None:
+    """Refuse a run whose certificate records a failed check of its numbers (``hsx.certify``), or
+    whose certificate was edited or is another run's, unless ``allow_failed``."""
+    if allow_failed:
+        return
+    cert = certify.read_certificate(run)
+    if cert is not None and cert.verdict == "failed":
+        raise CertifyFailed(
+            f"{run}: its certificate records a failed check ({'; '.join(cert.failures)}): its states may not be "
+            "the target's. Find the cause (hsx status, hsx verify --reference), or pass allow_failed=True to read it"
+        )
+
+
 class HsxDataset(Dataset):
     """A run's samples as dicts of tensors: ``input_ids`` and ``loss_mask`` int64 [T],
     ``aux_hidden_states`` [T, L*H] (absent where the run has no taps: ``--layers mtp``),
@@ -152,9 +166,11 @@ class HsxDataset(Dataset):
         keep_fp8: bool = False,
         strict: bool = False,
         deep: bool = False,
+        allow_failed: bool = False,
     ):
         self.run = Path(run)
         self.spec = load_spec(self.run)
+        certified(self.run, self.spec, allow_failed)
         self.plan = Plan(self.run, self.spec.plan.parts)
         self.verify = verify
         self.keep_fp8 = keep_fp8
@@ -392,10 +408,12 @@ class StreamDataset(IterableDataset):
         keep_fp8: bool = False,
         poll: float = 0.2,
         log: Callable[[str], None] = _stderr,
+        allow_failed: bool = False,
     ):
         self.run = Path(run)
         self.spec = load_spec(self.run)
         self.files = self.spec.footprint().files
+        certified(self.run, self.spec, allow_failed)
         window = self.spec.window
         if window is not None and window.delete and consumer not in window.consumers and any_consumed(self.run):
             raise ConsumerRefused(

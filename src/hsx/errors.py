@@ -16,6 +16,7 @@
     │   ├── LayoutTooLarge         the model does not fit the devices' memory in the asked parallel layout
     │   ├── CaptureFailed          the backend did not deliver a sample as the plan has it
     │   ├── FidelityFailed         the captured states do not predict the target's next tokens: the run stopped
+    │   ├── CertifyFailed          a tap is not what the target computes (per-tap checks, the shadow): the run stopped
     │   ├── WorkerFailed           a scale-out worker failed on a shard; the run stopped
     │   ├── RepairRefused          verify --repair on a run an extractor is writing
     │   ├── NormUnavailable        the final norm (or LM head) cannot be read or inverted from the checkpoint
@@ -139,6 +140,12 @@ class FidelityFailed(Refused):
     """The final states of a batch, through the target's own final norm and LM head, do not predict
     the next tokens as the run's floor or baseline says they must (``hsx.fidelity``); nothing of that
     batch was written. A person finds the cause (layer, norm, kernel, positions) before resuming."""
+
+
+class CertifyFailed(Refused):
+    """A sample's taps failed their checks (not finite, all zeros, outside the run's RMS band) or
+    differ from transformers' plain recomputation of the sample (``hsx.certify``); nothing of that
+    batch was written, or (found after the fact) the run's certificate records the failure."""
 
 
 class WorkerFailed(Refused):

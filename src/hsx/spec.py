@@ -246,6 +246,14 @@ class TeacherSpec(BaseModel):
         return f"probabilities over a draft vocabulary of {self.vocab_size} ({self.vocab_digest})"
 
 
+class CertifyCheck(BaseModel):
+    """How a run checks its taps (``hsx.certify``): every sample's per-tap checks, and the shadow's
+    recomputation of 1 in ``every`` samples by id (0: none) and of every id below ``first``."""
+
+    every: int = 1000
+    first: int = 4
+
+
 @dataclass(frozen=True)
 class Footprint:
     """What a run's files take on disk, as the space forecast and the store's scan need it:
@@ -327,6 +335,7 @@ class RunSpec(BaseModel):
     fidelity: FidelityCheck | None = None  # None: a run made before hsx checked fidelity checks nothing
     window: Window | None = None  # pause while what the named consumers have not released exceeds it
     teacher: TeacherSpec | None = None  # the target's distribution stored beside its states (--teacher)
+    certify: CertifyCheck | None = None  # None: a run made before hsx checked its taps checks none
 
     @property
     def bytes_per_token(self) -> int:

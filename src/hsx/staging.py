@@ -6,9 +6,10 @@ the writer at once; a writer thread waits on the event before hashing, and the s
 the ring when its last sample is written. The compute stream never waits for the disk unless
 every slot is still being written (backpressure, bounded host memory).
 On CPU: the captured tensors already live in host memory; samples are views of them.
-A batch's fidelity figures (``CapturedBatch.fidelity``), where measured, and its teacher rows
-(``CapturedBatch.teacher``), where the run stores them, come over with its states, behind the same
-fence (the rows in pinned buffers of their own: they are small next to the states).
+A batch's fidelity figures (``CapturedBatch.fidelity``) and tap figures (``taps``), where measured,
+and its teacher rows (``CapturedBatch.teacher``), where the run stores them, come over with its
+states, behind the same fence (the rows in pinned buffers of their own: they are small next to the
+states).
 
 With the fp8 codec the ring carries encoded states: each batch is quantized on the device, on the
 side stream, before its copy (``codec.encode_early``), so the copy and the pinned slots hold half the
@@ -46,9 +47,10 @@ def _runs(batch: CapturedBatch, wanted: list[int]) -> list[tuple[int, int, int]]
 
 
 class HostBatch:
-    """Host views of one batch's samples plus a readiness fence and a release hook; ``figures``:
-    the batch's fidelity figures on the host (valid once ``ready`` returns), where measured;
-    ``teacher``: each wanted sample's teacher rows on the host (valid as ``figures``), where stored."""
+    """Host views of one batch's samples plus a readiness fence and a release hook; ``figures``
+    and ``taps``: the batch's fidelity and tap figures on the host (valid once ``ready`` returns),
+    where measured; ``teacher``: each wanted sample's teacher rows on the host (valid as
+    ``figures``), where stored."""
 
     def __init__(
         self,
@@ -57,8 +59,9 @@ class HostBatch:
         release: Callable[[], None],
         figures: torch.Tensor | None = None,
         teacher: list[dict[str, torch.Tensor]] | None = None,
+        taps: torch.Tensor | None = None,
     ):
-        self.views, self.ready, self.figures, self.teacher = views, ready, figures, teacher
+        self.views, self.ready, self.figures, self.teacher, self.taps = views, ready, figures, teacher, taps
         self._left = len(views)
         self._lock = threading.Lock()
         self._release = release
@@ -135,7 +138,7 @@ class CpuStaging:
     def stage(self, batch: CapturedBatch, wanted: list[int]) -> HostBatch:
         views = [batch.sample(i) for i in wanted]
         teacher = None if batch.teacher is None else [batch.teacher.sample(i) for i in wanted]
-        return HostBatch(views, lambda: None, lambda: None, batch.fidelity, teacher)
+        return HostBatch(views, lambda: None, lambda: None, batch.fidelity, teacher, batch.taps)
 
     def close(self) -> None:
         pass
@@ -164,17 +167,13 @@ class CudaStaging:
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):  # any encoding's scratch is allocated on this stream too
             views = self.layout.fill(slot, batch, wanted)
-            figures = None
-            if batch.fidelity is not None:
-                figures = torch.empty(batch.fidelity.shape, dtype=batch.fidelity.dtype, pin_memory=True)
-                figures.copy_(batch.fidelity, non_blocking=True)
-                batch.fidelity.record_stream(self.stream)
+            figures, taps = (self._to_host(t) for t in (batch.fidelity, batch.taps))
             teacher = None if batch.teacher is None else self._teacher(batch.teacher, wanted)
             event = torch.cuda.Event()
             event.record(self.stream)
         batch.aux.record_stream(self.stream)  # keep device memory alive until the copy is done
         batch.final.record_stream(self.stream)
-        return HostBatch(views, event.synchronize, lambda: self.free.put(slot), figures, teacher)
+        return HostBatch(views, event.synchronize, lambda: self.free.put(slot), figures, teacher, taps)
 
     def _teacher(self, rows: Rows, wanted: list[int]) -> list[dict[str, torch.Tensor]]:
         """The batch's teacher rows copied to pinned host buffers on the side stream: each wanted
@@ -185,6 +184,15 @@ class CudaStaging:
             host[name].copy_(t, non_blocking=True)
             t.record_stream(self.stream)
         return [Rows(host, rows.counts).sample(i) for i in wanted]
+
+    def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A batch's figures copied to pinned memory on the side stream (behind the batch's fence)."""
+        if t is None:
+            return None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        t.record_stream(self.stream)
+        return host
 
     def close(self) -> None:
         self.stream.synchronize()

@@ -13,7 +13,20 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from hsx.assess import consumers, fidelity, gpus, integrity, links, model, pace, runspec, tally, volume, workers
+from hsx.assess import (
+    certificate,
+    consumers,
+    fidelity,
+    gpus,
+    integrity,
+    links,
+    model,
+    pace,
+    runspec,
+    tally,
+    volume,
+    workers,
+)
 from hsx.assess.checks import Check, exit_code, skipped
 from hsx.errors import Exit, SpecError
 from hsx.genrun.spec import GenerateSpec
@@ -32,6 +45,7 @@ ORDER = (
     "pace",
     "integrity",
     "fidelity",
+    "certificate",
     "model",
     "capture",
     "spec",
@@ -107,13 +121,14 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
     t = None
     readers = None  # the consumers line: only for a run a trainer reads
     if spec is None:
-        for name in ("volume", "progress", "pace", "integrity", "fidelity", "model", "capture"):
+        for name in ("volume", "progress", "pace", "integrity", "fidelity", "certificate", "model", "capture"):
             checks[name] = skipped(name, "no readable run spec")
     else:
         result = integrity.inspect(run, spec, deep, worker.alive, threads)
         t = tally.tally(result.scans, spec.plan.num_samples, spec.plan.num_tokens, plan.lengths if plan else None)
         checks["integrity"] = integrity.check(result, command=command)
         checks["fidelity"] = fidelity.line(run, spec, result.scans)
+        checks["certificate"] = certificate.line(run, spec)
         window = getattr(spec, "window", None)  # an extraction's (a generate run has none)
         in_flight = 2 * spec.batch_tokens * spec.bytes_per_token if window is not None else 0  # the window's bound
         readers = consumers.check(

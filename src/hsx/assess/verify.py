@@ -1,5 +1,6 @@
 """``hsx verify``: the integrity check alone, for scripts; ``repair`` moves bad files aside;
-``--fidelity`` also recomputes the fidelity of a sample of files from the checkpoint (``assess.fidelity``).
+``--fidelity`` also recomputes the fidelity of a sample of files from the checkpoint (``assess.fidelity``);
+``--reference`` their taps through transformers' plain path (``assess.reference``).
 
 Repair never deletes: every bad, stray or foreign file goes to ``OUT/quarantine/<its path>`` with a
 ``.reason`` file next to it (kind, detail, sample id, time), so the next ``hsx extract --out OUT``
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hsx import target
-from hsx.assess import fidelity, integrity, workers
+from hsx.assess import fidelity, integrity, reference, workers
 from hsx.assess.checks import Check
 from hsx.errors import Exit, Refused, RepairRefused
 from hsx.genrun.spec import GenerateSpec, load_any
@@ -31,12 +32,13 @@ class VerifyResult:
     check: Check
     moved: list[Moved] = field(default_factory=list)
     fidelity: Check | None = None  # --fidelity: the recomputation
+    reference: Check | None = None  # --reference: the plain path's recomputation, tap by tap
 
     @property
     def exit_code(self) -> int:
         """0 clean, 1 problems hsx extract redoes (after a repair: the samples it will redo), 2 states
         that fail their fidelity (a person finds the cause: their bytes are good, no resume redoes them)."""
-        if self.fidelity is not None and self.fidelity.level == "fail":
+        if any(c is not None and c.level == "fail" for c in (self.fidelity, self.reference)):
             return Exit.ACT
         if self.result.problems:
             return Exit.REDO
@@ -48,6 +50,7 @@ class VerifyResult:
             "exit_code": self.exit_code,
             "integrity": self.check.to_json(),
             "fidelity": None if self.fidelity is None else self.fidelity.to_json(),
+            "reference": None if self.reference is None else self.reference.to_json(),
             "quarantined": [m.__dict__ for m in self.moved],
             "redo_sample_ids": self.redo_ids(),
         }
@@ -75,10 +78,12 @@ def verify(
     fidelity_files: int = 0,
     device: str | None = None,
     model: str | None = None,
+    reference_files: int = 0,
 ) -> VerifyResult:
     """``threads``: parallel readers (None: the store's default for this machine). ``fidelity_files``:
     recompute the fidelity of this many files from the checkpoint (``model``: where it moved) on
-    ``device`` (None: CUDA where there is one)."""
+    ``device`` (None: CUDA where there is one); ``reference_files``: recompute this many files'
+    taps through transformers' plain path (``assess.reference``), recorded in the certificate."""
     spec = load_any(run)
     worker = workers.inspect(run)
     if repair and worker.alive:
@@ -91,13 +96,16 @@ def verify(
             if (m := quarantine(run, p)) is not None:
                 moved.append(m)
     out = VerifyResult(run, spec, result, integrity.check(result, command=spec.kind), moved)
-    if fidelity_files:
+    if fidelity_files or reference_files:
         device = device or default_device()
         check_device(device)
         if spec.kind == GENERATE:
-            raise Refused(f"{run} is a generate run: it holds token ids, no states whose fidelity to check")
+            raise Refused(f"{run} is a generate run: it holds token ids, no states to check")
         model_dir = target.model_dir_for(run, spec, model)
+    if fidelity_files:
         out.fidelity = fidelity.recompute(run, spec, result.scans, model_dir, fidelity_files, device)
+    if reference_files:
+        out.reference = reference.recompute(run, spec, result.scans, model_dir, reference_files, device)
     if repair and moved:
         out.check.details.append(f"{len(moved)} files moved to {layout.QUARANTINE}/ with a .reason each")
     return out

@@ -12,7 +12,7 @@ from typing import Annotated as A
 
 from hsx.bounds import Bound, Bounds, Flag
 from hsx.errors import OptionError
-from hsx.extract.options import EXTRACT
+from hsx.extract.options import DEFAULTS, EXTRACT
 from hsx.job.options import DEVICES, THREADS, TOKENS
 from hsx.store.codec import Codec
 
@@ -28,12 +28,13 @@ BENCH = Bounds(
     max_new_tokens=TOKENS,
     tensor_parallel_size=DEVICES,
     fidelity_stride=TOKENS,
+    reference_every=Bound(min=1, max=10**9),
 )
 # the options that only one of the two benchmarks reads, by field name
 GENERATE_ONLY = ("max_new_tokens", "tensor_parallel_size")
 EXTRACT_ONLY = (
     "device", "mean_len", "min_len", "max_len", "batch_tokens", "naive_samples", "writers", "compile", "codecs",
-    "fp8_model", "int4_experts", "fidelity_stride", "consumer",
+    "fp8_model", "int4_experts", "fidelity_stride", "consumer", "reference_every",
 )  # fmt: skip
 
 
@@ -70,6 +71,9 @@ class BenchOptions:
     consumer: A[
         bool, Flag("The last layout again with a live trainer reading and acknowledging every batch (its own process).")
     ] = False
+    reference_every: A[int, Flag("The shadow's sampling: 1 in N samples recomputed through the plain path.")] = (
+        DEFAULTS["reference_every"]
+    )
 
     def __post_init__(self) -> None:
         BENCH.check(self)
@@ -106,5 +110,6 @@ def run(opts: BenchOptions, log: Callable[[str], None]) -> str:
         opts.naive_samples, opts.writers, opts.workdir, compile=opts.compile, log=log, codecs=codecs(opts.codecs),
         fp8=opts.fp8_model, int4_experts=opts.int4_experts, fidelity_stride=opts.fidelity_stride,
         consumer=opts.consumer,
+        reference_every=opts.reference_every,
     )  # fmt: skip
     return table(results)

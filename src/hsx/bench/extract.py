@@ -20,6 +20,10 @@ On one model, one set of samples and the same batches it times:
 - consumer (``consumer=True``): hsx's extraction again on the last layout with a trainer's stream
   beside it in a process of its own (``bench.consumer``: ``StreamDataset`` reading, verifying and
   collating every sample as it lands, acknowledging every batch), against the same without one;
+- taps (``hsx.certify``): every hsx row checks every sample's taps on the device; on the last layout,
+  hsx's extraction again with the shadow at ``--reference-every`` ("shadow": 1 in N samples by id,
+  and ids 0-3, recomputed through transformers' plain path), and the shadow timed on its own on a few
+  samples: its per-token time against the forward's, and what that costs a run at 1 in N samples.
 - disk: fsync'd writes of sample-sized files from the writer threads, alone (is the disk the limit?).
 - fp8 (``fp8=True``, CUDA): the same model then built as a block-FP8 checkpoint loads (its random
   weights quantized 128x128, on hsx's FP8 kernels: ``capture.quantized.fp8``), forward-only and hsx's
@@ -56,7 +60,7 @@ from hsx.capture.transformers import TransformersBackend
 from hsx.extract.options import Toggle, check_device, default_device
 from hsx.fingerprint import ModelFingerprint, digest_json
 from hsx.plan import Sample, batches_for
-from hsx.spec import FidelityCheck, ModelIdentity, PlanIdentity, RunSpec, TokenizerIdentity, now, who
+from hsx.spec import CertifyCheck, FidelityCheck, ModelIdentity, PlanIdentity, RunSpec, TokenizerIdentity, now, who
 from hsx.store.codec import Codec
 from hsx.store.format import SampleTensors
 
@@ -89,6 +93,8 @@ class Result:
     encoded_on: str | None = None  # codec rows: "device" (before the copy: fp8 on CUDA) or "host" (writers)
     expert_bytes: int | None = None  # MoE rows: bytes of the routed experts as held (bf16, or INT4 packed)
     checked: int | None = None  # the fidelity check's and the teacher's rows: tokens they computed at
+    checked: int | None = None  # the fidelity check's row: tokens it checked
+    every: int | None = None  # the shadow's row: 1 in this many samples recomputed in a run
 
     @property
     def rate(self) -> float:
@@ -166,9 +172,11 @@ def synthetic_run(
     seed: int = 0,
     codec: Codec = Codec.RAW,
     stride: int = 8,
+    reference_every: int = 0,
 ) -> tuple[RunSpec, object]:
     """A run folder whose plan holds random token ids of the given lengths (no tokenizer, no data),
-    checking its fidelity as a run on dataset data does, 1 in ``stride`` masked tokens."""
+    checking its fidelity as a run on dataset data does, 1 in ``stride`` masked tokens, and its taps
+    (the shadow at 1 in ``reference_every`` samples; 0: none)."""
     from hsx.plan import Plan, write_plan
 
     rng = np.random.default_rng(seed)
@@ -208,6 +216,7 @@ def synthetic_run(
         data=[],
         plan=PlanIdentity.of(info, 0),
         fidelity=FidelityCheck(mode="baseline", stride=stride),
+        certify=CertifyCheck(every=reference_every),
     )
     spec.save(run)
     return spec, Plan(run)
@@ -284,6 +293,7 @@ def run_bench(
     fp8: bool = False,
     fidelity_stride: int = 8,
     consumer: bool = False,
+    reference_every: int = 1000,
 ) -> list[Result]:
     """``device``: checked as extraction checks it (None: CUDA where there is one).
     ``compile``: also measure the packed layout with compiled layers (auto: on CUDA only).
@@ -293,7 +303,8 @@ def run_bench(
     ``fp8``: then the same model as a block-FP8 checkpoint, on the last layout (not with
     ``int4_experts``: each rebuilds the model). ``fidelity_stride``: the runs' fidelity sampling,
     and the check's cost measured on the last layout. ``consumer``: the last layout's extraction
-    again with a live trainer's stream beside it (``live_consumer``)."""
+    again with a live trainer's stream beside it (``live_consumer``). ``reference_every``: the
+    shadow's sampling of the last layout's extraction with it, and of its cost projected to a run."""
     from hsx.extract.backends import Resources
     from hsx.extract.pipeline import Extractor
     from hsx.progress import Progress
@@ -343,6 +354,7 @@ def run_bench(
         progress = Progress(samples, spec.plan.num_tokens, spec.bytes_per_token)
         staging = staging_of(spec.codec)
         earlier = staging.waited  # the ring is shared by the variants
+        backend.certifies(spec.certify)
         with measured(f"hsx extract ({tag})", dev, results) as r:
             extractor = Extractor(
                 run, spec, plan, backend, Resources(device, writers), progress, staging=staging, log=log
@@ -359,10 +371,10 @@ def run_bench(
             r.encoded_on = "device" if staging.encodes is spec.codec else "host"
         return r
 
-    def synthetic(run: Path, packed: bool, compiled: bool, codec: Codec = Codec.RAW):
+    def synthetic(run: Path, packed: bool, compiled: bool, codec: Codec = Codec.RAW, every: int = 0):
         return synthetic_run(
             run, net, name, layers, dtype_name, lengths, batch_tokens, packed, compiled, codec=codec,
-            stride=fidelity_stride,
+            stride=fidelity_stride, reference_every=every,
         )  # fmt: skip
 
     try:
@@ -393,6 +405,12 @@ def run_bench(
                 shutil.rmtree(root / "naive")
             calls = dict(varlen.CALLS)
             raw = extract(run, spec, plan, tag)
+            if (packed, compiled) == variants[-1]:  # the shadow: in a run at 1 in N, and timed on its own
+                srun = root / f"run-{len(results)}"
+                sspec, splan = synthetic(srun, packed, compiled, every=reference_every)
+                extract(srun, sspec, splan, f"{tag}, shadow")  # at 1 in ``reference_every``
+                shutil.rmtree(srun)
+                shadow_cost(backend, plan, tag, reference_every, dev, results)
             if packed:
                 kernel, singles = (varlen.CALLS[k] - calls[k] for k in ("kernel", "per_sample"))
                 log(f"{tag}: packed attention ran {kernel} varlen-kernel and {singles} per-sample calls")
@@ -479,6 +497,34 @@ def check_cost(backend, plan, batches, check: FidelityCheck, tag: str, dev: torc
                 taught.tokens, taught.seconds = taught.tokens + b.tokens, taught.seconds + t3 - t2
                 taught.checked += sum(map(len, work.positions))
     results += [capture, checked, taught]
+
+
+def shadow_cost(backend, plan, tag: str, every: int, dev: torch.device, results: list, most: int = 8) -> None:
+    """The shadow's own time (``hsx.certify``): ``most`` samples spread over the plan, each through
+    the plain path and compared with its capture, the device synchronised around it. The table
+    gives its per-token time against the forward-only row of the same layout, and that share at
+    1 in ``every`` samples: what the shadow costs a run."""
+
+    def sync() -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter()
+
+    backend.certifies(CertifyCheck(every=1, first=0))
+    row = Result(f"shadow ({tag})", 0, 0.0, every=every)
+    ids = list(range(0, len(plan.lengths), max(1, len(plan.lengths) // most)))[:most]
+    for timed in (False, True):  # the first pass warms eager attention's kernels up
+        for sid in ids if timed else ids[:1]:
+            seq = plan.input_ids(sid)
+            batch = backend.capture([sid], [seq])
+            t0 = sync()
+            with torch.inference_mode():
+                backend.tap_checks(batch, {0: backend.plain(seq)})
+            t1 = sync()
+            if timed:
+                row.tokens, row.seconds = row.tokens + len(seq), row.seconds + t1 - t0
+    backend.certifies(None)
+    results.append(row)
 
 
 def check_options(
@@ -683,6 +729,15 @@ def table(results: list[Result]) -> str:
         rows.append(
             f"{r.name}: {100 * r.seconds / fwd.seconds:.2f}% of the forward pass ({r.checked:,} of {r.tokens:,} "
             f"tokens {what}, every synthetic token masked; timed apart, on the same batches)"
+        )
+    for r in (r for r in results if r.every is not None):
+        tag = r.name.removeprefix("shadow (").removesuffix(")")
+        fwd = next(x for x in results if x.name == f"forward only ({tag})")
+        per_token = fwd.rate / r.rate if r.rate else 0.0
+        rows.append(
+            f"{r.name}: {per_token:.2f}x the forward pass's time per token (the sample alone, eager, uncompiled, "
+            f"compared; timed apart on {r.tokens:,} tokens); at 1 in {r.every} samples: "
+            f"{100 * per_token / r.every:.3f}% of the forward pass"
         )
     moe = [r for r in results if r.expert_bytes is not None]
     for dense, packed in zip(moe[: len(moe) // 2], moe[len(moe) // 2 :], strict=False):

@@ -6,7 +6,8 @@ final norm). Sample i lives at row ``rows[i]``, tokens ``offsets[i] : offsets[i]
 sample per row, right-padded (padding is never stored), or all samples packed into one row. Given
 the positions to check (``hsx.fidelity.positions``), it also measures each sample's fidelity on the
 device, beside the forward (``fidelity``: ``hsx.fidelity.measure``'s rows); given a run's teacher
-work (``hsx.teacher.Work``), the target's distribution at each masked position (``teacher``).
+work (``hsx.teacher.Work``), the target's distribution at each masked position (``teacher``); and
+each tap's checks with the shadow's recomputation of the samples it picks (``taps``: ``hsx.certify``).
 Backends: ``transformers`` (forward hooks); ``vllm`` (its hidden-states drafter, whose KV
 connector hands each finished sample's states to the store from inside vLLM's workers). Feeding,
 sealing and the disk guard are the extraction job's (``extract.backends``); the store never sees
@@ -38,6 +39,9 @@ class CapturedBatch:
     offsets: list[int]
     fidelity: torch.Tensor | None = None  # [samples, 4] on the device, where positions were checked
     teacher: Rows | None = None  # the target's distribution at each masked position, where the run stores it
+    # [samples, taps + 1, certify.FIELDS + certify.SHADOW_FIELDS] on the device, where the run checks its taps
+    # (the shadow's fields -1 for samples not recomputed)
+    taps: torch.Tensor | None = None
 
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample i's states, [n, L*H] and [n, H], as views."""

@@ -200,6 +200,7 @@ class Batch:
     ids: list[int]
     lengths: list[int]
     tokens: list[np.ndarray] | None = None
+    plain: bool = False  # the shadow's recomputation of one sample (``hsx.certify``): the plain path
 
     @property
     def stop(self) -> bool:
@@ -227,7 +228,8 @@ class Link:
     def tell(self, dest: int, batch: Batch) -> None:
         """Send a batch's description (its token ids too, where ``batch.tokens`` holds them)."""
         n = len(batch.ids)
-        self._send(torch.tensor([n, int(batch.tokens is not None)], dtype=torch.int64), dest, self.control)
+        head = [n, int(batch.tokens is not None), int(batch.plain)]
+        self._send(torch.tensor(head, dtype=torch.int64), dest, self.control)
         if n:
             self._send(torch.tensor(batch.ids + batch.lengths, dtype=torch.int64), dest, self.control)
         if n and batch.tokens is not None:
@@ -236,9 +238,9 @@ class Link:
     def hear(self, src: int) -> Batch:
         import torch.distributed as dist
 
-        head = torch.zeros(2, dtype=torch.int64)
+        head = torch.zeros(3, dtype=torch.int64)
         dist.recv(head, src, group=self.control)
-        n, has_tokens = (int(v) for v in head)
+        n, has_tokens, plain = (int(v) for v in head)
         if not n:
             return STOP
         body = torch.zeros(2 * n, dtype=torch.int64)
@@ -249,7 +251,7 @@ class Link:
             flat = torch.zeros(sum(lengths), dtype=torch.int64)
             dist.recv(flat, src, group=self.control)
             tokens = [t.numpy() for t in torch.split(flat, lengths)]
-        return Batch(ids, lengths, tokens)
+        return Batch(ids, lengths, tokens, bool(plain))
 
     def send(self, dest: int, payload: torch.Tensor) -> None:
         self._send(payload.contiguous(), dest, None)
@@ -328,6 +330,13 @@ class StageRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch, incoming: torch.Tensor | None) -> torch.Tensor | tuple[dict, torch.Tensor]:
+        """The batch through this stage; a plain batch (the shadow's) through the plain path."""
+        if not batch.plain:
+            return self._run(batch, incoming)
+        with self.backend.plain_mode():
+            return self._run(batch, incoming)
+
+    def _run(self, batch: Batch, incoming: torch.Tensor | None) -> torch.Tensor | tuple[dict, torch.Tensor]:
         b = self.backend
         sequences = batch.tokens or [np.zeros(n, dtype=np.int64) for n in batch.lengths]
         inputs = b.inputs(sequences)
@@ -362,12 +371,12 @@ def follow(runner: StageRunner, link: Link, lead: int, checked: Checked | None =
         if not runner.is_first:
             incoming = link.receive(link.prev, runner.payload_shape(batch), runner.backend.dtype)
         out = runner.run(batch, incoming)
-        if checked is not None and runner.is_last:
+        if checked is not None and runner.is_last and not batch.plain:
             sequences, checks = checked(batch.ids)
             if checks is not None:
                 runner.figures(batch.lengths, out[1], sequences, checks)
         if link.next is not None:
-            link.tell(link.next, Batch(batch.ids, batch.lengths))
+            link.tell(link.next, Batch(batch.ids, batch.lengths, plain=batch.plain))
             link.send(link.next, out)
             link.settle(AHEAD)
 
@@ -400,25 +409,39 @@ class PipelineCapture:
         if self.cold:
             self.warm_up()
         batch = Batch(list(sample_ids), [len(s) for s in sequences], list(sequences))
-        for rank in range(self.runner.stages.tensor):  # the first stage's ranks
-            self.link.tell(rank, batch)
+        # the samples the shadow recomputes follow their batch down the pipe, one by one
+        rows = self.runner.backend.shadow_rows(list(sample_ids))
+        plain = [Batch([sample_ids[i]], [len(sequences[i])], [sequences[i]], plain=True) for i in rows]
+        for b in (batch, *plain):
+            for rank in range(self.runner.stages.tensor):  # the first stage's ranks
+                self.link.tell(rank, b)
         self.link.settle()  # never waits: the first stage takes a batch once it is done with the last
-        self.pending.append((Batch(batch.ids, batch.lengths), batch.tokens, checks))
+        self.pending.append((Batch(batch.ids, batch.lengths), batch.tokens, checks, plain))
 
     def collect(self) -> CapturedBatch:
         """The oldest batch submitted, captured (with its fidelity figures where it was checked)."""
-        want, sequences, checks = self.pending.pop(0)
+        want, sequences, checks, plain = self.pending.pop(0)
+        aux, final = self._take(want)
+        rows, offsets = self.runner.rows(want.lengths)
+        states = torch.cat([aux[k] for k in self.layers], dim=-1) if self.layers else final[..., :0]
+        captured = CapturedBatch(want.ids, want.lengths, states, final, rows, offsets)
+        if checks is not None:
+            captured.fidelity = self.runner.figures(want.lengths, final, sequences, checks)
+        recomputed = {}
+        for p in plain:  # the plain path's states, as one process's ``TransformersBackend.plain`` gives them
+            p_aux, p_final = self._take(p)
+            recomputed[want.ids.index(p.ids[0])] = [p_aux[k][0] for k in self.layers] + [p_final[0]]
+        if self.runner.backend.checks is not None:
+            captured.taps = self.runner.backend.tap_checks(captured, recomputed)
+        return captured
+
+    def _take(self, want: Batch) -> tuple[dict, torch.Tensor]:
+        """The next batch from the stage before, through the lead's own stage: (aux states by layer, final)."""
         batch = self.link.hear(self.link.prev)
-        if batch.ids != want.ids:
+        if batch.ids != want.ids or batch.plain != want.plain:
             raise RuntimeError(f"the pipe handed on samples {batch.ids[:4]}... for {want.ids[:4]}...")
         incoming = self.link.receive(self.link.prev, self.runner.payload_shape(batch), self.dtype)
-        aux, final = self.runner.run(batch, incoming)
-        rows, offsets = self.runner.rows(batch.lengths)
-        states = torch.cat([aux[k] for k in self.layers], dim=-1) if self.layers else final[..., :0]
-        captured = CapturedBatch(batch.ids, batch.lengths, states, final, rows, offsets)
-        if checks is not None:
-            captured.fidelity = self.runner.figures(batch.lengths, final, sequences, checks)
-        return captured
+        return self.runner.run(batch, incoming)
 
     def capture(
         self, sample_ids: list[int], sequences: list[np.ndarray], checks: list[np.ndarray] | None = None

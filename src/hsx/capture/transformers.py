@@ -21,19 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from hsx import fidelity, target
+from hsx import certify, fidelity, target
 from hsx.capture import CapturedBatch, check_layers, checkpoint, textlm, varlen
 from hsx.capture.locate import locate
 from hsx.errors import OptionError
 
 if TYPE_CHECKING:
     from hsx.capture.stages import Stages
+    from hsx.spec import CertifyCheck
     from hsx.teacher import Work
 
 NAME = "transformers"
@@ -249,6 +251,7 @@ class TransformersBackend:
         self.divisor = float(getattr(config, "logits_mup_width_multiplier", None) or 1.0)
         check_layers(layers, self.num_layers)
         self.owned = owned or range(self.num_layers)
+        self.taps = list(layers)  # the run's: a pipeline stage hooks its own share (``layers``)
         self.layers = [k for k in layers if k in self.owned]
         self.parts = locate(self.model, self.num_layers)
         last = self.owned.stop == self.num_layers  # the model's last layer is ours: so are its norm and head
@@ -267,6 +270,14 @@ class TransformersBackend:
         self.compiled = False
         self._cold: set[bool] = set()  # layouts (packed or not) not yet traced since compiling
         self.set_compiled(compiled)
+        self.checks: CertifyCheck | None = None  # the run's tap checks (``certifies``); None: none
+        self.routed = any(getattr(config, k, None) for k in EXPERT_COUNTS)
+
+    def certifies(self, checks: CertifyCheck | None) -> None:
+        """Check every sample's taps as it is captured, and recompute the samples ``checks`` picks
+        through the plain path (``hsx.certify``); None: neither."""
+        self.checks = checks
+        self._first = True  # this session's first batch is still to come: its first sample is recomputed
 
     def set_packed(self, packed: bool) -> None:
         """Switch between padded rows and one packed row (same weights, other attention function)."""
@@ -432,14 +443,18 @@ class TransformersBackend:
         their mean, as SGLang captures it for the drafts trained on V4."""
 
         def hook(_module, _inputs, output):
-            out = output[0] if isinstance(output, tuple) else output
-            if self.streams and key != "final" and out.dim() == 4:
-                out = out.mean(dim=-2)
-            if key == "final" and self.divisor != 1.0:
-                out = out / self.divisor
-            self._outputs[key] = out
+            self._outputs[key] = self._as_captured(key, output[0] if isinstance(output, tuple) else output)
 
         return hook
+
+    def _as_captured(self, key, out: torch.Tensor) -> torch.Tensor:
+        """A module's output as the run stores it (``_keep``): a tap's streams averaged, the final
+        state over the head's divisor."""
+        if self.streams and key != "final" and out.dim() == 4:
+            out = out.mean(dim=-2)
+        if key == "final" and self.divisor != 1.0:
+            out = out / self.divisor
+        return out
 
     def keep_output(self, layer: int) -> None:
         """Also keep decoder layer ``layer``'s output (a pipeline stage's last: what it hands on)."""
@@ -532,4 +547,85 @@ class TransformersBackend:
             )
         if teach is not None:
             batch.teacher = teach.compute(self.head, final, rows, offsets, normed=not self.prenorm)
+        if self.checks is not None:
+            plain = {i: self.plain(sequences[i]) for i in self.shadow_rows(batch.sample_ids)}
+            batch.taps = self.tap_checks(batch, plain)
         return batch
+
+    def shadows(self, sample_id: int) -> bool:
+        """Whether the run's rule picks this sample for the shadow (``hsx.certify``): its file keeps the figures."""
+        return self.checks is not None and certify.shadowed(sample_id, self.checks.every, self.checks.first)
+
+    def shadow_rows(self, sample_ids: list[int]) -> list[int]:
+        """The rows of a batch the shadow recomputes: those the rule picks, and in the session's first
+        batch, where it picks none, its last sample (judged only: a fault present from the start
+        stops the session before it writes anything). Every rank of a group, and a pipeline's lead,
+        ask it of the same batches."""
+        rows = [i for i, sid in enumerate(sample_ids) if self.shadows(sid)]
+        if self.checks is not None and self.checks.every and self._first and sample_ids and sample_ids[0] >= 0:
+            self._first = False
+            rows = rows or [len(sample_ids) - 1]  # packed: the sample most exposed to its neighbours
+        return rows
+
+    def tap_checks(
+        self, batch: CapturedBatch, plain: dict[int, list[torch.Tensor]], slack: float = 0.0
+    ) -> torch.Tensor:
+        """A captured batch's per-tap figures, with the shadow's for the samples recomputed
+        (``certify``: [samples, taps + 1, FIELDS + SHADOW_FIELDS], the shadow's -1 elsewhere).
+        ``plain``: by row, a sample's states through the plain path (``plain``; a pipeline's, through
+        its stages: ``capture.stages``). ``slack``: added to each bound (stored states a lossy
+        codec rounded: ``assess.reference``)."""
+        measured = certify.measure(batch.aux, batch.final, batch.rows, batch.offsets, batch.lengths)
+        shadow = measured.new_full((*measured.shape[:2], certify.SHADOW_FIELDS), -1.0)
+        dtype = str(self.dtype).removeprefix("torch.")
+        config = self.model.config.get_text_config()
+        width = max(self.hidden_size, int(getattr(config, "intermediate_size", 0) or 0))
+        bounds = [certify.bound(dtype, d, width) + slack for d in certify.depths(self.taps, self.num_layers)]
+        h = self.hidden_size
+        for i, states in plain.items():
+            aux, final = batch.sample(i)
+            got = [aux[:, k * h : (k + 1) * h] for k in range(aux.shape[-1] // h)] + [final]
+            shadow[i] = certify.compare(got, states, bounds, self.routed, self.shadows(batch.sample_ids[i]))
+        return torch.cat([measured, shadow], -1)
+
+    @contextlib.contextmanager
+    def plain_mode(self) -> Iterator[None]:
+        """transformers' plain path on this model's own weights, for the shadow: unpacked (a sample
+        alone), eager attention, the decoder layers' own (uncompiled) forwards."""
+        compiled = {k: self.parts.layers[k].__dict__.pop("forward") for k in self.owned if self.compiled}
+        packed = self.packed
+        self.packed = False
+        self.model.set_attn_implementation("eager")
+        try:
+            yield
+        finally:
+            for k, forward in compiled.items():
+                self.parts.layers[k].forward = forward
+            self.set_packed(packed)
+            self._outputs.clear()
+
+    @torch.inference_mode()
+    def plain(self, sequence: np.ndarray) -> list[torch.Tensor]:
+        """One sample's taps and final state through the plain path (``plain_mode``), from
+        ``output_hidden_states``, as the run stores them (``_as_captured``). What transformers does
+        not return comes from hooks of the plain path's own, removed after it: the last decoder
+        layer's raw output (its ``hidden_states`` entry is after the final norm) and a pre-norm
+        final state (the norm's input). Every rank of a group calls it together."""
+        kept: dict[object, torch.Tensor] = {}
+        last = self.num_layers - 1
+        hooks = [
+            self.parts.layers[last].register_forward_hook(
+                lambda _m, _i, o: kept.__setitem__(last, o[0] if isinstance(o, tuple) else o)
+            )
+        ]
+        if self.prenorm:
+            hooks.append(self.parts.norm.register_forward_pre_hook(lambda _m, args: kept.__setitem__("final", args[0])))
+        try:
+            with self.plain_mode():
+                out = self.parts.body(**self.inputs([sequence]), output_hidden_states=True, use_cache=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        taps = [self._as_captured(k, kept[k] if k == last else out.hidden_states[k + 1])[0] for k in self.layers]
+        final = kept["final"] if self.prenorm else self._as_captured("final", out.last_hidden_state)
+        return [*taps, final[0]]

@@ -84,7 +84,8 @@ def command(cls: type, bounds: Bounds, call: Callable[..., None], defaults: Mapp
 
 
 # the bounds of the commands that read a run
-RUN = Bounds(threads=THREADS, size=VOCAB, target_vocab=VOCAB, fidelity_files=Bound(min=1, max=10**6))
+FILES = Bound(min=0, max=10**6)
+RUN = Bounds(threads=THREADS, size=VOCAB, target_vocab=VOCAB, fidelity_files=Bound(min=1, max=10**6), reference=FILES)
 TO = EXPORT  # hsx export's
 
 RunFolder = Annotated[Path, typer.Argument(metavar="OUT", help="Run folder.", file_okay=False, show_default=False)]

@@ -63,11 +63,19 @@ def verify(
     fidelity_files: Annotated[
         int | None, RUN.option("fidelity_files", help="--fidelity: files recomputed.", show_default=str(FIDELITY_FILES))
     ] = None,
+    reference: Annotated[
+        int,
+        RUN.option(
+            "reference",
+            metavar="N",
+            help="Also recompute N files through transformers' plain path and compare every tap (certificate.json).",
+        ),
+    ] = 0,
     device: Device = None,
     model: MovedModel = None,
 ) -> None:
     """Check every sample file of a run. Exit 0: all good; 1: problems (hsx extract redoes them); 2: refused,
-    or (--fidelity) states that are intact but not the target's numbers."""
+    or (--fidelity, --reference) states that are intact but not the target's numbers."""
     from hsx.assess.status import render_check
     from hsx.assess.verify import verify as run_verify
 
@@ -77,13 +85,14 @@ def verify(
         )
     with failures():
         files = (fidelity_files or FIDELITY_FILES) if fidelity else 0
-        result = run_verify(out, deep, repair, threads, files, device, model)
+        result = run_verify(out, deep, repair, threads, files, device, model, reference)
     if json_out:
         print(json.dumps(result.to_json(), indent=1))
     else:
         render_check(result.check, checklist)
-        if result.fidelity is not None:
-            render_check(result.fidelity, checklist)
+        for check in (result.fidelity, result.reference):
+            if check is not None:
+                render_check(check, checklist)
         for line in result.lines():
             print(line)
     raise typer.Exit(result.exit_code)

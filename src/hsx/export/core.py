@@ -4,7 +4,8 @@ DEST holds, besides the trainer's files:
 
     .hsx-export-job.json        what this export is (trainer, options, source plan); written first
     .hsx-export-progress.jsonl  one line per finished sample (its files, sizes, digests)
-    hsx-export.json             the manifest, written last: every file written, and how
+    hsx-export.json             the manifest, written last: every file written, and how, with the run's
+                                certificate (``hsx.certify``) as it stood
 
 Each output file is written to a temp name, fsynced and renamed (``store.durable``), and only then
 logged, so a logged file is complete. A killed export rerun with the same arguments removes stray
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hsx import certify
 from hsx.data import available_ids, read_verified
 from hsx.drafts import EAGLE3
 from hsx.errors import BadFile, ExportRefused, OptionError
@@ -239,6 +241,7 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
         )
     run = opts.run
     spec = load_spec(run)
+    certify.read_certificate(run)  # checked: an edited certificate, or another run's, is refused
     plan = load_plan(run, spec)
     ids = export_ids(opts, spec)
     ctx = Context(opts, spec, plan, ids, export_taps(spec, opts.draft, opts.taps))
@@ -333,6 +336,9 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
         "filtered": [{"sample_id": sid, "why": why} for sid, why in sorted(filtered.items())],
         "samples": [{"index": i, "sample_id": sid} for i, sid in enumerate(ids)],
         "files": [w.to_json() for w in files],
+        # the run's certificate as it stood (hsx.certify): what each tap is and what its checks found
+        # as stamped: its run identity and digest check it here too (store.records)
+        "certificate": json.loads(cert.read_bytes()) if (cert := run / layout.CERTIFICATE).exists() else None,
     }
     write_durable(dest / MANIFEST, json.dumps(manifest, indent=1).encode())
     return ExportSummary(

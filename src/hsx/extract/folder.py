@@ -29,7 +29,7 @@ from hsx.input import check_source, read_conversations
 from hsx.job.folder import setting_up
 from hsx.job.model import Model
 from hsx.plan import NoUsableSamples, Plan, Tokenize, tokenize_all, write_plan
-from hsx.spec import DataFile, FidelityCheck, ModelIdentity, Parallel, PlanIdentity, RunSpec, now, who
+from hsx.spec import CertifyCheck, DataFile, FidelityCheck, ModelIdentity, Parallel, PlanIdentity, RunSpec, now, who
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
@@ -207,6 +207,8 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
         fidelity=_fidelity(opts, own),
         window=opts.window_asked(),
         teacher=None if teach is None else teach.spec(Plan(opts.out).masked_share),
+        # vLLM's engine holds its own weights: its runs are certified after the fact (hsx verify --reference)
+        certify=CertifyCheck(every=given(opts, "reference_every")) if backend != "vllm" else None,
     )
     log(
         f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
@@ -219,6 +221,8 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
         log(f"fidelity: 1 in {f.stride} masked tokens checked; the run stops under {f.rule()}")
     if spec.teacher is not None:
         log(f"teacher: {spec.teacher} at every loss-masked position, in {dtype}")
+    if spec.certify is not None:
+        log(f"taps: every sample's checked; {_shadow_rule(spec.certify)}")
     return spec
 
 
@@ -239,6 +243,12 @@ def _teacher(opts: ExtractOptions, backend: str, parallel: Parallel, model_dir: 
         raise OptionError(f"--teacher: {model_dir}/config.json has no vocab_size to check the choice against")
     teacher.check_vocab(asked, int(config["vocab_size"]))
     return asked
+
+
+def _shadow_rule(check: CertifyCheck) -> str:
+    if not check.every:
+        return "none recomputed through the plain path"
+    return f"1 in {check.every} (and ids below {check.first}) recomputed through the plain path and compared"
 
 
 # the engines that run the checkpoint hsx fingerprints, in hsx's process (a server's weights are its own)
@@ -280,8 +290,12 @@ def refuse_unread_limit(opts: ExtractOptions, mode: str) -> None:
 
 
 def session_limits(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], None]) -> RunSpec:
-    """The spec this session runs under: a resume's ``--fidelity-floor``/``--fidelity-drop`` hold for
-    it alone (they change no number written; the spec keeps the run's own)."""
+    """The spec this session runs under: a resume's ``--fidelity-floor``/``--fidelity-drop`` and
+    ``--reference-every`` hold for it alone (they change no number written; the spec keeps the run's own)."""
+    if opts.reference_every is not None:
+        check = (spec.certify or CertifyCheck()).model_copy(update={"every": opts.reference_every})
+        log(f"taps: this session's shadow: {_shadow_rule(check)}")
+        spec = spec.model_copy(update={"certify": check})
     asked = {k: v for k, v in (("floor", opts.fidelity_floor), ("drop", opts.fidelity_drop)) if v is not None}
     if not asked:
         return spec

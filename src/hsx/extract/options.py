@@ -36,6 +36,7 @@ DEFAULTS = {
     "fidelity_stride": 8,
     "fidelity_floor": 0.98,
     "fidelity_drop": 0.5,
+    "reference_every": 1000,
     "final_state": "post",
 }
 EXTRACT = Bounds(
@@ -57,6 +58,7 @@ EXTRACT = Bounds(
     fidelity_stride=TOKENS,
     fidelity_floor=Bound(min=0.0, max=1.0),
     fidelity_drop=Bound(min=0.0, max=1.0),
+    reference_every=Bound(min=0, max=1_000_000_000),
     final_state=Bound(choices=get_args(FinalStateNorm)),
     window=Bound(min=1e-9, max=1e9),  # one byte at the least: the spec records whole bytes
 )
@@ -154,6 +156,12 @@ class ExtractOptions(JobOptions):
         str | None,
         Flag(f"Store the target's distribution at each loss-masked position: {TEACHER_HELP} (new run).", "KIND:ARG"),
     ] = None
+    # hsx.certify: 1 in N samples (by id, and the first few) recomputed through transformers' plain
+    # path and compared tap by tap (spec; a resume giving it sets its own session's); 0: none
+    reference_every: A[
+        int | None,
+        Flag("Recompute 1 in N samples through transformers' plain path and compare every tap (0: none).", "N"),
+    ] = None
     # GB (10^9 bytes) of samples the named consumers have not released, at most (spec)
     window: A[
         float | None,
@@ -211,6 +219,11 @@ class ExtractOptions(JobOptions):
             raise OptionError(f"{' and '.join(engine)} size vLLM's engine; this run's backend is {backend}")
         if self.expert_slice_gb is not None and backend != "transformers":
             raise OptionError(f"--expert-slice-gb slices hsx's expansion of the experts; {backend} holds its own")
+        if self.reference_every is not None and backend == "vllm":
+            raise OptionError(
+                "--reference-every recomputes samples on the run's own loaded weights, and vLLM's engine holds its "
+                "own: certify a vLLM run with hsx verify OUT --reference N"
+            )
         if self.allow_incomplete and not generated:
             raise OptionError(
                 "--allow-incomplete lets an extraction start on an unfinished generate run; "

@@ -6,8 +6,9 @@ shard the same way: the plan fixes the batches, a redone sample is computed in t
 in an uninterrupted run, and its tensors are bit-identical (invariant 7). The disk guard runs
 before each batch is captured, counting the writer's queued bytes as already spent.
 
-Where the run checks its fidelity (``hsx.fidelity``), each batch's figures are measured on the
-device with its states, and its files go to the writer only once the gate has passed them, one
+Where the run checks its fidelity (``hsx.fidelity``) and its taps (``hsx.certify``), each batch's
+figures are measured on the device with its states, and its files go to the writer only once the
+gates have passed them, one
 batch behind: the next batch is already captured (queued on the GPU) when a batch is judged, so the
 device never waits for the verdict, and a batch that fails it is never written.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from hsx import fidelity
+from hsx import certify, fidelity
 from hsx.capture import Capture, CapturedBatch
 from hsx.capture.memory import check_run
 from hsx.capture.stages import Stages
@@ -45,7 +46,7 @@ def open_backend(spec: RunSpec, model_dir: Path, device: str, stages: Stages | N
     """The run's model with its capture hooks, laid out as the spec says (packed, compiled, its
     share of a tensor-parallel group; ``stages``: this rank's stage of a pipeline)."""
     p = spec.parallel
-    return TransformersBackend.load(
+    backend = TransformersBackend.load(
         model_dir,
         spec.layers,
         spec.dtype,
@@ -60,6 +61,8 @@ def open_backend(spec: RunSpec, model_dir: Path, device: str, stages: Stages | N
         stages,
         spec.expert_slice_gb,
     )
+    backend.certifies(spec.certify)
+    return backend
 
 
 class Extractor:
@@ -93,6 +96,8 @@ class Extractor:
         self.gate = None if spec.fidelity is None else fidelity.Gate(run, spec.fidelity, log)
         if self.gate is not None:
             progress.fidelity = self.gate.metrics
+        names = certify.tap_names(spec.layers)
+        self.taps = None if spec.certify is None else certify.Gate(run, names, log)
         self.peers = peers
         self.teacher = Teacher.of_run(run, spec.teacher)
         if self.teacher is not None and hasattr(backend, "stream"):  # a new run refuses it (extract.folder)
@@ -230,15 +235,19 @@ class Extractor:
         """Hand a captured batch's wanted samples to the writer, once the gate has passed its figures."""
         self.in_flight -= self._bytes(captured, wanted)
         self.unwritten.difference_update(captured.sample_ids[row] for row in wanted)
-        figures = None
-        if self.gate is not None and host.figures is not None:
-            host.ready()
-            figures = fidelity.figures(host.figures)
-            try:
+        figures = taps = None
+        try:
+            if self.gate is not None and host.figures is not None:
+                host.ready()
+                figures = fidelity.figures(host.figures)
                 self.gate.judge(captured.sample_ids, figures)
-            except BaseException:
-                host.drop()
-                raise
+            if self.taps is not None and host.taps is not None:
+                host.ready()
+                taps = certify.figures(host.taps.numpy(), captured.lengths, self.spec.model.hidden_size)
+                self.taps.judge(captured.sample_ids, taps)
+        except BaseException:
+            host.drop()
+            raise
         futures = []
         for n, (row, (aux, final)) in enumerate(zip(wanted, host.views, strict=True)):
             sid = captured.sample_ids[row]
@@ -251,6 +260,7 @@ class Extractor:
                 fidelity=None if figures is None else figures[row],
                 teacher=None if host.teacher is None else host.teacher[n],
                 teacher_info=None if self.teacher is None else self.teacher.info,
+                taps=None if taps is None else taps[row].text(),
             )
             fut = self.writer.submit(sample, release=host.done_one, ready=host.ready)
             fut.add_done_callback(self.progress.on_written(captured.lengths[row]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from hsx import registry
+from hsx import certify, registry
 from hsx.extract import folder
 from hsx.extract.follow import follow, unchanged
 from hsx.extract.options import ExtractOptions
@@ -58,3 +58,6 @@ class Extract(Stage[ExtractOptions, RunSpec, ExtractSummary]):
 
     def summary(self, run: Path, spec: RunSpec) -> ExtractSummary:
         return ExtractSummary.of(run, spec)
+
+    def ended(self, run: Path, spec: RunSpec, failure: str | None) -> None:
+        certify.write_certificate(run, spec, failure)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from hsx import target
-from hsx.errors import DiskFull, HsxError
+from hsx.errors import CertifyFailed, DiskFull, FidelityFailed, HsxError
 from hsx.job.folder import LogTail, crashed, read_failure, refuse_drift, refuse_foreign, require_start
 from hsx.job.model import Model
 from hsx.job.options import JobOptions
@@ -131,6 +131,10 @@ class Stage(ABC, Generic[Opts, S, R]):
     def close(self) -> None:
         """Release what the job held (an engine), however it ended."""
 
+    def ended(self, run: Path, spec: S, failure: str | None) -> None:
+        """The session's work ended, under the lock: to its end (``failure`` None) or stopped by a
+        check of its numbers (``failure``: why). An extraction writes its certificate here."""
+
 
 def run(stage: Stage[Opts, S, R], opts: Opts, log: Log, launch: Launch | None = None) -> R:
     """The job of ``stage`` on ``opts.out``, a new run or the resume of one, to its end or a clean
@@ -195,5 +199,9 @@ def session(stage: Stage[Opts, S, R], opts: Opts, spec: S, model: Model, log: Lo
             stage.work(Job(opts, spec, model, log, lock, progress, plan, begun))
         except DiskFull as e:  # the guard's reserve reached, or a real ENOSPC: every file whole or absent
             raise begun.clean_stop(summary, e.path, e.reason) from e
+        except (CertifyFailed, FidelityFailed) as e:  # a check stopped the run: recorded, then said
+            stage.ended(opts.out, spec, str(e))
+            raise
+        stage.ended(opts.out, spec, None)
         (opts.out / layout.CRASH).unlink(missing_ok=True)  # a session completed: an earlier crash is past
         return summary

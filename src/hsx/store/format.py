@@ -24,7 +24,9 @@ A run that checks its fidelity (``hsx.fidelity``) adds ``fidelity`` to ``__metad
 sample's ``Figure`` as JSON. It sits in the header beside the sample id and the layers, where the
 cheap check reads it without touching the data; like them it is outside the data digest (any
 reader's hash of the stored bytes stays the file's digest), and the shard's SEALED lists it too.
-A file without it (a run made before, or one that checks nothing) is as it was.
+A file without it (a run made before, or one that checks nothing) is as it was. A run that checks
+its taps (``hsx.certify``) adds ``taps`` the same way: each tap's and the final state's figures, and
+the shadow's differences where the sample was recomputed.
 
 A run made with ``--teacher`` (``hsx.teacher``) adds the target's own next-token distribution, one
 row per position whose ``loss_mask`` is 1, in order (M rows): the distribution the target's final
@@ -196,6 +198,7 @@ class SampleTensors:
     fidelity: Figure | None = None  # where the run checks its fidelity
     teacher: dict[str, torch.Tensor] | None = None  # where the run stores one: ``TEACHER`` names -> rows
     teacher_info: str | None = None  # its ``__metadata__`` entry (``hsx.teacher.Teacher.info``)
+    taps: str | None = None  # its tap figures (``hsx.certify.Taps.text``), where the run checks its taps
 
     def tensors(self) -> list[tuple[str, torch.Tensor | Encoded]]:
         """The file's tensors in data order; no aux states where the run has no taps (width 0)."""
@@ -255,6 +258,8 @@ def encode(
         metadata["fidelity"] = sample.fidelity.text()
     if sample.teacher_info is not None:
         metadata["teacher"] = sample.teacher_info
+    if sample.taps is not None:
+        metadata["taps"] = sample.taps
     if codec is not Codec.RAW:
         metadata["states"] = json.dumps(
             {name: {"dtype": _dtypes()[t.dtype], "shape": list(t.shape)} for name, t in states.items()},

@@ -4,6 +4,8 @@ OUT/
   hsx.json                 SPEC: the run spec, written once, last of the set-up
   model-location.json      LOCATION: where the model lives now (beside the spec, which never changes)
   fidelity.json            FIDELITY: a dataset run's fidelity baseline (beside the spec: measured after it)
+  taps.json                TAP_BANDS: each tap's RMS band, set by the run's first samples (hsx.certify)
+  certificate.json         CERTIFICATE: what the run's checks found, tap by tap (hsx.certify), bound to its identity
   model-files.json         MODEL_FILES: each file of the model: where it stands (size, mtime, inode), its digest
   plan/plan.parquet        PLAN_DIR / PLAN_FILE: the frozen, tokenized work list
   plan/growth.json         GROWTH: samples appended since (an extraction following its generate run),
@@ -33,6 +35,8 @@ from pathlib import Path
 SPEC = "hsx.json"
 LOCATION = "model-location.json"
 FIDELITY = "fidelity.json"
+TAP_BANDS = "taps.json"
+CERTIFICATE = "certificate.json"
 MODEL_FILES = "model-files.json"  # every file of the run's model as it stands, with digests (target.check_files)
 PLAN_DIR = "plan"
 PLAN_FILE = "plan.parquet"
