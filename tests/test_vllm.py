@@ -284,7 +284,8 @@ def test_vllm_pauses_at_its_window_and_a_consumers_releases_let_it_go_on(vllm, t
         assert "window: paused, " in log.read_text() and "not released by draft" in log.read_text()
         total = load_spec(out).plan.num_samples
         assert len(list((out / "shards").rglob("*.safetensors"))) < total
-        assert "the extractor waits since " in assess(out).get("consumers").figure
+        line = assess(out).get("consumers")  # the bound counts the feed's tokens in flight: not exceeded
+        assert "the extractor waits since " in line.figure and line.level == "ok", line.figure
         for step, _ in enumerate(batches, 2):
             ds.ack(step)
             ds.checkpointed(step)

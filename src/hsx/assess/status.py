@@ -29,6 +29,7 @@ from hsx.assess import (
 )
 from hsx.assess.checks import Check, exit_code, skipped
 from hsx.errors import Exit, SpecError
+from hsx.extract.window import in_flight as window_in_flight
 from hsx.genrun.spec import GenerateSpec
 from hsx.job import space
 from hsx.job.options import resume_command
@@ -130,7 +131,7 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         checks["fidelity"] = fidelity.line(run, spec, result.scans)
         checks["certificate"] = certificate.line(run, spec)
         window = getattr(spec, "window", None)  # an extraction's (a generate run has none)
-        in_flight = 2 * spec.batch_tokens * spec.bytes_per_token if window is not None else 0  # the window's bound
+        in_flight = window_in_flight(spec) if window is not None else 0  # the window's bound counts them
         readers = consumers.check(
             run, result.scans, spec.plan.num_samples, spec.shard_size, window, worker.alive, in_flight
         )

@@ -26,7 +26,7 @@ from hsx.capture.vllm import close_llm, final_state, open_llm
 from hsx.capture.vllm_connector import SAMPLE_KEY
 from hsx.errors import BadFile, CaptureFailed, DiskFull, FidelityFailed
 from hsx.extract.backends import Session
-from hsx.extract.window import Pause
+from hsx.extract.window import Pause, vllm_in_flight
 from hsx.fidelity import Gate
 from hsx.job.space import DiskGuard
 from hsx.plan import Plan
@@ -182,7 +182,7 @@ def run(session: Session, todo: Iterable[ShardScan]) -> None:
     (scans already settled by ``job.resume``), keeping the start's reserve free, the bytes in
     flight scaled by the codec's ratio (the start's forecast, bound here to this session's files)."""
     s = session
-    window = max(4 * s.spec.batch_tokens, int(s.plan.lengths.max()))
+    window = vllm_in_flight(s.spec.batch_tokens, int(s.plan.lengths.max()))
     gate = None if s.spec.fidelity is None else Gate(s.run, s.spec.fidelity, s.log)
     if gate is not None:
         s.progress.fidelity = gate.metrics

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from hsx.consumer import LEASE_TIMEOUT, NOT_WRITTEN, ConsumerView, inspect
 from hsx.lock import Liveness
-from hsx.spec import Window
+from hsx.spec import RunSpec, Window
 from hsx.store import layout
 from hsx.store.durable import flocked, fsync_dir, write_durable
 from hsx.store.records import record_folder
@@ -50,6 +50,20 @@ def read_state(run: Path) -> WindowState | None:
         return WindowState.model_validate_json((run / RECORD).read_bytes())
     except (OSError, ValueError):
         return None
+
+
+def vllm_in_flight(batch_tokens: int, longest: int) -> int:
+    """Tokens the vLLM feed keeps enqueued and not finished, at most (four batches, or the longest sample)."""
+    return max(4 * batch_tokens, longest)
+
+
+def in_flight(spec: RunSpec) -> int:
+    """Bytes an extraction may hold past the window's gate, not yet written (the window's bound
+    counts them): the transformers backend's two batches (the one the fidelity check holds back
+    and the next), the vLLM feed's tokens enqueued."""
+    if spec.backend == "vllm":
+        return vllm_in_flight(spec.batch_tokens, spec.max_length) * spec.bytes_per_token
+    return 2 * spec.batch_tokens * spec.bytes_per_token
 
 
 def released(window: Window, views: list[ConsumerView]) -> set[int]:
