@@ -60,9 +60,10 @@ def final_state(model_dir: Path, stored: FinalStateNorm) -> str:
     if stored != "post":
         raise CaptureFailed("the vLLM backend stores the final state after the norm: drop --final-state pre")
     norm = final_norm(model_dir)
+    divided = f", over {norm.divisor:g} (the LM head's input)" if norm.divisor != 1.0 else ""
     return (
         f"{FINAL_STATE} (vLLM backend: vLLM aux id N, the last layer's output before the norm, "
-        f"then the checkpoint's RMSNorm {norm.tensor}, eps {norm.eps}, float32 statistics as transformers)"
+        f"then the checkpoint's RMSNorm {norm.tensor}, eps {norm.eps}, float32 statistics as transformers{divided})"
     )
 
 

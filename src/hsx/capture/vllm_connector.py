@@ -90,7 +90,7 @@ class SinkConfig:
             "layers": list(self.layers),
             "aux_rows": list(self.aux_rows),
             "final_row": self.final_row,
-            "norm": {"file": str(n.file), "tensor": n.tensor, "eps": n.eps, "offset": n.offset},
+            "norm": {"file": str(n.file), "tensor": n.tensor, "eps": n.eps, "offset": n.offset, "divisor": n.divisor},
             "codec": self.codec,
             "fidelity_stride": self.fidelity_stride,
             "model_dir": None if self.model_dir is None else str(self.model_dir),
@@ -105,7 +105,9 @@ class SinkConfig:
             layers=[int(k) for k in d["layers"]],
             aux_rows=[int(r) for r in d["aux_rows"]],
             final_row=int(d["final_row"]),
-            norm=FinalNorm(Path(norm["file"]), norm["tensor"], float(norm["eps"]), bool(norm["offset"])),
+            norm=FinalNorm(
+                Path(norm["file"]), norm["tensor"], float(norm["eps"]), bool(norm["offset"]), norm.get("divisor", 1.0)
+            ),
             codec=str(d.get("codec", "raw")),
             fidelity_stride=int(d.get("fidelity_stride", 0)),
             model_dir=None if d.get("model_dir") is None else Path(d["model_dir"]),
