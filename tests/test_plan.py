@@ -490,3 +490,36 @@ def test_a_template_that_concatenates_the_arguments_as_text_is_given_them_as_tex
     with pytest.raises(Exception, match=r"can only concatenate .* \(as the row has it\); ") as e:
         Tokenize(_tokenizer(both), 1000)(tool_rows[0])
     assert "has no attribute 'keys' (with the calls' arguments as JSON text)" in str(e.value)
+
+
+@pytest.mark.parametrize("file", ["tool_chat_template_deepseekv3.jinja", "Hermes-3-Llama-3.1-8B/tool_use.jinja"])
+def test_each_turns_context_is_the_prompt_served_byte_for_byte(file):
+    """vLLM's DeepSeek-V3 tool template writes other blanks around a turn in the whole conversation
+    than after its generation prompt, Hermes-3's after tool results: the tokens before each masked
+    turn are exactly the prompt the target was served (transformers' rendering of the turns before it
+    with the generation prompt, tokenized), never the whole rendering's blanks; the turns where the two
+    differ are counted."""
+    tok = _tokenizer((DATA / "templates" / file).read_text())
+    tokenize = Tokenize(tok, 100_000)
+    counted = differs = 0
+    for conv in _agentic():
+        if "Hermes" in file and not conv.tools:
+            continue  # its tool_use template renders rows with tools (default renders the others)
+        try:
+            done = tokenize(conv)
+        except Exception:
+            continue  # rows the template refuses: test_masks_hold_what_the_target_generates_and_nothing_else
+        messages, tools = [to_message(t) for t in conv.turns], tools_of(conv)
+        render = partial(tok.apply_chat_template, tools=tools, tokenize=False)
+        turns = [i for i, t in enumerate(conv.turns) if t.role == "assistant"]
+        served = {i: render(messages[:i], add_generation_prompt=True) for i in turns}
+        starts = []
+        for sample in done.samples:
+            ids = sample.input_ids.tolist()
+            for a in np.flatnonzero(np.diff(np.concatenate([[0], sample.loss_mask])) == 1):
+                (i,) = [i for i in turns if ids[:a] == tok(served[i], add_special_tokens=False)["input_ids"]]
+                starts.append(i)
+        assert sorted(starts) == turns, conv.source.id
+        differs += sum(not render(messages[: i + 1]).startswith(served[i]) for i in turns)
+        counted += done.notes.counts.get("served_blanks_turns", 0)
+    assert counted > 0 and counted <= differs

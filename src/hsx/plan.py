@@ -90,6 +90,8 @@ COUNTS = {
     "own_sample_turns": "assistant turns extracted in a sample after their own prompt, not in the whole "
     "conversation (the template writes the conversation otherwise once later turns follow)",
     "past_max_length_turns": "assistant turns past --max-length (not extracted)",
+    "served_blanks_turns": "assistant turns whose context the template's rendering of the conversation writes "
+    "with other blanks than the prompt the target was served (the served prompt is stored)",
     "unforced_turns": "assistant turns the template writes without the text their prompt forced after the "
     "generation prompt (DeepSeek-R1's <think>), masked after that prompt as written",
     "text_arguments_rows": "rows whose calls' arguments the chat template renders only as JSON text, not as the "
@@ -226,11 +228,14 @@ def _unreasoned(message: dict) -> dict:
 class Generated:
     """An assistant turn in the context it was generated in (``Tokenize.generated``): ``text[:start]``
     is its prompt as served, ``text[start:]`` the turn; ``unforced``: the template writes the turn
-    without text its prompt forced after the generation prompt (DeepSeek-R1's ``<think>\n``)."""
+    without text its prompt forced after the generation prompt (DeepSeek-R1's ``<think>\n``);
+    ``blanks``: the rendering of the conversation up to the turn writes its context with other blanks
+    than the served prompt (vLLM's DeepSeek tool templates, Hermes-3 after tool results)."""
 
     text: str
     start: int
     unforced: bool = False
+    blanks: bool = False  # the rendering of the turns up to it writes other blanks than the served prompt
 
 
 def _agree(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...], n: int) -> bool:
@@ -374,9 +379,11 @@ class Tokenize:
         """
         prompt = self.render(messages[:i], True, tools)
         after = self.render(messages[: i + 1], False, tools)
+        if after.startswith(prompt):
+            return Generated(after, len(prompt))
         start = _prompt_end(prompt, after)
-        if start is not None:
-            return Generated(after, start)
+        if start is not None:  # the rendering writes other blanks before the turn: the served prompt is stored
+            return Generated(prompt + after[start:], len(prompt), blanks=True)
         opening = _common(prompt, self.render(messages[:i], False, tools))  # prompt[opening:]: the generation prompt
         turn, whole = _turn_in(after, prompt, opening, i)
         if not whole and _unreasoned(messages[i]) != messages[i]:
@@ -430,6 +437,7 @@ class Tokenize:
             counts["content_unrendered"] += not _shown(content, text[lo:hi])
             counts["calls_unrendered"] += _calls_unshown(turn.tool_calls, text[lo:hi])
             counts["unforced_turns"] += made.unforced
+            counts["served_blanks_turns"] += made.blanks
             if hi > lo:
                 found.append((text, lo, hi))
         hosts: list[tuple[str, list[tuple[int, int]]]] = [(full, [])]
