@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import subprocess
 
 import pytest
 from typer.testing import CliRunner
@@ -258,3 +260,66 @@ def test_a_generate_run_stopped_by_a_full_volume_prints_the_generate_resume_that
     remount(d, nr_inodes=4096)
     resumed = hsx(*shlex.split(err.split("then resume: ", 1)[1])[1:])
     assert re.search(rf"convs +30/30 done, {30 - done} written now .*, {done} were already verified", resumed.stdout)
+
+
+# ---------------------------------------------------------------- other write errors: their own words
+
+
+def test_a_file_size_limit_stops_cleanly_in_its_own_words_and_resumes_identical(finished_run, tmp_path):
+    """A real ``ulimit -f`` (RLIMIT_FSIZE in the child) smaller than the larger samples: EFBIG was a
+    traceback. The run stops cleanly, says what stopped it and what to do, leaves every file whole,
+    and the resume without the limit writes the run an unlimited one writes."""
+    import resource
+
+    limit = 105_000  # the plan, the spec and most samples fit; the two largest (~109 kB, in shard 2) do not
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    run = tmp_path / "run"
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40))
+    stopped = hsx(*extract_args(data, run), check=False, preexec_fn=small_files, env={"PYTHONDONTWRITEBYTECODE": "1"})
+    err = " ".join(stopped.stderr.split())
+    assert stopped.returncode == EXIT_DISK_FULL and "Traceback" not in stopped.stderr, stopped.stderr
+    assert "a file reached the size limit (ulimit -f, or the file system's largest file) while writing" in err, err
+    assert f"Raise the file-size limit (ulimit -f), then resume: hsx extract --out {run}" in err, err
+    assert 0 < assert_clean_stop(run) < 40
+    hsx("extract", "--out", run)
+    assert run_files(run) == run_files(finished_run)
+
+
+def test_a_read_only_volume_stops_cleanly_and_destinations_there_are_refused(tmpfs, finished_run, tmp_path):
+    """A real read-only tmpfs: the resume is refused in its own words (no traceback), and goes on
+    once the volume is writable again; an export or a vocabulary aimed at it, under a
+    file or at a file is refused by name (they were tracebacks), and so is a consumer whose
+    consumers/ is a file."""
+    from conftest import unwrite
+    from hsx.data import StreamDataset
+    from hsx.errors import Unwritable
+
+    d = tmpfs("ro", size="64m")
+    run = d / "run"
+    shutil.copytree(finished_run, run)
+    unwrite(run, 3)
+    subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True)
+    refused = hsx("extract", "--out", run, check=False)  # refused before anything is written
+    err = " ".join(refused.stderr.split())
+    assert refused.returncode == EXIT_REFUSED and "Traceback" not in refused.stderr, refused.stderr
+    assert "is not writable here (read-only" in err, err
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    for dest, why in ((d / "export", "Read-only file system"), (a_file / "sub", "is a file, not a folder"),
+                      (a_file, "not a folder")):  # fmt: skip
+        for args in (["export", finished_run, dest, "--to", "speculators"], ["vocab", finished_run, "--size", "48",
+                                                                              "--dest", dest]):  # fmt: skip
+            r = CliRunner().invoke(app, list(map(str, args)))
+            assert isinstance(r.exception, SystemExit), (args, r.output)  # a refusal, never a traceback
+            assert r.exit_code == EXIT_REFUSED and why in " ".join(r.output.split()), (args, r.output)
+
+    subprocess.run(["mount", "-o", "remount,rw", str(d)], check=True)
+    hsx("extract", "--out", run)
+    assert run_files(run) == run_files(finished_run)
+    (run / "consumers").write_text("not a folder")
+    with pytest.raises(Unwritable, match="consumers is a file, not a folder"):
+        StreamDataset(run, "draft", max_tokens=512, seed=0, log=lambda _: None)

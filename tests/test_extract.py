@@ -150,6 +150,9 @@ def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path, c
     # A run made before hsx recorded its model's files: the other model is refused by its fingerprint,
     # and nothing is recorded of it (its files once were, and then the run's own model was refused).
     (out / layout.MODEL_FILES).unlink()
+    older = json.loads((out / layout.SPEC).read_text())
+    assert older.pop("model_files") is True  # a run that keeps one says so: without it, missing is damage
+    (out / layout.SPEC).write_text(json.dumps(older))
     unwrite(out, 1)  # work for the resume
     with pytest.raises(Refused, match=r"model is not the run's model:\n  - model\.safetensors: content differs"):
         extract(_opts(out, model=str(changed)), log=lambda m: None)
@@ -158,7 +161,9 @@ def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path, c
         verify(out, fidelity_files=1, model=str(changed))
     resumed = extract(_opts(out, model=str(TINY)), log=lambda m: None)
     assert resumed.complete and resumed.written == 10
-    weights = target.files_record(out).files["model.safetensors"]  # the run's own model's, as it stands
+    from hsx.spec import load_spec
+
+    weights = target.files_record(out, load_spec(out)).files["model.safetensors"]  # the run's own model's, as it stands
     assert weights.inode == (TINY / "model.safetensors").stat().st_ino != (changed / "model.safetensors").stat().st_ino
 
 

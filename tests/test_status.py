@@ -374,16 +374,27 @@ def test_shard_ranges_stay_compact(ids, text):
     assert ranges(ids) == text
 
 
+def scale_a_tensor_the_probes_miss(weights: Path) -> None:
+    """Scale by 1.5 the first tensor the fingerprint's probes miss (a retrained layer they cannot see)."""
+    from safetensors.torch import load_file, save_file
+
+    from hsx.fingerprint import probe_digest
+
+    tensors, probed = load_file(weights), probe_digest(weights)
+    for name in sorted(tensors, key=lambda n: tensors[n].numel()):
+        save_file(tensors | {name: tensors[name] * 1.5}, weights, metadata={"format": "pt"})
+        if probe_digest(weights) == probed:
+            return
+    raise AssertionError("no tensor the probes miss")
+
+
 def test_a_resume_without_model_refuses_a_tensor_the_probes_miss_and_a_changed_template(tmp_path):
     """One run, two models, no more: a tensor scaled by 1.5 between the fingerprint's probes, and a
     chat template edited, each went unnoticed by ``hsx extract --out`` alone, which wrote samples
     with the changed model. The run's record of its model's files (size, mtime, inode, full digest)
     refuses both by name, and nothing is written; the model restored as a copy (every file moved)
     is read whole once, proved the same, and the run goes on."""
-    from safetensors.torch import load_file, save_file
-
     from hsx.extract import ExtractOptions, extract
-    from hsx.fingerprint import probe_digest
 
     model = Path(shutil.copytree(TINY, tmp_path / "model"))
     pristine = Path(shutil.copytree(TINY, tmp_path / "pristine"))
@@ -394,12 +405,7 @@ def test_a_resume_without_model_refuses_a_tensor_the_probes_miss_and_a_changed_t
     unwrite(run, 1)  # something left to resume
 
     weights = model / "model.safetensors"
-    tensors, probed = load_file(weights), probe_digest(weights)
-    for name in sorted(tensors, key=lambda n: tensors[n].numel()):  # the first tensor the probes miss
-        save_file(tensors | {name: tensors[name] * 1.5}, weights, metadata={"format": "pt"})
-        if probe_digest(weights) == probed:
-            break
-    assert probe_digest(weights) == probed, "no tensor the probes miss"
+    scale_a_tensor_the_probes_miss(weights)
     code, report = status_json(run)  # status reads no weights: it names the file the resume will read
     m = next(c for c in report["checks"] if c["name"] == "model")
     assert m["level"] == "ok" and m["data"]["moved"] == ["model.safetensors"], m
@@ -518,3 +524,54 @@ def test_every_damage_to_a_consumed_record_is_named_and_its_samples_are_redone(f
     assert run_files(run) == reference and status(run)[0] == 0, status(run)[1]
     assert not list((run / layout.CONSUMED).glob("*.json"))
     assert len(list((run / layout.QUARANTINE / layout.CONSUMED).glob("*.json"))) == 3  # moved aside, kept
+
+
+def test_a_damaged_or_missing_model_record_is_named_refused_and_rebuilt_only_by_a_person(tmp_path):
+    """model-files.json deleted (the issue's case: a tensor the probes miss scaled by 1.5, and the
+    resume wrote with it, status exit 0), truncated, or another run's swapped in: status fails the
+    model line naming it, the resume refuses it with the repair and writes nothing;
+    ``hsx verify --repair --model`` rebuilds it from a model whose fingerprint matches. An edit in
+    place that keeps the size, mtime and inode is caught by the ctime."""
+    from hsx.extract import ExtractOptions, extract
+
+    model = Path(shutil.copytree(TINY, tmp_path / "model"))
+    run, other = tmp_path / "run", tmp_path / "other"
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(20))
+    opts = dict(device="cpu", shard_size=10, batch_tokens=512, writers=2, codec="raw")
+    for out, n in ((run, 20), (other, 10)):
+        extract(ExtractOptions(out=out, model=str(model), data=[data], limit=n, **opts), log=lambda m: None)
+    unwrite(run, 1)  # something left to resume
+    record = run / layout.MODEL_FILES
+    kept = record.read_bytes()
+    scale_a_tensor_the_probes_miss(model / "model.safetensors")
+    for harm, why in (
+        (lambda: record.unlink(), "missing"),
+        (lambda: record.write_bytes(kept[: len(kept) // 2]), "truncated or garbled (not JSON)"),
+        (lambda: shutil.copy(other / layout.MODEL_FILES, record), "another run's record"),
+    ):
+        harm()
+        code, report = status_json(run)
+        m = next(c for c in report["checks"] if c["name"] == "model")
+        assert code == 2 and m["level"] == "fail" and m["figure"].startswith(f"{layout.MODEL_FILES}: {why}"), m
+        assert f"hsx verify {run} --repair --model PATH" in m["action"], m
+        r = CliRunner().invoke(app, ["extract", "--out", str(run)])
+        assert r.exit_code == 2 and why in r.output and "--repair --model PATH" in r.output, r.output
+        assert not (run / "shards" / "000001").exists()
+
+    shutil.copy(TINY / "model.safetensors", model / "model.safetensors")  # the run's model again
+    r = CliRunner().invoke(app, ["verify", str(run), "--repair", "--model", str(model)])
+    assert r.exit_code == 0 and f"{layout.MODEL_FILES} rebuilt from {model}" in r.output, r.output
+    assert status(run)[0] == 0
+
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    with open(weights, "r+b") as f:  # one byte between the probes, in place: size and inode kept
+        f.seek(st.st_size // 2 + 12345)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # and its mtime put back
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns, weights.stat().st_ino) == (
+        st.st_size, st.st_mtime_ns, st.st_ino)  # fmt: skip
+    r = CliRunner().invoke(app, ["extract", "--out", str(run)])
+    assert r.exit_code == 2 and "model.safetensors: content differs (full digest)" in r.output, r.output

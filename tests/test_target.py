@@ -16,7 +16,9 @@ def _run_of(model: Path, run: Path) -> SimpleNamespace:
     """A run folder whose spec records ``model`` (what ``check_files`` reads of a spec)."""
     run.mkdir()
     tokenizer = target.tokenizer_identity(target.load_tokenizer(model, False))
-    return SimpleNamespace(model=target.identity(str(model), model), tokenizer=tokenizer, trust_remote_code=False)
+    return SimpleNamespace(
+        model=target.identity(str(model), model), tokenizer=tokenizer, trust_remote_code=False, model_files=True
+    )
 
 
 def test_weights_are_hashed_in_the_background_and_a_changed_one_is_read_whole(tmp_path, monkeypatch):
@@ -28,14 +30,14 @@ def test_weights_are_hashed_in_the_background_and_a_changed_one_is_read_whole(tm
     spec = _run_of(model, run := tmp_path / "run")
     target.record_files(run, model)
     weights = "model.safetensors"
-    assert target.files_record(run).files[weights].digest is None  # not yet: the job hashes it beside its work
-    assert target.files_record(run).files["tokenizer.json"].digest is not None
-    with target.Digests(run, model):
+    assert target.files_record(run, spec).files[weights].digest is None  # not yet: the job hashes it beside its work
+    assert target.files_record(run, spec).files["tokenizer.json"].digest is not None
+    with target.Digests(run, spec, model):
         deadline = time.monotonic() + HANG_GUARD_S
-        while target.files_record(run).files[weights].digest is None:  # progress, not a clock
+        while target.files_record(run, spec).files[weights].digest is None:  # progress, not a clock
             assert time.monotonic() < deadline
             time.sleep(0.01)
-    assert target.files_record(run).files[weights].digest == fingerprint.digest_file(model / weights)
+    assert target.files_record(run, spec).files[weights].digest == fingerprint.digest_file(model / weights)
 
     read = []
     monkeypatch.setattr(target, "digest_file", lambda p, *a: read.append(p.name) or fingerprint.digest_file(p, *a))

@@ -44,7 +44,7 @@ from pydantic import BaseModel, Field
 
 from hsx.errors import ConsumerRefused, Locked
 from hsx.lock import STALE_AFTER, Holder, Liveness, RunLock, this_process
-from hsx.store.durable import create_exclusive, fsync_dir, write_all, write_durable
+from hsx.store.durable import create_exclusive, fsync_dir, writable_folder, write_all, write_durable
 from hsx.store.layout import CONSUMERS
 
 FORMAT = "hsx-consumer/1"
@@ -279,7 +279,7 @@ class RankLease:
         self.acks_path = self.dir / acks_name(rank)
         self.checkpoint_path = self.dir / checkpoint_name(rank)
         self._lock = threading.Lock()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        writable_folder(self.dir)  # a file where consumers/ or its folder should be: refused by name
         self._agree()
         self.me = this_process("consume", RankRecord, consumer=spec.name, rank=rank)
         self.held = RunLock(self.dir, me=self.me, name=rank_name(rank), stale_after=lease_timeout, warn=log)

@@ -26,7 +26,8 @@
     │                              acknowledged, its rank held by a live process, other parameters)
     ├── CleanStop                the volume filled; stopped cleanly, resumable once space is freed (exit 3)
     ├── EngineUnavailable        the generation servers stopped answering; stopped cleanly, resumable (exit 2)
-    ├── DiskFull (also OSError)  ENOSPC or the reserve reached while writing one file (the store's signal)
+    ├── DiskFull (also OSError)  ENOSPC or the reserve reached while writing one file (the store's signal),
+    │                            or another write stop (EFBIG, EROFS, EIO: ``WRITE_STOPS``, their own words)
     │   └── LowSpace               free space fell under the reserve before a batch
     ├── BadFile                  a sample file is not valid: truncated, corrupt or misplaced (scans catch it)
     └── SampleUnavailable        the loader cannot serve a sample (not verified, outside the plan)
@@ -180,7 +181,8 @@ class ConsumerRefused(Refused):
 
 
 class CleanStop(HsxError):
-    """The volume filled up; the run stopped cleanly and resumes once space is freed.
+    """The volume filled up (or another write stop: ``WRITE_STOPS``); the run stopped cleanly and
+    resumes once a person did what ``advice`` says (free space).
 
     ``summary`` is the job's summary at the stop (its ``done``, ``total_samples`` and ``run``),
     ``needed_bytes`` the space the rest still needs, ``path`` the file or folder being written and
@@ -198,17 +200,18 @@ class CleanStop(HsxError):
         reason: str | None = None,
         resume: str = "",
         unit: str = "samples",
+        advice: str = "Free space",
     ):
         self.reason = reason or no_space(path)
         super().__init__(self.reason)
         self.summary, self.needed_bytes, self.path = summary, needed_bytes, Path(path)
-        self.resume, self.unit = resume, unit
+        self.resume, self.unit, self.advice = resume, unit, advice
 
     def lines(self) -> str:
         s = self.summary
         return (
             f"{self.reason}.\nStopped cleanly: {s.done}/{s.total_samples} {self.unit} are done and verified; "
-            f"about {size(self.needed_bytes)} more are needed to finish.\nFree space, then resume: {self.resume}"
+            f"about {size(self.needed_bytes)} more are needed to finish.\n{self.advice}, then resume: {self.resume}"
         )
 
 
@@ -222,20 +225,49 @@ class EngineUnavailable(HsxError):
     succeed (a wrong URL or model name); the generate job stops cleanly and the same command resumes."""
 
 
+# the write errors a run stops cleanly on (every file whole or absent), each in its own words: what
+# happened, and what a person does before the same command resumes (ENOSPC's: ``no_space``)
+WRITE_STOPS: dict[int, tuple[str, str]] = {
+    errno.ENOSPC: ("no space left on the output volume", "Free space"),
+    errno.EDQUOT: ("no space left on the output volume", "Free space"),  # the quota: the same remedy
+    errno.EFBIG: (
+        "a file reached the size limit (ulimit -f, or the file system's largest file)",
+        "Raise the file-size limit (ulimit -f)",
+    ),
+    errno.EROFS: (
+        "the output volume is read-only (mounted so, or remounted after an error)",
+        "Make the volume writable again (remount it read-write)",
+    ),
+    errno.EIO: ("an I/O error on the output volume", "Check the volume (dmesg, its health) or move the run"),
+}
+
+
 class DiskFull(HsxError, OSError):
-    """The volume ran out of space (or quota) while writing ``path``."""
+    """A write the run stops cleanly on while writing ``path``: the volume ran out of space (or
+    quota), or another of ``WRITE_STOPS`` (a file-size limit, a read-only volume, an I/O error)."""
 
     exit_code = Exit.DISK_FULL
 
     def __init__(self, path: Path, cause: OSError | None = None):
-        OSError.__init__(self, errno.ENOSPC, f"no space left on device while writing {path}")
+        code = cause.errno if cause is not None and cause.errno in WRITE_STOPS else errno.ENOSPC
+        OSError.__init__(self, code, f"{WRITE_STOPS[code][0]} while writing {path}")
         self.path = path
         self.cause = cause
 
     @property
     def reason(self) -> str | None:
         """What a clean stop says stopped it (None: ``CleanStop``'s words for a plain ENOSPC)."""
-        return None
+        return None if self.errno in (errno.ENOSPC, errno.EDQUOT) else self.strerror
+
+    @property
+    def advice(self) -> str:
+        """What a person does before the same command resumes."""
+        return WRITE_STOPS.get(self.errno or errno.ENOSPC, WRITE_STOPS[errno.ENOSPC])[1]
+
+
+class Unwritable(Refused):
+    """A destination hsx was given (an export's, a vocabulary's, a consumer's folder) cannot be
+    written: under a file, a file itself, read-only, or not permitted."""
 
 
 class LowSpace(DiskFull):

@@ -169,10 +169,13 @@ class FileState(BaseModel):
     mtime_ns: int
     inode: int
     digest: str | None = None
+    ctime_ns: int | None = None  # an edit in place that restores size and mtime still moves it (None: older records)
 
     def same_place(self, other: FileState) -> bool:
-        """Unchanged on disk since ``other`` was recorded: its digest needs no reading again."""
-        return (self.size, self.mtime_ns, self.inode) == (other.size, other.mtime_ns, other.inode)
+        """Unchanged on disk since ``other`` was recorded: its digest needs no reading again. The
+        ctime is the kernel's own (no call sets it), so an edit that keeps size, mtime and inode shows."""
+        place = (self.size, self.mtime_ns, self.inode) == (other.size, other.mtime_ns, other.inode)
+        return place and (self.ctime_ns is None or other.ctime_ns is None or self.ctime_ns == other.ctime_ns)
 
 
 class ModelFiles(BaseModel):
@@ -190,7 +193,7 @@ def is_weight(name: str) -> bool:
 
 def file_state(path: Path, digest: str | None = None) -> FileState:
     st = path.stat()
-    return FileState(size=st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino, digest=digest)
+    return FileState(size=st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino, digest=digest, ctime_ns=st.st_ctime_ns)
 
 
 def model_files_listing(model_dir: Path) -> list[str]:

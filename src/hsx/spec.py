@@ -77,7 +77,13 @@ class TokenizerIdentity(BaseModel):
 
 OPTIONAL_DATA = ("split", "limit", "column")  # a DataFile's fields written only where given
 # RunSpec's fields written only where not these
-DRAFT_DEFAULTS = {"layers_formula": None, "final_norm": "post", "expert_slice_gb": None, "teacher": None}
+DRAFT_DEFAULTS = {
+    "layers_formula": None,
+    "final_norm": "post",
+    "expert_slice_gb": None,
+    "teacher": None,
+    "model_files": False,
+}
 
 
 class DataFile(BaseModel):
@@ -291,6 +297,8 @@ class JobSpec(Protocol):
     def plan(self) -> PlanIdentity: ...
     @property
     def trust_remote_code(self) -> bool: ...
+    @property
+    def model_files(self) -> bool: ...
     def footprint(self) -> Footprint: ...
     def save(self, run: Path) -> None: ...
 
@@ -325,6 +333,9 @@ class RunSpec(BaseModel):
     # a whole MoE layer's, as runs made before. The same states on CPU (tested); recorded since a compiled
     # layer on CUDA runs the slices outside its graph, whose fused kernels may round otherwise
     expert_slice_gb: float | None = None
+    # the run keeps its model's files in model-files.json (target.record_files): missing, it is damage,
+    # not a run made before hsx kept one (those compare the model by the fingerprint's probes)
+    model_files: bool = False
     # the chat template's arguments the plan rendered with (--chat-template-kwargs); runs made before: none
     template_kwargs: dict[str, Any] = {}
     # the tokenizer's named template asked for (--chat-template); None: transformers' pick per row

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx.errors import ModelChanged, ModelNotFound, SpecError, TokenizerError, UnsupportedModel
+from hsx.errors import ModelChanged, ModelNotFound, RecordDamaged, TokenizerError, UnsupportedModel
 from hsx.fingerprint import (
     FileState,
     ModelFiles,
@@ -27,7 +27,7 @@ from hsx.fingerprint import (
 )
 from hsx.spec import JobSpec, ModelIdentity, Quantization, TokenizerIdentity, model_location
 from hsx.store import layout
-from hsx.store.durable import write_durable
+from hsx.store.records import read_record, write_record
 
 
 def resolve(model: str) -> Path:
@@ -365,7 +365,7 @@ def model_dir_for(
             f"{e}; {note or 'if the model moved, pass --model NEW_PATH'} (it must match the run's fingerprint)"
         ) from e
     what = "the model changed since the run started" if given is None else f"{path} is not the run's model"
-    if files_record(run) is not None:
+    if files_record(run, spec) is not None:
         diffs = check_files(run, spec, path, keep)
     else:
         diffs = spec.model.fingerprint.differences((known or identity(where, path)).fingerprint)
@@ -376,15 +376,43 @@ def model_dir_for(
     return path
 
 
-def files_record(run: Path) -> ModelFiles | None:
+def files_record(run: Path, spec: JobSpec) -> ModelFiles | None:
     """The run's record of its model's files (``OUT/model-files.json``); None for a run made
-    before hsx kept one."""
+    before hsx kept one. Raises ``RecordDamaged`` where it is damaged, another run's, or missing
+    from a run that keeps one: never trusted, nor read as none (the probes miss what it catches)."""
+    path = run / layout.MODEL_FILES
     try:
-        return ModelFiles.model_validate_json((run / layout.MODEL_FILES).read_bytes())
-    except FileNotFoundError:
-        return None
+        body = read_record(run, path)
+        if body is None and spec.model_files:
+            raise RecordDamaged(path, "missing")
+        return None if body is None else ModelFiles.model_validate(body)
+    except RecordDamaged as e:
+        raise RecordDamaged(path, f"{e.why}; {REBUILD.format(run=run)}") from None
     except ValueError as e:
-        raise SpecError(f"{run / layout.MODEL_FILES} is unreadable or damaged: {str(e).splitlines()[0]}") from e
+        raise RecordDamaged(path, f"garbled ({str(e).splitlines()[0]}); {REBUILD.format(run=run)}") from None
+
+
+# the repair of a damaged or missing model-files.json: nothing in the run can prove the model unchanged
+# without it, so a person vouches for the model, compared by the fingerprint's probes
+REBUILD = (
+    "without it nothing proves the model unchanged (the fingerprint's probes miss a tensor between them): "
+    "restore it from a copy of the run, or, with the model known to be the run's, rebuild it: "
+    "hsx verify {run} --repair --model PATH"
+)
+
+
+def rebuild_files(run: Path, spec: JobSpec, model: str) -> list[str]:
+    """``hsx verify --repair --model``: a damaged or missing record rebuilt from ``model`` as it
+    stands, once its fingerprint matched the spec's (the damaged one is kept beside, ``.damaged``);
+    the differences where it does not (nothing is written then)."""
+    model_dir = resolve(model)
+    diffs = spec.model.fingerprint.differences(identity(model, model_dir).fingerprint)
+    if not diffs:
+        path = run / layout.MODEL_FILES
+        if path.exists():
+            os.replace(path, path.with_name(path.name + ".damaged"))
+        _write_files(run, model_files(model_dir))
+    return diffs
 
 
 def record_files(run: Path, model_dir: Path) -> None:
@@ -394,7 +422,7 @@ def record_files(run: Path, model_dir: Path) -> None:
 
 
 def _write_files(run: Path, record: ModelFiles) -> None:
-    write_durable(run / layout.MODEL_FILES, record.model_dump_json(indent=0).encode())
+    write_record(run, run / layout.MODEL_FILES, record.model_dump(mode="json"))
 
 
 def check_files(run: Path, spec: JobSpec, model_dir: Path, keep: bool = False) -> list[str]:
@@ -404,7 +432,8 @@ def check_files(run: Path, spec: JobSpec, model_dir: Path, keep: bool = False) -
     compared by the fingerprint's probes; a config, tokenizer or chat template file that changed
     is judged by what it means (the config's digest, the tokenizer's identity: the spec's).
     ``keep``: record where the files stand now, once they proved the same."""
-    record = files_record(run)
+    record = files_record(run, spec)
+    assert record is not None  # the caller checked the run keeps one
     now: dict[str, FileState] = {}
     diffs: list[str] = []
     meaning = False  # a file other than the weights changed: judge the config and tokenizer
@@ -438,13 +467,13 @@ class Digests:
     session that stops first leaves the rest to the next. A digest is kept only for a file that
     stands as recorded once it was read."""
 
-    def __init__(self, run: Path, model_dir: Path):
-        self.run, self.model_dir = run, model_dir
+    def __init__(self, run: Path, spec: JobSpec, model_dir: Path):
+        self.run, self.spec, self.model_dir = run, spec, model_dir
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._hash, name="hsx-model-digests", daemon=True)
 
     def __enter__(self) -> Digests:
-        record = files_record(self.run)
+        record = files_record(self.run, self.spec)
         if record is not None and any(f.digest is None for f in record.files.values()):
             self._thread.start()
         return self
@@ -455,7 +484,9 @@ class Digests:
             self._thread.join()
 
     def _hash(self) -> None:
-        record = files_record(self.run)
+        record = files_record(self.run, self.spec)
+        if record is None:
+            return
         for name, then in record.files.items():
             path = self.model_dir / name
             if then.digest is not None or not file_state(path).same_place(then):

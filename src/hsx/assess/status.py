@@ -28,7 +28,7 @@ from hsx.assess import (
     workers,
 )
 from hsx.assess.checks import Check, exit_code, skipped
-from hsx.errors import Exit, SpecError
+from hsx.errors import Exit, RecordDamaged, SpecError
 from hsx.extract.window import in_flight as window_in_flight
 from hsx.genrun.spec import GenerateSpec
 from hsx.job import space
@@ -155,10 +155,11 @@ def assess(run: Path, deep: bool = False, threads: int = 8, given_model: str | N
         model_dir = model.locate(where)
         if "model" not in checks:
             try:
-                files = files_record(run)
-            except SpecError:
-                files = None  # a damaged record: the resume says so, and the probes still judge
-            checks["model"] = model.check_model(spec, model_dir, where, same_place(where, recorded), files)
+                files = files_record(run, spec)
+                checks["model"] = model.check_model(spec, model_dir, where, same_place(where, recorded), files)
+            except RecordDamaged as e:  # never trusted, nor read as none: the resume refuses it too
+                checks["model"] = Check("model", "fail", f"{layout.MODEL_FILES}: {e.why.split('; ')[0]}",
+                                        action=e.why.split("; ", 1)[1])  # fmt: skip
         generated = spec.kind == GENERATE
         checks["capture"] = model.check_engine(spec) if generated else model.check_capture(spec, model_dir, deep)
     crashed = runspec.crash(run)  # listed only where the last session crashed

@@ -16,7 +16,7 @@ from pathlib import Path
 from hsx import target
 from hsx.assess import fidelity, integrity, reference, workers
 from hsx.assess.checks import Check
-from hsx.errors import Exit, Refused, RepairRefused
+from hsx.errors import Exit, ModelChanged, RecordDamaged, Refused, RepairRefused
 from hsx.genrun.spec import GenerateSpec, load_any
 from hsx.job.options import check_device, default_device, resume_command
 from hsx.spec import GENERATE, RunSpec
@@ -108,4 +108,21 @@ def verify(
         out.reference = reference.recompute(run, spec, result.scans, model_dir, reference_files, device)
     if repair and moved:
         out.check.details.append(f"{len(moved)} files moved to {layout.QUARANTINE}/ with a .reason each")
+    if repair:
+        out.check.details += _model_record(run, spec, model)
     return out
+
+
+def _model_record(run: Path, spec: RunSpec | GenerateSpec, model: str | None) -> list[str]:
+    """A damaged or missing model-files.json rebuilt from ``--model`` (the person vouches for it; its
+    fingerprint must match), or left named where no --model was given."""
+    try:
+        target.files_record(run, spec)
+        return []
+    except RecordDamaged as e:
+        if model is None:
+            return [f"{layout.MODEL_FILES}: {e.why}"]
+        diffs = target.rebuild_files(run, spec, model)
+        if diffs:
+            raise ModelChanged(f"{model} is not the run's model:\n  - " + "\n  - ".join(diffs)) from None
+        return [f"{layout.MODEL_FILES} rebuilt from {model} (its fingerprint matches the spec's)"]

@@ -52,7 +52,9 @@ def failures(interrupted: Callable[[], str] | None = None) -> Iterator[None]:
     except CleanStop as e:
         raise fail(e.lines(), e.exit_code) from None
     except DiskFull as e:
-        raise fail(f"{e}; free space and rerun the same command: it continues", e.exit_code) from None
+        raise fail(
+            f"{e}; {e.advice[0].lower()}{e.advice[1:]} and rerun the same command: it continues", e.exit_code
+        ) from None
     except HsxError as e:
         raise fail(str(e), e.exit_code) from None
     except KeyboardInterrupt as e:

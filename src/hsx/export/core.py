@@ -47,7 +47,7 @@ from hsx.plan import load_plan
 from hsx.progress import Progress
 from hsx.spec import RunSpec, load_spec, model_location, now
 from hsx.store import layout
-from hsx.store.durable import is_temp, write_durable
+from hsx.store.durable import is_temp, writable_folder, write_durable
 
 EXPORT_FORMAT = "hsx-export/1"
 JOB = ".hsx-export-job.json"
@@ -98,7 +98,7 @@ def open_dest(dest: Path, job: dict) -> dict[int, Done]:
     elif dest.exists() and any(not is_temp(p.name) for p in dest.iterdir()):  # a kill's temps are ours
         raise ExportRefused(f"{dest} is not empty and holds no hsx export: choose an empty or new folder")
     else:
-        dest.mkdir(parents=True, exist_ok=True)
+        writable_folder(dest)  # under a file, read-only: refused by name before anything is written
         write_durable(dest / JOB, json.dumps(job, indent=1, sort_keys=True).encode())
     _clean(dest)
     done: dict[int, Done] = {}

@@ -25,7 +25,7 @@ from hsx.errors import VocabError
 from hsx.export.serialize import npy_bytes, torch_bytes
 from hsx.plan import Plan, load_plan
 from hsx.spec import load_spec
-from hsx.store.durable import write_durable
+from hsx.store.durable import writable_folder, write_durable
 from hsx.target import load_config, model_dir_for
 
 
@@ -98,7 +98,7 @@ def write_vocab(
     counts = token_counts(plan)
     d2t, t2d = draft_map(counts, size, vocab_size)
     dest = dest or run / "vocab"
-    dest.mkdir(parents=True, exist_ok=True)
+    writable_folder(dest)  # under a file, onto a file, read-only: refused by name
     freq = {int(i): int(c) for i, c in enumerate(counts) if c}
     selected = (torch.arange(size) + d2t).numpy()
     covered = int(counts[selected[selected < len(counts)]].sum())

@@ -179,6 +179,7 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
             teacher.write_vocab(opts.out, teach)
     spec = RunSpec(
         created=now(),
+        model_files=True,
         created_by=who(),
         backend=backend,
         final_state=final_state,

@@ -61,7 +61,7 @@ class InProcess(Extract):
                     job.run, spec, job.plan, job.model.dir, resources, progress, job.begun.space, job.log,
                     opts.tensor_parallel_size or 1, opts.data_parallel_size or 1, self.peers,
                 )  # fmt: skip
-                with target.Digests(job.run, job.model.dir):  # the weights' full digests, beside the work
+                with target.Digests(job.run, job.spec, job.model.dir):  # the weights' full digests, beside the work
                     backend(spec.backend).run(session, todo)  # torch or vLLM: imported only when there is work
                 if not how.whole:
                     _log_verified(verifier, job.log)

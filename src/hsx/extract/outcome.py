@@ -29,6 +29,7 @@ class Stop(BaseModel):
 
     path: str
     reason: str | None = None
+    advice: str = "Free space"  # what a person does before the resume (``errors.WRITE_STOPS``)
     needed_bytes: int | None = None
     resume: str = ""
 
@@ -66,7 +67,9 @@ class Outcome(BaseModel):
         try:
             return cls(summary=work())
         except CleanStop as e:
-            stop = Stop(path=str(e.path), reason=e.reason, needed_bytes=e.needed_bytes, resume=e.resume)
+            stop = Stop(
+                path=str(e.path), reason=e.reason, advice=e.advice, needed_bytes=e.needed_bytes, resume=e.resume
+            )
             return cls(summary=e.summary, stop=stop)
         except HsxError as e:
             return cls.failed(e)
@@ -78,7 +81,7 @@ class Outcome(BaseModel):
     @classmethod
     def stopped(cls, summary: ExtractSummary, e: DiskFull) -> Outcome:
         """A full disk met by a worker of one shard: the driver's prologue counts what the rest needs."""
-        return cls(summary=summary, stop=Stop(path=str(e.path), reason=e.reason))
+        return cls(summary=summary, stop=Stop(path=str(e.path), reason=e.reason, advice=e.advice))
 
     def result(self) -> ExtractSummary:
         """The summary; or the clean stop or refusal, raised here as it was raised there."""
@@ -86,7 +89,7 @@ class Outcome(BaseModel):
             raise self.failure.refusal()
         if self.stop is not None:
             s = self.stop
-            raise CleanStop(self.summary, s.needed_bytes or 0, Path(s.path), s.reason, s.resume)
+            raise CleanStop(self.summary, s.needed_bytes or 0, Path(s.path), s.reason, s.resume, advice=s.advice)
         assert self.summary is not None
         return self.summary
 

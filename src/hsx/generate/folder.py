@@ -194,6 +194,7 @@ def create_spec(opts: GenerateOptions, model: Model, plan: PlanIdentity, engine:
     tokenizer = model.tokenizer
     return GenerateSpec(
         created=now(),
+        model_files=True,
         created_by=who(),
         model=model.identity,
         tokenizer=target.tokenizer_identity(tokenizer),

@@ -314,7 +314,7 @@ class Generate(Stage[GenerateOptions, GenerateSpec, GenerateSummary]):
                 loop = ConversationLoop(
                     spec, job.run, job.plan, self.engine, prompter, progress, job.begun.space.reserve, summary
                 )
-                with target.Digests(job.run, job.model.dir):  # the weights' full digests, beside the work
+                with target.Digests(job.run, job.spec, job.model.dir):  # the weights' full digests, beside the work
                     loop.run_shards(todo)
             finally:
                 summary.seconds = time.monotonic() - t0

@@ -78,11 +78,13 @@ class GenerateSpec(BaseModel):
     data: list[DataFile]
     plan: PlanIdentity  # num_samples: conversations; num_tokens: the plan's estimate of tokens to store
     drop: list[str] = []  # --drop: answers that reject their conversation (empty, length)
+    model_files: bool = False  # keeps model-files.json (``spec.RunSpec.model_files``)
 
     @model_serializer(mode="wrap")
     def _given_only(self, handler) -> dict:
-        """``drop`` only where given: the spec of a run without it reads (and digests) as before."""
-        return {k: v for k, v in handler(self).items() if k != "drop" or v}
+        """``drop`` and ``model_files`` only where set: the spec of a run without them reads (and
+        digests) as before."""
+        return {k: v for k, v in handler(self).items() if k not in ("drop", "model_files") or v}
 
     def footprint(self) -> Footprint:
         """Conversation files store token ids and texts, no states: no storage codec."""

@@ -86,7 +86,9 @@ class Prologue:
             self.opts.out, self.spec, self.headers, self.opts.deep_verify, self.summary, done, streamed
         ).start()
 
-    def clean_stop(self, summary: object, path: Path, reason: str | None = None) -> CleanStop:
+    def clean_stop(
+        self, summary: object, path: Path, reason: str | None = None, advice: str = "Free space"
+    ) -> CleanStop:
         """The clean stop of a full disk (the guard's reserve reached, or a real ENOSPC), wherever the
         work ran (this process, a tensor-parallel group's rank 0, a scale-out worker): ``summary`` the
         job's. The space the rest still needs is counted here alone, from the files on disk now (their
@@ -98,4 +100,4 @@ class Prologue:
         ratio = stored_ratio(spec, Measured.on_disk(spec, lengths, scans))
         needed = projected_bytes(int(lengths[missing].sum()), len(missing), fp.bytes_per_token, ratio)
         resume = resume_command(self.opts.out, None, self.opts.COMMAND)
-        return CleanStop(summary, needed, path, reason, resume, self.opts.UNIT)
+        return CleanStop(summary, needed, path, reason, resume, self.opts.UNIT, advice)

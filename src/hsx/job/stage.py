@@ -198,7 +198,7 @@ def session(stage: Stage[Opts, S, R], opts: Opts, spec: S, model: Model, log: Lo
         try:
             stage.work(Job(opts, spec, model, log, lock, progress, plan, begun))
         except DiskFull as e:  # the guard's reserve reached, or a real ENOSPC: every file whole or absent
-            raise begun.clean_stop(summary, e.path, e.reason) from e
+            raise begun.clean_stop(summary, e.path, e.reason, e.advice) from e
         except (CertifyFailed, FidelityFailed) as e:  # a check stopped the run: recorded, then said
             stage.ended(opts.out, spec, str(e))
             raise

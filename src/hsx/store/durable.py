@@ -1,8 +1,9 @@
 """Atomic, durable file creation. A file appears under its final name only complete and on disk.
 
 Sequence: write ``.NAME.tmp-PID-TID`` in the same folder, fsync it, rename over NAME, fsync the
-folder. Any failure removes the temp file. ENOSPC (and EDQUOT) anywhere becomes ``DiskFull`` so
-the caller can stop cleanly; every other OSError propagates unchanged.
+folder. Any failure removes the temp file. ENOSPC (and EDQUOT, EFBIG, EROFS, EIO: ``errors.WRITE_STOPS``)
+anywhere becomes ``DiskFull`` so the caller can stop cleanly, in its own words; every other OSError
+propagates unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from hsx.errors import DiskFull
+from hsx.errors import WRITE_STOPS, DiskFull, Unwritable
 
 TMP_MARK = ".tmp-"
 FILE_MODE = 0o644
@@ -47,7 +48,26 @@ def temp_of(name: str) -> tuple[str, int | None] | None:
 
 
 def _full(e: OSError) -> bool:
-    return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    """A write error the run stops cleanly on (``errors.WRITE_STOPS``: a full volume, a file-size
+    limit, a read-only volume, an I/O error), not a bug."""
+    return e.errno in WRITE_STOPS
+
+
+def writable_folder(path: Path) -> Path:
+    """``path`` made a folder (its parents too) that can be written, or ``Unwritable`` saying why:
+    it or a parent is a file, its volume is read-only, or writing there is not permitted."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+    except (FileExistsError, NotADirectoryError):
+        file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        raise Unwritable(f"cannot write to {path}: {file} is a file, not a folder; choose another place") from None
+    except OSError as e:
+        raise Unwritable(f"cannot write to {path}: {e.strerror}; choose another place") from None
+    return path
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:
@@ -58,11 +78,16 @@ def write_all(fd: int, data: memoryview | bytes) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:  # an I/O error reaching the disk: the clean stop, as in a write
+        if _full(e):
+            raise DiskFull(path, e) from e
+        raise
 
 
 def write_parts(path: Path, parts: Iterable[memoryview | bytes], sync_dir: bool = True) -> int:

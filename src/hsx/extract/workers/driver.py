@@ -292,7 +292,7 @@ def _extract(job: Job[ExtractOptions, RunSpec, ExtractSummary], gpu: bool) -> No
             f"first shard begun to the last sealed); {summary.seconds:.1f}s with starting the workers"
         )
     if stopped is not None and stopped.stop is not None:  # the same clean stop as a process of its own
-        raise begun.clean_stop(summary, Path(stopped.stop.path), stopped.stop.reason)
+        raise begun.clean_stop(summary, Path(stopped.stop.path), stopped.stop.reason, stopped.stop.advice)
     if stopped is not None:
         where = stopped.shard
         raise WorkerFailed(
