@@ -383,3 +383,77 @@ def test_regenerating_every_turn_plans_rows_whose_calls_the_template_refuses(fil
     assert not isinstance(planned, Reject) and planned.targets == [1, 6]
     (refused,) = plan_rows([(0, conv)], tokenize, "last", 1, 16)
     assert isinstance(refused, Reject) and refusal in refused.reason
+
+
+class Replays(Engine):
+    """A target that answers each prompt with the turn the family's template writes for the row's
+    own turn at that point (``turns``: prompt text -> turn text), ended by the eos token."""
+
+    name, version, max_pending = "scripted", "1", 4
+
+    def __init__(self, tok, turns: dict[str, str]):
+        self.tok, self.turns, self.queue = tok, turns, []
+
+    def submit(self, request: Request) -> None:
+        self.queue.append(request)
+
+    def poll(self, timeout=None) -> list:
+        out, self.queue = [self._answer(r) for r in self.queue], []
+        return out
+
+    def _answer(self, r: Request) -> Completion:
+        text = self.turns[self.tok.decode(list(r.prompt_ids))]
+        ids = [*self.tok(text, add_special_tokens=False)["input_ids"], self.tok.eos_token_id]
+        return Completion(r.key, r.prompt_ids, tuple(ids), "stop")
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("file", "parser"),
+    [("GLM-4.7-Flash/chat_template.jinja", "glm45"), ("Qwen3-Coder.jinja", "qwen3_coder"),
+     ("MiniMax-M2/chat_template.jinja", "minimax_m2")],
+)  # fmt: skip
+def test_generate_reads_back_and_renders_the_new_families_calls(file, parser, tmp_path, monkeypatch):
+    """hsx generate on the story row with GLM-4.7's, Qwen3-Coder's and MiniMax-M2's real templates and
+    their parsers: the target writes its call and its answer as the template writes the row's; the
+    call is read back (name, arguments, reasoning where the template writes it), answered with the
+    row's result, and the answer's prompt is the template's rendering of the conversation so far."""
+    from transformers import AutoTokenizer
+
+    from hsx.input import Conversation, read_conversations, tools_of
+
+    path = tmp_path / "model"
+    shutil.copytree(TINY, path)
+    (path / "chat_template.jinja").write_text((Path(__file__).parent / "data" / "templates" / file).read_text())
+    tok = AutoTokenizer.from_pretrained(path)
+    agentic = Path(__file__).parent / "data" / "agentic.jsonl"
+    (story,) = [c for c in read_conversations([agentic]) if isinstance(c, Conversation) and c.source.id == "story"]
+    messages, tools = [to_message(t) for t in story.turns], tools_of(story)
+    turns = {}
+    for i in (2, 4):  # the call, the answer: what the template writes after each served prompt
+        prompt = tok.apply_chat_template(messages[:i], tools=tools, tokenize=False, add_generation_prompt=True)
+        upto = tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
+        opened = prompt if upto.startswith(prompt) else prompt[: prompt.rindex("<think>")]
+        turns[prompt] = upto[len(opened) :].rstrip().removesuffix("[e~[").removesuffix(tok.eos_token)
+    row = json.loads(next(line for line in agentic.read_text().splitlines() if '"id": "story"' in line))
+    data = write_jsonl(tmp_path / "story.jsonl", [row])
+    monkeypatch.setattr("hsx.generate.job.open_engine", lambda name, settings: Replays(tok, turns))
+    out = tmp_path / "gen"
+    assert generate(GenerateOptions(out=out, model=str(path), data=[data], tool_parser=parser), log=lambda m: None)
+    (rec,) = [read_record(p, 0) for p in (out / "shards").rglob("*.safetensors")]
+    assert rec.ended is None and [m["role"] for m in rec.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
+    (call,) = rec.messages[2]["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == ("get_weather", {"city": "Oslo"})
+    assert (
+        rec.messages[3]["content"] == "TOOLRES 21 C and sunny" and "Yes: 21 C and sunny." in rec.messages[4]["content"]
+    )
+    served = tok.apply_chat_template(rec.messages[:4], tools=rec.tools, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(rec.turns[1].prompt_ids.tolist()) == served
