@@ -575,3 +575,27 @@ def test_a_damaged_or_missing_model_record_is_named_refused_and_rebuilt_only_by_
         st.st_size, st.st_mtime_ns, st.st_ino)  # fmt: skip
     r = CliRunner().invoke(app, ["extract", "--out", str(run)])
     assert r.exit_code == 2 and "model.safetensors: content differs (full digest)" in r.output, r.output
+
+
+def test_records_beside_the_spec_that_are_damaged_or_another_runs_are_named(finished_run, tmp_path):
+    """fidelity.json and model-location.json, written by hsx, then truncated or swapped in from
+    another run: status names each (it accepted another run's baseline), exit non-zero."""
+    from hsx.fidelity import record_baseline
+    from hsx.spec import load_spec, record_location
+    from hsx.store.format import Figure
+
+    other = another_runs_records(finished_run, tmp_path)
+    run = copy_run(finished_run, tmp_path / "run")
+    model = Path(shutil.copytree(TINY, tmp_path / "model"))
+    for r in (run, other):
+        record_baseline(r, Figure(checked=100, agreed=90, near_ties=2, logprob=-1.0))
+        assert record_location(r, load_spec(r), str(model))
+    assert status(run)[0] == 0
+    for name, line in ((layout.FIDELITY, "fidelity"), (layout.LOCATION, "model")):
+        kept = (run / name).read_bytes()
+        for damaged in (kept[: len(kept) // 2], (other / name).read_bytes()):
+            (run / name).write_bytes(damaged)
+            code, text = status(run)
+            assert code != 0 and levels(text)[line] == "fail" and f"{name} is unreadable or damaged" in text, text
+        (run / name).write_bytes(kept)
+    assert status(run)[0] == 0

@@ -63,9 +63,8 @@ from pydantic import BaseModel
 
 from hsx import __version__
 from hsx.errors import CertifyFailed, RecordDamaged
-from hsx.spec import now, read_record, who
+from hsx.spec import now, read_record, who, write_record
 from hsx.store import layout, records
-from hsx.store.durable import write_durable
 
 if TYPE_CHECKING:
     import torch  # imported where the device work needs it
@@ -268,7 +267,7 @@ class Bands(BaseModel):
 
 
 def read_bands(run: Path) -> Bands | None:
-    return read_record(run / layout.TAP_BANDS, Bands)
+    return read_record(run, run / layout.TAP_BANDS, Bands)
 
 
 def record_bands(run: Path, names: list[str], first: Sequence[Taps]) -> Bands:
@@ -285,7 +284,7 @@ def record_bands(run: Path, names: list[str], first: Sequence[Taps]) -> Bands:
         recorded=now(),
         by=who(),
     )
-    write_durable(run / layout.TAP_BANDS, bands.model_dump_json(indent=2).encode())
+    write_record(run, run / layout.TAP_BANDS, bands)
     return bands
 
 

@@ -47,9 +47,8 @@ import numpy as np
 from pydantic import BaseModel
 
 from hsx.errors import FidelityFailed, NormUnavailable
-from hsx.spec import FidelityCheck, now, read_record, who
+from hsx.spec import FidelityCheck, now, read_record, who, write_record
 from hsx.store import layout
-from hsx.store.durable import write_durable
 from hsx.store.format import NO_FIGURE, Figure
 from hsx.target import LanguageModel
 
@@ -245,7 +244,7 @@ class Baseline(BaseModel):
 
 
 def read_baseline(run: Path) -> Baseline | None:
-    return read_record(run / layout.FIDELITY, Baseline)
+    return read_record(run, run / layout.FIDELITY, Baseline)
 
 
 def record_baseline(run: Path, figure: Figure) -> Baseline:
@@ -261,7 +260,7 @@ def record_baseline(run: Path, figure: Figure) -> Baseline:
         recorded=now(),
         by=who(),
     )
-    write_durable(run / layout.FIDELITY, base.model_dump_json(indent=2).encode())
+    write_record(run, run / layout.FIDELITY, base)
     return base
 
 

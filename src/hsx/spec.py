@@ -25,9 +25,9 @@ from pydantic import BaseModel, ValidationError, model_serializer
 
 from hsx import __version__
 from hsx.drafts import bytes_per_token
-from hsx.errors import SpecError
+from hsx.errors import RecordDamaged, SpecError
 from hsx.fingerprint import ModelFingerprint, digest_file
-from hsx.store import layout
+from hsx.store import layout, records
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
 from hsx.store.format import FINAL_STATE, LAYER_CONVENTION, Expected, FinalStateNorm
@@ -414,12 +414,8 @@ class ModelLocation(BaseModel):
 
 def model_location(run: Path, spec: JobSpec) -> str:
     """Where the run's model is: the last location a resume recorded, else the spec's path."""
-    try:
-        return ModelLocation.model_validate_json((run / layout.LOCATION).read_bytes()).path
-    except FileNotFoundError:
-        return spec.model.path
-    except (ValidationError, ValueError) as e:
-        raise SpecError(f"{run / layout.LOCATION} is unreadable or damaged: {str(e).splitlines()[0]}") from e
+    recorded = read_record(run, run / layout.LOCATION, ModelLocation)
+    return spec.model.path if recorded is None else recorded.path
 
 
 def record_location(run: Path, spec: JobSpec, path: str) -> bool:
@@ -429,7 +425,7 @@ def record_location(run: Path, spec: JobSpec, path: str) -> bool:
     if same_place(previous, path):
         return False
     record = ModelLocation(path=path, recorded=now(), by=who(), previous=previous)
-    write_durable(run / layout.LOCATION, record.model_dump_json(indent=2).encode())
+    write_record(run, run / layout.LOCATION, record)
     return True
 
 
@@ -465,20 +461,27 @@ class PlanGrowth(BaseModel):
     data: list[DataFile]  # the generate run as last read (its planned conversations)
 
 
-def read_record(path: Path, kind: type[Record]) -> Record | None:
-    """A record kept beside the spec (invariant 8) as ``kind``: None where there is none yet;
-    ``SpecError`` where it is unreadable or damaged."""
+def read_record(run: Path, path: Path, kind: type[Record]) -> Record | None:
+    """A record of ``run`` kept beside the spec (invariant 8) as ``kind``, self-verifying
+    (``store.records``): None where there is none yet; ``SpecError`` where it is unreadable,
+    damaged or another run's."""
     try:
-        return kind.model_validate_json(path.read_bytes())
-    except FileNotFoundError:
-        return None
+        body = records.read_record(run, path)
+        return None if body is None else kind.model_validate(body)
+    except RecordDamaged as e:
+        raise SpecError(f"{path} is unreadable or damaged: {e.why}") from e
     except (ValidationError, ValueError) as e:
         raise SpecError(f"{path} is unreadable or damaged: {str(e).splitlines()[0]}") from e
 
 
+def write_record(run: Path, path: Path, record: BaseModel) -> None:
+    """Replace a record of ``run`` kept beside the spec, whole, stamped (``store.records``)."""
+    records.write_record(run, path, record.model_dump(mode="json"), indent=1)
+
+
 def plan_growth(run: Path) -> PlanGrowth | None:
     """The run's growth record, or None when its plan never grew."""
-    return read_record(run / layout.PLAN_DIR / layout.GROWTH, PlanGrowth)
+    return read_record(run, run / layout.PLAN_DIR / layout.GROWTH, PlanGrowth)
 
 
 def kind_of(run: Path) -> str | None:

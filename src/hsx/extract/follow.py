@@ -25,7 +25,7 @@ from hsx.errors import HsxError, Refused
 from hsx.genrun.samples import NOT_GENERATED, GeneratedRun, not_generated
 from hsx.input import read_rejects
 from hsx.plan import Plan, write_part
-from hsx.spec import Extension, PlanGrowth, RunSpec, load_spec, now, plan_growth, who
+from hsx.spec import Extension, PlanGrowth, RunSpec, load_spec, now, plan_growth, who, write_record
 from hsx.store import layout
 from hsx.store.durable import fsync_dir, write_durable
 
@@ -118,7 +118,7 @@ def _grow(
         }
     )
     record = PlanGrowth(extensions=extensions, waiting=left, plan=identity, data=[gen.identity(skip=set(left))])
-    write_durable(run / layout.PLAN_DIR / layout.GROWTH, record.model_dump_json(indent=1).encode())
+    write_record(run, run / layout.PLAN_DIR / layout.GROWTH, record)
     log(
         f"plan grew: {len(new)} conversations generated since -> {part.num_samples} samples "
         f"(ids {first}..{first + part.num_samples - 1}), {len(part.rejects)} rejected; "
