@@ -100,3 +100,30 @@ with flocked(layout.consumed_guard(run)):  # a deleter in its turn: what delete_
     for i in (11, 12):
         layout.sample_path(run, i, 10).unlink()
 """
+
+
+def test_a_damaged_or_another_runs_window_record_is_named_by_status(finished_run, tmp_path):
+    """window.json truncated or swapped in from another run was read as none: status's consumers
+    line now names it (fail), as the producer writes it (``store.records``)."""
+    import json
+
+    from hsx.assess import consumers
+    from hsx.extract.window import RECORD, WindowState, read_state
+    from hsx.store.records import write_record
+    from hsx.store.scan import scan_run
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    shutil.copytree(finished_run, run)
+    shutil.copytree(finished_run, other)
+    spec = json.loads((other / layout.SPEC).read_text())
+    (other / layout.SPEC).write_text(json.dumps(spec | {"created": "2020-01-01T00:00:00+00:00"}))
+    state = WindowState(window=1, held=5, paused_since=1.0, waiting_for=NAMES)
+    for r in (run, other):
+        write_record(r, r / RECORD, state.model_dump(mode="json"), indent=None)
+    assert read_state(run) == state
+    window, scans = Window(bytes=1 << 30, consumers=NAMES), scan_run(run, 40, 10, deep=False)
+    kept = (run / RECORD).read_bytes()
+    for damaged, why in ((kept[:20], "truncated or garbled"), ((other / RECORD).read_bytes(), "another run's")):
+        (run / RECORD).write_bytes(damaged)
+        c = consumers.check(run, scans, 40, 10, window)
+        assert c.level == "fail" and f"{RECORD}: {why}" in c.figure, c

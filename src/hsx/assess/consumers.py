@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from hsx.assess.checks import Check, duration
 from hsx.consumer import DELETED, NOT_WRITTEN, READING, ConsumerView, inspect
-from hsx.extract.window import WindowState, held, read_state
+from hsx.errors import RecordDamaged
+from hsx.extract.window import RECORD, WindowState, held, read_state
 from hsx.lock import Liveness
 from hsx.spec import Window
 from hsx.store import layout
@@ -50,7 +51,11 @@ def check(
     consumed = {sid for s in scans for sid in s.consumed}
     details, troubles, data = [], [], {}
     now = time.time()
-    state = read_state(run) if window is not None else None
+    try:
+        state = read_state(run) if window is not None else None
+    except RecordDamaged as e:  # named, never read as none; the producer's next look rewrites it
+        state = None
+        troubles.append(Trouble(f"{RECORD}: {e.why}", f"the extractor rewrites {RECORD} at its next pause"))
     paused = producing and state is not None and state.paused_since is not None
     for v in views:
         line, figures, trouble = _describe(run, v, written, num_samples, shard_size, now)

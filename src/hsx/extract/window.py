@@ -23,11 +23,12 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from hsx.consumer import LEASE_TIMEOUT, NOT_WRITTEN, ConsumerView, inspect
+from hsx.errors import RecordDamaged
 from hsx.lock import Liveness
 from hsx.spec import RunSpec, Window
 from hsx.store import layout
-from hsx.store.durable import flocked, fsync_dir, write_durable
-from hsx.store.records import record_folder
+from hsx.store.durable import flocked, fsync_dir
+from hsx.store.records import read_record, record_folder, write_record
 from hsx.store.writer import read_seal, record_consumed
 from hsx.units import size
 
@@ -46,10 +47,14 @@ class WindowState(BaseModel):
 
 
 def read_state(run: Path) -> WindowState | None:
+    """The producer's last look (None: it never paused). ``RecordDamaged`` where the record is
+    damaged or another run's (``store.records``): never read as none."""
+    path = run / RECORD
+    body = read_record(run, path)
     try:
-        return WindowState.model_validate_json((run / RECORD).read_bytes())
-    except (OSError, ValueError):
-        return None
+        return None if body is None else WindowState.model_validate(body)
+    except ValueError:
+        raise RecordDamaged(path, "garbled (not a window state)") from None
 
 
 def vllm_in_flight(batch_tokens: int, longest: int) -> int:
@@ -219,12 +224,12 @@ class Pause:
             f"window: paused, {size(state.held)} of samples not released by {who} "
             f"(window {size(self.window.bytes)}); waiting for them to release"
         )
-        write_durable(self.run / RECORD, state.model_dump_json().encode())
+        write_record(self.run, self.run / RECORD, state.model_dump(mode="json"), indent=None)
         while not fits:
             time.sleep(self.poll)
             fits, state = self._fits(nbytes)
             state.paused_since = since
             if fits:
                 state.paused_since = None
-            write_durable(self.run / RECORD, state.model_dump_json().encode())
+            write_record(self.run, self.run / RECORD, state.model_dump(mode="json"), indent=None)
         self.log(f"window: goes on after {time.time() - since:.0f}s ({size(state.held)} held)")
