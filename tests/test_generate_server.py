@@ -590,11 +590,10 @@ def test_chat_completions_let_the_servers_own_parsers_read_the_calls(fakes, tmp_
         "id": "chatcmpl-tool-7",
     }
     assert rec.messages[1]["reasoning_content"] == "Paris."
-    assert rec.messages[2] == {
+    assert rec.messages[2] == {  # the dataset's result has no name: none is invented
         "role": "tool",
         "content": "RESULT-PARIS",
         "tool_call_id": "chatcmpl-tool-7",
-        "name": "get_weather",
     }
     assert rec.messages[3] == {"role": "assistant", "content": "Sunny."}
     second = ran[1][0]
