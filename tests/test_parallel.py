@@ -380,6 +380,35 @@ def test_a_pipeline_writes_one_process_bytes_through_a_killed_stage_and_a_full_d
     assert refused.returncode == Exit.ACT and "parallel: run has tensor 1, expert 1, pipeline 2, asked for" in said
 
 
+def test_a_pipeline_whose_stage_meets_a_file_size_limit_stops_cleanly_and_resumes_identical(
+    dense_one, models, data, tmp_path
+):
+    """``--pipeline-parallel 2`` under a real ``ulimit -f`` (RLIMIT_FSIZE, which every rank inherits)
+    that the largest samples outgrow: EFBIG in the writing stage was a traceback. The launcher says
+    the stop in its own words (exit 3, the limit named, the remedy, the resume), no traceback, every
+    file left verifies, and the resume without the limit writes what one process wrote."""
+    import resource
+
+    reference = run_files(dense_one)
+    sizes = sorted(len(b) for b in reference.values())
+    limit = (sizes[-1] + sizes[len(sizes) * 3 // 4]) // 2  # the largest quarter's top does not fit
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    out = tmp_path / "run"
+    args = _args(models["dense"], data, out, "--pipeline-parallel", "2")
+    stopped = hsx(*args, check=False, preexec_fn=small_files, env={"PYTHONDONTWRITEBYTECODE": "1"})
+    err = " ".join(stopped.stderr.split())
+    assert stopped.returncode == Exit.DISK_FULL and "Traceback" not in stopped.stderr, stopped.stderr
+    assert "a file reached the size limit (ulimit -f" in err, err
+    assert f"Raise the file-size limit (ulimit -f), then resume: hsx extract --out {out}" in err, err
+    left = _sample_files(out)
+    assert len(left) < 60 and set(verified_files(out)) == left  # whole or absent (the longest go first)
+    hsx("extract", "--out", out)
+    assert run_files(out) == reference
+
+
 # ---------------------------------------------------------------- scale-out: Ray workers of tensor-parallel groups
 
 

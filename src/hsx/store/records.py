@@ -37,9 +37,10 @@ def identity(run: Path) -> str | None:
     return _identity(str(run / layout.SPEC), st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-# what tells one run from another in its spec: when and by whom it was made, its plan and what its
-# files hold; not where its model lives (a path a person may correct), nothing a record depends on
-IDENTITY = ("kind", "created", "created_by", "plan", "layers", "final_norm", "dtype", "codec")
+# what tells one run from another in its spec: when and by whom it was made, and its plan; not where
+# its model lives (a path a person may correct) nor how its files are stored (a copy re-encoded is the
+# same run): what its files hold is judged file by file (``format.Expected``)
+IDENTITY = ("kind", "created", "created_by", "plan")
 
 
 @functools.lru_cache(maxsize=64)
