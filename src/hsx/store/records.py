@@ -41,13 +41,16 @@ def identity(run: Path) -> str | None:
 # its model lives (a path a person may correct) nor how its files are stored (a copy re-encoded is the
 # same run): what its files hold is judged file by file (``format.Expected``)
 IDENTITY = ("kind", "created", "created_by", "plan")
+# what a spec that lacks one of them says: a spec written before hsx recorded a run's kind is an
+# extraction's (``spec.read_spec``), so its records and a new spec's of the same run are one identity
+IDENTITY_DEFAULTS = {"kind": "extract"}
 
 
 @functools.lru_cache(maxsize=64)
 def _identity(path: str, ino: int, size: int, mtime_ns: int) -> str | None:
     try:
         spec = json.loads(Path(path).read_bytes())
-        return _body_digest({k: spec[k] for k in IDENTITY if k in spec})
+        return _body_digest(IDENTITY_DEFAULTS | {k: spec[k] for k in IDENTITY if k in spec})
     except (OSError, ValueError, TypeError):
         return None
 
