@@ -28,7 +28,8 @@ LAYERS = [
         "launch",
     ),
     ("spec", "target", "finalnorm", "plan", "tinymodel", "genrun"),  # what a run is: spec, model, plan; a generate run
-    ("capture", "staging", "fidelity"),  # the target running: token ids in, states out (and checked)
+    # the target running: token ids in, states out (checked: fidelity, certify); the teacher's distribution
+    ("capture", "staging", "fidelity", "certify", "teacher"),
     ("job",),  # what every job does around its work: options, folder steps, space, the resume prologue
     ("generate",),  # the generate stage
     ("extract",),  # the extraction stage and its executors (this process, a tensor-parallel group, Ray workers)
