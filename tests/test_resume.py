@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import HANG_GUARD_S, flip_byte, run_files, unwrite
-from hsx.extract import ExtractOptions, extract
+from hsx.extract import Crashed, ExtractOptions, extract
 from hsx.store import layout, scan
 
 
@@ -114,7 +114,9 @@ def test_a_failure_during_extraction_stops_the_verification_before_the_job_leave
         raise RuntimeError("model load failed")
 
     monkeypatch.setattr(pipeline, "open_backend", broken)
-    with pytest.raises(RuntimeError, match="model load failed"):
+    with pytest.raises(Crashed, match="RuntimeError: model load failed") as crash:
         extract(ExtractOptions(out=run), log=lambda m: None)
+    assert isinstance(crash.value.__cause__, RuntimeError) and str(crash.value.__cause__) == "model load failed"
+    assert "model load failed" in json.loads((run / layout.CRASH).read_text())["reason"]
     assert not [t for t in threading.enumerate() if t.name == "hsx-verify"]
     assert not (run / layout.LOCK).exists()

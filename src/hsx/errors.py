@@ -159,7 +159,8 @@ class RepairRefused(Refused):
 
 class Crashed(HsxError):
     """An error hsx did not expect, met by a job: recorded in the run folder (``job.folder.Failure``)
-    and said in one line instead of a traceback; exit 1, as a traceback's."""
+    and said in one line instead of a traceback; exit 1, as a traceback's. Raised from the original
+    exception (its ``__cause__``), so a caller of the API still has its type and traceback."""
 
     exit_code = Exit.REDO
 

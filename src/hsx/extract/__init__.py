@@ -17,9 +17,9 @@ prologue, lives in ``hsx.job``):
 
 from __future__ import annotations
 
-from hsx.errors import CleanStop, Refused
+from hsx.errors import CleanStop, Crashed, Refused
 from hsx.extract.executor import extract
 from hsx.extract.options import ExtractOptions
 from hsx.extract.summary import ExtractSummary
 
-__all__ = ["CleanStop", "ExtractOptions", "ExtractSummary", "Refused", "extract"]
+__all__ = ["CleanStop", "Crashed", "ExtractOptions", "ExtractSummary", "Refused", "extract"]

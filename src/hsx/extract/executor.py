@@ -68,7 +68,8 @@ def extract(opts: ExtractOptions, log: Log = print) -> ExtractSummary:
     (``job.stage.run``) of the extraction stage, launched on its executor.
 
     Raises a ``Refused`` (exit 2) when it cannot start as asked, ``CleanStop`` (exit 3) when the
-    volume filled; returns the summary otherwise."""
+    volume filled, ``Crashed`` (exit 1) on an error hsx did not expect, recorded in the run folder, the
+    original exception its ``__cause__``; returns the summary otherwise."""
     return stage.run(InProcess(), opts, log, launch=_launch)
 
 
