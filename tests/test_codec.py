@@ -3,6 +3,7 @@ one plain, self-verifying safetensors file that every hsx reader decodes to the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -576,13 +577,15 @@ def test_codec_bench_reports_every_codec():
 
 def expected_files(raw_run: Path, codec: Codec) -> dict[str, bytes]:
     """What an uninterrupted run with ``codec`` holds: the raw run's tensors, encoded (the writer's
-    encoding is a function of the tensors alone), and their fidelity figure, by path under shards/."""
+    encoding is a function of the tensors alone), and their fidelity and tap figures, by path under shards/."""
     layers = list(load_spec(raw_run).layers)
     out = {}
     for p in sorted((raw_run / "shards").rglob("*.safetensors")):
-        t, figure = load_file(p), read_header(p).fidelity  # the figure its run measured: the same in any codec
+        header, t = read_header(p), load_file(p)
+        figure, taps = header.fidelity, header.metadata["taps"]  # what its run measured: the same in any codec
         sid = layout.parse_sample_name(p.name)
         s = SampleTensors(sid, t["input_ids"], t["loss_mask"], t["aux_hidden_states"], t["hidden_states"], figure)
+        s = dataclasses.replace(s, taps=taps)
         out[str(p.relative_to(raw_run / "shards"))] = b"".join(encode(s, layers, codec)[0])
     return out
 
