@@ -120,9 +120,10 @@ def refuse_model(opts: ExtractOptions, model: Model) -> None:
         refuse_unloadable(model.dir, opts.trust_remote_code, device, resolve_dtype(given(opts, "dtype"), device))
 
 
-def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None]) -> RunSpec:
-    """A new run (``job.stage.open_run``: its folder checked, the spec saved last): read and tokenize the
-    data into the frozen plan, write the rejects; its spec."""
+def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None]) -> Callable[[], RunSpec]:
+    """A new run (``job.stage.open_run``): everything judged from its options, the model's config and the
+    data refused here, before its folder or lock exists; the step that, under the lock, reads and
+    tokenizes the data into the frozen plan, writes the rejects and returns its spec (saved last)."""
     from hsx.capture import check_layers
     from hsx.capture.transformers import resolve_dtype
 
@@ -150,81 +151,85 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
     max_length, codec = given(opts, "max_length"), Codec(given(opts, "codec"))
     own = generated is not None and is_own(load_generate_spec(generated), model)
     refuse_unread_limit(opts, "floor" if own else "baseline")
-    source_spec, data = None, None
-    with setting_up(opts):
-        if generated is not None:  # the target's own token ids, as generated: nothing is rendered again
-            from hsx.genrun.samples import plan_samples
 
-            digest = target.tokenizer_identity(tokenizer).digest
-            gen, samples = plan_samples(generated, digest, max_length, opts.allow_incomplete, log)
-            source_spec, data = gen.spec.digest(), [gen.identity()]  # of the listing it planned from
-            log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
-        else:
-            log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
-            log(f"plan: tokenizer {target.tokenizer_identity(tokenizer).tokenizer_class}")
-            if opts.template_kwargs:
-                log(f"plan: the chat template's arguments: {json.dumps(opts.template_kwargs)}")
-            rows = read_conversations(opts.data, opts.split, opts.limit, opts.column)
-            tokenize = Tokenize(tokenizer, max_length, opts.template_kwargs, opts.chat_template)
-            log(f"plan: {tokenize.template_choice}")
-            samples = tokenize_all(rows, tokenize)
-        try:
-            info, rejects = write_plan(opts.out, samples, max_length)
-        except NoUsableSamples as e:
-            write_rejects(opts.out, e.rejects)
-            see = f" (see {opts.out / layout.REJECTS})" if e.rejects else ""
-            raise PlanError(f"{e}{see}: nothing to extract, no run was made") from None
-        write_rejects(opts.out, rejects)
-        if teach is not None:
-            teacher.write_vocab(opts.out, teach)
-    spec = RunSpec(
-        created=now(),
-        model_files=True,
-        created_by=who(),
-        backend=backend,
-        final_state=final_state,
-        final_norm=final_norm,
-        layer_convention=target.layer_convention(target.load_config(model_dir)),
-        model=model,
-        tokenizer=target.tokenizer_identity(tokenizer),
-        layers=taps.ids,
-        layers_formula=taps.formula,
-        dtype=dtype,
-        max_length=max_length,
-        batch_tokens=given(opts, "batch_tokens"),
-        shard_size=given(opts, "shard_size"),
-        trust_remote_code=opts.trust_remote_code,
-        packed=packed,
-        compiled=compiled,
-        codec=codec,
-        parallel=parallel,
-        quantized_compute=compute,
-        expert_slice_gb=opts.expert_slice_gb,
-        template_kwargs=opts.template_kwargs or {},
-        chat_template=opts.chat_template,
-        data=data or data_files(opts.data, opts.split, opts.limit, opts.column, opts.out),
-        generate_spec=source_spec,
-        plan=PlanIdentity.of(info, len(rejects)),
-        fidelity=_fidelity(opts, own),
-        window=opts.window_asked(),
-        teacher=None if teach is None else teach.spec(Plan(opts.out).masked_share),
-        # vLLM's engine holds its own weights: its runs are certified after the fact (hsx verify --reference)
-        certify=CertifyCheck(every=given(opts, "reference_every")) if backend != "vllm" else None,
-    )
-    log(
-        f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
-        f"{len(rejects)} rejected (see {layout.REJECTS})"
-    )
-    for line in info.summary():
-        log(f"plan: {line}")
-    if spec.fidelity is not None:
-        f = spec.fidelity
-        log(f"fidelity: 1 in {f.stride} masked tokens checked; the run stops under {f.rule()}")
-    if spec.teacher is not None:
-        log(f"teacher: {spec.teacher} at every loss-masked position, in {dtype}")
-    if spec.certify is not None:
-        log(f"taps: every sample's checked; {_shadow_rule(spec.certify)}")
-    return spec
+    def setup() -> RunSpec:
+        source_spec, data = None, None
+        with setting_up(opts):
+            if generated is not None:  # the target's own token ids, as generated: nothing is rendered again
+                from hsx.genrun.samples import plan_samples
+
+                digest = target.tokenizer_identity(tokenizer).digest
+                gen, samples = plan_samples(generated, digest, max_length, opts.allow_incomplete, log)
+                source_spec, data = gen.spec.digest(), [gen.identity()]  # of the listing it planned from
+                log(f"planning from the generate run {generated} (its token ids, masks on the generated completions)")
+            else:
+                log(f"planning {len(opts.data)} data file(s) with {model.architecture}'s chat template")
+                log(f"plan: tokenizer {target.tokenizer_identity(tokenizer).tokenizer_class}")
+                if opts.template_kwargs:
+                    log(f"plan: the chat template's arguments: {json.dumps(opts.template_kwargs)}")
+                rows = read_conversations(opts.data, opts.split, opts.limit, opts.column)
+                tokenize = Tokenize(tokenizer, max_length, opts.template_kwargs, opts.chat_template)
+                log(f"plan: {tokenize.template_choice}")
+                samples = tokenize_all(rows, tokenize)
+            try:
+                info, rejects = write_plan(opts.out, samples, max_length)
+            except NoUsableSamples as e:
+                write_rejects(opts.out, e.rejects)
+                see = f" (see {opts.out / layout.REJECTS})" if e.rejects else ""
+                raise PlanError(f"{e}{see}: nothing to extract, no run was made") from None
+            write_rejects(opts.out, rejects)
+            if teach is not None:
+                teacher.write_vocab(opts.out, teach)
+        spec = RunSpec(
+            created=now(),
+            model_files=True,
+            created_by=who(),
+            backend=backend,
+            final_state=final_state,
+            final_norm=final_norm,
+            layer_convention=target.layer_convention(target.load_config(model_dir)),
+            model=model,
+            tokenizer=target.tokenizer_identity(tokenizer),
+            layers=taps.ids,
+            layers_formula=taps.formula,
+            dtype=dtype,
+            max_length=max_length,
+            batch_tokens=given(opts, "batch_tokens"),
+            shard_size=given(opts, "shard_size"),
+            trust_remote_code=opts.trust_remote_code,
+            packed=packed,
+            compiled=compiled,
+            codec=codec,
+            parallel=parallel,
+            quantized_compute=compute,
+            expert_slice_gb=opts.expert_slice_gb,
+            template_kwargs=opts.template_kwargs or {},
+            chat_template=opts.chat_template,
+            data=data or data_files(opts.data, opts.split, opts.limit, opts.column, opts.out),
+            generate_spec=source_spec,
+            plan=PlanIdentity.of(info, len(rejects)),
+            fidelity=_fidelity(opts, own),
+            window=opts.window_asked(),
+            teacher=None if teach is None else teach.spec(Plan(opts.out).masked_share),
+            # vLLM's engine holds its own weights: its runs are certified after the fact (hsx verify --reference)
+            certify=CertifyCheck(every=given(opts, "reference_every")) if backend != "vllm" else None,
+        )
+        log(
+            f"plan: {info.num_samples} samples, {info.num_tokens} tokens, {info.num_truncated} truncated, "
+            f"{len(rejects)} rejected (see {layout.REJECTS})"
+        )
+        for line in info.summary():
+            log(f"plan: {line}")
+        if spec.fidelity is not None:
+            f = spec.fidelity
+            log(f"fidelity: 1 in {f.stride} masked tokens checked; the run stops under {f.rule()}")
+        if spec.teacher is not None:
+            log(f"teacher: {spec.teacher} at every loss-masked position, in {dtype}")
+        if spec.certify is not None:
+            log(f"taps: every sample's checked; {_shadow_rule(spec.certify)}")
+        return spec
+
+    return setup
 
 
 def _teacher(opts: ExtractOptions, backend: str, parallel: Parallel, model_dir: Path) -> teacher.Asked | None:

@@ -27,7 +27,7 @@ Log = Callable[[str], None]
 class Extract(Stage[ExtractOptions, RunSpec, ExtractSummary]):
     measure_first = True  # the disk guard holds the forecast: an unmeasured zstd run starts, judged on its files
 
-    def create(self, opts: ExtractOptions, model: Model, log: Log) -> RunSpec:
+    def create(self, opts: ExtractOptions, model: Model, log: Log) -> Callable[[], RunSpec]:
         return folder.create_run(opts, model, log)
 
     def refuse_model(self, opts: ExtractOptions, model: Model) -> None:

@@ -250,19 +250,23 @@ class Generate(Stage[GenerateOptions, GenerateSpec, GenerateSummary]):
         self.engine: Engine | None = None
         self.counts: GenProgress | None = None
 
-    def create(self, opts: GenerateOptions, model: Model, log: Log) -> GenerateSpec:
+    def create(self, opts: GenerateOptions, model: Model, log: Log) -> Callable[[], GenerateSpec]:
         backend = opts.get("backend")
         opts.refuse_unused(backend)
         check_new(opts, model)
-        with setting_up(opts):
-            stops = stop_ids(model.dir, model.tokenizer)
-            settings = opts.engine_settings(
-                model.dir, opts.get("dtype"), opts.trust_remote_code, opts.get("seed"), opts.get("max_length"), stops,
-                model.tokenizer,
-            )  # fmt: skip
-            plan = plan_run(opts, model, capabilities(backend, settings), log)
-            self.engine = self._open(opts, backend, settings, log)
-            return create_spec(opts, model, plan, self.engine)
+
+        def setup() -> GenerateSpec:
+            with setting_up(opts):
+                stops = stop_ids(model.dir, model.tokenizer)
+                settings = opts.engine_settings(
+                    model.dir, opts.get("dtype"), opts.trust_remote_code, opts.get("seed"), opts.get("max_length"),
+                    stops, model.tokenizer,
+                )  # fmt: skip
+                plan = plan_run(opts, model, capabilities(backend, settings), log)
+                self.engine = self._open(opts, backend, settings, log)
+                return create_spec(opts, model, plan, self.engine)
+
+        return setup
 
     def load(self, run: Path) -> GenerateSpec:
         return load_generate_spec(run)

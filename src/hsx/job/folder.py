@@ -142,11 +142,15 @@ def failed_start(run: Path) -> Failure | None:
 
 
 def refuse_foreign(out: Path) -> None:
-    """A new run's folder holds nothing but what an interrupted set-up left (removed here, rebuilt
-    from the data), or the run is refused before anything is written there."""
+    """A new run's folder holds nothing but what an interrupted set-up left (its files and temps, rebuilt
+    from the data), or the run is refused before anything is written there. Only reads: a live set-up's
+    temps are another start's, removed (``remove_stray_temps``) only under the run's lock."""
     if out.is_dir():
-        remove_stray_temps(out)
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in layout.SETUP_FILES)
+        foreign = sorted(
+            p.name
+            for p in out.iterdir()
+            if p.name not in layout.SETUP_FILES and not (temp_of(p.name) is not None and p.is_file())
+        )
         if foreign:
             raise Refused(
                 f"{out} is not empty and holds no run spec ({', '.join(foreign[:5])}"

@@ -3,9 +3,11 @@ stage fills in (``Stage``: extract, generate, and every later stage).
 
     run(stage, opts, log)
       model       resolved once (``job.model.Model``), handed to every step below
-      open        under the run's lock (let go for the session to take again): a new run: --model
-                  and --data given, its folder empty, the stage's ``create`` (a start that fails
-                  in it leaves failed-start.json), the spec saved last;
+      open        a new run: --model and --data given, its folder empty, the stage's ``create``
+                  refusing what cannot start, all before its folder or lock is made; then under the
+                  run's lock (let go for the session to take again): the folder checked again, the
+                  set-up ``create`` returned (a start that fails in it leaves failed-start.json),
+                  the spec saved last;
                   a resume: the stage's spec (by the kind it records), the drift check (``asked``
                   against the spec: refused by name), the stage's ``opened``
       launch      where the rest runs: here, or where ``run``'s ``launch`` puts it (an extraction's executors)
@@ -29,7 +31,15 @@ from typing import Any, Generic, TypeVar
 
 from hsx import target
 from hsx.errors import CertifyFailed, DiskFull, FidelityFailed, HsxError
-from hsx.job.folder import LogTail, crashed, read_failure, refuse_drift, refuse_foreign, require_start
+from hsx.job.folder import (
+    LogTail,
+    crashed,
+    read_failure,
+    refuse_drift,
+    refuse_foreign,
+    remove_stray_temps,
+    require_start,
+)
 from hsx.job.model import Model
 from hsx.job.options import JobOptions
 from hsx.job.prologue import Prologue, locked
@@ -81,9 +91,10 @@ class Stage(ABC, Generic[Opts, S, R]):
     measure_first = False  # its work's disk guard holds the forecast: an unmeasured zstd run may start
 
     @abstractmethod
-    def create(self, opts: Opts, model: Model, log: Log) -> S:
-        """A new run (its folder checked empty): refuse what cannot start, then write its plan and rejects
-        (inside ``job.folder.setting_up``); return its spec, which ``open_run`` saves last."""
+    def create(self, opts: Opts, model: Model, log: Log) -> Callable[[], S]:
+        """A new run: refuse what cannot start (judged from its options, the model and the data) before its
+        folder or lock exists; return the step that, under the lock, writes its plan and rejects (inside
+        ``job.folder.setting_up``) and returns its spec, which ``open_run`` saves last."""
 
     @abstractmethod
     def load(self, run: Path) -> S:
@@ -163,17 +174,22 @@ def open_run(stage: Stage[Opts, S, R], opts: Opts, model: Model, log: Log) -> S:
     """The run's spec: created for a new run (saved last: from then on the folder is a run), checked
     against the options for an existing one (invariant 3). Under the run's lock, taken before anything
     is written: two starts in one folder at once take turns (the second finds the first's spec, or its
-    lock), so neither overwrites the other's spec or plan (invariant 4). The session takes it again."""
+    lock), so neither overwrites the other's spec or plan (invariant 4). The session takes it again.
+    A new run's refusals come before its folder or the lock's guard is made: a refused start writes nothing."""
+    setup: Callable[[], S] | None = None
     if not (opts.out / layout.SPEC).exists():
         require_start(opts)
         stage.refuse_model(opts, model)
         # the tokenizer loaded and the template asked for found, or refused by name, before anything is written
         named_templates(model.tokenizer, opts.chat_template)
+        refuse_foreign(opts.out)
+        setup = stage.create(opts, model, log)
         opts.out.mkdir(parents=True, exist_ok=True)  # where the lock lives; an empty folder is no run
     with RunLock(opts.out, command=stage.lock_command(opts), warn=log):
-        if not (opts.out / layout.SPEC).exists():
-            refuse_foreign(opts.out)
-            spec = stage.create(opts, model, log)
+        if setup is not None and not (opts.out / layout.SPEC).exists():
+            remove_stray_temps(opts.out)  # an interrupted set-up's, never a live one's: under the lock
+            refuse_foreign(opts.out)  # what another start wrote while this one was judged
+            spec = setup()
             spec.save(opts.out)  # last: its presence means the run exists
             target.record_files(opts.out, model.dir)  # the model's files as they stand (model-files.json)
             (opts.out / layout.FAILED_START).unlink(missing_ok=True)  # an earlier start's, in this folder
