@@ -540,23 +540,39 @@ def test_a_tp_worker_whose_driver_lost_the_run_stops_with_all_its_ranks(models, 
 
 
 def test_a_tp_worker_refused_at_load_stops_the_driver_with_that_refusal(models, data, tmp_path):
-    """A refusal that only a worker can meet (its node loads the model: here a checkpoint format
-    transformers does not implement) is the driver's error, naming the worker's ranks, not "Ray gave
-    up" after retries; no rank of the group is left, and no sample was written."""
+    """A refusal that only a worker can meet (its node loads the model: here the repository's own
+    code, whose loaded modules keep the final norm under a name hsx does not know; the driver never
+    builds the model) is the driver's error, naming the worker's ranks, not "Ray gave up" after
+    retries; no rank of the group is left, and no sample was written."""
     from test_scaleout import Driver
 
     require("ray")
-    model = tmp_path / "int3"
+    model = tmp_path / "remote"
     shutil.copytree(models["dense"], model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "int3-magic"}}))
+    auto = {"AutoConfig": "odd.OddConfig", "AutoModelForCausalLM": "odd.OddForCausalLM"}
+    (model / "config.json").write_text(
+        json.dumps(config | {"model_type": "odd", "architectures": ["OddForCausalLM"], "auto_map": auto})
+    )
+    (model / "odd.py").write_text(
+        "from transformers import LlamaConfig, LlamaForCausalLM\n\n\n"
+        "class OddConfig(LlamaConfig):\n"
+        "    model_type = 'odd'\n\n\n"
+        "class OddForCausalLM(LlamaForCausalLM):\n"
+        "    config_class = OddConfig\n\n"
+        "    def __init__(self, config):\n"
+        "        super().__init__(config)\n"
+        "        self.model.last = self.model.norm\n"
+        "        del self.model.norm\n"
+    )
     out = tmp_path / "run"
-    driver = Driver(_args(model, data, out, "--tensor-parallel", "2", "--workers", "1"), tmp_path / "d.log")
+    args = _args(model, data, out, "--tensor-parallel", "2", "--workers", "1", "--trust-remote-code")
+    driver = Driver(args, tmp_path / "d.log")
     try:
         log = driver.wait(timeout=HANG_GUARD_S)
         assert driver.proc.returncode == 2, log
         said = re.search(r"error: worker pid (\d+) \(rank 0 of 2: pids (\d+), (\d+)\) on .* refused at load: (.*)", log)
-        assert said and said[1] == said[2] and "quantization method 'int3-magic'" in said[4], log
+        assert said and said[1] == said[2] and "but no final norm" in said[4], log
         assert "Ray gave up" not in log
         assert _gone([int(said[2]), int(said[3])])
         assert not list(out.rglob("*.safetensors")) and not (out / "workers").exists()

@@ -54,7 +54,8 @@ SMALL = dict(
     v_head_dim=16,
     n_group=1,
     topk_group=1,
-    index_n_heads=2,
+    # index_n_heads: the release's (64 or 32). With 2, most indexer scores are ReLU's exact zeros, and
+    # transformers' top-k breaks those ties by the row's length: padding then changes a token's blocks.
     index_head_dim=16,
     index_topk=6,  # fewer than a sample's tokens: the sparse selection matters
     index_kpool=2,  # GLM-5-next: top-k picked in pools of this many

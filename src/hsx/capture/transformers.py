@@ -138,8 +138,7 @@ def parallel_refusal(config: dict, tensor: int, expert: int, pipeline: int = 1) 
     A pipeline needs a decoder layer a stage at least."""
     if tensor < 1 or expert < 1 or pipeline < 1:
         return "parallel sizes are at least 1"
-    layers = target.decoder_layers(config)
-    if pipeline > 1 and pipeline > layers:
+    if pipeline > 1 and pipeline > (layers := target.decoder_layers(config)):
         return f"{pipeline} pipeline stages need as many decoder layers, and the model has {layers}"
     if pipeline > 1 and config.get("hc_mult"):
         return "hsx does not split a model with hyper-connection streams (DeepSeek-V4, GLM-5-next) into pipeline stages"
