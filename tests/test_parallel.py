@@ -641,3 +641,44 @@ def test_fp8_expert_parallel_is_refused_where_transformers_ep_plan_fails():
         assert refusal is None
     unquantized = {k: v for k, v in config.items() if k != "quantization_config"}
     assert parallel_refusal(unquantized, 2, 2) is None  # hsx splits unquantized experts itself, on every version
+
+
+RANK = """
+import signal, sys, torch, torch.distributed as dist
+from hsx.extract.group import stop_on_sigterm
+rank = int(sys.argv[1])
+stop_on_sigterm()
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+print("receiving" if rank else "silent", flush=True)
+if rank:
+    dist.recv(torch.zeros(1), src=0)  # the stage before never sends: stopped, or gone quiet
+while True:
+    signal.pause()
+"""
+
+
+def test_a_rank_blocked_on_a_peer_that_never_sends_stops_after_sigterm(tmp_path):
+    """Stopping a pipeline was not prompt: a stage waiting in a receive from a stage that never sends
+    ignored the SIGTERM the agent passed on (Python runs its handler only back in Python) until the
+    agent's SIGKILL. Two real gloo ranks; rank 1 waits on rank 0, which never sends; SIGTERM to rank
+    1 ends it (``group.STUCK_EXIT``, or its clean stop had the signal come before the receive),
+    and rank 0 is untouched."""
+    from hsx.extract.group import STUCK_EXIT
+
+    store = tmp_path / "store"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(r), str(store)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    try:
+        assert [p.stdout.readline().strip() for p in ranks] == ["silent", "receiving"]
+        ranks[1].send_signal(signal.SIGTERM)
+        _, err = ranks[1].communicate(timeout=HANG_GUARD_S)
+        assert ranks[1].returncode == STUCK_EXIT or "Terminated" in err, (ranks[1].returncode, err)
+        assert ranks[0].poll() is None
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()

@@ -53,6 +53,8 @@ from hsx.store.scan import scan_run
 from hsx.teacher import Teacher, work_for
 
 WAIT = dt.timedelta(days=7)  # the others wait on rank 0 through a whole verification of terabytes
+STUCK_S = 10.0  # after SIGTERM, how long a rank may stay blocked (a collective that never ends) before it exits
+STUCK_EXIT = 143  # its exit status then: 128 + SIGTERM, as a process the signal ended
 STOP, LOAD, BATCH = 0, 1, 2
 OPTIONS = TypeAdapter(ExtractOptions)
 RESOURCES = TypeAdapter(Resources)
@@ -152,7 +154,7 @@ def rank_main(
     """One rank's life (the agent's entry point); returns the lead's outcome. SIGTERM (the agent
     passes on the one its launcher got) stops it as it stops one process: writes in flight end whole."""
     _die_with(launcher)
-    signal.signal(signal.SIGTERM, _terminated)
+    stop_on_sigterm()
     spec = RunSpec.model_validate_json(run_spec)
     rank, local, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device = rank_device(RESOURCES.validate_json(resources), local, world)
@@ -171,6 +173,27 @@ def rank_main(
         return ""
     finally:
         dist.destroy_process_group()
+
+
+def stop_on_sigterm(stuck_s: float = STUCK_S) -> None:
+    """A rank's SIGTERM (or SIGINT): ``Terminated`` in the main thread, for the clean stop. Python runs that
+    handler only once the main thread is back in Python, and a rank blocked in a collective whose
+    peer is stopped or gone never is: it would sit there until the agent's SIGKILL, 30 s on. So the
+    signal also wakes a thread (through Python's wakeup fd, written at C level), which ends the
+    process if it is still there ``stuck_s`` later. Either way what it wrote is durable: a rank
+    killed at any point is what the resume is built for."""
+    signal.signal(signal.SIGTERM, _terminated)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while not {signal.SIGTERM, signal.SIGINT} & set(os.read(read, 64)):
+            pass
+        time.sleep(stuck_s)
+        os._exit(STUCK_EXIT)
+
+    threading.Thread(target=watch, name="hsx-sigterm", daemon=True).start()
 
 
 def _terminated(signum: int, frame) -> None:
