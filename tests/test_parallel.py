@@ -175,6 +175,16 @@ def test_tp2_dense_equals_the_single_process_reference_and_records_the_layout(de
     assert_certified(out, dense=True)
 
 
+def test_tp2_stores_the_teacher_transformers_gives(models, tmp_path):
+    """``--teacher topk:64`` on two tensor-parallel ranks, whose LM head is split over them: every
+    masked position's top-64 is that of transformers' own log-softmax on one process."""
+    from test_teacher import K, assert_topk_is_transformers_own
+
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(6))
+    hsx(*_args(models["dense"], data, tmp_path / "run", "--tensor-parallel", "2", "--teacher", f"topk:{K}"))
+    assert_topk_is_transformers_own(tmp_path / "run", models["dense"])
+
+
 def assert_certified(out: Path, dense: bool) -> None:
     """The shadow recomputed samples 0-3 (the first few; 1 in 1000 by id) through transformers' plain
     path on the run's own ranks: every tap within its bound (a MoE model: but for the near ties

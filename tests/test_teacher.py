@@ -27,16 +27,16 @@ TOL = 1e-5  # float32: the head on a gathered row against the forward's own logi
 
 
 @functools.cache
-def _model():
+def _model(model_dir: Path = TINY):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def reference(input_ids: torch.Tensor) -> torch.Tensor:
+def reference(input_ids: torch.Tensor, model_dir: Path = TINY) -> torch.Tensor:
     """transformers' own log_softmax(lm_head(final state)) over the full vocabulary, [T, V] float32."""
     with torch.no_grad():
-        logits = _model()(input_ids[None].long()).logits[0]
+        logits = _model(model_dir)(input_ids[None].long()).logits[0]
     return logits.float().log_softmax(-1)
 
 
@@ -57,6 +57,10 @@ def test_topk_is_transformers_own(topk_run):
     """Every masked position's ids and log-probabilities are the top-64 of transformers' own
     log_softmax(lm_head(final state)): the stored values equal the reference at the stored ids, they
     fall in order, and none is below the reference's 64th largest (the set is a top-64)."""
+    assert_topk_is_transformers_own(topk_run, TINY)
+
+
+def assert_topk_is_transformers_own(topk_run: Path, model_dir: Path) -> None:
     spec = load_spec(topk_run)
     assert spec.teacher is not None and spec.teacher.kind == "topk" and spec.teacher.k == K
     rows = 0
@@ -67,7 +71,7 @@ def test_topk_is_transformers_own(topk_run):
         ids, lp = t["teacher_ids"], t["teacher_logprobs"]
         assert ids.dtype == torch.int32 and lp.dtype == torch.float32
         assert ids.shape == lp.shape == (int(mask.sum()), K)
-        ref = reference(t["input_ids"])[mask]
+        ref = reference(t["input_ids"], model_dir)[mask]
         torch.testing.assert_close(lp, ref.gather(1, ids.long()), rtol=0, atol=TOL)
         assert bool((lp[:, :-1] >= lp[:, 1:]).all())
         assert all(len(set(r.tolist())) == K for r in ids)
