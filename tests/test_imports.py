@@ -27,7 +27,8 @@ LAYERS = [
         "interconnect",
         "launch",
     ),
-    ("spec", "target", "finalnorm", "plan", "tinymodel", "genrun"),  # what a run is: spec, model, plan; a generate run
+    # what a run is: spec, model, plan; a generate run; where its samples also go (the data plane)
+    ("spec", "target", "finalnorm", "plan", "tinymodel", "genrun", "plane"),
     # the target running: token ids in, states out (checked: fidelity, certify); the teacher's distribution
     ("capture", "staging", "fidelity", "certify", "teacher"),
     ("job",),  # what every job does around its work: options, folder steps, space, the resume prologue

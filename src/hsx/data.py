@@ -34,6 +34,7 @@ from hsx import certify
 from hsx.consumer import DELETED, LEASE_TIMEOUT, NOT_WRITTEN, READING, ConsumerSpec, RankLease
 from hsx.errors import CertifyFailed, ConsumerRefused, Damage, SampleUnavailable
 from hsx.plan import Plan, batches_for, load_plan
+from hsx.plane import Plane, sample_bound
 from hsx.spec import RunSpec, load_spec
 from hsx.store import layout
 from hsx.store.codec import Codec
@@ -208,19 +209,30 @@ class HsxDataset(Dataset):
 
 
 def load_sample(
-    run: Path, path: Path, sid: int, expected: Expected | None, verify: bool = True, keep_fp8: bool = False
+    run: Path,
+    path: Path,
+    sid: int,
+    expected: Expected | None,
+    verify: bool = True,
+    keep_fp8: bool = False,
+    plane: Plane | None = None,
 ) -> dict:
     """One sample as every reader of a run serves it (``HsxDataset``, ``StreamDataset``): its file's
     tensors, decoded, ids and mask as int64, with its ``sample_id``; ``SampleUnavailable`` names a
     missing or bad file (``verify``: its digest checked in the same read), or another run's
-    (``expected``: what the run's files hold)."""
+    (``expected``: what the run's files hold). ``plane``: the file's bytes from the run's data plane
+    (``hsx.plane``), checked as a file's are, instead of its path."""
+    where = path if plane is None else f"its key {plane.key(sid)} in {plane}"
     try:
-        read = read_verified if verify else read_mapped
-        t = read(path, sid, keep_fp8, expected)
+        if plane is not None:
+            t = decode(plane.read(sid, expected), keep_fp8)
+        else:
+            read = read_verified if verify else read_mapped
+            t = read(path, sid, keep_fp8, expected)
     except FileNotFoundError as e:
-        raise SampleUnavailable(f"sample {sid}: {path} is missing; redo it with hsx extract --out {run}") from e
+        raise SampleUnavailable(f"sample {sid}: {where} is missing; redo it with hsx extract --out {run}") from e
     except BadFile as e:
-        raise SampleUnavailable(f"sample {sid}: {path} is {e}; redo it with hsx extract --out {run}") from e
+        raise SampleUnavailable(f"sample {sid}: {where} is {e}; redo it with hsx extract --out {run}") from e
     return {
         "sample_id": sid,
         "input_ids": t["input_ids"].to(torch.int64),
@@ -387,7 +399,9 @@ class StreamDataset(IterableDataset):
 
     A sample not written yet is waited for (``poll`` seconds between looks; ``hsx status`` shows
     what each rank waits for); a file that does not verify is waited for too, named in the log,
-    until ``hsx extract --out`` redoes it: never skipped. Reads run ahead by ``prefetch`` batches
+    until ``hsx extract --out`` redoes it: never skipped. ``plane``: a run extracted with ``--plane``
+    is read from its data plane (``hsx.plane``: its URL), and ``run`` needs only the records (spec,
+    plan, ``consumers/``), shared with the producer, not the sample files. Reads run ahead by ``prefetch`` batches
     on ``threads`` threads of the stream's own, so the DataLoader around it runs no workers
     (``num_workers=0``, ``batch_size=None``). Records: ``hsx.consumer``."""
 
@@ -409,12 +423,14 @@ class StreamDataset(IterableDataset):
         poll: float = 0.2,
         log: Callable[[str], None] = _stderr,
         allow_failed: bool = False,
+        plane: str | None = None,
     ):
         self.run = Path(run)
         self.spec = load_spec(self.run)
         self.files = self.spec.footprint().files
         certified(self.run, self.spec, allow_failed)
         window = self.spec.window
+        self.plane = None if plane is None else _plane(self.run, self.spec, consumer, plane)
         if window is not None and window.delete and consumer not in window.consumers and any_consumed(self.run):
             raise ConsumerRefused(
                 f"{self.run} deletes the samples its window's consumers ({', '.join(window.consumers)}) released, "
@@ -445,7 +461,7 @@ class StreamDataset(IterableDataset):
         path = layout.sample_path(self.run, sid, self.spec.shard_size)
         while not self._stop.is_set():
             try:
-                sample = load_sample(self.run, path, sid, self.files, True, self.keep_fp8)
+                sample = load_sample(self.run, path, sid, self.files, True, self.keep_fp8, self.plane)
                 self._why.pop(sid, None)
                 return sample
             except SampleUnavailable as e:
@@ -510,12 +526,29 @@ class StreamDataset(IterableDataset):
     def close(self) -> None:
         """Give the rank's lease back (what is handed out and unacknowledged returns to the stream)."""
         self.lease.close()
+        if self.plane is not None:
+            self.plane.close()
 
     def __enter__(self) -> StreamDataset:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _plane(run: Path, spec: RunSpec, consumer: str, url: str) -> Plane:
+    """The run's data plane for ``consumer``, refused by name where the run puts nothing there, or
+    where the consumer is not one its window waits for (its keys leave once those released them)."""
+    window = spec.window
+    if window is None or window.plane is None:
+        raise ConsumerRefused(f"{run} was extracted without --plane: its samples are files only, never in {url}")
+    if consumer not in window.consumers:
+        raise ConsumerRefused(
+            f"consumer {consumer}: the plane holds a sample until the consumers {run}'s window names "
+            f"({', '.join(window.consumers)}) released it; this one would wait for samples gone: "
+            "name it in the --window of a new run"
+        )
+    return Plane(url, run, sample_bound(spec))
 
 
 def describe(run: str | Path) -> dict:

@@ -313,6 +313,10 @@ class SampleUnavailable(HsxError):
     pass
 
 
+class PlaneError(HsxError):
+    """The data plane (``hsx.plane``) refused a put or a removal: the pool is full or unreachable."""
+
+
 def refusal(name: str, message: str) -> Refused:
     """A refusal raised in another process (a rank, a worker's group), rebuilt here from its class
     name and message; a name that is not a refusal of hsx's becomes a plain ``Refused``."""

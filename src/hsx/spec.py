@@ -169,9 +169,12 @@ class Window(BaseModel):
     bytes: int
     consumers: list[str]
     delete: bool = False  # released files are deleted (recorded consumed first: store.writer.record_consumed)
+    plane: str | None = None  # each sample's bytes also put in this data plane until released (hsx.plane)
 
     def __str__(self) -> str:
-        return f"{size(self.bytes)} for {', '.join(self.consumers)}{', deleting released files' if self.delete else ''}"
+        deleting = ", deleting released files" if self.delete else ""
+        plane = f", through {self.plane}" if self.plane else ""
+        return f"{size(self.bytes)} for {', '.join(self.consumers)}{deleting}{plane}"
 
 
 class Parallel(BaseModel):

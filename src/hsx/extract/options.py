@@ -175,6 +175,15 @@ class ExtractOptions(JobOptions):
     delete_released: A[
         bool, Flag("With --window: delete each sample file once every --consumer released it (new run).")
     ] = False
+    # with --window: each sample's bytes also put in a data plane until released (hsx.plane)
+    plane: A[
+        str | None,
+        Flag(
+            "With --window: also put each sample in this Mooncake store until every --consumer released it, "
+            "for trainers on nodes without the run's files (new run).",
+            "mooncake://HOST:PORT",
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -190,6 +199,12 @@ class ExtractOptions(JobOptions):
             raise OptionError("--window and --consumer go together: the window waits for the consumers named")
         if self.delete_released and self.window is None:
             raise OptionError("--delete-released needs --window: the window's consumers are the ones that release")
+        if self.plane is not None:
+            if self.window is None:
+                raise OptionError("--plane needs --window: a key leaves the plane once the consumers released it")
+            from hsx.plane import check_available
+
+            self.plane = str(check_available(self.plane))
         for name in self.consumer or []:
             check_name(name)
         seen: dict[Path, Path] = {}
@@ -235,7 +250,7 @@ class ExtractOptions(JobOptions):
         if self.window is None:
             return None
         consumers = sorted(set(self.consumer or []))
-        return Window(bytes=int(self.window * 1e9), consumers=consumers, delete=self.delete_released)
+        return Window(bytes=int(self.window * 1e9), consumers=consumers, delete=self.delete_released, plane=self.plane)
 
     def resources(self, device: str | None = None) -> Resources:
         return Resources(device or self.device or default_device(), self.writers, self.max_inflight_bytes, self.threads)

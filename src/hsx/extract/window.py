@@ -25,7 +25,8 @@ from pydantic import BaseModel
 from hsx.consumer import LEASE_TIMEOUT, NOT_WRITTEN, ConsumerView, inspect
 from hsx.errors import RecordDamaged
 from hsx.lock import Liveness
-from hsx.spec import RunSpec, Window
+from hsx.plane import Publisher
+from hsx.spec import RunSpec, Window, load_spec
 from hsx.store import layout
 from hsx.store.durable import flocked, fsync_dir
 from hsx.store.records import read_record, record_folder, write_record
@@ -80,14 +81,17 @@ def released(window: Window, views: list[ConsumerView]) -> set[int]:
 def held(
     run: Path, window: Window, shard_size: int, views: list[ConsumerView] | None = None, sealed: Sealed | None = None
 ) -> tuple[int, list[str]]:
-    """Bytes of sample files on disk that some named consumer has not released, and those consumers.
-    A sealed shard's sizes come from its manifest (``sealed`` keeps them between calls), so only the
-    files of shards still being written are stat'ed: one stat a file a batch is what a shared file
-    system cannot afford at a run's tens of thousands of files."""
+    """Bytes of sample files on disk that some named consumer has not released, and those consumers."""
     views = inspect(run) if views is None else views
-    sealed = Sealed(run) if sealed is None else sealed
-    done = released(window, views)
-    total, unreleased = 0, set()
+    return summed(window, views, unreleased(run, released(window, views), Sealed(run) if sealed is None else sealed))
+
+
+def unreleased(run: Path, done: set[int], sealed: Sealed) -> dict[int, int]:
+    """Each sample file on disk whose id is not in ``done``: id -> bytes. A sealed shard's sizes come
+    from its manifest (``sealed`` keeps them between calls), so only the files of shards still being
+    written are stat'ed: one stat a file a batch is what a shared file system cannot afford at a
+    run's tens of thousands of files."""
+    files: dict[int, int] = {}
     try:
         folders = list(os.scandir(run / layout.SHARDS))
     except FileNotFoundError:
@@ -98,11 +102,14 @@ def held(
             for e in it:
                 sid = layout.parse_sample_name(e.name)
                 if sid is not None and sid not in done:
-                    total += sizes[sid] if sid in sizes else e.stat().st_size
-                    unreleased.add(sid)
+                    files[sid] = sizes[sid] if sid in sizes else e.stat().st_size
+    return files
+
+
+def summed(window: Window, views: list[ConsumerView], files: dict[int, int]) -> tuple[int, list[str]]:
+    """The bytes of ``files`` (``unreleased``) and the named consumers that hold some of them."""
     by_name = {v.name: v.released for v in views}
-    behind = [n for n in window.consumers if not unreleased <= by_name.get(n, set())]
-    return total, behind
+    return sum(files.values()), [n for n in window.consumers if not files.keys() <= by_name.get(n, set())]
 
 
 class Sealed:
@@ -172,10 +179,21 @@ def sweep(run: Path, window: Window | None, shard_size: int, log: Callable[[str]
     """At the end of an extraction's session (in one process or its Ray workers' driver), and on a
     resume of a finished run: where the run deletes released files, delete what the consumers
     released since the gate last looked (the gate runs only before a batch, so what a trainer
-    releases after the last one would stay on disk)."""
-    if window is None or not window.delete:
+    releases after the last one would stay on disk); where it has a data plane (``hsx.plane``), put
+    the files written since and remove the keys released since."""
+    if window is None or not (window.delete or window.plane):
         return
-    gone = delete_released(run, released(window, inspect(run, LEASE_TIMEOUT)), shard_size)
+    views = inspect(run, LEASE_TIMEOUT)
+    done = released(window, views)
+    if window.plane is not None:
+        publisher = Publisher(run, load_spec(run))
+        try:
+            publisher.sync(set(unreleased(run, done, Sealed(run))), done)
+        finally:
+            publisher.close()
+    if not window.delete:
+        return
+    gone = delete_released(run, done, shard_size)
     if gone:
         log(f"window: deleted {gone} released file{'s' if gone != 1 else ''}, recorded consumed")
 
@@ -197,12 +215,17 @@ class Pause:
         self.ahead = ahead
         self.sealed = Sealed(run)
         self.oversized = False  # whether the log said that a batch exceeds the window
+        self.publisher = None if window.plane is None else Publisher(run, load_spec(run))
 
     def _fits(self, nbytes: int) -> tuple[bool, WindowState]:
         views = inspect(self.run, LEASE_TIMEOUT)
+        done = released(self.window, views)
         if self.window.delete:
-            delete_released(self.run, released(self.window, views), self.shard_size)
-        used, behind = held(self.run, self.window, self.shard_size, views, self.sealed)
+            delete_released(self.run, done, self.shard_size)
+        files = unreleased(self.run, done, self.sealed)
+        used, behind = summed(self.window, views, files)
+        if self.publisher is not None:  # the plane holds what the disk holds unreleased
+            self.publisher.sync(set(files), done)
         state = WindowState(window=self.window.bytes, held=used, waiting_for=behind, pid=os.getpid(), t=time.time())
         # with nothing held, a batch larger than the window goes alone: no release could ever make room for it
         fits = used + nbytes <= self.window.bytes or not used

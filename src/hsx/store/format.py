@@ -435,8 +435,12 @@ class Expected:
 def read_header(path: Path) -> Header:
     """Parse and sanity-check the header (the cheap check, minus the id match)."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        header, start = safetensors_header(f, size)
+        return _header(f, os.fstat(f.fileno()).st_size)
+
+
+def _header(f, size: int) -> Header:
+    """The header of a sample file of ``size`` bytes, read from ``f`` (a file, or the bytes a data plane holds)."""
+    header, start = safetensors_header(f, size)
     try:
         metadata = header.pop("__metadata__")
         if metadata.get("format") != CONVERSATION:
@@ -457,7 +461,10 @@ def read_header(path: Path) -> Header:
 
 
 def _checked_header(path: Path, expected_id: int, expected: Expected | None = None) -> Header:
-    header = read_header(path)
+    return _judged(read_header(path), expected_id, expected)
+
+
+def _judged(header: Header, expected_id: int, expected: Expected | None) -> Header:
     if header.sample_id != expected_id:
         raise BadFile("misplaced", f"holds sample {header.sample_id}, expected {expected_id}")
     if expected is not None:
@@ -491,5 +498,13 @@ def read_checked(path: Path, expected_id: int, expected: Expected | None = None)
     raw = path.read_bytes()
     if len(raw) != header.data_start + header.data_size:
         raise BadFile("truncated", f"{path} changed size while being read")
+    _match(header, xxhash.xxh3_128(memoryview(raw)[header.data_start :]))
+    return raw
+
+
+def checked_bytes(raw: bytes, expected_id: int, expected: Expected | None = None) -> bytes:
+    """A sample file's bytes got from elsewhere than its path (``hsx.plane``), deep-checked as
+    ``read_checked`` checks a file: its header, id, what its run's files hold, and its digest."""
+    header = _judged(_header(io.BytesIO(raw), len(raw)), expected_id, expected)
     _match(header, xxhash.xxh3_128(memoryview(raw)[header.data_start :]))
     return raw
