@@ -20,13 +20,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import HANG_GUARD_S, conversations, extract_args, hsx, require, write_jsonl
+from conftest import HANG_GUARD_S, conversations, extract_args, flip_byte, hsx, require, write_jsonl
 from hsx.consumer import folder, read_acks
 from hsx.data import HsxDataset, StreamDataset, load_sample, stream_batches
 from hsx.errors import ConsumerRefused, SampleUnavailable
 from hsx.extract.window import read_state
 from hsx.plan import Plan
-from hsx.plane import Plane, sample_bound
+from hsx.plane import Plane, Publisher, sample_bound
 from hsx.spec import load_spec
 from hsx.store import layout
 from hsx.store.records import identity
@@ -133,6 +133,38 @@ def test_a_samples_bytes_round_trip_checked_as_its_file_and_never_served_wrong(p
         assert pool.allocated() == 0
     finally:
         plane.close()
+
+
+def test_the_producer_puts_each_unreleased_file_removes_each_released_key_and_names_a_damaged_file(
+    pool, tmp_path, finished_run
+):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("consumers"))
+    spec = load_spec(run)
+    lines: list[str] = []
+    publisher = Publisher(run, spec, pool.url, lines.append)
+    plane = publisher.plane
+    size = {sid: layout.sample_path(run, sid, spec.shard_size).stat().st_size for sid in range(4)}
+    flip_byte(layout.sample_path(run, 3, spec.shard_size), -3)
+    try:
+        publisher.sync({0, 1, 2, 3}, set())
+        assert [plane.exists(i) for i in range(4)] == [True, True, True, False]
+        assert pool.allocated() == size[0] + size[1] + size[2]
+        assert len(lines) == 1 and "000000003.safetensors is corrupt: digest mismatch, not put" in lines[0]
+        publisher.sync({1, 2, 3}, {0})  # 0 released
+        assert [plane.exists(i) for i in range(3)] == [False, True, True] and len(lines) == 1  # said once
+        # a new session (the producer killed -9 and restarted) finds what the last one left
+        publisher.close()
+        publisher = Publisher(run, spec, pool.url, lines.append)
+        plane = publisher.plane
+        plane.put(0, layout.sample_path(run, 0, spec.shard_size).read_bytes())  # put, then killed before its removal
+        publisher.sync({2}, {0, 1})
+        assert [plane.exists(i) for i in range(4)] == [False, False, True, False]
+        assert pool.allocated() == size[2]
+        publisher.sync(set(), {0, 1, 2})
+        assert pool.allocated() == 0
+    finally:
+        publisher.close()
 
 
 def trainer_folder(out: Path, root: Path) -> Path:

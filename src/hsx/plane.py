@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -175,13 +176,14 @@ class Publisher:
     consumers have not released. Each file is put once its name is there (a file appears whole under
     its name) and its digest verified; a released sample's key is removed. A new session first looks
     at what an earlier one left (a producer killed -9 between a file and its put, or a release and
-    its removal)."""
+    its removal). A file that does not verify is not put, and said once in ``log``: a trainer waits
+    for it until ``hsx extract --out`` redoes it."""
 
-    def __init__(self, run: Path, spec: RunSpec):
-        assert spec.window is not None and spec.window.plane is not None
-        self.run, self.shard_size, self.expected = run, spec.shard_size, spec.footprint().files
-        self.plane = Plane(spec.window.plane, run, sample_bound(spec))
+    def __init__(self, run: Path, spec: RunSpec, url: str, log: Callable[[str], None]):
+        self.run, self.shard_size, self.expected, self.log = run, spec.shard_size, spec.footprint().files, log
+        self.plane = Plane(url, run, sample_bound(spec))
         self.put: set[int] | None = None  # ids whose key this session knows is there (None: not looked yet)
+        self.damaged: set[int] = set()  # ids whose file did not verify, said once
 
     def sync(self, present: set[int], released: set[int]) -> None:
         """``present``: ids whose file is on disk and not released; ``released``: ids every named consumer released."""
@@ -193,10 +195,17 @@ class Publisher:
             self.plane.remove(sid)
             self.put.discard(sid)
         for sid in sorted(present - released - self.put):
+            path = layout.sample_path(self.run, sid, self.shard_size)
             try:
-                data = read_checked(layout.sample_path(self.run, sid, self.shard_size), sid, self.expected)
-            except (FileNotFoundError, BadFile):
-                continue  # deleted since it was listed, or damaged: a resume redoes it, and its new file is put
+                data = read_checked(path, sid, self.expected)
+            except FileNotFoundError:
+                continue  # deleted since it was listed
+            except BadFile as e:
+                if sid not in self.damaged:
+                    self.damaged.add(sid)
+                    self.log(f"plane: {path} is {e}, not put; hsx extract --out {self.run} redoes it")
+                continue
+            self.damaged.discard(sid)
             self.plane.put(sid, data)
             self.put.add(sid)
 

@@ -186,7 +186,7 @@ def sweep(run: Path, window: Window | None, shard_size: int, log: Callable[[str]
     views = inspect(run, LEASE_TIMEOUT)
     done = released(window, views)
     if window.plane is not None:
-        publisher = Publisher(run, load_spec(run))
+        publisher = Publisher(run, load_spec(run), window.plane, log)
         try:
             publisher.sync(set(unreleased(run, done, Sealed(run))), done)
         finally:
@@ -215,7 +215,7 @@ class Pause:
         self.ahead = ahead
         self.sealed = Sealed(run)
         self.oversized = False  # whether the log said that a batch exceeds the window
-        self.publisher = None if window.plane is None else Publisher(run, load_spec(run))
+        self.publisher = None if window.plane is None else Publisher(run, load_spec(run), window.plane, log)
 
     def _fits(self, nbytes: int) -> tuple[bool, WindowState]:
         views = inspect(self.run, LEASE_TIMEOUT)
