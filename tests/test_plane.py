@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import HANG_GUARD_S, conversations, extract_args, flip_byte, hsx, require, write_jsonl
+from hsx.assess.status import assess
 from hsx.consumer import folder, read_acks
 from hsx.data import HsxDataset, StreamDataset, load_sample, stream_batches
 from hsx.errors import ConsumerRefused, SampleUnavailable
@@ -251,11 +252,16 @@ def test_producer_and_trainer_without_shared_files_killed_9_train_exactly_what_a
     assert producer.wait(timeout=HANG_GUARD_S) == 0
     trainer.finish()
     hsx("extract", "--out", out)  # what the trainer released after the extraction ended leaves the plane
+    other = ("--window", "0.0003", "--consumer", "draft", "--plane", "mooncake://127.0.0.1:1")
+    r = hsx("extract", "--out", out, *other, check=False)  # the plane is the run's: another is refused
+    assert r.returncode == 2 and f"through {pool.url}, asked for" in r.stderr, r.stderr
     bound, peak = disk.stop(), held.stop()
     assert 0 < disk.peak <= bound, (disk.peak, bound)
     assert 0 < peak <= bound < sum(f.stat().st_size for f in (out / "shards").rglob("*.safetensors")) / 2, (peak, bound)
     assert pool.allocated() == 0
     assert not (run / "shards").exists()
+    line = assess(out).get("consumers")
+    assert f"for draft, also in {pool.url}" in line.figure and line.data["window"]["plane"] == pool.url
     with pytest.raises(ConsumerRefused, match="this one would wait for samples gone"):  # its keys left once released
         StreamDataset(run, "other", plane=pool.url)
     sequence = [i for b in stream_batches(Plan(out).lengths, 10, BUDGET, False, seed=7) for i in b]

@@ -71,6 +71,9 @@ def check(
         used, behind = held(run, window, shard_size, views)
         data["window"] = {"bytes": window.bytes, "held": used, "paused_since": state.paused_since if paused else None}
         figure += f"; window {size(used)} held of {size(window.bytes)} for {', '.join(window.consumers)}"
+        if window.plane is not None:  # the same samples' keys, in the data plane (hsx.plane)
+            data["window"]["plane"] = window.plane
+            figure += f", also in {window.plane}"
         if paused:
             figure += f"; the extractor waits since {duration(now - state.paused_since)} for {', '.join(behind)}"
         absent = [n for n in window.consumers if n not in {v.name for v in views}]
