@@ -223,7 +223,8 @@ def grouped_rows(view, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor
     out = _grouped_linear(rows, up, offsets, is_transposed=view.is_transposed)
     out = view._apply_gate(out) if view.has_gate else view.act_fn(out)
     out = _grouped_linear(out, view.down_proj, offsets, is_transposed=view.is_transposed)
-    return view.post_expert_norm(out) if view.has_post_expert_norm else out
+    # the norm after the experts is newer than the lowest transformers the pin admits
+    return view.post_expert_norm(out) if getattr(view, "has_post_expert_norm", False) else out
 
 
 @torch.compiler.disable
