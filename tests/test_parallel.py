@@ -282,6 +282,7 @@ def _group(out: Path, launcher: int) -> registry.GroupRecord | None:
     return g if g is not None and g.launcher == launcher else None
 
 
+@pytest.mark.faults
 def test_kill9_of_the_launcher_or_of_a_rank_then_resume_is_byte_identical(dense_tp, models, data, tmp_path):
     """A kill of the launcher and one of rank 1, each after k new files: every rank is gone
     soon after (none outlives its group), every file on disk verifies, status names the dead
@@ -343,6 +344,7 @@ def dense_one(models, data, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.faults
 def test_a_pipeline_writes_one_process_bytes_through_a_killed_stage_and_a_full_disk(dense_one, models, data, tmpfs):
     """``--pipeline-parallel 2`` on a real 3 MB tmpfs. The first stage's rank is SIGKILLed after k new
     files: the group goes down (exit 2, the rank named), no rank outlives it, every file on disk
@@ -390,6 +392,7 @@ def test_a_pipeline_writes_one_process_bytes_through_a_killed_stage_and_a_full_d
     assert refused.returncode == Exit.ACT and "parallel: run has tensor 1, expert 1, pipeline 2, asked for" in said
 
 
+@pytest.mark.faults
 def test_a_pipeline_whose_stage_meets_a_file_size_limit_stops_cleanly_and_resumes_identical(
     dense_one, models, data, tmp_path
 ):
@@ -422,6 +425,7 @@ def test_a_pipeline_whose_stage_meets_a_file_size_limit_stops_cleanly_and_resume
 # ---------------------------------------------------------------- scale-out: Ray workers of tensor-parallel groups
 
 
+@pytest.mark.faults
 def test_a_tp2_group_whose_volume_fills_stops_cleanly_and_resumes_bit_identical(dense_tp, models, data, tmpfs):
     """The story's scenario at the story's layout: a TP2 group on a real 2 MB tmpfs that fills. Rank
     0's clean stop crosses to the launcher as its outcome: exit 3, the words a process of its own
@@ -452,6 +456,7 @@ def test_a_tp2_group_whose_volume_fills_stops_cleanly_and_resumes_bit_identical(
     assert run_files(out) == run_files(dense_tp[0])
 
 
+@pytest.mark.faults
 def test_a_sigterm_to_a_tp2_launcher_stops_every_rank_cleanly_and_the_resume_is_bit_identical(
     dense_tp, models, data, tmp_path
 ):
@@ -481,6 +486,7 @@ def test_a_sigterm_to_a_tp2_launcher_stops_every_rank_cleanly_and_the_resume_is_
     assert run_files(out) == run_files(dense_tp[0])
 
 
+@pytest.mark.faults
 def test_ray_workers_of_tp_groups_survive_a_killed_rank_and_equal_one_group(dense_tp, models, data, tmp_path):
     """``--workers 2 --tensor-parallel 2``: two Ray workers, each launching its own group of two
     ranks. Rank 1 of a worker holding an unsealed shard is SIGKILLed (its rank 0 frozen meanwhile,
@@ -521,6 +527,7 @@ def test_ray_workers_of_tp_groups_survive_a_killed_rank_and_equal_one_group(dens
         driver.kill_all()
 
 
+@pytest.mark.faults
 def test_a_tp_worker_whose_driver_lost_the_run_stops_with_all_its_ranks(models, data, tmp_path):
     """Invariant 4 for a worker of several ranks: once another extractor holds the run lock, rank
     0's heartbeat fences its worker. Rank 1 is frozen meanwhile (the shard cannot finish, and rank 0
@@ -549,6 +556,7 @@ def test_a_tp_worker_whose_driver_lost_the_run_stops_with_all_its_ranks(models, 
         driver.kill_all()
 
 
+@pytest.mark.faults
 def test_a_tp_worker_refused_at_load_stops_the_driver_with_that_refusal(models, data, tmp_path):
     """A refusal that only a worker can meet (its node loads the model: here the repository's own
     code, whose loaded modules keep the final norm under a name hsx does not know; the driver never
@@ -667,6 +675,7 @@ while True:
 """
 
 
+@pytest.mark.faults
 def test_a_rank_blocked_on_a_peer_that_never_sends_stops_after_sigterm(tmp_path):
     """Stopping a pipeline was not prompt: a stage waiting in a receive from a stage that never sends
     ignored the SIGTERM the agent passed on (Python runs its handler only back in Python) until the

@@ -418,6 +418,7 @@ def test_tp2_and_tp2_ep2_of_the_packed_model_equal_one_process_but_for_near_ties
 # ---------------------------------------------------------------- kill -9 of a packed run
 
 
+@pytest.mark.faults
 def test_kill9_of_a_packed_run_at_progress_points_then_resume_is_byte_identical(models, tmp_path):
     """Two kills, each after k new sample files (k seeded, the seed printed), then a resume:
     the files equal an uninterrupted run's byte for byte, and none is rewritten once verified."""
