@@ -154,9 +154,18 @@ class Plane:
             raise FileNotFoundError(f"{self.key(sample_id)} is not in {self.address}")
         return checked_bytes(data, sample_id, expected)
 
-    def exists(self, sample_id: int) -> bool:
-        with self.lock:
-            return self.store.is_exist(self.key(sample_id)) == 1
+    def existing(self, sample_ids: set[int], chunk: int = 4096) -> set[int]:
+        """Those of ``sample_ids`` whose key is there, asked a chunk at a time (a resume of a long run
+        looks at every released id once)."""
+        ids, found = sorted(sample_ids), set()
+        for lo in range(0, len(ids), chunk):
+            part = ids[lo : lo + chunk]
+            with self.lock:
+                answers = self.store.batch_is_exist([self.key(i) for i in part])
+            if any(a < 0 for a in answers):
+                raise PlaneError(f"{self.address}: the store could not say which keys it holds")
+            found.update(i for i, a in zip(part, answers, strict=True) if a == 1)
+        return found
 
     def remove(self, sample_id: int) -> None:
         """Remove a released sample's key (one already gone is fine); readers' leases do not hold it:
@@ -188,9 +197,9 @@ class Publisher:
     def sync(self, present: set[int], released: set[int]) -> None:
         """``present``: ids whose file is on disk and not released; ``released``: ids every named consumer released."""
         if self.put is None:
-            for sid in released:
+            for sid in sorted(self.plane.existing(released)):
                 self.plane.remove(sid)
-            self.put = {sid for sid in present if self.plane.exists(sid)}
+            self.put = self.plane.existing(present)
         for sid in sorted(self.put & released):
             self.plane.remove(sid)
             self.put.discard(sid)
