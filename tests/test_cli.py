@@ -413,7 +413,9 @@ def test_generate_ctrl_c_before_and_after_the_spec_prints_a_command_that_works(t
     assert f"resume with: hsx generate --out {out}" in rest, rest
     done = hsx(*printed("resume with: ", rest, "generate"))
     # --turns last: the long conversations are slow to plan, not to generate (one turn each)
-    assert re.search(r"convs +(\d+)/\1 done, \d+ written now .*, [1-9]\d* were already verified", done.stdout), done.stdout
+    assert re.search(r"convs +(\d+)/\1 done, \d+ written now .*, [1-9]\d* were already verified", done.stdout), (
+        done.stdout
+    )
 
 
 @pytest.fixture(scope="module")

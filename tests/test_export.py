@@ -597,6 +597,19 @@ def test_every_printed_train_command_starts_under_the_documented_trainer_install
 # ---------------------------------------------------------------- DeepSpec
 
 
+def certificate_note(run: Path) -> dict:
+    """What a trainer's own metadata says of the run's certificate: its verdict (a passed run here)
+    and the digest of the certificate file, which ``hsx-export.json`` holds whole."""
+    from hsx.certify import read_certificate
+    from hsx.store import layout
+    from hsx.store.format import digest
+
+    cert = read_certificate(run)
+    assert cert is not None and cert.verdict == "passed"
+    raw = (run / layout.CERTIFICATE).read_bytes()
+    return {"verdict": "passed", "certificate_digest": digest(raw), "hsx_version": cert.hsx_version}
+
+
 def deepspec_read(dest: Path) -> tuple[dict, list[dict[str, np.ndarray]]]:
     """A DeepSpec target cache read from its documented layout (manifest.json; samples.idx of
     little-endian 56-byte records: sample id u64, shard id u32, length u32, five u64 byte offsets;
@@ -643,6 +656,7 @@ def test_deepspec_reads_the_taps_and_the_post_norm_final_state_in_bfloat16(runs,
     assert m["version"] == 2 and m["target_layer_ids"] == [1, 3, 4] and m["hidden_size"] == 64
     assert (m["hidden_dtype"], m["token_dtype"], m["mask_dtype"]) == ("bfloat16", "int32", "uint8")
     assert m["target_model_name_or_path"] == str(model)  # its trainer compares it with its config's
+    assert m["hsx_certificate"] == certificate_note(runs["run"])
     assert len(got) == len(src)
     for g, s in zip(got, src, strict=True):
         assert np.array_equal(g["input_ids"], s["input_ids"].numpy()) and g["attention_mask"].all()

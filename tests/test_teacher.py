@@ -21,6 +21,7 @@ from hsx.spec import load_spec
 from hsx.store import layout
 from hsx.store.format import decode, read_header
 from hsx.teacher import parse
+from test_export import certificate_note
 
 K = 64
 TOL = 1e-5  # float32: the head on a gathered row against the forward's own logits
@@ -277,6 +278,7 @@ def test_automodel_reads_the_teacher_with_its_own_dataset(topk_run, vocab_run, t
     vocab = (np.arange(2048) if which == "topk" else np.load(run / "teacher-vocab.npy")).tolist()
     assert manifest["selected_token_ids"] == vocab and manifest["aux_layer_ids"] == [1, 3, 4]
     assert manifest["target_probs_topk"] == (K if which == "topk" else 0)
+    assert manifest["hsx_certificate"] == certificate_note(run)  # read by its own loader beside the rest
     assert torch.equal(read_target_embeddings(str(dest)), _model().get_input_embeddings().weight.float())
     assert len(ds) == len(files(run))
     for sid in range(len(ds)):

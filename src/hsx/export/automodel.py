@@ -168,6 +168,7 @@ class Automodel(TrainerFormat):
             "shuffle_seed": 0,
             "mask_reasoning_content": False,
             "mask_generation_prompt": False,
+            "hsx_certificate": ctx.certificate_note(),  # what hsx checked of these states (hsx.certify)
         }
         return [
             put(ctx.dest, EMBEDDINGS, save({"weight": weight.contiguous()})),

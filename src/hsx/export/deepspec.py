@@ -118,6 +118,7 @@ class DeepSpec(TrainerFormat):
             "hidden_size": ctx.hidden,
             "shards": [{"shard_id": i, "file_name": self.shard(i)} for i in range(len(ctx.ids))],
             "target_model_name_or_path": ctx.model_named(),
+            "hsx_certificate": ctx.certificate_note(),  # what hsx checked of these states (hsx.certify)
         }
         return [
             put(ctx.dest, "samples.idx", b"".join(records)),

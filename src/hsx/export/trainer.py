@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from hsx import certify
 from hsx.bounds import EXPORT
 from hsx.drafts import EAGLE3, EAGLE_TAPS, MTP, eagle3_taps
 from hsx.errors import ExportRefused, NormUnavailable, OptionError
@@ -19,6 +20,7 @@ from hsx.export.norm import diagnose, load_final_norm, norm_error, prenorm_from_
 from hsx.finalnorm import FinalNorm
 from hsx.plan import Plan
 from hsx.spec import RunSpec, model_location
+from hsx.store import layout
 from hsx.store.codec import is_lossless
 from hsx.store.durable import write_durable
 from hsx.store.format import FinalStateNorm, digest
@@ -164,6 +166,16 @@ class Context:
         """The run's model folder (checked against its fingerprint), which training commands name."""
         self.model_dir = self.model_dir or model_dir_for(self.opts.run, self.spec, self.opts.model)
         return self.model_dir
+
+    def certificate_note(self) -> dict | None:
+        """The run's certificate in a trainer's own metadata, where it has a place: its verdict and
+        the digest of ``certificate.json`` (``hsx-export.json`` beside it holds the whole of it);
+        None for a run made before certificates."""
+        cert = certify.read_certificate(self.opts.run)
+        if cert is None:
+            return None
+        raw = (self.opts.run / layout.CERTIFICATE).read_bytes()
+        return {"verdict": cert.verdict, "certificate_digest": digest(raw), "hsx_version": cert.hsx_version}
 
     def model_named(self) -> str:
         """The model a training command names: the folder checked, where the export read it, else
