@@ -286,6 +286,7 @@ def test_the_plan_counts_what_the_template_leaves_out_and_names_metadata(tmp_pat
 # ---------------------------------------------------------------- the templates users serve: real public ones
 
 EOS = "<|im_end|>"  # the bundled tokenizer's eos_token, which Mistral's template writes after a turn
+DS_END = "<｜end▁of▁sentence｜>"
 # template file; the marker ending each turn it writes (GLM's turn ends at the next turn's role token,
 # none of its own); whose reasoning it renders as the latest turn; and the rows it refuses, in its words
 FAMILIES = {
@@ -311,17 +312,30 @@ FAMILIES = {
     }),
     "glm-4.7": ("GLM-4.7-Flash/chat_template.jinja", None, lambda t: True, {}),
     "qwen3-coder": ("Qwen3-Coder.jinja", (EOS,), lambda t: False, {}),
+    "deepseek-v3.1": ("DeepSeek-V3.1/chat_template.jinja", (DS_END,), lambda t: False, {}),  # arguments as text
+    "deepseek-v3.1-vllm": ("tool_chat_template_deepseekv31.jinja", (DS_END,), lambda t: False, {}),
+    "deepseek-v3.2-vllm": ("tool_chat_template_deepseekv32.jinja", (DS_END,), lambda t: False, {}),
     "minimax-m2": ("MiniMax-M2/chat_template.jinja", ("[e~[",), lambda t: True, {
         "toolace": "Message has tool role, but there was no previous assistant message with a tool call!",
         "hermes-fc": "Message has tool role, but there was no previous assistant message with a tool call!",
     }),
 }  # fmt: skip
+TEXT_ARGUMENTS = {"deepseek-v3.1"}  # families whose template concatenates a call's arguments as text
 
 
 def _served(message: dict) -> dict:
     """A message as a server hands it to the template: the reasoning under each name templates read."""
     r = message.get("reasoning_content")
     return message | {"thinking": r, "reasoning": r} if r else message
+
+
+def _with_text_arguments(messages: list[dict]) -> list[dict]:
+    """The messages with each call's arguments as their JSON text, as a server hands a template that
+    concatenates them."""
+    for m in messages:
+        for c in m.get("tool_calls") or []:
+            c["function"]["arguments"] = json.dumps(c["function"]["arguments"], ensure_ascii=False)
+    return messages
 
 
 def _in(value: object, text: str) -> bool:
@@ -349,6 +363,9 @@ def test_real_templates_mask_each_turn_after_its_served_prompt_as_the_template_w
             continue
         done = tokenize(conv)
         messages, tools = [_served(to_message(t)) for t in conv.turns], tools_of(conv)
+        as_text = family in TEXT_ARGUMENTS and any(t.tool_calls for t in conv.turns)
+        assert done.notes.counts.get("text_arguments_rows", 0) == as_text, (conv.source.id, done.notes.counts)
+        messages = _with_text_arguments(messages) if as_text else messages
         turns = [i for i, t in enumerate(conv.turns) if t.role == "assistant"]
         render = partial(tok.apply_chat_template, tools=tools, tokenize=False)
         prompt = {i: render(messages[:i], add_generation_prompt=True) for i in turns}
@@ -376,7 +393,9 @@ def test_real_templates_mask_each_turn_after_its_served_prompt_as_the_template_w
             assert ends is None or run.rstrip().endswith(ends), (conv.source.id, run)
             if t.reasoning:
                 assert (t.reasoning in run) == keeps_reasoning(t), (family, conv.source.id, run)
-                dropped["reasoning_unrendered"] += t.reasoning not in run
+            inline = t.content.split("</think>")[0].split("<think>")[-1].strip() if "</think>" in t.content else ""
+            reasoning = t.reasoning or inline  # inline reasoning DeepSeek's templates cut off the answer
+            dropped["reasoning_unrendered"] += bool(reasoning) and reasoning not in run
             answer = t.content.split("</think>")[-1].strip()  # inline reasoning as Qwen3's and GLM's read it
             dropped["content_unrendered"] += answer not in run
             at = 0
@@ -465,10 +484,7 @@ def test_a_template_that_concatenates_the_arguments_as_text_is_given_them_as_tex
     for conv in tool_rows:
         done = tokenize(conv)
         assert done.notes.counts["text_arguments_rows"] == 1, conv.source.id
-        messages = [to_message(t) for t in conv.turns]
-        for m in messages:
-            for c in m.get("tool_calls") or []:
-                c["function"]["arguments"] = json.dumps(c["function"]["arguments"], ensure_ascii=False)
+        messages = _with_text_arguments([to_message(t) for t in conv.turns])
         render = partial(tok.apply_chat_template, tools=tools_of(conv), tokenize=False, add_generation_prompt=True)
         served = {render(messages[:i]) for i, t in enumerate(conv.turns) if t.role == "assistant"}
         for sample in done.samples:  # each turn masked right after the prompt served with text arguments
@@ -492,10 +508,18 @@ def test_a_template_that_concatenates_the_arguments_as_text_is_given_them_as_tex
     assert "has no attribute 'keys' (with the calls' arguments as JSON text)" in str(e.value)
 
 
-@pytest.mark.parametrize("file", ["tool_chat_template_deepseekv3.jinja", "Hermes-3-Llama-3.1-8B/tool_use.jinja"])
+@pytest.mark.parametrize(
+    "file",
+    [
+        "tool_chat_template_deepseekv3.jinja",
+        "Hermes-3-Llama-3.1-8B/tool_use.jinja",
+        "tool_chat_template_deepseekv31.jinja",
+        "tool_chat_template_deepseekv32.jinja",
+    ],
+)
 def test_each_turns_context_is_the_prompt_served_byte_for_byte(file):
-    """vLLM's DeepSeek-V3 tool template writes other blanks around a turn in the whole conversation
-    than after its generation prompt, Hermes-3's after tool results: the tokens before each masked
+    """vLLM's DeepSeek-V3, V3.1 and V3.2 tool templates write other blanks around a turn in the whole
+    conversation than after its generation prompt, Hermes-3's after tool results: the tokens before each masked
     turn are exactly the prompt the target was served (transformers' rendering of the turns before it
     with the generation prompt, tokenized), never the whole rendering's blanks; the turns where the two
     differ are counted."""
