@@ -93,6 +93,16 @@ class Pool:
 
 
 @pytest.fixture(scope="module")
+def samples(pool, tmp_path_factory) -> tuple[Path, Path]:
+    """80 conversations and their run, extracted uninterrupted without a window: the files the
+    plane's tests put, and the reference of the kill test (whose producer extracts the same)."""
+    root = tmp_path_factory.mktemp("samples")
+    data = write_jsonl(root / "convs.jsonl", conversations(80))
+    hsx(*extract_args(data, root / "run"))
+    return data, root / "run"
+
+
+@pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     require("mooncake.store")
     pool = Pool(tmp_path_factory.mktemp("pool"))
@@ -100,9 +110,7 @@ def pool(tmp_path_factory):
     pool.stop()
 
 
-def test_plane_refused_by_name_without_a_window_or_the_client_and_never_read_by_a_run_without_one(
-    tmp_path, finished_run
-):
+def test_plane_refused_by_name_without_a_window_or_a_client_that_imports(tmp_path):
     data = write_jsonl(tmp_path / "convs.jsonl", conversations(2))
     url = "mooncake://127.0.0.1:1"
     r = hsx(*extract_args(data, tmp_path / "a", "--plane", url), check=False)
@@ -113,13 +121,12 @@ def test_plane_refused_by_name_without_a_window_or_the_client_and_never_read_by_
     r = hsx(*extract_args(data, tmp_path / "c", *WINDOW, "--plane", url), check=False, env={"LD_LIBRARY_PATH": ""})
     assert r.returncode == 2 and "pip install mooncake-transfer-engine-non-cuda" in r.stderr
     assert not any(tmp_path.glob("[abc]"))  # nothing written
+
+
+def test_a_samples_bytes_round_trip_checked_as_its_file_and_never_served_wrong(pool, samples):
+    run = samples[1]
     with pytest.raises(ConsumerRefused, match="extracted without --plane"):
-        StreamDataset(finished_run, "draft", plane=url)
-
-
-def test_a_samples_bytes_round_trip_checked_as_its_file_and_never_served_wrong(pool, tmp_path, finished_run):
-    run = tmp_path / "run"
-    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("consumers"))
+        StreamDataset(run, "draft", plane=pool.url)
     spec = load_spec(run)
     plane = Plane(pool.url, run, sample_bound(spec))
     files = spec.footprint().files
@@ -151,10 +158,10 @@ def test_a_samples_bytes_round_trip_checked_as_its_file_and_never_served_wrong(p
 
 
 def test_the_producer_puts_each_unreleased_file_removes_each_released_key_and_names_a_damaged_file(
-    pool, tmp_path, finished_run
+    pool, tmp_path, samples
 ):
     run = tmp_path / "run"
-    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("consumers"))
+    shutil.copytree(samples[1], run)
     spec = load_spec(run)
     lines: list[str] = []
     publisher = Publisher(run, spec, pool.url, lines.append)
@@ -214,15 +221,16 @@ class PoolPoll:
 
 
 def test_producer_and_trainer_without_shared_files_killed_9_train_exactly_what_an_uninterrupted_stream_does(
-    pool, tmp_path
+    pool, tmp_path, samples
 ):
     """A producer putting into the plane and a trainer reading from it, each in its own folder (the
     trainer's holds no sample file), killed -9 in turn and together, then resumed: the trainer's own
     log is the uninterrupted sequence, once each, and its weights those an uninterrupted trainer
     gets from the same samples' files; the pool never holds more than the window's bound (half the
-    run's 80 samples: a pool that kept its keys would exceed it), every key leaves once released,
-    and a consumer the window does not name is refused the plane."""
-    data = write_jsonl(tmp_path / "convs.jsonl", conversations(80))
+    run's 80 samples: a pool that kept its keys would exceed it), every key leaves once released
+    (and every producer's file, deleted), and a consumer the window does not name is refused the
+    plane."""
+    data, reference = samples
     out, ckpt = tmp_path / "producer" / "run", tmp_path / "ckpt"
     ckpt.mkdir()
     env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -245,7 +253,7 @@ def test_producer_and_trainer_without_shared_files_killed_9_train_exactly_what_a
         proc.kill()
         proc.wait(timeout=HANG_GUARD_S)
 
-    producer = extractor(*extract_args(data, out, *WINDOW[:-1], *plane))  # its files kept: the reference reads them
+    producer = extractor(*extract_args(data, out, *WINDOW, *plane))
     deadline = time.monotonic() + HANG_GUARD_S
     while not (out / layout.SPEC).exists():
         assert producer.poll() is None and time.monotonic() < deadline
@@ -271,11 +279,14 @@ def test_producer_and_trainer_without_shared_files_killed_9_train_exactly_what_a
     assert r.returncode == 2 and f"through {pool.url}, asked for" in r.stderr, r.stderr
     bound, peak = disk.stop(), held.stop()
     assert 0 < disk.peak <= bound, (disk.peak, bound)
-    assert 0 < peak <= bound < sum(f.stat().st_size for f in (out / "shards").rglob("*.safetensors")) / 2, (peak, bound)
+    whole = sum(f.stat().st_size for f in (reference / "shards").rglob("*.safetensors"))
+    assert 0 < peak <= bound < whole / 2, (peak, bound, whole)
     pool.emptied()
     assert not (run / "shards").exists()
-    line = assess(out).get("consumers")
+    report = assess(out)
+    line = report.get("consumers")
     assert f"for draft, also in {pool.url}" in line.figure and line.data["window"]["plane"] == pool.url
+    assert report.get("progress").data["consumed"] == 80  # the producer's files deleted once released, too
     with pytest.raises(ConsumerRefused, match="this one would wait for samples gone"):  # its keys left once released
         StreamDataset(run, "other", plane=pool.url)
     sequence = [i for b in stream_batches(Plan(out).lengths, 10, BUDGET, False, seed=7) for i in b]
@@ -283,9 +294,9 @@ def test_producer_and_trainer_without_shared_files_killed_9_train_exactly_what_a
     assert final["trained0"].tolist() == sequence
     acks = read_acks(folder(run, "draft") / "acks-000000.jsonl")[0]
     assert [i for a in acks for i in a.ids] == sequence and [a.step for a in acks] == list(range(1, len(acks) + 1))
-    # the reference: the same trainer, uninterrupted, on the same samples' files (the producer's own)
+    # the reference: the same trainer, uninterrupted, on the same samples' files
     ref_ckpt = tmp_path / "ref-ckpt"
     ref_ckpt.mkdir()
-    Trainer(out, ref_ckpt, "reference").finish()
+    Trainer(reference, ref_ckpt, "draft").finish()
     want = load_file(ref_ckpt / "final.safetensors")
     assert want.keys() == final.keys() and all(torch.equal(want[k], final[k]) for k in want)
