@@ -453,7 +453,10 @@ class Tokenize:
             not any(_shown(t.content, text) for text, _ in pieces) for t in conv.turns if t.role == "tool"
         )
         names = [json.loads(t).get("function", {}).get("name", "") for t in conv.tools]
-        counts["tools_unrendered"] = int(not all(any(n in text for text, _ in pieces) for n in names))
+        named = all(any(n in text for text, _ in pieces) for n in names)
+        # a call writes its tool's name: a template that renders no tools block (DeepSeek-V3.1's official
+        # one) shows only in rendering the conversation alike without them
+        counts["tools_unrendered"] = int(bool(names) and (not named or self.render(messages, False, []) == full))
         counts["call_ids_given"] = conv.ids_given
         counts["text_arguments_rows"] = int(bool(self.forms & {"_text_arguments", "_named_text"}))
         counts["result_names_given"] = int(bool(self.forms & {"_result_names", "_named_text"}))
