@@ -25,6 +25,15 @@ def conversations(n: int, start: int = 0) -> list[dict]:
     return json.loads(SHAREGPT.read_text())[start : start + n]
 
 
+def with_text_arguments(messages: list[dict]) -> list[dict]:
+    """Chat messages with each call's arguments as their JSON text, as a server hands them to a
+    template that concatenates them (DeepSeek's official ones)."""
+    for m in messages:
+        for c in m.get("tool_calls") or []:
+            c["function"]["arguments"] = json.dumps(c["function"]["arguments"], ensure_ascii=False)
+    return messages
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path

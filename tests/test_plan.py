@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import TINY, conversations
+from conftest import TINY, conversations, with_text_arguments
 from hsx.input import Conversation, Source, Turn, normalize, read_conversations, to_message, tools_of
 from hsx.plan import Notes, Plan, Tokenize, batches_for, tokenize_all, write_plan
 from hsx.target import load_tokenizer
@@ -329,15 +329,6 @@ def _served(message: dict) -> dict:
     return message | {"thinking": r, "reasoning": r} if r else message
 
 
-def _with_text_arguments(messages: list[dict]) -> list[dict]:
-    """The messages with each call's arguments as their JSON text, as a server hands a template that
-    concatenates them."""
-    for m in messages:
-        for c in m.get("tool_calls") or []:
-            c["function"]["arguments"] = json.dumps(c["function"]["arguments"], ensure_ascii=False)
-    return messages
-
-
 def _in(value: object, text: str) -> bool:
     """An argument's keys and scalar values are all in ``text`` (as text or as JSON)."""
     if isinstance(value, dict):
@@ -365,7 +356,7 @@ def test_real_templates_mask_each_turn_after_its_served_prompt_as_the_template_w
         messages, tools = [_served(to_message(t)) for t in conv.turns], tools_of(conv)
         as_text = family in TEXT_ARGUMENTS and any(t.tool_calls for t in conv.turns)
         assert done.notes.counts.get("text_arguments_rows", 0) == as_text, (conv.source.id, done.notes.counts)
-        messages = _with_text_arguments(messages) if as_text else messages
+        messages = with_text_arguments(messages) if as_text else messages
         turns = [i for i, t in enumerate(conv.turns) if t.role == "assistant"]
         render = partial(tok.apply_chat_template, tools=tools, tokenize=False)
         prompt = {i: render(messages[:i], add_generation_prompt=True) for i in turns}
@@ -487,7 +478,7 @@ def test_a_template_that_concatenates_the_arguments_as_text_is_given_them_as_tex
     for conv in tool_rows:
         done = tokenize(conv)
         assert done.notes.counts["text_arguments_rows"] == 1, conv.source.id
-        messages = _with_text_arguments([to_message(t) for t in conv.turns])
+        messages = with_text_arguments([to_message(t) for t in conv.turns])
         render = partial(tok.apply_chat_template, tools=tools_of(conv), tokenize=False, add_generation_prompt=True)
         served = {render(messages[:i]) for i, t in enumerate(conv.turns) if t.role == "assistant"}
         for sample in done.samples:  # each turn masked right after the prompt served with text arguments

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY
+from conftest import TINY, with_text_arguments
 from hsx.generate.toolcalls import (
     RESPONSE_TEMPLATE,
     Malformed,
@@ -150,6 +150,7 @@ def test_a_tokenizers_response_template_is_used_when_it_has_one():
 
 DATA = Path(__file__).parent / "data"
 EOS = "<|im_end|>"  # the bundled tokenizer's eos_token, which Mistral's template writes after a turn
+DS_END = "<｜end▁of▁sentence｜>"
 FAMILIES = {  # template, parser, the end-of-turn marker the template writes (a stop token, not the parser's)
     "kimi-k2-thinking": ("Kimi-K2-Thinking/chat_template.jinja", kimi_k2, EOS),
     "gpt-oss": ("gpt-oss-20b.jinja", gpt_oss, "<|call|>"),
@@ -160,7 +161,21 @@ FAMILIES = {  # template, parser, the end-of-turn marker the template writes (a 
     "glm-4.7": ("GLM-4.7-Flash/chat_template.jinja", glm45, ""),  # no newline after the name
     "qwen3-coder": ("Qwen3-Coder.jinja", qwen3_coder, EOS),
     "minimax-m2": ("MiniMax-M2/chat_template.jinja", minimax_m2, "[e~["),
+    "deepseek-v3.1": ("DeepSeek-V3.1/chat_template.jinja", deepseek_v3, DS_END),  # the arguments as text
+    "deepseek-v3.1-vllm": ("tool_chat_template_deepseekv31.jinja", deepseek_v3, DS_END),
+    "deepseek-v3.2-vllm": ("tool_chat_template_deepseekv32.jinja", deepseek_v3, DS_END),
 }
+
+
+def _turn(prompt: str, upto: str) -> str:
+    """The turn after ``prompt`` in ``upto``, the rendering up to it; where that writes other blanks
+    than the prompt (vLLM's DeepSeek tool templates), after as many non-blank characters as it has."""
+    if upto.startswith(prompt):
+        return upto[len(prompt) :]
+    n = len("".join(prompt.split()))
+    at = [j for j, ch in enumerate(upto) if not ch.isspace()]
+    assert "".join(upto[j] for j in at[:n]) == "".join(prompt.split())
+    return upto[at[n - 1] + 1 :]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -179,6 +194,7 @@ def test_each_parser_reads_back_the_calls_its_familys_template_writes(family):
         if not isinstance(conv, Conversation) or not any(t.tool_calls for t in conv.turns):
             continue
         messages, tools = [to_message(t) for t in conv.turns], tools_of(conv)
+        messages = with_text_arguments(messages) if family == "deepseek-v3.1" else messages  # it concatenates them
         for m in messages:  # as served: gpt-oss reads the reasoning as thinking
             m.update({"thinking": m["reasoning_content"]} if "reasoning_content" in m else {})
         for i, turn in enumerate(conv.turns):
@@ -193,8 +209,8 @@ def test_each_parser_reads_back_the_calls_its_familys_template_writes(family):
                 continue  # a dataset's own ids: Kimi's template writes no name then
             if family in ("glm-4.7", "minimax-m2") and not upto.startswith(prompt):  # the prompt opens <think>,
                 prompt = prompt[: prompt.rindex("<think>")]  # which a turn without reasoning writes otherwise
-            assert upto.startswith(prompt), (family, conv.source.id)
-            p = parser(upto[len(prompt) :].rstrip().removesuffix(end))
+            assert upto.startswith(prompt) or "vllm" in family, (family, conv.source.id)
+            p = parser(_turn(prompt, upto).strip().removesuffix(end))
             calls = turn.tool_calls[:1] if family == "gpt-oss" else turn.tool_calls  # it writes the first only
             assert [(c.name, _args(c)) for c in p.calls] == [(c.name, _args(c)) for c in calls], (
                 family,
@@ -202,10 +218,13 @@ def test_each_parser_reads_back_the_calls_its_familys_template_writes(family):
             )
             if family in ("kimi-k2-thinking", "mistral-small-3.1"):  # formats that write the id
                 assert [c.id for c in p.calls] == [c.id[-9:] if family.startswith("mistral") else c.id for c in calls]
-            rendered_reasoning = family not in ("llama-3.1-json", "mistral-small-3.1", "qwen3-coder")
+            rendered_reasoning = (
+                family not in ("llama-3.1-json", "mistral-small-3.1", "qwen3-coder") and "deepseek" not in family
+            )
             said = turn.reasoning or (turn.content if family == "gpt-oss" else "")  # gpt-oss: text is analysis
             assert p.reasoning == (said if rendered_reasoning else ""), (family, conv.source.id, p)
             kept_content = family in ("kimi-k2-thinking", "qwen3", "glm-4.6", "glm-4.7", "qwen3-coder", "minimax-m2")
+            kept_content |= "deepseek" in family
             assert p.content == (turn.content if kept_content else ""), (family, conv.source.id, p)
             read += 1
     assert read >= 5
