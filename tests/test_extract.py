@@ -248,18 +248,38 @@ def test_resume_with_another_chat_template_is_refused(tmp_path, convs):
         extract(_opts(out, model=str(other)), log=lambda m: None)
 
 
-def test_a_mix_of_chat_reasoning_and_tool_rows_extracts_rejecting_only_broken_rows(tmp_path):
+# 16 conversations. HyperCLOVA X's template drops the reasoning of every turn before the last user or
+# tool turn, so 8 turns with reasoning are extracted after their own prompt. DeepSeek-V3.1's official
+# one renders no reasoning (14 turns', 1 inline) and no tools block, and takes the calls' arguments of
+# its 8 rows with calls only as text.
+MIXES = {
+    "tool_chat_template_hyperclovax_seed_think_14b.jinja": (24, {"own_sample_turns": 8, "call_ids_given": 10}, [
+        "8 assistant turns extracted in a sample after their own prompt",
+    ]),
+    "DeepSeek-V3.1/chat_template.jinja": (16, {
+        "reasoning_unrendered": 14, "tools_unrendered": 8, "call_ids_given": 10, "text_arguments_rows": 8,
+    }, [
+        "14 assistant turns' reasoning the chat template does not render",
+        "8 rows' tools the chat template does not render",
+        "8 rows whose calls' arguments the chat template renders only as JSON text",
+    ]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("template", MIXES)
+def test_a_mix_of_chat_reasoning_and_tool_rows_extracts_rejecting_only_broken_rows(tmp_path, template):
     """Rows shaped like the public chat, reasoning and function-calling datasets, on the tiny model
-    with a tool-capable reasoning template: only the really broken rows are rejected, each with its
-    reason; the spec and the summary say what the template rendered otherwise; the files hold the plan."""
+    with a tool-capable reasoning template and with DeepSeek-V3.1's official one: only the really
+    broken rows are rejected, each with its reason; the spec and the summary say what the template
+    rendered otherwise; the files hold the plan."""
     import shutil
 
     from hsx.plan import Plan
 
     model = shutil.copytree(TINY, tmp_path / "model")
     data = Path(__file__).parent / "data"
-    template = data / "templates" / "tool_chat_template_hyperclovax_seed_think_14b.jinja"
-    shutil.copy(template, model / "chat_template.jinja")
+    shutil.copy(data / "templates" / template, model / "chat_template.jinja")
+    num_samples, rendering, lines = MIXES[template]
     out, said = tmp_path / "run", []
     summary = extract(_opts(out, data / "agentic.jsonl", model=str(model)), log=said.append)
     assert summary.complete
@@ -271,12 +291,10 @@ def test_a_mix_of_chat_reasoning_and_tool_rows_extracts_rejecting_only_broken_ro
     assert all(r["reason"].startswith("turn ") for r in rejects[:-1])
     assert rejects[-1]["reason"].startswith("a glaive-function-calling-v2 transcript")
     spec = json.loads((out / "hsx.json").read_text())["plan"]
-    # 16 conversations; the template drops the reasoning of every turn before the last user or tool
-    # turn, so 8 turns with reasoning are extracted after their own prompt
-    assert spec["num_samples"] == 24 and spec["rendering"] == {"own_sample_turns": 8, "call_ids_given": 10}
+    assert spec["num_samples"] == num_samples and spec["rendering"] == rendering
     assert spec["ignored_fields"] == {"category": 2, "messages[].name": 1, "messages[].weight": 1, "subcategory": 1}
-    assert any("8 assistant turns extracted in a sample after their own prompt" in line for line in said)
-    assert any("10 tool calls without an id in the data, given one" in line for line in said)
+    for said_line in [*lines, "10 tool calls without an id in the data, given one"]:
+        assert any(said_line in line for line in said), said_line
     assert any(line.startswith("plan: metadata fields no template reads") for line in said)
     plan = Plan(out)
     for sid in range(spec["num_samples"]):
