@@ -200,6 +200,24 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path):
         Tokenize(tok, 100)
 
 
+def test_a_template_that_does_not_compile_is_refused_before_anything_is_written(tmp_path):
+    """vLLM's DeepSeek-V3.1 tool template had a Jinja syntax error at one commit
+    (``{% set tool_json = tool | tojson}``): every row was rejected with the same "unexpected '}'".
+    Now the start is refused, naming the template's error and line, and nothing is written."""
+    from conftest import conversations
+
+    model = shutil.copytree(TINY, tmp_path / "model")
+    template = model / "chat_template.jinja"
+    template.write_text(
+        "{% for tool in tools or [] %}{% set tool_json = tool | tojson}{% endfor %}" + template.read_text()
+    )
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(2))
+    opts = ExtractOptions(out=tmp_path / "run", model=str(model), data=[data], device="cpu")
+    with pytest.raises(TokenizerError, match=r"chat template does not compile: .*'}'.* \(line 1\); fix the template"):
+        extract(opts, log=lambda _: None)
+    assert not (tmp_path / "run").exists()
+
+
 CALL = (
     "<think>I need the weather first.</think><|tool_calls_section_begin|><|tool_call_begin|>"
     'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>'

@@ -254,6 +254,27 @@ def named_templates(tokenizer, template: str | None = None) -> dict | None:
     return named
 
 
+def refuse_broken_template(tokenizer, template: str | None = None) -> None:
+    """Refuse, before anything is planned, a chat template that does not compile (a Jinja syntax
+    error): every row would be rejected with the same error. Compiled as transformers compiles it
+    for rendering (its sandbox and extensions); ``template``: the name asked for, else every
+    template a row may be rendered with."""
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    found = tokenizer.chat_template
+    named = found if isinstance(found, dict) else {None: found}
+    for name, text in named.items():
+        if text is None or (template is not None and name != template):
+            continue
+        try:
+            _compile_jinja_template(text)
+        except TemplateError as e:
+            which = f"chat template {name!r}" if name else "chat template"
+            where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+            raise TokenizerError(f"the tokenizer's {which} does not compile: {e}{where}; fix the template") from e
+
+
 def _as_given(messages: list[dict]) -> list[dict]:
     """as the row has it"""
     return messages

@@ -45,7 +45,7 @@ from hsx.job.options import JobOptions
 from hsx.job.prologue import Prologue, locked
 from hsx.job.resume import Summary, Verifier
 from hsx.lock import RunLock
-from hsx.plan import named_templates
+from hsx.plan import named_templates, refuse_broken_template
 from hsx.progress import Progress
 from hsx.spec import JobSpec
 from hsx.store import layout
@@ -182,6 +182,7 @@ def open_run(stage: Stage[Opts, S, R], opts: Opts, model: Model, log: Log) -> S:
         stage.refuse_model(opts, model)
         # the tokenizer loaded and the template asked for found, or refused by name, before anything is written
         named_templates(model.tokenizer, opts.chat_template)
+        refuse_broken_template(model.tokenizer, opts.chat_template)
         refuse_foreign(opts.out)
         setup = stage.create(opts, model, log)
         opts.out.mkdir(parents=True, exist_ok=True)  # where the lock lives; an empty folder is no run
