@@ -30,7 +30,8 @@ installed() { [ -f "$1/.installed" ] || { echo "installing $1 failed:"; cat "$1.
 .venv/bin/ruff check src tests
 .venv/bin/ruff format --check src tests
 # Two test processes (HSX_TEST_WORKERS): most tests wait on subprocesses, so two keep a 2-core machine busy.
-workers=(-n "${HSX_TEST_WORKERS:-2}")
+# A module stays on one process (loadscope): its module fixtures (finished runs, models) are built once.
+workers=(-n "${HSX_TEST_WORKERS:-2}" --dist loadscope)
 HSX_REQUIRE=ray,specforge,speculators,modelopt,nemo_automodel,compressed_tensors,tiktoken .venv/bin/python -m pytest -q "${workers[@]}" "$@"
 wait "$side_installs" || true
 installed .venv-vllm
