@@ -35,11 +35,20 @@ workers=(-n "${HSX_TEST_WORKERS:-2}" --dist loadscope)
 HSX_REQUIRE=ray,specforge,speculators,modelopt,nemo_automodel,compressed_tensors,tiktoken .venv/bin/python -m pytest -q "${workers[@]}" "$@"
 wait "$side_installs" || true
 installed .venv-vllm
-bash scripts/test-vllm.sh test
 installed .venv-lowest
+installed .venv-mooncake
+# The vLLM and Mooncake suites are one process each: side by side, a core each; each one's output
+# printed whole once both ended, and the run fails if either did.
+bash scripts/test-vllm.sh test >.venv-vllm/tests.log 2>&1 &
+vllm=$!
+bash scripts/test-mooncake.sh test >.venv-mooncake/tests.log 2>&1 &
+mooncake=$!
+failed=0
+wait "$vllm" || failed=1
+wait "$mooncake" || failed=1
+cat .venv-vllm/tests.log .venv-mooncake/tests.log
+[ "$failed" = 0 ]
 # What loads and splits the model (TP, EP, pipeline stages, checkpoint formats), not the process
 # faults, which the main suite runs.
 HSX_REQUIRE=compressed_tensors .venv-lowest/bin/python -m pytest -q "${workers[@]}" -m "not faults" \
   tests/test_parallel.py tests/test_stages.py tests/test_checkpoint.py tests/test_quantized.py
-installed .venv-mooncake
-bash scripts/test-mooncake.sh test
