@@ -23,6 +23,12 @@ trained again, nothing acknowledged twice). A resume from a step never acknowled
 name. A line cut by a crash ends the log (it was never acknowledged: its fsync never returned) and
 is cut off by the rank's next start.
 
+consumer.json and each checkpoint are the run's records (``store.records``: stamped with the run's
+identity and a digest); a damaged one (truncated, garbled, another run's) is named, never trusted
+nor read as absent: a damaged checkpoint releases nothing (the window waits; the rank's resume
+from its checkpoint re-declares it), a damaged consumer.json refuses the consumer's start (``REPAIR``).
+A lease is rewritten whole at each heartbeat of its holder; one that does not parse is named too.
+
 A rank's lease is held like the run lock: a second process for the same rank is refused while the
 first lives (same host: its pid; another host: its heartbeat, fresh for ``lease_timeout``). When
 the holder died the rank is taken over at once on its host, or once its heartbeat is older than
@@ -42,8 +48,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from hsx.errors import ConsumerRefused, Locked
+from hsx.errors import ConsumerRefused, Locked, RecordDamaged
 from hsx.lock import STALE_AFTER, Holder, Liveness, RunLock, this_process
+from hsx.store import records
 from hsx.store.durable import create_exclusive, fsync_dir, writable_folder, write_all, write_durable
 from hsx.store.layout import CONSUMERS
 
@@ -156,24 +163,56 @@ def read_acks(path: Path) -> tuple[list[Ack], int]:
     return out, good
 
 
-def read_checkpoint(run: Path, name: str, rank: int) -> Checkpoint | None:
+def repair(path: Path) -> str:
+    """What repairs a damaged record of a consumer (named by status and by the refusal)."""
+    if path.name == SPEC:
+        return (
+            f"{SPEC} fixes the consumer's sequence of batches and cannot be rebuilt: restore it, or move "
+            f"{path.parent} aside and start the consumer anew (its trainer from step 0), or under another name"
+        )
+    if path.name.startswith("checkpoint-"):
+        return (
+            "it releases nothing until rebuilt: restart that rank from its last checkpoint (resume_step), "
+            "which declares it again"
+        )
+    return "the rank rewrites its lease at its next heartbeat or start: restart the rank if it is not running"
+
+
+def _read(run: Path, path: Path, kind: type[BaseModel], what: str):
+    """``path`` read as a record of ``run`` (``store.records``) of ``kind``; None where absent."""
+    body = records.read_record(run, path)
     try:
-        return Checkpoint.model_validate_json((folder(run, name) / checkpoint_name(rank)).read_bytes())
-    except (OSError, ValueError):
-        return None
+        return None if body is None else kind.model_validate(body)
+    except ValueError:
+        raise RecordDamaged(path, f"garbled (not {what})") from None
+
+
+def read_checkpoint(run: Path, name: str, rank: int) -> Checkpoint | None:
+    """The rank's declared checkpoint; ``RecordDamaged`` where it is damaged or another run's."""
+    return _read(run, folder(run, name) / checkpoint_name(rank), Checkpoint, "a checkpoint declaration")
 
 
 def read_spec(run: Path, name: str) -> ConsumerSpec | None:
+    """The consumer's parameters; ``RecordDamaged`` where they are damaged or another run's."""
+    return _read(run, folder(run, name) / SPEC, ConsumerSpec, "a consumer spec")
+
+
+def read_lease(path: Path) -> RankRecord | None:
+    """A rank's lease as its holder wrote it last; ``RecordDamaged`` where it does not parse."""
     try:
-        return ConsumerSpec.model_validate_json((folder(run, name) / SPEC).read_bytes())
-    except (OSError, ValueError):
+        return RankRecord.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        raise RecordDamaged(path, f"unreadable ({e.strerror})") from None
+    except ValueError:
+        raise RecordDamaged(path, "truncated or garbled (not a lease)") from None
 
 
 def names(run: Path) -> list[str]:
-    """Every consumer that ever started on this run (a folder with its spec)."""
+    """Every consumer that ever started on this run (a folder holding its spec or its ranks' records)."""
     try:
-        return sorted(p.name for p in (run / CONSUMERS).iterdir() if (p / SPEC).is_file())
+        return sorted(p.name for p in (run / CONSUMERS).iterdir() if p.is_dir() and any(p.iterdir()))
     except OSError:
         return []
 
@@ -184,7 +223,7 @@ class RankView:
     record: RankRecord | None
     state: Liveness | None
     acks: list[Ack]
-    checkpoint: Checkpoint | None = None
+    checkpoint: Checkpoint | None = None  # None also where its record is damaged (``damaged``): it releases nothing
 
     @property
     def released(self) -> set[int]:
@@ -199,8 +238,9 @@ class ConsumerView:
     """One consumer as its records say, for status and the producer's window."""
 
     name: str
-    spec: ConsumerSpec
+    spec: ConsumerSpec | None  # None where consumer.json is damaged (``damaged``): its ranks are unknown
     ranks: list[RankView] = field(default_factory=list)
+    damaged: list[RecordDamaged] = field(default_factory=list)  # its records that cannot be trusted
 
     @property
     def acknowledged(self) -> set[int]:
@@ -216,7 +256,7 @@ class ConsumerView:
     def checkpoint(self) -> Checkpoint | None:
         """The step every rank's declared checkpoint covers (None until each rank declared one)."""
         points = [r.checkpoint for r in self.ranks]
-        return None if None in points else min(points, key=lambda c: c.step)
+        return None if None in points or not points else min(points, key=lambda c: c.step)
 
     @property
     def leased(self) -> set[int]:
@@ -226,7 +266,7 @@ class ConsumerView:
     @property
     def step(self) -> int:
         """The last step every rank acknowledged."""
-        return min((r.acks[-1].step if r.acks else 0) for r in self.ranks)
+        return min(((r.acks[-1].step if r.acks else 0) for r in self.ranks), default=0)
 
     @property
     def last_ack(self) -> float | None:
@@ -235,21 +275,32 @@ class ConsumerView:
 
 
 def inspect(run: Path, lease_timeout: float = LEASE_TIMEOUT) -> list[ConsumerView]:
-    """Every consumer of the run with its ranks' records (judged alive, dead or stale)."""
+    """Every consumer of the run with its ranks' records (judged alive, dead or stale); a damaged
+    record is listed in its view's ``damaged``, never trusted (a damaged checkpoint releases nothing)."""
     out = []
     for name in names(run):
-        spec = read_spec(run, name)
-        if spec is None:
+        try:
+            spec = read_spec(run, name)
+        except RecordDamaged as e:
+            out.append(ConsumerView(name, None, damaged=[e]))
+            continue
+        if spec is None:  # its ranks' records without it: deleted
+            out.append(ConsumerView(name, None, damaged=[RecordDamaged(folder(run, name) / SPEC, "missing")]))
             continue
         view = ConsumerView(name, spec)
         d = folder(run, name)
         for r in range(spec.ranks):
+            rec = checkpoint = state = None
             try:
-                rec = RankRecord.model_validate_json((d / rank_name(r)).read_bytes())
-                state = rec.state(stale_after=lease_timeout)
-            except (OSError, ValueError):
-                rec, state = None, None
-            view.ranks.append(RankView(r, rec, state, read_acks(d / acks_name(r))[0], read_checkpoint(run, name, r)))
+                rec = read_lease(d / rank_name(r))
+                state = None if rec is None else rec.state(stale_after=lease_timeout)
+            except RecordDamaged as e:
+                view.damaged.append(e)
+            try:
+                checkpoint = read_checkpoint(run, name, r)
+            except RecordDamaged as e:
+                view.damaged.append(e)
+            view.ranks.append(RankView(r, rec, state, read_acks(d / acks_name(r))[0], checkpoint))
         out.append(view)
     return out
 
@@ -297,12 +348,13 @@ class RankLease:
     def _agree(self) -> None:
         """Record the consumer's parameters (first rank), or refuse a start that asks for others."""
         spec = self.spec.model_copy(update={"created": time.time(), "host": socket.gethostname()})
-        create_exclusive(self.dir / SPEC, spec.model_dump_json(indent=2).encode())
-        recorded = read_spec(self.run, self.spec.name)
+        create_exclusive(self.dir / SPEC, records.stamped(self.run, spec.model_dump(mode="json"), indent=2))
+        try:
+            recorded = read_spec(self.run, self.spec.name)
+        except RecordDamaged as e:
+            raise RecordDamaged(e.path, f"{e.why}; {repair(e.path)}") from None
         if recorded is None:
-            raise ConsumerRefused(
-                f"{self.dir / SPEC} is unreadable; it fixes the consumer's sequence (remove the folder to start anew)"
-            )
+            raise ConsumerRefused(f"{self.dir / SPEC} vanished as the consumer started: start it again")
         diff = recorded.differences(self.spec)
         if diff:
             raise ConsumerRefused(
@@ -366,8 +418,13 @@ class RankLease:
                 f"rank {self.rank} of consumer {self.spec.name} resumes at step {step}: its acknowledgements of "
                 f"steps {dropped[0].step}..{dropped[-1].step} are rolled back ({n} samples are trained again)"
             )
-        checkpoint = read_checkpoint(self.run, self.spec.name, self.rank)
-        if checkpoint is not None and checkpoint.step > step:
+        try:
+            checkpoint = read_checkpoint(self.run, self.spec.name, self.rank)
+            stale = checkpoint is not None and checkpoint.step > step
+        except RecordDamaged as e:  # the trainer resumes from its checkpoint at ``step``: that declares it again
+            self.log(f"{e}: declared again at step {step}, the checkpoint this rank resumes from")
+            stale = True
+        if stale:
             self._declare(step)
         return kept
 
@@ -432,7 +489,8 @@ class RankLease:
         self._declare(step)
 
     def _declare(self, step: int) -> None:
-        write_durable(self.checkpoint_path, Checkpoint(step=step, t=time.time()).model_dump_json().encode())
+        body = Checkpoint(step=step, t=time.time()).model_dump(mode="json")
+        records.write_record(self.run, self.checkpoint_path, body)
 
     def start(self) -> RankLease:
         """Keep the rank's heartbeat fresh until ``close``."""

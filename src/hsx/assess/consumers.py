@@ -2,7 +2,8 @@
 acknowledged and holds leased, how far it lags behind what is written (samples, bytes, time), its
 ranks' last durable checkpoints, and what keeps it or the producer's window from going on: a dead
 rank, a sample it waits for that is corrupt (``hsx extract`` redoes it) or was deleted, a trainer
-whose checkpoints the window cannot wait for, a window exceeded. Each of those fails the line."""
+whose checkpoints the window cannot wait for, a window exceeded, a damaged record of a consumer
+(``consumer.repair``). Each of those fails the line."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from hsx.assess.checks import Check, duration
-from hsx.consumer import DELETED, NOT_WRITTEN, READING, ConsumerView, inspect
+from hsx.consumer import DELETED, NOT_WRITTEN, READING, ConsumerView, inspect, repair
 from hsx.errors import RecordDamaged
 from hsx.extract.window import RECORD, WindowState, held, read_state
 from hsx.lock import Liveness
@@ -58,6 +59,7 @@ def check(
         troubles.append(Trouble(f"{RECORD}: {e.why}", f"the extractor rewrites {RECORD} at its next pause"))
     paused = producing and state is not None and state.paused_since is not None
     for v in views:
+        troubles += [Trouble(f"{v.name}: {e.path.name} {e.why}", f"{e.path}: {repair(e.path)}") for e in v.damaged]
         line, figures, trouble = _describe(run, v, written, num_samples, shard_size, now)
         details.append(line)
         data[v.name] = figures

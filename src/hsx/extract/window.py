@@ -2,14 +2,15 @@
 not all released exceed the window, and goes on as they release them (docs/streaming.md).
 
 A sample is released by a consumer once its checkpoint covers the step that acknowledged it
-(``hsx.consumer``); the window counts every sample file on disk that some named consumer has not
-released. The pause is one of ``Extractor.gates``, called before each batch is captured: it
-blocks there, logs when it starts and ends, and keeps ``OUT/window.json`` (since when it waits,
-the bytes held, for whom) for ``hsx status``. A batch larger than the window is written once
-nothing is held (no release could make room for it). It lets through the batches of the shard a
-named consumer waits on (a sample not written yet: that consumer can release nothing until the
-producer writes it), so the disk may exceed the window by that shard; a wait on another shard, or
-on a file being read, lifts nothing (a resume writes the shard a consumer waits on first:
+(``hsx.consumer``; a damaged checkpoint or consumer spec releases nothing, and the pause names
+it); the window counts every sample file on disk that some named consumer has not released. The
+pause is one of ``Extractor.gates``, called before each batch is captured: it blocks there, logs
+when it starts and ends, and keeps ``OUT/window.json`` (since when it waits, the bytes held, for
+whom) for ``hsx status``. A batch larger than the window is written once nothing is held (no
+release could make room for it). It lets through the batches of the shard a named consumer waits
+on (a sample not written yet: that consumer can release nothing until the producer writes it), so
+the disk may exceed the window by that shard; a wait on another shard, or on a file being read,
+lifts nothing (a resume writes the shard a consumer waits on first:
 ``job.resume``).
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from hsx.consumer import LEASE_TIMEOUT, NOT_WRITTEN, ConsumerView, inspect
+from hsx.consumer import LEASE_TIMEOUT, NOT_WRITTEN, ConsumerView, inspect, repair
 from hsx.errors import RecordDamaged
 from hsx.lock import Liveness
 from hsx.plane import Publisher
@@ -215,10 +216,11 @@ class Pause:
         self.ahead = ahead
         self.sealed = Sealed(run)
         self.oversized = False  # whether the log said that a batch exceeds the window
+        self.views: list[ConsumerView] = []  # the consumers at the last look
         self.publisher = None if window.plane is None else Publisher(run, load_spec(run), window.plane, log)
 
     def _fits(self, nbytes: int) -> tuple[bool, WindowState]:
-        views = inspect(self.run, LEASE_TIMEOUT)
+        views = self.views = inspect(self.run, LEASE_TIMEOUT)
         done = released(self.window, views)
         if self.window.delete:
             delete_released(self.run, done, self.shard_size)
@@ -247,6 +249,8 @@ class Pause:
             f"window: paused, {size(state.held)} of samples not released by {who} "
             f"(window {size(self.window.bytes)}); waiting for them to release"
         )
+        for e in (e for v in self.views if v.name in state.waiting_for for e in v.damaged):
+            self.log(f"window: {e.path} {e.why}, so it releases nothing: {repair(e.path)}")
         write_record(self.run, self.run / RECORD, state.model_dump(mode="json"), indent=None)
         while not fits:
             time.sleep(self.poll)
