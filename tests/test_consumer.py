@@ -264,30 +264,34 @@ class DiskPoll:
         return spec.window.bytes + spec.shard_size * self.largest + 2 * spec.batch_tokens * spec.bytes_per_token
 
 
+def extractor(*args) -> subprocess.Popen:
+    """``hsx ARGS`` in a process of its own, its output dropped."""
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "hsx", *map(str, args)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def kill_on_progress(out: Path, proc: subprocess.Popen, k: int) -> None:
+    """SIGKILL an extraction of ``out`` once it wrote k more files, or waits at its window (progress
+    points)."""
+    before = set((out / "shards").rglob("*.safetensors"))
+    deadline = time.monotonic() + HANG_GUARD_S
+    while len(set((out / "shards").rglob("*.safetensors")) - before) < k:
+        state = read_state(out)
+        if state is not None and state.pid == proc.pid and state.paused_since is not None:
+            break
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait(timeout=HANG_GUARD_S)
+
+
 def test_trainer_and_extractor_killed_9_in_both_orders_train_the_sequence_of_an_uninterrupted_stream(
     tmp_path, finished_run
 ):
     data = write_jsonl(tmp_path / "convs.jsonl", conversations(40, start=40))  # finished_run's 40 are held out
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     ckpt.mkdir()
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-
-    def extractor(*args) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "hsx", *map(str, args)]
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def kill_on_progress(proc: subprocess.Popen, k: int) -> None:
-        """SIGKILL an extraction once it wrote k more files, or waits at its window (progress points)."""
-        before = set((out / "shards").rglob("*.safetensors"))
-        deadline = time.monotonic() + HANG_GUARD_S
-        while len(set((out / "shards").rglob("*.safetensors")) - before) < k:
-            state = read_state(out)
-            if state is not None and state.pid == proc.pid and state.paused_since is not None:
-                break
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.005)
-        proc.kill()
-        proc.wait(timeout=HANG_GUARD_S)
 
     window = ("--window", "0.0003", "--consumer", "draft", "--delete-released")  # about 4 samples of 40
     producer = extractor(*extract_args(data, out, *window))
@@ -298,9 +302,9 @@ def test_trainer_and_extractor_killed_9_in_both_orders_train_the_sequence_of_an_
     disk = DiskPoll(out, ["draft"]).start()  # the window's bound holds throughout, resumes included
     trainer = Trainer(out, ckpt, "draft")
     trainer.kill_after(1)  # the consumer first, mid-stream
-    kill_on_progress(producer, 2)  # then the producer, mid-batch (or as it waits at its window)
+    kill_on_progress(out, producer, 2)  # then the producer, mid-batch (or as it waits at its window)
     producer, trainer = extractor("extract", "--out", out), Trainer(out, ckpt, "draft")
-    kill_on_progress(producer, 2)  # the producer first
+    kill_on_progress(out, producer, 2)  # the producer first
     producer = extractor("extract", "--out", out)
     trainer.kill_after(1)  # then the consumer
     trainer = Trainer(out, ckpt, "draft")

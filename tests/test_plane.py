@@ -6,7 +6,6 @@ names mooncake)."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -25,13 +24,12 @@ from hsx.assess.status import assess
 from hsx.consumer import folder, read_acks
 from hsx.data import HsxDataset, StreamDataset, load_sample, stream_batches
 from hsx.errors import ConsumerRefused, SampleUnavailable
-from hsx.extract.window import read_state
 from hsx.plan import Plan
 from hsx.plane import Plane, Publisher, sample_bound
 from hsx.spec import load_spec
 from hsx.store import layout
 from hsx.store.records import identity
-from test_consumer import BUDGET, DiskPoll, Trainer, free_port
+from test_consumer import BUDGET, DiskPoll, Trainer, extractor, free_port, kill_on_progress
 
 WINDOW = ("--window", "0.0003", "--consumer", "draft", "--delete-released")  # about 4 samples of 40
 
@@ -233,25 +231,7 @@ def test_producer_and_trainer_without_shared_files_killed_9_train_exactly_what_a
     data, reference = samples
     out, ckpt = tmp_path / "producer" / "run", tmp_path / "ckpt"
     ckpt.mkdir()
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     plane = ("--plane", pool.url)
-
-    def extractor(*args) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "hsx", *map(str, args)]
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def kill_on_progress(proc: subprocess.Popen, k: int) -> None:
-        """SIGKILL the producer once it wrote k more files, or waits at its window (progress points)."""
-        before = set((out / "shards").rglob("*.safetensors"))
-        deadline = time.monotonic() + HANG_GUARD_S
-        while len(set((out / "shards").rglob("*.safetensors")) - before) < k:
-            state = read_state(out)
-            if state is not None and state.pid == proc.pid and state.paused_since is not None:
-                break
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.005)
-        proc.kill()
-        proc.wait(timeout=HANG_GUARD_S)
 
     producer = extractor(*extract_args(data, out, *WINDOW, *plane))
     deadline = time.monotonic() + HANG_GUARD_S
@@ -262,9 +242,9 @@ def test_producer_and_trainer_without_shared_files_killed_9_train_exactly_what_a
     disk, held = DiskPoll(out, ["draft"]).start(), PoolPoll(pool)
     trainer = Trainer(run, ckpt, "draft", *plane)
     trainer.kill_after(1)  # the trainer first, mid-stream
-    kill_on_progress(producer, 2)  # then the producer
+    kill_on_progress(out, producer, 2)  # then the producer
     producer, trainer = extractor("extract", "--out", out), Trainer(run, ckpt, "draft", *plane)
-    kill_on_progress(producer, 2)  # the producer first
+    kill_on_progress(out, producer, 2)  # the producer first
     producer = extractor("extract", "--out", out)
     trainer.kill_after(1)  # then the trainer
     producer.kill()  # and both at once
