@@ -37,18 +37,19 @@ wait "$side_installs" || true
 installed .venv-vllm
 installed .venv-lowest
 installed .venv-mooncake
-# The vLLM and Mooncake suites are one process each: side by side, a core each; each one's output
-# printed whole once both ended, and the run fails if either did.
+# The side environments' suites, side by side (each mostly one process; most of their time is the
+# vLLM engine's): each one's output printed whole once all ended, and the run fails if any did.
 bash scripts/test-vllm.sh test >.venv-vllm/tests.log 2>&1 &
 vllm=$!
 bash scripts/test-mooncake.sh test >.venv-mooncake/tests.log 2>&1 &
 mooncake=$!
-failed=0
-wait "$vllm" || failed=1
-wait "$mooncake" || failed=1
-cat .venv-vllm/tests.log .venv-mooncake/tests.log
-[ "$failed" = 0 ]
-# What loads and splits the model (TP, EP, pipeline stages, checkpoint formats), not the process
-# faults, which the main suite runs.
+# The lowest transformers: what loads and splits the model (TP, EP, pipeline stages, checkpoint
+# formats), not the process faults, which the main suite runs.
 HSX_REQUIRE=compressed_tensors .venv-lowest/bin/python -m pytest -q "${workers[@]}" -m "not faults" \
-  tests/test_parallel.py tests/test_stages.py tests/test_checkpoint.py tests/test_quantized.py
+  tests/test_parallel.py tests/test_stages.py tests/test_checkpoint.py tests/test_quantized.py \
+  >.venv-lowest/tests.log 2>&1 &
+lowest=$!
+failed=0
+for side in "$vllm" "$mooncake" "$lowest"; do wait "$side" || failed=1; done
+cat .venv-vllm/tests.log .venv-mooncake/tests.log .venv-lowest/tests.log
+[ "$failed" = 0 ]
