@@ -192,7 +192,7 @@ class Publisher:
         self.run, self.shard_size, self.expected, self.log = run, spec.shard_size, spec.footprint().files, log
         self.plane = Plane(url, run, sample_bound(spec))
         self.put: set[int] | None = None  # ids whose key this session knows is there (None: not looked yet)
-        self.damaged: set[int] = set()  # ids whose file did not verify, said once
+        self.damaged: set[int] = set()  # ids whose file did not verify: said once, not read again
 
     def sync(self, present: set[int], released: set[int]) -> None:
         """``present``: ids whose file is on disk and not released; ``released``: ids every named consumer released."""
@@ -203,18 +203,17 @@ class Publisher:
         for sid in sorted(self.put & released):
             self.plane.remove(sid)
             self.put.discard(sid)
-        for sid in sorted(present - released - self.put):
+        # a file that did not verify stays so for the session (only a resume redoes it): not read again
+        for sid in sorted(present - released - self.put - self.damaged):
             path = layout.sample_path(self.run, sid, self.shard_size)
             try:
                 data = read_checked(path, sid, self.expected)
             except FileNotFoundError:
                 continue  # deleted since it was listed
             except BadFile as e:
-                if sid not in self.damaged:
-                    self.damaged.add(sid)
-                    self.log(f"plane: {path} is {e}, not put; hsx extract --out {self.run} redoes it")
+                self.damaged.add(sid)
+                self.log(f"plane: {path} is {e}, not put; hsx extract --out {self.run} redoes it")
                 continue
-            self.damaged.discard(sid)
             self.plane.put(sid, data)
             self.put.add(sid)
 
