@@ -269,6 +269,17 @@ REFUSED = [
     (("memory", "--model", TINY, "--tensor-parallel", "2"), "num_key_value_heads = 1 does not split over 2"),
     (("memory", "--model", TINY, "--pipeline-parallel", "9"), "9 pipeline stages need as many decoder layers"),
     (("extract", *NEW, "--window", "1e-12", "--consumer", "d"), "--window takes a number >= 1e-09"),  # was 0 B
+    (("extract", *NEW, "--window-limit", "2"), "--window-limit needs --window: it is how far past the window"),
+    (
+        ("extract", *NEW, "--window", "2", "--consumer", "d", "--window-limit", "2"),
+        "--window-limit 2 is not larger than --window 2: it is the larger bound (GB) up to which",
+    ),
+    (("extract", *NEW, "--window", "2", "--consumer", "d", "--window-limit", "1.5"), "--window-limit 1.5 is not"),
+    (
+        ("extract", *NEW, "--window", "2", "--consumer", "d", "--window-limit", "3TB"),
+        "Invalid value for '--window-limit': Input should be a valid number",
+    ),
+    (("extract", *NEW, "--window", "2", "--consumer", "d", "--window-limit", "0"), "--window-limit takes a number >="),
     (("memory", "--model", TINY, "--interconnect", "pcie"), "--interconnect pcie says what joins GPUs whose"),
     (
         ("memory", "--model", TINY, "--tensor-parallel", "1", "--allreduce-gbps", "22"),
@@ -568,6 +579,7 @@ SPECIFIC = {
     "consumer": ["draft-a", "draft-b"],
     "pipeline_parallel": 1,
     "plane": "mooncake://127.0.0.1:50051",
+    "window_limit": 2.0,  # larger than --window (a float field's 0.5)
 }
 
 

@@ -34,7 +34,7 @@ from hsx.assess.status import assess
 from hsx.consumer import NOT_WRITTEN, RankRecord, folder, inspect, read_acks
 from hsx.data import HsxDataset, SamplesUnavailableWarning, StreamDataset, collate_packed, stream_batches
 from hsx.errors import ConsumerRefused
-from hsx.extract.window import Pause, delete_released, read_state, released
+from hsx.extract.window import Pause, WindowState, delete_released, read_state, released
 from hsx.plan import Plan
 from hsx.spec import Window, differences, load_spec
 from hsx.store import layout
@@ -257,11 +257,12 @@ class DiskPoll:
             self._look()
 
     def stop(self) -> int:
-        """Stop polling; the documented bound: the window, a whole shard and the two batches in flight."""
+        """Stop polling; the documented bound: the window (its --window-limit, where it has one), a
+        whole shard and the two batches in flight."""
         self._stop.set()
         self._thread.join()
         spec = load_spec(self.run)
-        return spec.window.bytes + spec.shard_size * self.largest + 2 * spec.batch_tokens * spec.bytes_per_token
+        return spec.window.pause_at + spec.shard_size * self.largest + 2 * spec.batch_tokens * spec.bytes_per_token
 
 
 def extractor(*args) -> subprocess.Popen:
@@ -599,6 +600,74 @@ def test_a_stalled_consumer_pauses_the_extraction_at_its_window_and_its_releases
     assert not list((out / "shards").rglob("*.safetensors"))
     report = assess(out, deep=True)
     assert report.exit_code == 0 and report.get("progress").data["consumed"] == 40
+
+
+def test_window_limit_lets_a_lagging_trainer_hold_more_than_the_window_up_to_the_limit_said_and_recorded(tmp_path):
+    """--window-limit: a trainer that acknowledges a step and never declares a checkpoint releases
+    nothing. Without the option the extraction pauses at its window; with it, it goes on past the
+    window (said once in the log, with the numbers), up to the limit, and pauses there; the disk,
+    polled throughout, holds more than the window and stays within the limit's bound. The spec
+    records the limit; status warns (exit 0, never "nothing wrong") by how much the run is past its
+    window; a resume keeps the limit (it pauses at it again), and one asking another is refused."""
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(40, start=100))
+    out, log = tmp_path / "run", tmp_path / "extract.log"
+    window = ("--window", "0.0003", "--window-limit", "0.0009", "--consumer", "draft")
+
+    def produce(*args: str) -> subprocess.Popen:
+        with open(log, "a") as err:
+            cmd = [sys.executable, "-m", "hsx", *map(str, args)]
+            return subprocess.Popen(cmd, env=os.environ | {"HF_HUB_OFFLINE": "1"}, stdout=err, stderr=err)
+
+    def paused(producer: subprocess.Popen) -> WindowState:
+        while (state := read_state(out)) is None or state.pid != producer.pid or state.paused_since is None:
+            assert producer.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.01)
+        return state
+
+    producer = produce(*extract_args(data, out, *window))
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (out / "hsx.json").exists():
+        assert producer.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)
+    assert load_spec(out).window == Window(bytes=300_000, consumers=["draft"], limit=900_000)
+    disk = DiskPoll(out, ["draft"]).start()
+    ds = stream(out)
+    next(iter(ds))
+    ds.ack(1)  # and no checkpointed: it releases nothing
+    try:
+        state = paused(producer)
+        said = log.read_text()
+        assert said.count("window: past its window, ") == 1, said
+        assert re.search(r"window: past its window, [\d.]+ kB of samples not released by draft \(window 300\.0 kB\); "
+                         r"going on while they lag, up to 900\.0 kB \(--window-limit\)", said), said  # fmt: skip
+        assert "(window 300.0 kB, up to 900.0 kB by --window-limit); waiting for them to release" in said, said
+        assert state.limit == 900_000 and state.past_since is not None and state.held > 300_000
+        assert len(list((out / "shards").rglob("*.safetensors"))) < 40
+    finally:
+        producer.terminate()
+        producer.wait(timeout=HANG_GUARD_S)
+    bound = disk.stop()
+    assert 300_000 < disk.peak <= bound, (disk.peak, bound)
+    line = assess(out).get("consumers")
+    assert line.level == "warn" and "past its window by " in line.figure, line
+    assert line.figure.endswith(" (allowed up to 900.0 kB by --window-limit)"), line.figure
+    assert line.data["window"]["past_by"] == line.data["window"]["held"] - 300_000 > 0
+    status = hsx("status", out, check=False)
+    assert status.returncode == 0 and "nothing wrong" not in status.stdout, status.stdout
+    assert "exit 0: nothing to repair; warnings: " in status.stdout and "consumers" in status.stdout.splitlines()[-1]
+    producer = produce("extract", "--out", out)  # the resume keeps the limit: paused at it again
+    try:
+        paused(producer)
+        assert log.read_text().count("up to 900.0 kB by --window-limit); waiting for them to release") == 2
+    finally:
+        producer.terminate()
+        producer.wait(timeout=HANG_GUARD_S)
+    ds.close()
+    other = hsx("extract", "--out", out, *window[:3], "0.002", *window[4:], check=False)
+    assert other.returncode == 2 and (
+        "window: run has 300.0 kB for draft, past it up to 900.0 kB while they lag, asked for 300.0 kB for draft, "
+        "past it up to 2.0 MB while they lag"
+    ) in " ".join(other.stderr.split()), other.stderr
 
 
 def test_a_resume_of_an_extractor_killed_mid_shard_first_finishes_the_shard_a_consumer_waits_on(tmp_path):

@@ -163,18 +163,26 @@ class PlanIdentity(BaseModel):
 
 class Window(BaseModel):
     """``--window``: the extraction pauses while the bytes of its samples that the named consumers
-    have not all released exceed ``bytes`` (docs/streaming.md). It changes no number, only when
-    samples are written."""
+    have not all released exceed ``bytes`` (docs/streaming.md), or past them ``limit`` where the
+    operator let it go further while they lag. It changes no number, only when samples are written."""
 
     bytes: int
     consumers: list[str]
     delete: bool = False  # released files are deleted (recorded consumed first: store.writer.record_consumed)
     plane: str | None = None  # each sample's bytes also put in this data plane until released (hsx.plane)
+    # ``--window-limit``: past ``bytes``, the extraction goes on up to this many while the consumers lag
+    limit: int | None = None
+
+    @property
+    def pause_at(self) -> int:
+        """The bytes held at which the extraction pauses: the limit where the run has one, else the window."""
+        return self.bytes if self.limit is None else self.limit
 
     def __str__(self) -> str:
         deleting = ", deleting released files" if self.delete else ""
         plane = f", through {self.plane}" if self.plane else ""
-        return f"{size(self.bytes)} for {', '.join(self.consumers)}{deleting}{plane}"
+        limit = f", past it up to {size(self.limit)} while they lag" if self.limit is not None else ""
+        return f"{size(self.bytes)} for {', '.join(self.consumers)}{limit}{deleting}{plane}"
 
 
 class Parallel(BaseModel):

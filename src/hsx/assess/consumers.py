@@ -3,7 +3,8 @@ acknowledged and holds leased, how far it lags behind what is written (samples, 
 ranks' last durable checkpoints, and what keeps it or the producer's window from going on: a dead
 rank, a sample it waits for that is corrupt (``hsx extract`` redoes it) or was deleted, a trainer
 whose checkpoints the window cannot wait for, a window exceeded, a damaged record of a consumer
-(``consumer.repair``). Each of those fails the line."""
+(``consumer.repair``). Each of those fails the line. A run its ``--window-limit`` lets hold more than
+its window warns (the line says by how much)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def check(
         state = None
         troubles.append(Trouble(f"{RECORD}: {e.why}", f"the extractor rewrites {RECORD} at its next pause"))
     paused = producing and state is not None and state.paused_since is not None
+    past = None
     for v in views:
         troubles += [Trouble(f"{v.name}: {e.path.name} {e.why}", f"{e.path}: {repair(e.path)}") for e in v.damaged]
         line, figures, trouble = _describe(run, v, written, num_samples, shard_size, now)
@@ -81,13 +83,18 @@ def check(
         absent = [n for n in window.consumers if n not in {v.name for v in views}]
         if absent:
             details.append(f"{', '.join(absent)}: never started; the window waits for them")
+        past = _past(window, used, state if producing else None, now)
+        if past is not None:
+            data["window"] |= {"limit": window.limit, "past_by": used - window.bytes}
+            figure += f"; {past}"
         shard = max((sum(r.size for r in {**s.good, **s.consumed}.values()) for s in scans), default=0)
-        bound = window.bytes + shard + in_flight
+        bound = window.pause_at + shard + in_flight
         if used > bound:
+            limit = "the window" if window.limit is None else "the --window-limit"
             troubles.append(
                 Trouble(
                     f"the window is exceeded: {size(used)} not released on disk, over its bound of {size(bound)} "
-                    f"(the window, a shard of {size(shard)} and the batches in flight)",
+                    f"({limit}, a shard of {size(shard)} and the batches in flight)",
                     "find which consumer holds them in the lines above; a trainer that declares checkpoints "
                     "(checkpointed) releases them",
                 )
@@ -102,7 +109,26 @@ def check(
             redo=all(t.redo for t in troubles),
             data=data,
         )
+    if past is not None:
+        return Check("consumers", "warn", figure, details, action=LAGGING, data=data)
     return Check("consumers", "ok", figure, details, data=data)
+
+
+LAGGING = (
+    "the consumers lag: the extraction pauses at the --window-limit; a trainer that acknowledges and declares "
+    "checkpoints (checkpointed) releases what it trained"
+)
+
+
+def _past(window: Window, used: int, state: WindowState | None, now: float) -> str | None:
+    """A run whose ``--window-limit`` let it hold more than its window (a warning): by how much, and
+    since when where the producer running now recorded it. None within the window, or without a limit."""
+    if window.limit is None or used <= window.bytes:
+        return None
+    since = f" since {duration(now - state.past_since)}" if state is not None and state.past_since else ""
+    return (
+        f"past its window by {size(used - window.bytes)}{since} (allowed up to {size(window.limit)} by --window-limit)"
+    )
 
 
 def _describe(

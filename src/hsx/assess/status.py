@@ -1,7 +1,8 @@
 """``hsx status``: the whole recovery assessment as one checklist, and the one command that resumes.
 
 Each line is ok / warn / fail with the figure behind it. The exit code says who acts next: 0 nothing
-is wrong, 1 ``hsx extract`` repairs what is wrong by itself, 2 a person must act first.
+to repair (the lines that warn named beside it), 1 ``hsx extract`` repairs what is wrong by itself, 2 a
+person must act first.
 """
 
 from __future__ import annotations
@@ -252,7 +253,9 @@ def render(report: Report, console: Console) -> None:
     if report.resume:
         label = "then resume" if report.exit_code == Exit.ACT else "resume"
         console.print(f"[bold]{label}:[/] {escape(report.resume)}", highlight=False)
-    verdict = {0: "[green]nothing wrong[/]", 1: f"[yellow]hsx {report.command} repairs this[/]", 2: "[red]act first[/]"}
+    warned = [c.name for c in report.checks if c.level == "warn"]
+    ok = f"[yellow]nothing to repair; warnings: {', '.join(warned)}[/]" if warned else "[green]nothing wrong[/]"
+    verdict = {0: ok, 1: f"[yellow]hsx {report.command} repairs this[/]", 2: "[red]act first[/]"}
     console.print(f"exit {report.exit_code}: {verdict[report.exit_code]}", highlight=False)
 
 

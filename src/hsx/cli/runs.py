@@ -33,7 +33,8 @@ def status(
     """Is it safe to resume? One line per item: GPUs, volume, progress, pace, integrity, fidelity, model, capture,
     spec, workers.
 
-    Exit 0: nothing wrong; 1: damage that hsx extract redoes by itself; 2: a person must act first.
+    Exit 0: nothing to repair (warnings named); 1: damage that hsx extract redoes by itself; 2: a person must act
+    first.
     """
     from hsx.assess.status import assess, render
 

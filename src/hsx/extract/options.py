@@ -61,6 +61,7 @@ EXTRACT = Bounds(
     reference_every=Bound(min=0, max=1_000_000_000),
     final_state=Bound(choices=get_args(FinalStateNorm)),
     window=Bound(min=1e-9, max=1e9),  # one byte at the least: the spec records whole bytes
+    window_limit=Bound(min=1e-9, max=1e9),
 )
 
 
@@ -167,6 +168,15 @@ class ExtractOptions(JobOptions):
         float | None,
         Flag("Pause while the samples the --consumer trainers have not released exceed this many GB (new run).", "GB"),
     ] = None
+    # GB the extraction may go on up to past the window while the consumers lag, and pauses at (spec)
+    window_limit: A[
+        float | None,
+        Flag(
+            "With --window: go on past the window up to this many GB while the --consumer trainers lag, "
+            "and pause there (new run).",
+            "GB",
+        ),
+    ] = None
     # the consumers the window waits for (hsx.data.StreamDataset's names)
     consumer: A[
         list[str] | None, Flag("A trainer the window waits for (its StreamDataset name); repeatable.", "NAME")
@@ -197,6 +207,14 @@ class ExtractOptions(JobOptions):
             raise OptionError("--layers names no layer: give ids, or the preset mtp for the final state alone")
         if (self.window is None) != (not self.consumer):
             raise OptionError("--window and --consumer go together: the window waits for the consumers named")
+        if self.window_limit is not None:
+            if self.window is None:
+                raise OptionError("--window-limit needs --window: it is how far past the window the extraction goes")
+            if int(self.window_limit * 1e9) <= int(self.window * 1e9):  # as the spec records them: whole bytes
+                raise OptionError(
+                    f"--window-limit {self.window_limit:g} is not larger than --window {self.window:g}: it is the "
+                    "larger bound (GB) up to which the extraction goes on past the window while the consumers lag"
+                )
         if self.delete_released and self.window is None:
             raise OptionError("--delete-released needs --window: the window's consumers are the ones that release")
         if self.plane is not None:
@@ -250,7 +268,14 @@ class ExtractOptions(JobOptions):
         if self.window is None:
             return None
         consumers = sorted(set(self.consumer or []))
-        return Window(bytes=int(self.window * 1e9), consumers=consumers, delete=self.delete_released, plane=self.plane)
+        limit = None if self.window_limit is None else int(self.window_limit * 1e9)
+        return Window(
+            bytes=int(self.window * 1e9),
+            consumers=consumers,
+            delete=self.delete_released,
+            plane=self.plane,
+            limit=limit,
+        )
 
     def resources(self, device: str | None = None) -> Resources:
         return Resources(device or self.device or default_device(), self.writers, self.max_inflight_bytes, self.threads)

@@ -6,7 +6,9 @@ A sample is released by a consumer once its checkpoint covers the step that ackn
 it); the window counts every sample file on disk that some named consumer has not released. The
 pause is one of ``Extractor.gates``, called before each batch is captured: it blocks there, logs
 when it starts and ends, and keeps ``OUT/window.json`` (since when it waits, the bytes held, for
-whom) for ``hsx status``. A batch larger than the window is written once nothing is held (no
+whom) for ``hsx status``. With ``--window-limit`` (``Window.limit``) the same gate lets the run go
+on past the window while its consumers lag, says so once in the log and in ``window.json``, and
+pauses at the limit instead. A batch larger than the window is written once nothing is held (no
 release could make room for it). It lets through the batches of the shard a named consumer waits
 on (a sample not written yet: that consumer can release nothing until the producer writes it), so
 the disk may exceed the window by that shard; a wait on another shard, or on a file being read,
@@ -41,8 +43,10 @@ class WindowState(BaseModel):
     """``OUT/window.json``: the producer's last look at its window."""
 
     window: int
+    limit: int | None = None  # --window-limit: where it pauses, past the window
     held: int  # bytes of samples on disk not released by every named consumer
     paused_since: float | None = None
+    past_since: float | None = None  # since when it holds more than the window (up to its limit)
     waiting_for: list[str] = []  # the consumers whose releases it waits for
     pid: int = 0
     t: float = 0.0
@@ -216,6 +220,7 @@ class Pause:
         self.ahead = ahead
         self.sealed = Sealed(run)
         self.oversized = False  # whether the log said that a batch exceeds the window
+        self.past_since: float | None = None  # since when it holds more than the window (--window-limit)
         self.views: list[ConsumerView] = []  # the consumers at the last look
         self.publisher = None if window.plane is None else Publisher(run, load_spec(run), window.plane, log)
 
@@ -228,26 +233,55 @@ class Pause:
         used, behind = summed(self.window, views, files)
         if self.publisher is not None:  # the plane holds what the disk holds unreleased
             self.publisher.sync(set(files), done)
-        state = WindowState(window=self.window.bytes, held=used, waiting_for=behind, pid=os.getpid(), t=time.time())
+        state = WindowState(
+            window=self.window.bytes,
+            limit=self.window.limit,
+            held=used,
+            waiting_for=behind,
+            pid=os.getpid(),
+            t=time.time(),
+        )
+        self._past(state)
         # with nothing held, a batch larger than the window goes alone: no release could ever make room for it
-        fits = used + nbytes <= self.window.bytes or not used
+        fits = used + nbytes <= self.window.pause_at or not used
         return fits or waited_on(self.run, views, self.window.consumers, self.shard_size, *self.ahead()), state
+
+    def _past(self, state: WindowState) -> None:
+        """With ``--window-limit``: say once, with the numbers, when the run holds more than its
+        window (and once when it is back within it), recorded in ``window.json`` for ``hsx status``."""
+        if self.window.limit is None or (state.held > self.window.bytes) == (self.past_since is not None):
+            state.past_since = self.past_since
+            return
+        if self.past_since is None:
+            self.past_since = time.time()
+            self.log(
+                f"window: past its window, {size(state.held)} of samples not released by "
+                f"{', '.join(state.waiting_for)} (window {size(self.window.bytes)}); going on while they lag, up "
+                f"to {size(self.window.limit)} (--window-limit)"
+            )
+        else:
+            self.past_since = None
+            self.log(f"window: back within its window ({size(state.held)} held of {size(self.window.bytes)})")
+        state.past_since = self.past_since
+        write_record(self.run, self.run / RECORD, state.model_dump(mode="json"), indent=None)
 
     def __call__(self, nbytes: int) -> None:
         fits, state = self._fits(nbytes)
-        if nbytes > self.window.bytes and not self.oversized:
+        if nbytes > self.window.pause_at and not self.oversized:
             self.oversized = True
+            bound = "the window" if self.window.limit is None else "--window-limit"
             self.log(
-                f"window: a batch of {size(nbytes)} is larger than the window ({size(self.window.bytes)}); "
+                f"window: a batch of {size(nbytes)} is larger than {bound} ({size(self.window.pause_at)}); "
                 "each such batch is written alone, once the consumers released everything before it"
             )
         if fits:
             return
         since = state.paused_since = time.time()
         who = ", ".join(state.waiting_for)
+        limit = "" if self.window.limit is None else f", up to {size(self.window.limit)} by --window-limit"
         self.log(
             f"window: paused, {size(state.held)} of samples not released by {who} "
-            f"(window {size(self.window.bytes)}); waiting for them to release"
+            f"(window {size(self.window.bytes)}{limit}); waiting for them to release"
         )
         for e in (e for v in self.views if v.name in state.waiting_for for e in v.damaged):
             self.log(f"window: {e.path} {e.why}, so it releases nothing: {repair(e.path)}")
