@@ -15,6 +15,7 @@ from hsx.extract.window import Sealed, delete_released, held
 from hsx.spec import Window
 from hsx.store import layout
 from hsx.store.writer import read_consumed
+from hsx.units import size
 
 NAMES = ["draft"]
 
@@ -127,3 +128,36 @@ def test_a_damaged_or_another_runs_window_record_is_named_by_status(finished_run
         (run / RECORD).write_bytes(damaged)
         c = consumers.check(run, scans, 40, 10, window)
         assert c.level == "fail" and f"{RECORD}: {why}" in c.figure, c
+
+
+def test_the_gate_says_once_that_the_run_is_past_its_window_and_once_that_it_is_back_within(finished_run, tmp_path):
+    """--window-limit: the gate lets a batch through past the window and up to the limit; it logs
+    going past once (not at every batch), records it in window.json, and logs and records the return
+    within the window once the files held fall under it. Without a limit it pauses at the window and
+    says nothing of the kind."""
+    from hsx.extract.window import Pause, read_state
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    files = _on_disk(run)
+    total = sum(files.values())
+    said: list[str] = []
+    limited = Window(bytes=total // 2, consumers=NAMES, limit=total + 1000)
+    gate = Pause(run, limited, 10, said.append, lambda: (4, set()), poll=0.01)
+    gate(1000)
+    gate(1000)  # still past: not said again
+    past = [s for s in said if s.startswith("window: past its window, ")]
+    assert len(past) == 1 and f"(window {size(total // 2)}); going on while they lag, up to " in past[0], said
+    state = read_state(run)
+    assert state.past_since is not None and state.limit == total + 1000 and state.held == total
+    assert state.paused_since is None and "paused" not in " ".join(said)
+    for sid in sorted(files)[: len(files) * 3 // 4]:  # as a deleting window does once they are released
+        layout.sample_path(run, sid, 10).unlink()
+    gate(1000)
+    assert said[-1].startswith("window: back within its window (") and read_state(run).past_since is None, said
+    gate(1000)
+    assert sum(s.startswith("window: back within") for s in said) == 1
+    # without the limit, the same files hold the gate at the window: it would wait (nothing releases)
+    unlimited = Pause(run, Window(bytes=1, consumers=NAMES), 10, said.append, lambda: (4, set()), poll=0.01)
+    fits, state = unlimited._fits(1000)
+    assert not fits and state.past_since is None and state.limit is None
