@@ -258,6 +258,6 @@ def _stuck(v: ConsumerView, state: WindowState, now: float) -> list[Trouble]:
             f"checkpoint (acknowledged through step {last}, checkpoints at step {points}): its checkpoints are "
             "further apart than the window holds",
             "declare checkpoints more often (the window must hold the steps between two of them and a shard), "
-            "or extract into a new run with a larger --window",
+            "or extract into a new run with a larger --window (or a --window-limit past it)",
         )
     ]
