@@ -82,7 +82,7 @@ def test_stream_serves_the_datasets_tensors_once_each_in_its_sequence_to_disjoin
             want = collate_packed([offline[i] for i in ids])
             assert want.keys() == batch.keys()
             assert all(torch.equal(want[k], batch[k]) for k in want)
-    acks = read_acks(folder(run, "draft") / "acks-000000.jsonl")[0]
+    acks = read_acks(run, folder(run, "draft") / "acks-000000.jsonl").acks
     assert [a.ids for a in acks] == order and [a.step for a in acks] == list(range(1, len(order) + 1))
     # two ranks of another consumer: disjoint, every sample once, each its every other batch
     ranks = [stream(run, "pair", rank=r, ranks=2) for r in (0, 1)]
@@ -114,7 +114,7 @@ def test_a_restart_continues_right_after_its_checkpoints_step_and_refuses_any_ot
     rest = consume(ds, first=4)
     ds.close()
     assert first[:3] + rest == ds.batches  # nothing acknowledged twice, nothing leased lost
-    acks = read_acks(folder(run, "draft") / "acks-000000.jsonl")[0]
+    acks = read_acks(run, folder(run, "draft") / "acks-000000.jsonl").acks
     assert [a.ids for a in acks] == ds.batches and [a.step for a in acks] == list(range(1, 14))
 
 
@@ -322,7 +322,7 @@ def test_trainer_and_extractor_killed_9_in_both_orders_train_the_sequence_of_an_
     final = load_file(ckpt / "final.safetensors")
     trained = final["trained0"].tolist()
     assert trained == sequence and sorted(trained) == list(range(40))
-    acks = read_acks(folder(out, "draft") / "acks-000000.jsonl")[0]
+    acks = read_acks(out, folder(out, "draft") / "acks-000000.jsonl").acks
     assert [i for a in acks for i in a.ids] == sequence and [a.step for a in acks] == list(range(1, len(acks) + 1))
     report = assess(out, deep=True)
     line = report.get("consumers")
@@ -401,7 +401,7 @@ def test_ddp_ranks_over_gloo_in_the_documented_loop_train_each_sample_once_after
     final = load_file(ckpt / "final.safetensors")
     for r in (0, 1):  # the trainer's own record of what each rank trained: its sequence, once
         assert final[f"trained{r}"].tolist() == [i for b in order[r::2] for i in b]
-        acks = read_acks(folder(out, "ddp") / f"acks-{r:06d}.jsonl")[0]
+        acks = read_acks(out, folder(out, "ddp") / f"acks-{r:06d}.jsonl").acks
         assert [a.ids for a in acks] == order[r::2]
     hsx("extract", "--out", out)  # what the last checkpoint released after the extraction ended
     report = assess(out, deep=True)
@@ -492,7 +492,7 @@ def test_speculators_trains_an_eagle3_draft_in_its_own_loop_on_a_live_run(tmp_pa
         logging.getLogger("speculators.metrics").removeHandler(handler)
     stream.close()
     assert producer.wait(timeout=HANG_GUARD_S) == 0
-    acks = read_acks(folder(out, "eagle3") / "acks-000000.jsonl")[0]
+    acks = read_acks(out, folder(out, "eagle3") / "acks-000000.jsonl").acks
     assert trainer.global_step == len(stream) == len(acks) and [a.step for a in acks] == list(range(1, len(acks) + 1))
     assert [a.ids for a in acks] == stream.batches and sorted(i for a in acks for i in a.ids) == list(range(20))
     assert 0 < inspect(out)[0].checkpoint.step < len(acks)  # a mid-stream checkpoint was declared
@@ -749,7 +749,7 @@ def test_a_resume_of_an_extractor_killed_mid_shard_first_finishes_the_shard_a_co
         trainer.result(timeout=HANG_GUARD_S)
     bound = disk.stop()
     assert 0 < disk.peak <= bound, (disk.peak, bound)
-    acks = read_acks(folder(out, "draft") / "acks-000000.jsonl")[0]
+    acks = read_acks(out, folder(out, "draft") / "acks-000000.jsonl").acks
     assert [a.ids for a in acks] == ds.batches and sorted(i for a in acks for i in a.ids) == list(range(60))
     ds.close()
 

@@ -272,7 +272,7 @@ def test_producer_and_trainer_without_shared_files_killed_9_train_exactly_what_a
     sequence = [i for b in stream_batches(Plan(out).lengths, 10, BUDGET, False, seed=7) for i in b]
     final = load_file(ckpt / "final.safetensors")
     assert final["trained0"].tolist() == sequence
-    acks = read_acks(folder(run, "draft") / "acks-000000.jsonl")[0]
+    acks = read_acks(run, folder(run, "draft") / "acks-000000.jsonl").acks
     assert [i for a in acks for i in a.ids] == sequence and [a.step for a in acks] == list(range(1, len(acks) + 1))
     # the reference: the same trainer, uninterrupted, on the same samples' files
     ref_ckpt = tmp_path / "ref-ckpt"

