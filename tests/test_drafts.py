@@ -26,7 +26,7 @@ from hsx.errors import OptionError
 from hsx.export.norm import TOLERANCE, diagnose, load_final_norm, prenorm_from_post
 from hsx.spec import differences, load_spec
 from hsx.store.format import FINAL_STATE_PRENORM, final_norm_of
-from test_export import MANIFEST, deepspec_read, export, manifest_ok, specforge_read
+from test_export import MANIFEST, assert_automodel_dspark, deepspec_read, export, manifest_ok, specforge_read
 
 N = 8  # the tiny Llama's decoder layers
 TAPS = drafts.dflash_taps(5, N)  # [1, 2, 3, 4, 5]
@@ -275,6 +275,34 @@ def test_deepspec_reads_the_final_state_of_a_pre_norm_run_after_the_norm(runs, t
     for g, s, twin in zip(got, samples(runs["dflash"]), samples(runs["post"]), strict=True):
         assert torch.equal(torch.from_numpy(g["aux"]), s["aux_hidden_states"].to(torch.bfloat16).float())
         assert torch.equal(torch.from_numpy(g["final"]), twin["hidden_states"].to(torch.bfloat16).float())
+
+
+def test_automodel_dspark_reads_a_pre_norm_run_after_the_norm_and_refusals_name_what_it_cannot(runs, models, tmp_path):
+    """Automodel's DSpark cache of the DFlash run stored pre-norm, read by its own cache code: the
+    final state after the norm (the post-norm twin's, exactly), the five taps as stored, equal to its
+    own capture of the target; a draft type it trains from no cache, a run without taps, --prenorm,
+    a draft-vocab map and taps out of order are refused by name, nothing written."""
+    dest = tmp_path / "am"
+    out = export(runs["dflash"], dest, "--to", "automodel", "--draft", "dspark")
+    assert f"--recipe_args.target_layer_ids=[{','.join(map(str, TAPS))}]" in out and "exact" in out
+    m = assert_automodel_dspark(
+        dest, models["normed"], samples(runs["dflash"]), [s["hidden_states"] for s in samples(runs["post"])]
+    )
+    assert m["target_layer_ids"] == TAPS
+    refused = {
+        ("--draft", "dflash"): "not dflash (Automodel 0.7 trains DFlash online only: its train_dflash recipe reads "
+        "no cache); dflash is trained by specforge",
+        ("--draft", "dspark", "--prenorm"): "--prenorm does not apply to --to automodel: its trainer reads the final "
+        "state post-norm",
+        ("--draft", "dspark", "--draft-vocab", "64"): "reads no draft-vocab map",
+        ("--draft", "dspark", "--taps", "3,1"): "target_layer_ids strictly increasing; --taps [3, 1] are not",
+    }
+    for i, (args, why) in enumerate(refused.items()):
+        assert why in export(runs["dflash"], tmp_path / f"no{i}", "--to", "automodel", *args, code=2)
+    assert "this run has none" in export(
+        runs["mtp"], tmp_path / "mtp", "--to", "automodel", "--draft", "dspark", code=2
+    )
+    assert not any((tmp_path / name).exists() for name in ("no0", "no1", "no2", "no3", "mtp"))
 
 
 def test_speculators_reads_every_draft_type_with_vllm_ids_and_the_exact_pre_norm_state(runs, tmp_path):

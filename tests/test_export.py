@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -676,6 +677,132 @@ def test_deepspec_reads_the_taps_and_the_post_norm_final_state_in_bfloat16(runs,
     for i, (args, why) in enumerate(refused.items()):
         assert why in export(runs["run"], tmp_path / f"no{i}", "--to", "deepspec", *args, code=2)
         assert not (tmp_path / f"no{i}").exists()
+
+
+# ---------------------------------------------------------------- NeMo-Automodel's DSpark cache
+
+
+def automodel_dspark_read(dest: Path, model: Path) -> tuple[dict, list[dict[str, torch.Tensor]]]:
+    """A DSpark export through NeMo-Automodel's own cache code: its manifest as its reader loads it,
+    every sample as ``CachedDSparkDataset`` gives it; checked first against what its recipe and its
+    resume check compare (the target's shapes from transformers' config, the manifest its own
+    ``build_cache_manifest`` writes for the same target and settings) and its weights against the
+    checkpoint's."""
+    require("nemo_automodel")
+    from nemo_automodel.components.datasets.llm.dspark_cache import (
+        CachedDSparkDataset,
+        build_cache_manifest,
+        manifest_mismatch_fields,
+        read_manifest,
+        read_target_weight_modules,
+        tokenizer_chat_template_sha256,
+    )
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    m = read_manifest(str(dest))  # refuses one marked incomplete or of another format version
+    config = AutoConfig.from_pretrained(model)
+    ds = CachedDSparkDataset(str(dest))
+    theirs = build_cache_manifest(
+        target_model=m["target_model"],
+        target_model_type=config.model_type,
+        target_text_config=config,
+        seq_length=m["seq_length"],
+        dtype="fp32",
+        num_samples=len(ds),
+        shard_size=1,
+        target_layer_ids=m["target_layer_ids"],
+        train_data_path=m["train_data_path"],
+        train_split=None,
+        shuffle_seed=0,
+        mask_reasoning_content=False,
+        chat_template_sha256=tokenizer_chat_template_sha256(AutoTokenizer.from_pretrained(model)),
+        mask_generation_prompt=False,
+    )
+    assert manifest_mismatch_fields(m, theirs) == ["hsx_certificate"]  # nothing its own precompute writes
+    target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    embed, head = read_target_weight_modules(str(dest))
+    assert torch.equal(embed.weight, target.get_input_embeddings().weight)
+    assert torch.equal(head.weight, target.get_output_embeddings().weight)
+    return m, [ds[i] for i in range(len(ds))]
+
+
+def automodel_dspark_capture(model: Path, layer_ids: list[int]):
+    """NeMo-Automodel's own DSpark target capture (``HFDSparkTargetModel``, forward hooks on the
+    decoder layers and the final norm) on transformers' model: ``capture(input_ids)`` ->
+    (``target_hidden_states`` [T, L*H], ``target_last_hidden_states`` [T, H])."""
+    from nemo_automodel.components.speculative.dspark.target import HFDSparkTargetModel
+    from transformers import AutoModelForCausalLM
+
+    wrapper = HFDSparkTargetModel(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), layer_ids)
+
+    def capture(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = input_ids.long()[None]
+        got = wrapper.generate_batch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids))
+        return got.target_hidden_states[0], got.target_last_hidden_states[0]
+
+    return capture
+
+
+def assert_automodel_dspark(
+    dest: Path, model: Path, src: list[dict], post: list[torch.Tensor], captured: int = 3
+) -> dict:
+    """Every sample of a DSpark export as Automodel reads it: hsx's tokens and loss mask unshifted,
+    its taps, the final state after the norm (``post``: the run's own, or its post-norm twin's) as
+    ``target_last_hidden_states`` and in the last layer's slot (Automodel's id N-1 is the post-norm
+    state), zeros past the end; and, on the first ``captured`` samples, what Automodel's own capture
+    computes from the target, within float32's rounding of another batch shape. Returns the manifest."""
+    m, got = automodel_dspark_read(dest, model)
+    taps, last = m["target_layer_ids"], m["num_hidden_layers"] - 1
+    capture = automodel_dspark_capture(model, taps)
+    assert len(got) == len(src) == len(post) and m["seq_length"] == max(len(s["input_ids"]) for s in src)
+    for i, (g, s, p) in enumerate(zip(got, src, post, strict=True)):
+        n, H = len(s["input_ids"]), p.shape[-1]
+        want = s["aux_hidden_states"].view(n, -1, H).clone()
+        if last in taps:
+            want[:, taps.index(last)] = p
+        assert g["input_ids"].dtype == g["loss_mask"].dtype == torch.int64
+        assert torch.equal(g["input_ids"][:n], s["input_ids"].long()) and not g["input_ids"][n:].any()
+        assert torch.equal(g["loss_mask"][:n], s["loss_mask"].long()) and not g["loss_mask"][n:].any()
+        assert torch.equal(g["target_hidden_states"][:n], want.reshape(n, -1))
+        assert torch.equal(g["target_last_hidden_states"][:n], p)
+        assert not g["target_hidden_states"][n:].any() and not g["target_last_hidden_states"][n:].any()
+        if i >= captured:
+            continue
+        states, final = capture(s["input_ids"])
+        torch.testing.assert_close(g["target_hidden_states"][:n], states, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(g["target_last_hidden_states"][:n], final, rtol=1e-4, atol=1e-4)
+    return m
+
+
+def test_automodel_dspark_reads_the_last_layer_after_the_norm_as_its_own_capture(runs, model, tmp_path):
+    """hsx export --to automodel --draft dspark, read by Automodel's own cache code, equals what its
+    own capture of the target gives: on layers [1, 3, 7] its feature at 7 (the last layer) is the
+    post-norm state, where hsx's tap 7 is that layer's raw output; the manifest is what its own
+    precompute writes, and the printed train line parses with its own config parser into keys its
+    train_dspark recipe reads."""
+    require("nemo_automodel")
+    from nemo_automodel.components.config._arg_parser import parse_args_and_load_config
+    from nemo_automodel.components.speculative.dspark.common import validate_target_layer_ids
+    from nemo_automodel.recipes.llm import __file__ as recipes
+
+    src = hsx_samples(runs["last"])
+    dest = tmp_path / "dspark"
+    out = export(runs["last"], dest, "--to", "automodel", "--draft", "dspark")
+    manifest_ok(dest, len(src))
+    m = assert_automodel_dspark(dest, model, src, [s["hidden_states"] for s in src])
+    assert m["target_layer_ids"] == [1, 3, 7] and m["hsx_certificate"] == certificate_note(runs["last"])
+    assert not torch.equal(src[0]["aux_hidden_states"][:, -64:], src[0]["hidden_states"])  # the slot was replaced
+    (train,) = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("train ")]
+    (tmp_path / "c.yaml").write_text("recipe_args: {}\n")
+    args = shlex.split(train.split("  (", 1)[0])
+    assert args[:5] == ["python", "-m", "nemo_automodel.recipes.llm.train_dspark", "--config", "CONFIG.yaml"]
+    recipe = parse_args_and_load_config(argv=["--config", str(tmp_path / "c.yaml"), *args[5:]]).recipe_args
+    assert recipe.cached_target_path == str(dest.absolute()) and recipe.target_model_name_or_path == str(model)
+    assert recipe.seq_length == m["seq_length"] and not recipe.mask_reasoning_content
+    assert validate_target_layer_ids(recipe.target_layer_ids, 8) == [1, 3, 7]
+    source = (Path(recipes).parent / "train_dspark.py").read_text()
+    read = set(re.findall(r"recipe_cfg\.get\(\s*\"(\w+)\"", source)) | set(re.findall(r"recipe_cfg\.(\w+)\b", source))
+    assert set(recipe.to_dict()) <= read, set(recipe.to_dict()) - read
 
 
 # ---------------------------------------------------------------- storage codecs: every export decodes

@@ -118,11 +118,12 @@ class Head:
         from hsx.finalnorm import locate as locate_norm
 
         lm = LanguageModel.of(model_dir)
-        weight = read_weight(lm, _head_name(lm)).to(device, dtype)
+        weight = read_weight(lm, head_name(lm)).to(device, dtype)
         return cls(locate_norm(model_dir).apply, lambda x: x @ weight.T, int(weight.shape[0]))
 
 
-def _head_name(lm: LanguageModel) -> str:
+def head_name(lm: LanguageModel) -> str:
+    """The checkpoint's LM head weight: its own, or the input embeddings where the head is tied to them."""
     names = [f"{lm.prefix}lm_head.weight"]
     if lm.config.get("tie_word_embeddings", True):  # transformers' default: a head tied to the embeddings
         names.append(f"{lm.prefix}model.embed_tokens.weight")

@@ -1,8 +1,11 @@
-"""NeMo-Automodel 0.7's EAGLE-3 offline cache (its ``precompute_eagle3``'s), what its ``train_eagle3``
-recipe streams with ``cached_target_path`` (``CachedEagle3Dataset``): ``manifest.json`` (format
-version 2), ``target_embeddings.safetensors`` (``weight``: the target's input embeddings, float32,
-which the draft's embeddings start from) and ``shard-NNNNNN.safetensors``, each a block of
-``shard_size`` samples stacked on dim 0 and padded to ``seq_length``.
+"""NeMo-Automodel 0.7's offline caches, what its recipes stream with ``cached_target_path``: one per
+draft type it trains from a cache, EAGLE-3 (``train_eagle3``) and DSpark (``train_dspark``); its
+DFlash recipes run the target online and read no cache. Each is ``manifest.json``, the target's
+weights the draft starts from, and ``shard-NNNNNN.safetensors``, each a block of ``shard_size``
+samples stacked on dim 0 and padded to ``seq_length``.
+
+EAGLE-3 (its ``precompute_eagle3``'s, read by ``CachedEagle3Dataset``): manifest format version 2,
+``target_embeddings.safetensors`` (``weight``: the target's input embeddings, float32).
 
 Its rows are shifted as its target wrapper shifts them (SpecForge's EAGLE-3 preparation): row t
 holds ``aux_hidden_states`` of position t, and ``input_ids``, ``loss_mask`` and the target's
@@ -15,27 +18,45 @@ full vocabulary (``target_probs_topk`` K, ``target_probs_values`` the K probabil
 to sum to 1, as its ``compress_target_probs`` does, and ``target_probs_indices`` their ids). A run
 without a teacher has no ``target_probs`` to give: refused.
 
+DSpark (its ``precompute_dspark``'s, read by ``CachedDSparkDataset``): manifest format version 1,
+``target_weights.safetensors`` (``embed_tokens.weight`` and ``lm_head.weight`` in the cache's
+dtype: its losses compute the target's distribution through that head), shards of ``input_ids``
+and ``loss_mask`` int64 [S] as its chat dataset gives them (unshifted: its anchors read the loss
+mask of the next position themselves), ``target_hidden_states`` [S, L*H] and
+``target_last_hidden_states`` [S, H], the final state AFTER the norm (it hooks the final norm's
+output). Its layer ids are hsx's (a hook on decoder layer k), but for the last layer, N-1: its
+feature there is the post-norm state (transformers' ``hidden_states[N]``), where hsx's tap N-1 is
+that layer's raw output; so that slot holds the final state after the norm. The manifest carries
+every field its ``build_cache_manifest`` writes, which its resume check compares whole and its
+recipe checks against the target and config (``complete`` true).
+
 Each sample is a shard of its own (``shard_size`` 1), so the export resumes sample by sample as
-every other does; the manifest and the embeddings are written last.
+every other does; the manifest and the weights are written last.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shlex
+from typing import ClassVar
 
 import numpy as np
 import torch
 from safetensors.torch import save
 
 from hsx.errors import ExportRefused
-from hsx.export.trainer import TrainerFormat, Written, put
-from hsx.fidelity import read_weight
-from hsx.target import LanguageModel
+from hsx.export.trainer import Context, TrainerFormat, Written, put
+from hsx.fidelity import head_name, read_weight
+from hsx.target import LanguageModel, load_tokenizer
 from hsx.teacher import Teacher
 
-FORMAT_VERSION = 2  # the cache format its reader accepts
+DSPARK = "dspark"
+FORMAT_VERSION = 2  # the EAGLE-3 cache format its reader accepts
+DSPARK_VERSION = 1  # the DSpark cache format its reader accepts
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # its manifest's names of the cache dtype
 EMBEDDINGS = "target_embeddings.safetensors"
+WEIGHTS = "target_weights.safetensors"
 
 
 def shard(index: int) -> str:
@@ -56,8 +77,33 @@ def padded(x: torch.Tensor, length: int) -> torch.Tensor:
 
 
 class Automodel(TrainerFormat):
+    """What both caches share: the shards' names, padding and the target's shapes; ``build`` picks
+    the draft type's cache."""
+
     name = "automodel"
-    drafts = ("eagle3",)
+    drafts = ("eagle3", DSPARK)
+    untaken: ClassVar[dict[str, str]] = {
+        "dflash": "Automodel 0.7 trains DFlash online only: its train_dflash recipe reads no cache"
+    }
+
+    @classmethod
+    def build(cls, ctx: Context) -> TrainerFormat:
+        return DSparkCache(ctx) if ctx.opts.draft == DSPARK else Eagle3Cache(ctx)
+
+    def job(self) -> dict:
+        return {"seq_length": self.seq_length}
+
+    @property
+    def seq_length(self) -> int:
+        """What every sample is padded to: the longest exported."""
+        return int(self.ctx.plan.lengths[self.ctx.ids].max()) if self.ctx.ids else 0
+
+    @property
+    def vocab(self) -> int:
+        return int(LanguageModel.of(self.ctx.model()).config["vocab_size"])
+
+
+class Eagle3Cache(Automodel):
     description = (
         "NeMo-Automodel 0.7 EAGLE-3 offline cache v2: manifest.json, target_embeddings.safetensors, "
         "shard-{i:06d}.safetensors = input_ids, attention_mask, loss_mask int64 [1,S], aux_hidden_states [1,S,3H], "
@@ -80,18 +126,6 @@ class Automodel(TrainerFormat):
                 "Automodel's cache takes its draft vocabulary from the run's --teacher (draft-vocab: its vocabulary; "
                 "topk: the full one): drop --draft-vocab"
             )
-
-    def job(self) -> dict:
-        return {"seq_length": self.seq_length}
-
-    @property
-    def seq_length(self) -> int:
-        """What every sample is padded to: the longest exported."""
-        return int(self.ctx.plan.lengths[self.ctx.ids].max()) if self.ctx.ids else 0
-
-    @property
-    def vocab(self) -> int:
-        return int(LanguageModel.of(self.ctx.model()).config["vocab_size"])
 
     def selected(self) -> np.ndarray:
         """The draft vocabulary's target ids (``selected_token_ids``)."""
@@ -172,5 +206,123 @@ class Automodel(TrainerFormat):
         }
         return [
             put(ctx.dest, EMBEDDINGS, save({"weight": weight.contiguous()})),
+            put(ctx.dest, "manifest.json", json.dumps(manifest, indent=2, sort_keys=True).encode()),
+        ]
+
+
+class DSparkCache(Automodel):
+    no_teacher = (
+        "Automodel's DSpark cache holds states and tokens; its losses compute the target's distribution from "
+        "target_last_hidden_states through the lm_head it holds"
+    )
+    description = (
+        "NeMo-Automodel 0.7 DSpark offline cache v1: manifest.json, target_weights.safetensors, "
+        "shard-{i:06d}.safetensors = input_ids, loss_mask int64 [1,S], target_hidden_states [1,S,L*H] "
+        "(layer N-1: post-norm), target_last_hidden_states [1,S,H] post-norm"
+    )
+
+    def check(self) -> None:
+        taps = self.ctx.taps
+        if taps != sorted(set(taps)):
+            raise ExportRefused(
+                "Automodel's DSpark recipe takes target_layer_ids strictly increasing; "
+                + (f"--taps {taps} are not" if self.ctx.opts.taps is not None else f"the run's taps {taps} are not")
+                + f": export with --taps {','.join(map(str, sorted(taps)))}"
+            )
+        if self.ctx.opts.draft_vocab is not None:
+            raise ExportRefused(
+                "Automodel's DSpark draft predicts over the target's vocabulary and reads no draft-vocab map: "
+                "drop --draft-vocab"
+            )
+
+    @property
+    def last(self) -> int:
+        """The last decoder layer: Automodel's feature there is the final state after the norm."""
+        return self.ctx.spec.model.num_layers - 1
+
+    def final_state(self) -> str:
+        at = f"; tap {self.last} too (its id {self.last} is the post-norm state)" if self.last in self.ctx.taps else ""
+        return f"{super().final_state()}, as target_last_hidden_states{at}"
+
+    def train_hint(self) -> str:
+        ctx = self.ctx
+        args = ["python", "-m", "nemo_automodel.recipes.llm.train_dspark", "--config", "CONFIG.yaml"]
+        args += [
+            f"--recipe_args.{key}={value}"
+            for key, value in (
+                ("cached_target_path", ctx.dest.absolute()),
+                ("target_model_name_or_path", ctx.model_named()),
+                ("seq_length", self.seq_length),
+                ("target_layer_ids", "[" + ",".join(map(str, ctx.taps)) + "]"),
+                ("mask_reasoning_content", False),
+                ("mask_generation_prompt", False),
+            )
+        ]
+        dtype = ctx.spec.dtype
+        cpu = "" if dtype == "float32" else f"; on CPU its recipe reads fp32 caches only (this one is {dtype})"
+        return (
+            f"{shlex.join(map(str, args))}  (CONFIG.yaml holds the rest of its recipe_args, mask_token_id among "
+            f"them, which it requires; its layer ids are hsx's; hsx's loss masks are the plan's{cpu})"
+        )
+
+    def sample(self, index: int, sid: int, t: dict[str, torch.Tensor]) -> list[Written]:
+        ctx, S = self.ctx, self.seq_length
+        T, H = t["hidden_states"].shape
+        post = ctx.final(sid, t, "post")
+        taps = ctx.aux(t)
+        if self.last in ctx.taps:  # its feature at the last layer is the post-norm state, not the raw output
+            taps = taps.view(T, -1, H).clone()
+            taps[:, ctx.taps.index(self.last)] = post
+            taps = taps.view(T, -1)
+        record = {
+            "input_ids": padded(t["input_ids"].to(torch.int64), S)[None],
+            "loss_mask": padded(t["loss_mask"].to(torch.int64), S)[None],
+            "target_hidden_states": padded(taps, S)[None],
+            "target_last_hidden_states": padded(post, S)[None],
+        }
+        return [put(ctx.dest, shard(index), save({k: v.contiguous() for k, v in record.items()}))]
+
+    def chat_template_sha256(self) -> str:
+        """The template the run's plan rendered with, hashed as its manifest hashes the tokenizer's."""
+        template = load_tokenizer(self.ctx.model(), self.ctx.spec.trust_remote_code).chat_template or ""
+        if isinstance(template, dict):  # a repository's named templates: the one asked for, else its default
+            template = template.get(self.ctx.spec.chat_template or "default", "")
+        return hashlib.sha256(template.encode()).hexdigest()
+
+    def finish(self, vocab) -> list[Written]:
+        ctx = self.ctx
+        model = ctx.model()
+        lm = LanguageModel.of(model)
+        dtype = getattr(torch, ctx.spec.dtype)
+        weights = {
+            "embed_tokens.weight": read_weight(lm, f"{lm.prefix}model.embed_tokens.weight").to(dtype),
+            "lm_head.weight": read_weight(lm, head_name(lm)).to(dtype),
+        }
+        H = ctx.hidden
+        manifest = {
+            "format_version": DSPARK_VERSION,
+            "complete": True,
+            "target_model": ctx.model_named(),
+            "target_model_type": json.loads((model / "config.json").read_text())["model_type"],
+            "target_vocab_size": self.vocab,
+            "hidden_size": H,
+            "num_hidden_layers": ctx.spec.model.num_layers,
+            "seq_length": self.seq_length,
+            "dtype": DTYPES[ctx.spec.dtype],
+            "num_samples": len(ctx.ids),
+            "shard_size": 1,
+            "target_hidden_dim": H * len(ctx.taps),
+            "target_last_hidden_dim": H,
+            "target_layer_ids": list(ctx.taps),
+            "train_data_path": str(ctx.opts.run.absolute()),
+            "train_split": None,
+            "shuffle_seed": 0,
+            "mask_reasoning_content": False,
+            "mask_generation_prompt": False,
+            "chat_template_sha256": self.chat_template_sha256(),
+            "hsx_certificate": ctx.certificate_note(),  # what hsx checked of these states (hsx.certify)
+        }
+        return [
+            put(ctx.dest, WEIGHTS, save({k: v.contiguous() for k, v in weights.items()})),
             put(ctx.dest, "manifest.json", json.dumps(manifest, indent=2, sort_keys=True).encode()),
         ]

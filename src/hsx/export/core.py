@@ -229,8 +229,10 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
     cls = FORMATS[opts.to]
     if opts.draft not in cls.drafts:
         takes = [f"{to} ({', '.join(f.drafts)})" for to, f in FORMATS.items() if opts.draft in f.drafts]
+        why = cls.untaken.get(opts.draft)
         raise ExportRefused(
             f"{opts.to}'s trainer takes the draft types {', '.join(cls.drafts)}, not {opts.draft}"
+            + (f" ({why})" if why else "")
             + (f"; {opts.draft} is trained by {'; '.join(takes)}" if takes else "")
         )
     if opts.prenorm and not cls.takes_prenorm:
@@ -245,7 +247,7 @@ def run_export(opts: ExportOptions, log: Callable[[str], None] = print) -> Expor
     plan = load_plan(run, spec)
     ids = export_ids(opts, spec)
     ctx = Context(opts, spec, plan, ids, export_taps(spec, opts.draft, opts.taps))
-    fmt = cls(ctx)
+    fmt = cls.build(ctx)
     fmt.check()
     filtered = {sid: why for sid in ids if (why := fmt.refuse(sid)) is not None}
     ids = [sid for sid in ids if sid not in filtered]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -263,6 +264,7 @@ class TrainerFormat:
     name = ""
     description = ""
     drafts: tuple[str, ...] = (EAGLE3,)  # the draft types its trainer trains from such files
+    untaken: ClassVar[dict[str, str]] = {}  # why its trainer takes no files for a draft type it trains otherwise
     takes_prenorm = False  # --prenorm changes what it writes (else it is refused as meaningless)
     reads: FinalStateNorm = "post"  # the final state's norm its trainer reads (without --prenorm)
     # why its files carry no --teacher distribution: where in its data the trainer could read one
@@ -270,6 +272,11 @@ class TrainerFormat:
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
+
+    @classmethod
+    def build(cls, ctx: Context) -> TrainerFormat:
+        """The format that writes ``ctx``'s draft type (a trainer with one cache per type picks it)."""
+        return cls(ctx)
 
     @property
     def draft(self) -> str:
