@@ -238,16 +238,19 @@ def test_forecast_and_memory_count_the_teacher(topk_run):
     assert est.teacher > 512 * row and est.total == base.total + est.teacher  # rows, and the head's logits
 
 
-@pytest.mark.parametrize("to", ["speculators", "modelopt"])
-def test_exports_say_where_the_teacher_has_no_place(topk_run, tmp_path, to):
+@pytest.mark.parametrize(("to", "draft"), [("speculators", "eagle3"), ("modelopt", "eagle3"), ("automodel", "dspark")])
+def test_exports_say_where_the_teacher_has_no_place(topk_run, tmp_path, to, draft):
     """A trainer whose data has no place for the target's distribution gets the states as before,
-    and the export says, in its summary and manifest, that the teacher was not exported and why."""
+    and the export says, in its summary and manifest, that the teacher was not exported and why
+    (Automodel's DSpark cache: its losses go through the LM head it holds)."""
     from hsx.export.core import run_export
     from hsx.export.trainer import ExportOptions
 
-    summary = run_export(ExportOptions(run=topk_run, dest=tmp_path / to, to=to), log=lambda _: None)
+    options = ExportOptions(run=topk_run, dest=tmp_path / to, to=to, draft=draft)
+    summary = run_export(options, log=lambda _: None)
     said = next(line for line in summary.lines() if line.startswith("teacher "))
     assert f"top-{K} log-probabilities" in said and "is not exported" in said
+    assert draft != "dspark" or "through the lm_head it holds" in said
     manifest = json.loads((tmp_path / to / "hsx-export.json").read_text())
     assert manifest["teacher"] == summary.teacher and summary.samples == len(files(topk_run))
 
