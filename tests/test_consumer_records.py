@@ -214,7 +214,8 @@ def test_another_runs_lease_is_named_lifts_no_pause_and_the_ranks_start_rewrites
     assert not waited_on(run, inspect(run), ["draft"], 10, 4, set())
     said: list[str] = []
     ds = stream(run, resume_step=13, log=said.append)
-    assert any("taking over a lock left by a dead trainer (another run's record" in s for s in said), said
+    took = f"taking over {rank_name(0)}, which no trainer holding it wrote (another run's record"
+    assert any(took in s for s in said), said
     assert read_lease(run, "draft", 0).pid == os.getpid() and assess(run).exit_code == 0
     ds.close()
 
@@ -258,7 +259,7 @@ def test_a_garbled_middle_line_of_a_journal_is_named_releases_nothing_after_it_a
     steps 5-13's samples never released, and a resume from step 4 dropped them unsaid) or, a
     changed id still JSON, released a sample never trained and kept one trained from release."""
     path = folder(run, "draft") / acks_name(0)
-    before = read_acks(run, path).acks
+    before = read_acks(run, path).acks  # read whole: this process's next reads judge only what changed
     garble(path, 5, how)
     failed(run, f"draft: {acks_name(0)} line 5 ", "cuts the damaged line and every line after it off")
     kept = {i for a in before[:4] for i in a.ids}

@@ -49,7 +49,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
+import xxhash
 from pydantic import BaseModel, Field
 
 from hsx.errors import ConsumerRefused, Locked, RecordDamaged
@@ -167,27 +169,54 @@ def read_acks(run: Path, path: Path) -> Journal:
     was never acknowledged, and ends the log. A whole line that does not verify (garbled, its
     digest not matching, another run's) is damage: it and every line after it are named
     (``Journal.damaged``, with the last step acknowledged intact before it), never read as a torn
-    end; the lines before it stand. Lines written before hsx stamped them are read as they are."""
+    end; the lines before it stand. Lines written before hsx stamped them are read as they are.
+
+    The window's gate reads every log before each batch: the lines this process verified before
+    are not judged again where the log still begins with the same bytes (``_VERIFIED``)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         return Journal([], 0)
     except OSError as e:
         return Journal([], 0, RecordDamaged(path, f"unreadable ({e.strerror})"))
-    *lines, _torn = raw.split(b"\n")  # split on newlines only: a garbled line's other breaks are its own
+    run_id = records.identity(run)
     out: list[Ack] = []
     good = 0
-    for n, line in enumerate(lines, 1):
+    seen = _VERIFIED.get(path)
+    if seen and seen.run == run_id and seen.size <= len(raw) and seen.digest == _digest(raw, seen.size):
+        good, out = seen.size, list(seen.acks)
+    *lines, _torn = raw[good:].split(b"\n")  # split on newlines only: a garbled line's other breaks are its own
+    first, damage = len(out) + 1, None
+    for i, line in enumerate(lines):
         try:
-            out.append(Ack.model_validate(records.parse_record(run, path, line)))
+            out.append(Ack.model_validate(records.judge(path, line, run_id)))
         except (RecordDamaged, ValueError) as e:
             why = e.why if isinstance(e, RecordDamaged) else "garbled (not an acknowledgement)"
-            after = f", and the {len(lines) - n} after it," if len(lines) > n else ""
+            rest = len(lines) - i - 1
+            after = f", and the {rest} after it," if rest else ""
             last = f"step {out[-1].step}" if out else "none"
-            damage = f"line {n} {why}: it{after} cannot be trusted (the last acknowledged before it: {last})"
-            return Journal(out, good, RecordDamaged(path, damage))
+            damage = f"line {first + i} {why}: it{after} cannot be trusted (the last acknowledged before it: {last})"
+            break
         good += len(line) + 1
-    return Journal(out, good)
+    _VERIFIED[path] = _Verified(run_id, good, _digest(raw, good), tuple(out))
+    return Journal(out, good, None if damage is None else RecordDamaged(path, damage))
+
+
+class _Verified(NamedTuple):
+    """What this process verified of an acks log (``read_acks``): for which run, how many bytes,
+    their digest, and their acknowledgements."""
+
+    run: str | None
+    size: int
+    digest: bytes
+    acks: tuple[Ack, ...]
+
+
+_VERIFIED: dict[Path, _Verified] = {}
+
+
+def _digest(raw: bytes, size: int) -> bytes:
+    return xxhash.xxh3_128_digest(memoryview(raw)[:size])
 
 
 def repair(path: Path) -> str:

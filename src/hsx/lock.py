@@ -141,15 +141,17 @@ class RunLock:
             if self._create(self._body()):
                 return
             try:
-                holder, left = self.holder(), "unreadable"
+                holder, damage = self.holder(), None
             except RecordDamaged as e:  # no holder wrote it as it is: taken over, saying why
-                holder, left = None, e.why
+                holder, damage = None, e
             if holder is not None and holder.state(stale_after=self.stale_after) == "alive":
                 raise Locked(holder)
             self.path.unlink(missing_ok=True)
-            if holder is not None:
-                left = f"{holder.describe()}, {holder.state(stale_after=self.stale_after)}"
-            self.warn(f"taking over a lock left by a dead {self.me.noun} ({left})")
+            if damage is not None:
+                self.warn(f"taking over {self.path.name}, which no {self.me.noun} holding it wrote ({damage.why})")
+            else:
+                left = f"{holder.describe()}, {holder.state(stale_after=self.stale_after)}" if holder else "unreadable"
+                self.warn(f"taking over a lock left by a dead {self.me.noun} ({left})")
             if not self._create(self._body()):
                 raise RuntimeError("could not acquire the run lock (another lock appeared during take-over)")
 

@@ -89,6 +89,12 @@ def read_record(run: Path, path: Path, fmt: str | None = None) -> dict | None:
 
 def parse_record(run: Path, path: Path, raw: bytes, fmt: str | None = None) -> dict:
     """``read_record``'s judgement of a record's bytes already read (a reader that needs their stat too)."""
+    return judge(path, raw, identity(run), fmt)
+
+
+def judge(path: Path, raw: bytes, run: str | None, fmt: str | None = None) -> dict:
+    """``parse_record`` with the run's identity known (``run``): a reader of many records at once
+    (the lines of a consumer's acks log) looks it up once."""
     try:
         body = json.loads(raw)
     except ValueError:
@@ -101,7 +107,7 @@ def parse_record(run: Path, path: Path, raw: bytes, fmt: str | None = None) -> d
         stamp = body.pop(DIGEST, None)
         if stamp != _body_digest(body):
             raise RecordDamaged(path, "garbled (its digest does not match its content)")
-        if body.pop(RUN) != identity(run):
+        if body.pop(RUN) != run:
             raise RecordDamaged(path, "another run's record (its run identity is not this run's spec)")
     return body
 
