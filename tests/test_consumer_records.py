@@ -276,3 +276,25 @@ def test_a_garbled_middle_line_of_a_journal_is_named_releases_nothing_after_it_a
     assert [a.ids for a in before[:4]] + rest == ds.batches  # every sample handed once after the repair
     assert [a.ids for a in read_acks(run, path).acks] == ds.batches
     assert len(released(WINDOW, inspect(run))) == 40 and assess(run).exit_code == 0
+
+
+@pytest.mark.parametrize("how", ["garbage", "another-id"])
+def test_a_damaged_journal_is_rebuilt_from_the_sequence_to_resume_from_the_checkpoint_past_it(run, how):
+    """The repair that keeps the trainer's last checkpoint (step 13, past the damaged line 5): asked
+    for (``rebuild_acks``), the resume rebuilds the log from the consumer's sequence of batches
+    (line 6 acknowledges the batches of steps 5 and 6, whose count it holds), so every sample is
+    acknowledged once and released by that checkpoint, and nothing is handed again."""
+    path = folder(run, "draft") / acks_name(0)
+    trained = [i for a in read_acks(run, path).acks for i in a.ids]  # what the trainer acknowledged
+    garble(path, 5, how)
+    with pytest.raises(RecordDamaged, match=r"line 5 .*rebuild_acks=True"):  # only where asked
+        stream(run, resume_step=13)
+    said: list[str] = []
+    ds = stream(run, resume_step=13, rebuild_acks=True, log=said.append)
+    assert any(f"{acks_name(0)}: line 5 " in s and "rebuilt from the consumer's sequence" in s for s in said), said
+    assert ds.position == len(ds.batches) == 13 and list(ds) == []
+    ds.close()
+    acks = read_acks(run, path).acks
+    assert [a.step for a in acks] == [1, 2, 3, 4, *range(6, 14)]
+    assert acks[4].ids == ds.batches[4] + ds.batches[5] and [i for a in acks for i in a.ids] == trained
+    assert len(released(WINDOW, inspect(run))) == 40 and assess(run).exit_code == 0

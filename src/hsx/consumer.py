@@ -156,6 +156,7 @@ class Journal:
     acks: list[Ack]  # the lines that verify, up to the first that does not
     size: int  # the bytes they take: a last line torn by a crash, or damage, follows them
     damaged: RecordDamaged | None = None  # a whole line that does not verify, naming it: never a crash's
+    later: list[Ack] = field(default_factory=list)  # the lines after the damage that verify (``rebuilt``)
 
 
 def ack_line(run: Path, ack: Ack) -> bytes:
@@ -199,7 +200,42 @@ def read_acks(run: Path, path: Path) -> Journal:
             break
         good += len(line) + 1
     _VERIFIED[path] = _Verified(run_id, good, _digest(raw, good), tuple(out))
-    return Journal(out, good, None if damage is None else RecordDamaged(path, damage))
+    if damage is None:
+        return Journal(out, good)
+    return Journal(out, good, RecordDamaged(path, damage), _intact(path, lines[i + 1 :], run_id))
+
+
+def _intact(path: Path, lines: list[bytes], run_id: str | None) -> list[Ack]:
+    """The acknowledgements of ``lines`` that verify (those after a damaged line)."""
+    out = []
+    for line in lines:
+        try:
+            out.append(Ack.model_validate(records.judge(path, line, run_id)))
+        except (RecordDamaged, ValueError):
+            continue
+    return out
+
+
+def rebuilt(journal: Journal, step: int, sequence: list[list[int]]) -> list[Ack]:
+    """A damaged log through ``step``, a line past the damage that verifies, rebuilt from the rank's
+    ``sequence`` of batches (``hsx.data.stream_batches``): each line after the damage acknowledges
+    the batches between the line before it and its own count (``batches``), so the damaged lines'
+    batches go to the next line that verifies, and their steps are gone (the lines past ``step``
+    are rolled back by the resume). ``RecordDamaged`` where the lines that verify through ``step``
+    do not follow each other."""
+    out = list(journal.acks)
+    for ack in journal.later:
+        start = out[-1].batches if out else 0
+        if (out and ack.step <= out[-1].step) or not start <= ack.batches <= len(sequence):
+            if ack.step > step:
+                break  # past the resume: rolled back anyway
+            raise RecordDamaged(
+                journal.damaged.path,
+                f"{journal.damaged.why}; step {ack.step} (through batch {ack.batches}) does not follow the line "
+                f"before it (step {out[-1].step if out else 0}, through batch {start}): it cannot be rebuilt",
+            )
+        out.append(ack.model_copy(update={"ids": [i for batch in sequence[start : ack.batches] for i in batch]}))
+    return out
 
 
 class _Verified(NamedTuple):
@@ -228,10 +264,11 @@ def repair(path: Path) -> str:
         )
     if path.name.startswith("acks-"):
         return (
-            "resume the trainer (every rank) from its last checkpoint at or before the last step acknowledged "
-            "before the damage (resume_step; 0 trains it all again): that resume cuts the damaged line and every "
-            "line after it off, and their samples are handed again, each trained once; a checkpoint past the "
-            "damage cannot be resumed, as what the rank acknowledged up to it is not known"
+            "resume the trainer from its last checkpoint with rebuild_acks=True, which rebuilds the damaged lines "
+            "from the consumer's sequence of batches (the next line that verifies says how many the rank had "
+            "trained); or resume every rank from a checkpoint at or before the last step acknowledged before the "
+            "damage (resume_step; 0 trains it all again), which cuts the damaged line and every line after it off "
+            "and hands their samples again: either way each sample is trained once"
         )
     if path.name.startswith("checkpoint-"):
         return (
@@ -390,7 +427,9 @@ class RankLease:
     ``resume_step``: None for a rank that has acknowledged nothing yet; else the step of the
     checkpoint the trainer resumes from (0: from the start), which must be one this rank
     acknowledged. ``lease_timeout``: how long a holder on another host may stay silent before its
-    rank (and what it leased) is taken over."""
+    rank (and what it leased) is taken over. ``rebuild``: the rank's sequence of batches, where the
+    trainer asks that a damaged log be rebuilt from it to resume from a step past the damage
+    (``rebuilt``); without it such a resume is refused."""
 
     def __init__(
         self,
@@ -400,12 +439,13 @@ class RankLease:
         resume_step: int | None = None,
         lease_timeout: float = LEASE_TIMEOUT,
         log: Callable[[str], None] = print,
+        rebuild: list[list[int]] | None = None,
     ):
         if not 0 <= rank < spec.ranks:
             raise ConsumerRefused(f"rank {rank} is not one of consumer {spec.name}'s ranks 0..{spec.ranks - 1}")
         self.run, self.spec, self.rank, self.log = run, spec, rank, log
         self.dir = folder(run, check_name(spec.name))
-        self.lease_timeout = lease_timeout
+        self.lease_timeout, self.rebuild = lease_timeout, rebuild
         self.acks_path = self.dir / acks_name(rank)
         self.checkpoint_path = self.dir / checkpoint_name(rank)
         self._lock = threading.Lock()
@@ -475,8 +515,11 @@ class RankLease:
         """The acknowledgements kept: all of them for a first start, those through ``step`` for a resume."""
         journal = read_acks(self.run, self.acks_path)
         acks, damaged = journal.acks, journal.damaged
+        rebuild = self.rebuild is not None and damaged is not None and step in {a.step for a in journal.later}
+        if rebuild:
+            acks = rebuilt(journal, step, self.rebuild)
         steps = [a.step for a in acks]
-        if damaged is not None and (step is None or (step and step not in steps)):
+        if damaged is not None and not rebuild and (step is None or (step and step not in steps)):
             raise RecordDamaged(damaged.path, f"{damaged.why}; {repair(damaged.path)}")
         if step is None:
             if acks:
@@ -496,7 +539,12 @@ class RankLease:
         dropped = acks[len(kept) :]
         if dropped or journal.size != self._size():
             write_durable(self.acks_path, b"".join(ack_line(self.run, a) for a in kept))
-        if damaged is not None:
+        if rebuild:
+            self.log(
+                f"{damaged}: rebuilt from the consumer's sequence of batches at the resume from step {step} (the "
+                "damaged lines' batches acknowledged by the next line that verifies)"
+            )
+        elif damaged is not None:
             self.log(f"{damaged}: cut off at the resume from step {step} (their samples are trained again)")
         if dropped:
             n = sum(len(a.ids) for a in dropped)

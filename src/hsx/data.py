@@ -403,7 +403,9 @@ class StreamDataset(IterableDataset):
     is read from its data plane (``hsx.plane``: its URL), and ``run`` needs only the records (spec,
     plan, ``consumers/``), shared with the producer, not the sample files. Reads run ahead by ``prefetch`` batches
     on ``threads`` threads of the stream's own, so the DataLoader around it runs no workers
-    (``num_workers=0``, ``batch_size=None``). Records: ``hsx.consumer``."""
+    (``num_workers=0``, ``batch_size=None``). Records: ``hsx.consumer``; a rank whose acks log is
+    damaged is refused (``RecordDamaged``) unless resumed from a step before the damage, or, with
+    ``rebuild_acks``, from one past it: the damaged lines are rebuilt from the sequence."""
 
     def __init__(
         self,
@@ -424,6 +426,7 @@ class StreamDataset(IterableDataset):
         log: Callable[[str], None] = _stderr,
         allow_failed: bool = False,
         plane: str | None = None,
+        rebuild_acks: bool = False,
     ):
         self.run = Path(run)
         self.spec = load_spec(self.run)
@@ -442,7 +445,8 @@ class StreamDataset(IterableDataset):
         self.collate, self.keep_fp8, self.poll, self.log = collate, keep_fp8, poll, log
         self.prefetch, self.threads = prefetch, threads
         asked = ConsumerSpec(name=consumer, ranks=ranks, seed=seed, max_tokens=max_tokens, packed=packed)
-        self.lease = RankLease(self.run, asked, rank, resume_step, lease_timeout, log).start()
+        rebuild = self.batches if rebuild_acks else None
+        self.lease = RankLease(self.run, asked, rank, resume_step, lease_timeout, log, rebuild).start()
         self._why: dict[int, str] = {}  # sample id -> why its read waits
         self._stop = threading.Event()
 
