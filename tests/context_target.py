@@ -25,8 +25,6 @@ from pathlib import Path
 
 import torch
 
-from hsx.tinymodel import bundled_path
-
 HERE = Path(__file__).resolve().parent
 CONTEXT_TARGET = HERE / "data" / "context-target"
 # words that are one token each of the bundled tokenizer (checked in ``build``)
@@ -125,6 +123,8 @@ def build(dest: Path, seed: int = 0) -> float:
     ``dest``. Returns its accuracy on held-out assistant words (every one follows the rule)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    from hsx.tinymodel import bundled_path  # here: the data and the path import without hsx (Automodel's env)
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
