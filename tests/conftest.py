@@ -9,6 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+# One intra-op thread in the test processes and every process they start (inherited), unless set:
+# the models here are tiny, so more threads gain nothing, while two test processes and their
+# children, each with a thread per core, oversubscribe a small CI machine and their spinning
+# OpenMP threads burn the cores the others wait for (a third of the suite's CPU time on 2 cores).
+# Set before torch is imported anywhere in the process, which reads it then.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
 from hsx.tinymodel import bundled_path
