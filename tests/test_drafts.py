@@ -294,7 +294,7 @@ def test_automodel_dspark_reads_a_pre_norm_run_after_the_norm_and_refusals_name_
         "no cache); dflash is trained by specforge",
         ("--draft", "dspark", "--prenorm"): "--prenorm does not apply to --to automodel: its trainer reads the final "
         "state post-norm",
-        ("--draft", "dspark", "--draft-vocab", "64"): "reads no draft-vocab map",
+        ("--draft", "dspark", "--draft-vocab", "64"): "read no draft-vocab map",
         ("--draft", "dspark", "--taps", "3,1"): "target_layer_ids strictly increasing; --taps [3, 1] are not",
     }
     for i, (args, why) in enumerate(refused.items()):

@@ -222,18 +222,8 @@ class DSparkCache(Automodel):
     )
 
     def check(self) -> None:
-        taps = self.ctx.taps
-        if taps != sorted(set(taps)):
-            raise ExportRefused(
-                "Automodel's DSpark recipe takes target_layer_ids strictly increasing; "
-                + (f"--taps {taps} are not" if self.ctx.opts.taps is not None else f"the run's taps {taps} are not")
-                + f": export with --taps {','.join(map(str, sorted(taps)))}"
-            )
-        if self.ctx.opts.draft_vocab is not None:
-            raise ExportRefused(
-                "Automodel's DSpark draft predicts over the target's vocabulary and reads no draft-vocab map: "
-                "drop --draft-vocab"
-            )
+        self.ctx.refuse_unsorted_taps("Automodel's DSpark recipe", strictly=True)
+        self.ctx.refuse_draft_vocab("Automodel's DSpark drafts")
 
     @property
     def last(self) -> int:

@@ -24,7 +24,6 @@ import struct
 import numpy as np
 import torch
 
-from hsx.errors import ExportRefused
 from hsx.export.trainer import TrainerFormat, Written, put
 
 VERSION = 2  # the layout version its reader accepts
@@ -53,18 +52,8 @@ class DeepSpec(TrainerFormat):
     )
 
     def check(self) -> None:
-        taps = self.ctx.taps
-        if taps != sorted(taps):
-            raise ExportRefused(
-                "DeepSpec's reader takes target_layer_ids in ascending order; "
-                + (f"--taps {taps} is not" if self.ctx.opts.taps is not None else f"the run's taps {taps} are not")
-                + f": export with --taps {','.join(map(str, sorted(taps)))}"
-            )
-        if self.ctx.opts.draft_vocab is not None:
-            raise ExportRefused(
-                "DeepSpec's DFlash and DSpark drafts predict over the target's vocabulary and read no draft-vocab "
-                "map: drop --draft-vocab"
-            )
+        self.ctx.refuse_unsorted_taps("DeepSpec's reader")
+        self.ctx.refuse_draft_vocab("DeepSpec's DFlash and DSpark drafts")
 
     def job(self) -> dict:
         return {"dtype": "bfloat16"}

@@ -185,6 +185,23 @@ class Context:
             return str(self.model_dir)
         return location(self.opts.model) if self.opts.model is not None else model_location(self.opts.run, self.spec)
 
+    def refuse_unsorted_taps(self, trainer: str, strictly: bool = False) -> None:
+        """Refuse taps a trainer's reader takes only in ascending order (``strictly``: without repeats)."""
+        taps, order = self.taps, sorted(set(self.taps) if strictly else self.taps)
+        if taps != order:
+            raise ExportRefused(
+                f"{trainer} takes target_layer_ids {'strictly increasing' if strictly else 'in ascending order'}; "
+                + (f"--taps {taps} are not" if self.opts.taps is not None else f"the run's taps {taps} are not")
+                + f": export with --taps {','.join(map(str, order))}"
+            )
+
+    def refuse_draft_vocab(self, drafts: str) -> None:
+        """Refuse a draft-vocab map for drafts that predict over the target's whole vocabulary."""
+        if self.opts.draft_vocab is not None:
+            raise ExportRefused(
+                f"{drafts} predict over the target's vocabulary and read no draft-vocab map: drop --draft-vocab"
+            )
+
     def source_id(self, sid: int) -> str:
         value = self.plan.sources.column("source_id")[sid].as_py()
         return value if value else str(sid)
