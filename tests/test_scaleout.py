@@ -335,3 +335,30 @@ def test_a_worker_runs_the_model_on_the_threads_given(finished_run, tmp_path, mo
                 runner.extractor.close()
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_driver_whose_main_thread_never_hears_the_interrupt_ends_itself_saying_who_holds_the_run(tmp_path):
+    """Once another extractor holds the run, the driver's watch interrupts its main thread; a main
+    thread that stays inside Ray's own code (waiting on actors Ray restarts without end, each fenced
+    at its start) never acts on it, and the driver ran on until killed. Here a main thread with
+    SIGINT blocked stands for it: the watch ends the process itself, with the refusal's words and
+    code."""
+    from hsx.lock import LOCK, this_process
+    from hsx.store.durable import write_durable
+
+    run = tmp_path / "run"
+    run.mkdir()
+    write_durable(run / LOCK, this_process("extract").model_dump_json().encode())  # not the driver's lock
+    script = (
+        "import signal, time\n"
+        "from pathlib import Path\n"
+        "from hsx.extract.workers import driver\n"
+        "driver.UNHEARD_S = 0.5\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # a main thread that never hears it\n"
+        f"driver._Watch(Path({str(run)!r}), 'another-host:1:1.0', print).start()\n"
+        "time.sleep(3600)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"another extractor holds this run: pid {os.getpid()}" in proc.stdout, proc.stdout
+    assert "did not come back from Ray within 0 s: it exits" in proc.stdout, proc.stdout

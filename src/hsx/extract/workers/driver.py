@@ -20,6 +20,7 @@ import dataclasses
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -308,6 +309,9 @@ def _why(done: Outcome) -> str:
     return f"{done.failure.error}: {done.failure.message}"
 
 
+UNHEARD_S = 12 * BEAT_EVERY  # how long the watch's interrupts may go unheard before it ends the driver itself
+
+
 class _Watch:
     """Says so when a worker of this session dies (Ray restarts it and retries its shard); stops
     the driver when another extractor has taken the run over (``Locked``), or when a worker refused
@@ -324,9 +328,13 @@ class _Watch:
 
     def _loop(self) -> None:
         misses = 0
+        told: float | None = None  # when the main thread was first interrupted
         while not self._stop.wait(BEAT_EVERY / 2):
             if self.lost is not None or self.refused is not None:
                 if not self.heard.is_set():
+                    told = told or time.monotonic()
+                    if time.monotonic() - told > UNHEARD_S:
+                        self._exit()
                     self._interrupt()  # again, until heard: an interrupt is never lost to a busy moment
                 continue
             # another extractor took the run over (this driver's lock went stale): the workers fence
@@ -353,6 +361,17 @@ class _Watch:
                 r = s.record
                 what = f"holding shard {r.shard}; Ray retries the shard" if r.shard is not None else f"while {r.phase}"
                 self.log(f"worker {r.where()} died {what} on a restarted worker")
+
+    def _exit(self) -> None:
+        """The main thread stayed inside Ray's own code (which checks for signals only between its
+        calls) while Ray restarted fenced or refused workers without end: say why, and end the
+        process with the code the main thread would have given; its local Ray goes with it."""
+        error = self.refused if self.refused is not None else Locked(self.lost)
+        self.log(f"{error} (the driver's main thread did not come back from Ray within {UNHEARD_S:.0f} s: it exits)")
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(error.exit_code)
 
     @staticmethod
     def _interrupt() -> None:
