@@ -8,15 +8,18 @@ byte-identical to one that never ran short.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
 
 from conftest import (
+    HANG_GUARD_S,
     TINY,
     assert_clean_stop,
     conversations,
@@ -25,6 +28,7 @@ from conftest import (
     remount,
     run_files,
     stopped_cleanly,
+    unwrite,
     write_jsonl,
 )
 from hsx.cli import app
@@ -293,7 +297,6 @@ def test_a_read_only_volume_stops_cleanly_and_destinations_there_are_refused(tmp
     once the volume is writable again; an export or a vocabulary aimed at it, under a
     file or at a file is refused by name (they were tracebacks), and so is a consumer whose
     consumers/ is a file."""
-    from conftest import unwrite
     from hsx.data import StreamDataset
     from hsx.errors import Unwritable
 
@@ -323,3 +326,59 @@ def test_a_read_only_volume_stops_cleanly_and_destinations_there_are_refused(tmp
     (run / "consumers").write_text("not a folder")
     with pytest.raises(Unwritable, match="consumers is a file, not a folder"):
         StreamDataset(run, "draft", max_tokens=512, seed=0, log=lambda _: None)
+
+
+def test_an_io_error_mid_run_stops_cleanly_in_its_own_words_and_the_moved_run_resumes_identical(finished_run, tmp_path):
+    """A real EIO: the run's volume is an ext4 on a loop device, and its backing file is cut short
+    while the extraction is stopped (SIGSTOP) between two samples, so that the next write it makes
+    durable fails in the block layer. It stops cleanly, in its own words (it was a traceback class no
+    test met), and the run moved off the failed volume resumes to the bytes an unbroken run has."""
+    import signal
+    import time
+
+    if os.geteuid() != 0:
+        pytest.skip("a loop device needs root")
+    image, volume = tmp_path / "volume.img", tmp_path / "volume"
+    volume.mkdir()
+    subprocess.run(["truncate", "-s", "64M", str(image)], check=True)
+    # no journal: a failed write is the data write's EIO, not a journal abort (EROFS) first
+    subprocess.run(["mkfs.ext4", "-q", "-O", "^has_journal", str(image)], check=True)
+    loop = subprocess.run(["losetup", "-f", "--show", str(image)], capture_output=True, text=True)
+    if loop.returncode != 0:
+        pytest.skip(f"this machine gives no loop device: {loop.stderr.strip()}")
+    device = loop.stdout.strip()
+    try:
+        subprocess.run(["mount", "-o", "errors=continue", device, str(volume)], check=True)
+        run = volume / "run"
+        shutil.copytree(finished_run, run)
+        for shard in (1, 2, 3):  # 30 samples left to write
+            unwrite(run, shard)
+        before = set((run / "shards").rglob("*.safetensors"))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hsx", "extract", "--out", str(run)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=os.environ | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"},
+        )
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not set((run / "shards").rglob("*.safetensors")) - before:  # progress: a new sample written
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGSTOP)
+        subprocess.run(["truncate", "-s", "1M", str(image)], check=True)  # every block past 1 MB is gone
+        subprocess.run(["losetup", "-c", device], check=True)
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=HANG_GUARD_S)
+        said = " ".join(err.split())
+        assert proc.returncode == EXIT_DISK_FULL and "Traceback" not in err, err
+        assert "an I/O error on the output volume while writing" in said, said
+        assert f"Check the volume (dmesg, its health) or move the run, then resume: hsx extract --out {run}" in said
+        moved = tmp_path / "moved"
+        shutil.copytree(run, moved)  # what was written before the failure, read back as it was made durable
+    finally:
+        subprocess.run(["umount", "-l", str(volume)], check=False)
+        subprocess.run(["losetup", "-d", device], check=False)
+    assert 10 < assert_clean_stop(moved) < 40
+    hsx("extract", "--out", moved)
+    assert run_files(moved) == run_files(finished_run)
