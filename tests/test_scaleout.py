@@ -342,7 +342,7 @@ def test_a_driver_whose_main_thread_never_hears_the_interrupt_ends_itself_saying
     thread that stays inside Ray's own code (waiting on actors Ray restarts without end, each fenced
     at its start) never acts on it, and the driver ran on until killed. Here a main thread with
     SIGINT blocked stands for it: the watch ends the process itself, with the refusal's words and
-    code."""
+    code (in the hsx command's own process only: never a program calling the API)."""
     from hsx.lock import LOCK, this_process
     from hsx.store.durable import write_durable
 
@@ -355,7 +355,7 @@ def test_a_driver_whose_main_thread_never_hears_the_interrupt_ends_itself_saying
         "from hsx.extract.workers import driver\n"
         "driver.UNHEARD_S = 0.5\n"
         "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # a main thread that never hears it\n"
-        f"driver._Watch(Path({str(run)!r}), 'another-host:1:1.0', print).start()\n"
+        f"driver._Watch(Path({str(run)!r}), 'another-host:1:1.0', print, ends_process=True).start()\n"
         "time.sleep(3600)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_GUARD_S)

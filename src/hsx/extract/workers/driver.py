@@ -242,7 +242,7 @@ def _extract(job: Job[ExtractOptions, RunSpec, ExtractSummary], gpu: bool) -> No
         )
     each = f", each a group of {spec.parallel.ranks} ranks ({spec.parallel})" if spec.parallel.ranks > 1 else ""
     log(f"extracting {len(todo)} shards with {size} {'GPU' if gpu else 'CPU'} workers{each}")
-    watch = _Watch(run, registry.driver_id(job.lock.me), log)
+    watch = _Watch(run, registry.driver_id(job.lock.me), log, ends_process=_the_command())
     watch.start()
     stopped: Outcome | None = None  # the first shard that stopped the run: a full disk or a failure
     t0 = time.monotonic()
@@ -309,6 +309,13 @@ def _why(done: Outcome) -> str:
     return f"{done.failure.error}: {done.failure.message}"
 
 
+def _the_command() -> bool:
+    """Whether this process is the hsx command itself (``hsx``, ``python -m hsx``), not a program
+    calling hsx's API, whose process the driver's watch must never end."""
+    argv0 = Path(sys.argv[0])
+    return argv0.name == "hsx" or (argv0.name == "__main__.py" and argv0.parent.name == "hsx")
+
+
 UNHEARD_S = 12 * BEAT_EVERY  # how long the watch's interrupts may go unheard before it ends the driver itself
 
 
@@ -317,8 +324,9 @@ class _Watch:
     the driver when another extractor has taken the run over (``Locked``), or when a worker refused
     at load (the model on its node, its checkpoint format), which no restart would mend."""
 
-    def __init__(self, run: Path, driver: str, log: Callable[[str], None]):
+    def __init__(self, run: Path, driver: str, log: Callable[[str], None], ends_process: bool = False):
         self.run, self.driver, self.log = run, driver, log
+        self.ends_process = ends_process  # the hsx command's own process: may end it where it goes unheard
         self.reported: set[str] = set()
         self.lost: object | None = None  # who holds the run lock now, once this driver lost it
         self.refused: Refused | None = None  # a worker's refusal at load
@@ -333,7 +341,7 @@ class _Watch:
             if self.lost is not None or self.refused is not None:
                 if not self.heard.is_set():
                     told = told or time.monotonic()
-                    if time.monotonic() - told > UNHEARD_S:
+                    if self.ends_process and time.monotonic() - told > UNHEARD_S:
                         self._exit()
                     self._interrupt()  # again, until heard: an interrupt is never lost to a busy moment
                 continue
@@ -365,7 +373,8 @@ class _Watch:
     def _exit(self) -> None:
         """The main thread stayed inside Ray's own code (which checks for signals only between its
         calls) while Ray restarted fenced or refused workers without end: say why, and end the
-        process with the code the main thread would have given; its local Ray goes with it."""
+        process (the hsx command's only) with the code the main thread would have given; its local
+        Ray goes with it."""
         error = self.refused if self.refused is not None else Locked(self.lost)
         self.log(f"{error} (the driver's main thread did not come back from Ray within {UNHEARD_S:.0f} s: it exits)")
         with contextlib.suppress(OSError, ValueError):
