@@ -220,6 +220,33 @@ def refuse_unloadable(model_dir: Path, trust_remote_code: bool, device: str = "c
         )
 
 
+def deterministic_compile() -> None:
+    """The compiler's settings under which every process that compiles the same layers on the same
+    batches gets the same kernels (and so the same bits)."""
+    import torch._dynamo.config
+    import torch._inductor.config
+
+    torch._inductor.config.deterministic = True
+    # Deterministic mode still times the candidate configs of a pointwise kernel on its
+    # first call and keeps the fastest (it takes block sizes not to change the numbers).
+    # A choice made by timing noise may differ in another process: with the warm-up (``_warm_up``)
+    # alone, compiling the same layers afresh on the same batches in one process still gave
+    # other bits for the same batch now and then; with this off too, it did not (which
+    # timed choice made the difference was not isolated). Each pointwise kernel then runs
+    # the first config of its heuristic, chosen from the sizes alone.
+    torch._inductor.config.triton.autotune_pointwise = False
+    # Reductions (RMSNorm's sum of squares) are the same story, and torch 2.11's
+    # deterministic mode does not yet filter their candidate configs down to one, so it
+    # times them: recompiling the same layers 14 times on the H200 gave 2 or 3 different
+    # bit patterns for 20 of 24 batches. This switch makes the filter run (newer torch
+    # does it in deterministic mode anyway); with it, every recompile gave the same bits.
+    torch._inductor.config.test_configs.force_filter_reduction_configs = True
+    # past the limit dynamo would fall back to eager for new shapes without a word: the
+    # same batch would then give other bits in another process. Fail instead.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+
+
 class TransformersBackend:
     name = NAME
 
@@ -287,28 +314,7 @@ class TransformersBackend:
         """Compile each decoder layer's forward, or go back to eager. The hooks sit on the modules,
         outside the compiled forwards, so capture is unchanged."""
         if compiled:
-            import torch._dynamo.config
-            import torch._inductor.config
-
-            torch._inductor.config.deterministic = True
-            # Deterministic mode still times the candidate configs of a pointwise kernel on its
-            # first call and keeps the fastest (it takes block sizes not to change the numbers).
-            # A choice made by timing noise may differ in another process: with the warm-up below
-            # alone, compiling the same layers afresh on the same batches in one process still gave
-            # other bits for the same batch now and then; with this off too, it did not (which
-            # timed choice made the difference was not isolated). Each pointwise kernel then runs
-            # the first config of its heuristic, chosen from the sizes alone.
-            torch._inductor.config.triton.autotune_pointwise = False
-            # Reductions (RMSNorm's sum of squares) are the same story, and torch 2.11's
-            # deterministic mode does not yet filter their candidate configs down to one, so it
-            # times them: recompiling the same layers 14 times on the H200 gave 2 or 3 different
-            # bit patterns for 20 of 24 batches. This switch makes the filter run (newer torch
-            # does it in deterministic mode anyway); with it, every recompile gave the same bits.
-            torch._inductor.config.test_configs.force_filter_reduction_configs = True
-            # past the limit dynamo would fall back to eager for new shapes without a word: the
-            # same batch would then give other bits in another process. Fail instead.
-            torch._dynamo.config.fail_on_recompile_limit_hit = True
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            deterministic_compile()
         for k in self.owned:
             layer = self.parts.layers[k]
             layer.__dict__.pop("forward", None)  # the class's own forward again
