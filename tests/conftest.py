@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,11 @@ from pathlib import Path
 # OpenMP threads burn the cores the others wait for (a third of the suite's CPU time on 2 cores).
 # Set before torch is imported anywhere in the process, which reads it then.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Python's own Ctrl-C handling in the test processes, whatever started them: a background job of a
+# non-interactive shell (``cmd &`` in a script) ignores SIGINT, every process under it inherits that,
+# and the tests that press Ctrl-C on hsx (or on the Ray driver's watch) would see nothing happen.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest
 

@@ -296,8 +296,7 @@ def test_the_driver_watch_wakes_a_main_thread_blocked_without_timeout(tmp_path):
     watch = _Watch(tmp_path, "elsewhere:1:0.0", lambda m: None)
     blocked = threading.Event()
     hang = threading.Timer(600, blocked.set)  # a hang, not a pace: then the wait ends and the test fails
-    # Python's own SIGINT handling, as the hsx command has it: code an earlier test ran in this test
-    # process can leave SIGINT ignored (a CI test process was found so; trainers' teardowns set it)
+    # Python's own SIGINT handling, as the hsx command has it, whatever an earlier test left
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     hang.start()
     watch.start()
