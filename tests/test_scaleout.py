@@ -296,8 +296,6 @@ def test_the_driver_watch_wakes_a_main_thread_blocked_without_timeout(tmp_path):
     watch = _Watch(tmp_path, "elsewhere:1:0.0", lambda m: None)
     blocked = threading.Event()
     hang = threading.Timer(600, blocked.set)  # a hang, not a pace: then the wait ends and the test fails
-    # Python's own SIGINT handling, as the hsx command has it, whatever an earlier test left
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     hang.start()
     watch.start()
     try:
@@ -307,7 +305,6 @@ def test_the_driver_watch_wakes_a_main_thread_blocked_without_timeout(tmp_path):
     finally:
         hang.cancel()
         watch.stop()
-        signal.signal(signal.SIGINT, previous)
     assert watch.lost is not None and watch.lost.pid == os.getpid()
 
 
