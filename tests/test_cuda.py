@@ -175,6 +175,42 @@ def test_fp8_linear_equals_the_product_of_its_quantized_operands(m, n, k):
     assert torch.equal(compiled(half, padded, scale), fp8.fp8_linear(half, padded, scale))
 
 
+@pytest.mark.parametrize(
+    "m,k",
+    [
+        (16384, 4096),  # whole programs; a large batch's row offsets
+        (37, 7168),  # tokens padded to 48: zero rows, unit scales
+        (1, 128),  # one token, one column block
+        (1000, 384),
+    ],
+)
+def test_quantization_kernel_is_the_reference_bit_for_bit(m, k):
+    """The Triton kernel's GEMM operand against ``quantize_activations`` and ``activation_operands``
+    in torch (eager): every e4m3 byte and every scale equal, the padding included. The input mixes
+    magnitudes 1e-30 to 1e30 per 128-column group (values in e4m3's subnormal range after
+    scaling, and amaxes under the 1e-12 floor), groups of zeros, and bfloat16's largest values."""
+    from hsx.capture.quantized import fp8, fp8_kernel
+
+    if (blocker := _fp8_blocker()) is not None:
+        pytest.skip(FP8_GEMM.format(blocker))
+    torch.manual_seed(k)
+    groups = k // 128
+    magnitude = 10.0 ** torch.randint(-30, 31, (m, groups, 1)).float()
+    x = (torch.randn(m, groups, 128) * magnitude * torch.rand(m, groups, 128) ** 8).flatten(1)
+    x[::7, :128] = 0  # groups of zeros
+    x[::5, -1] = torch.finfo(torch.bfloat16).max
+    x = x.to(torch.bfloat16).cuda()
+    values, scales = fp8_kernel.activation_operands(x)
+    want_values, want_scales = fp8.activation_operands(*fp8.quantize_activations(x))
+    assert values.shape == want_values.shape == (m + -m % 16, k) and values.dtype == torch.float8_e4m3fn
+    assert scales.shape == want_scales.shape and scales.stride() == want_scales.stride() == (1, m + -m % 16)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    strided = torch.zeros(m, k + 256, dtype=torch.bfloat16, device="cuda")[:, 64 : 64 + k]
+    strided.copy_(x)  # a view with a row stride wider than its columns
+    assert torch.equal(fp8_kernel.activation_operands(strided)[0].view(torch.uint8), values.view(torch.uint8))
+
+
 def test_scaled_grouped_mm_with_block_scales():
     """Whether torch offers a grouped FP8 GEMM with DeepSeek's block scales (routed experts could run
     on it instead of being expanded): skipped with torch's own words where it does not (torch

@@ -46,9 +46,16 @@ def emulated_gemm(a, b, scale_a, scale_b) -> torch.Tensor:
     return (a.double() * sa) @ (b.double() * sb)
 
 
-def _cpu_kernel(values, scales, weight, weight_scale):
-    a, b, scale_a, scale_b = fp8.gemm_operands(values, scales, weight, weight_scale)
-    return emulated_gemm(a, b, scale_a, scale_b)[: values.shape[0]].to(torch.bfloat16)
+def gemm_operands(values, scales, weight, weight_scale):
+    """The GEMM's four operands (a, b, scale_a, scale_b) as hsx lays them out."""
+    a, scale_a = fp8.activation_operands(values, scales)
+    b, scale_b = fp8.weight_operands(weight, weight_scale)
+    return a, b, scale_a, scale_b
+
+
+def _cpu_kernel(x, weight, weight_scale):
+    a, b, scale_a, scale_b = gemm_operands(*fp8.quantize_activations(x), weight, weight_scale)
+    return emulated_gemm(a, b, scale_a, scale_b)[: x.shape[0]].to(torch.bfloat16)
 
 
 fp8.block_mm.register_kernel("cpu")(_cpu_kernel)  # the test process's stand-in for cuBLAS
@@ -81,7 +88,7 @@ def test_activations_are_quantized_per_token_and_128_column_group():
     values, scales = fp8.quantize_activations(x)
     assert values.dtype == FP8 and values.shape == (5, 384) and scales.dtype == torch.float32 and scales.shape == (5, 3)
     groups = x.float().unflatten(-1, (3, 128))
-    assert torch.equal(scales, groups.abs().amax(-1).clamp(min=1e-12) / 448)
+    assert torch.equal(scales, groups.abs().amax(-1).clamp(min=1e-12) * torch.tensor(1 / 448))
     v = values.float().unflatten(-1, (3, 128))
     nonzero = groups.abs().amax(-1) > 0
     assert torch.equal(v.abs().amax(-1)[nonzero], torch.full((int(nonzero.sum()),), 448.0))  # each group's amax -> 448
@@ -107,7 +114,7 @@ def test_gemm_operands_are_laid_out_as_cublas_reads_them_and_change_no_product(m
     torch.manual_seed(m)
     values, scales = fp8.quantize_activations(torch.randn(m, k))
     weight, weight_scale = quantize_blocks(torch.randn(n, k) * 0.05)
-    a, b, scale_a, scale_b = fp8.gemm_operands(values, scales, weight, weight_scale)
+    a, b, scale_a, scale_b = gemm_operands(values, scales, weight, weight_scale)
     assert a.shape == (m + -m % 16, k) and b.shape == (k, n)
     assert scale_b.shape == (math.ceil(k / 128) + -math.ceil(k / 128) % 4, math.ceil(n / 128))
     got = emulated_gemm(a, b, scale_a, scale_b)  # asserts the layouts
@@ -199,7 +206,9 @@ def test_installed_checkpoint_keeps_fp8_weights_and_computes_near_the_dequantize
 
     model = load_fp8(models["fp8"])
     fp8_bytes_before = fp8.weight_bytes(model)
+    assert not fp8.installed(model)
     installed = fp8.install(model)
+    assert fp8.installed(model)  # the shadow's bound widens for e4m3 inputs (certify.bound)
     linears = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
     assert installed.linear == len(linears) == 3 * 5 + 3 + 2 * 3  # attention, dense MLP, shared experts
     assert installed.experts == sum(isinstance(m, FP8Experts) for m in model.modules()) == 2

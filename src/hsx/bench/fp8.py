@@ -1,8 +1,8 @@
 """Where a block-FP8 forward's time goes on the 8B shape (CUDA, compute capability 9.x), in one run:
 
 - each linear layer's shape, 16,384 tokens: bf16's GEMM against the FP8 block GEMM alone, the
-  activations' quantization alone (compiled), and the whole FP8 linear layer (compiled), as
-  ``capture.quantized.fp8`` runs it;
+  activations' quantization alone (compiled from its torch definition, and hsx's Triton kernel),
+  and the whole FP8 linear layer (compiled), as ``capture.quantized.fp8`` runs it;
 - the whole model, each decoder layer compiled as hsx compiles it, one batch of 8 x 2,048 tokens:
   bf16's forward against the same model as a block-FP8 checkpoint loads, and the CUDA kernels that
   take the FP8 forward's time.
@@ -40,26 +40,31 @@ def linears() -> None:
     from hsx.capture.quantized import fp8
 
     layer = torch.compile(fp8.fp8_linear, dynamic=True)
-    quantize = torch.compile(fp8.quantize_activations, dynamic=True)
-    print("K N | bf16 GEMM ms | FP8 GEMM alone ms | quantization ms | FP8 linear ms | bf16 / FP8 linear")
+    compiled = torch.compile(lambda x: fp8.activation_operands(*fp8.quantize_activations(x)), dynamic=True)
+    print(
+        "K N | bf16 GEMM ms | FP8 GEMM alone ms | quantization compiled from torch ms | "
+        "quantization kernel ms | FP8 linear ms | bf16 / FP8 linear"
+    )
     for k, n in SHAPES:
-        print(one_linear(k, n, layer, quantize))
+        print(one_linear(k, n, layer, compiled))
 
 
-def one_linear(k: int, n: int, layer, quantize) -> str:
+def one_linear(k: int, n: int, layer, compiled) -> str:
     """One (K, N) linear layer's row of ``linears``."""
     from torch.nn.functional import ScalingType
 
-    from hsx.capture.quantized import fp8
+    from hsx.capture.quantized import fp8, fp8_kernel
 
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     w8, s8 = fp8.quantize_weight(w)
     x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16)
-    a, b, sa, sb = fp8.gemm_operands(*fp8.quantize_activations(x), w8, s8)
+    a, sa = fp8_kernel.activation_operands(x)
+    b, sb = fp8.weight_operands(w8, s8)
     block = (ScalingType.BlockWise1x128, ScalingType.BlockWise128x128)
     gemm = ms(lambda: F.scaled_mm(a, b, sa, block[0], sb, block[1], output_dtype=torch.bfloat16))
-    bf16, whole, quant = ms(lambda: F.linear(x, w)), ms(lambda: layer(x, w8, s8)), ms(lambda: quantize(x))
-    return f"{k} {n} | {bf16:.3f} | {gemm:.3f} | {quant:.3f} | {whole:.3f} | {bf16 / whole:.2f}"
+    bf16, whole = ms(lambda: F.linear(x, w)), ms(lambda: layer(x, w8, s8))
+    quant = ms(lambda: compiled(x)), ms(lambda: fp8_kernel.activation_operands(x))
+    return f"{k} {n} | {bf16:.3f} | {gemm:.3f} | {quant[0]:.3f} | {quant[1]:.3f} | {whole:.3f} | {bf16 / whole:.2f}"
 
 
 def model() -> None:

@@ -7,8 +7,9 @@ Two numerics, chosen per run (``--quantized-compute``, recorded in the spec):
 - ``fp8``, as serving engines compute (DeepSeek-V3's recipe): every block-scaled linear layer keeps
   its FP8 weights and scales as stored and runs on torch's block-scaled FP8 GEMM (cuBLAS, compute
   capability 9.x), its input quantized on the fly per token and 128-column group (scale = amax /
-  448, e4m3). The result is the product of those quantized operands, accumulated by the tensor
-  cores (fp32, promoted at every 128-column block) and rounded to bfloat16. Routed experts stay
+  448, e4m3) by one Triton kernel (``fp8_kernel``) that writes the GEMM's operand. The result
+  is the product of those quantized operands, accumulated by the tensor cores (fp32, promoted at
+  every 128-column block) and rounded to bfloat16. Routed experts stay
   FP8 (1 byte per weight) and are expanded to the run's dtype just before their MoE layer runs
   (``expand_experts``), then computed as transformers computes unquantized experts: torch 2.11 has
   no grouped GEMM with block scales (``scaled_grouped_mm`` finds no implementation for 1x128 /
@@ -28,6 +29,7 @@ operands are padded (zero rows, unit scales) inside the GEMM and the padding is 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 
 BLOCK = 128  # the only block size the GEMM takes (1x128 activations, 128x128 weights)
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+TOKEN_MULTIPLE = 16  # the GEMM's activations padded to whole 16s of tokens (cuBLAS wants 4s)
 FP8 = torch.float8_e4m3fn
 COMPUTES = ("fp8", "dequantized")
 _EXPAND_CHUNK = 1 << 28  # float32 values expanded at once (1 GiB): bounds the transient of an expansion
@@ -55,6 +58,8 @@ def gemm_blocker(device: str, dtype: str, block: list[int] | None, activation_sc
         return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm"
     if not torch.cuda.is_available():
         return "this machine has no CUDA device"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (it runs the activations' quantization)"
     major, minor = torch.cuda.get_device_capability(torch.device(device))
     if major != 9:
         return f"torch's block-scaled FP8 GEMM runs on compute capability 9.x (cuBLAS), this GPU is {major}.{minor}"
@@ -79,9 +84,11 @@ def parallel_refusal(config: dict, tensor: int) -> str | None:
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 128) as float8_e4m3fn values [M, K] and float32 scales [M, K/128]:
-    each token's 128-column group divided by its own scale, amax / 448 (a group of zeros: 0 / tiny)."""
+    each token's 128-column group divided by its own scale, amax times float32(1/448) (one
+    expression that every device rounds alike; a group of zeros: tiny). The definition the CUDA
+    kernel (``fp8_kernel``) equals bit for bit."""
     groups = x.float().unflatten(-1, (-1, BLOCK))
-    scale = groups.abs().amax(-1).clamp(min=1e-12) / E4M3_MAX
+    scale = groups.abs().amax(-1).clamp(min=1e-12) * (1 / E4M3_MAX)
     values = (groups / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
     return values.flatten(-2), scale
 
@@ -119,46 +126,51 @@ def expand_experts(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     return out
 
 
-def gemm_operands(values: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor):
-    """The four operands of torch's block-scaled GEMM for activations ``values`` [M, K] (e4m3) with
-    ``scales`` [M, K/128] and a weight [N, K] (e4m3) with its block scales [ceil(N/128), K/128], in
-    the layouts cuBLAS reads (H200, torch 2.11): the activations padded to a multiple of 16 tokens
-    (it refuses a count that is not a multiple of 4) with zero rows and unit scales; their scales
-    column-major, [M', K/128] with strides (1, M'); the weight transposed, [K, N] column-major; its
-    scales transposed to [K/128 rounded up to 4, ceil(N/128)] with strides (1, that row count), the
-    rows past K/128 unit scales of nothing. Returns (a, b, scale_a, scale_b)."""
-    pad = -values.shape[0] % 16
+def activation_operands(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantized activations ``values`` [M, K] (e4m3) with ``scales`` [M, K/128] in the layout the
+    block-scaled GEMM reads (H200, torch 2.11): padded to a multiple of 16 tokens (cuBLAS refuses
+    a count that is not a multiple of 4) with zero rows and unit scales, the scales column-major,
+    [M', K/128] with strides (1, M'). The reference of ``fp8_kernel.activation_operands``."""
+    pad = -values.shape[0] % TOKEN_MULTIPLE
     if pad:
         values = F.pad(values.view(torch.uint8), (0, 0, 0, pad)).view(FP8)
         scales = F.pad(scales, (0, 0, 0, pad), value=1.0)
+    scale_a = torch.empty_strided(scales.shape, (1, scales.shape[0]), dtype=scales.dtype, device=scales.device)
+    scale_a.copy_(scales)  # strides (1, M') even for one column block, where .contiguous() would give (1, 1)
+    return values, scale_a
+
+
+def weight_operands(weight: torch.Tensor, weight_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] (e4m3) with its block scales [ceil(N/128), K/128] as the GEMM's second
+    operand: transposed, [K, N] column-major; its scales transposed to [K/128 rounded up to 4,
+    ceil(N/128)] with strides (1, that row count), the rows past K/128 unit scales of nothing."""
     k_blocks = weight_scale.shape[1]
     if k_blocks % 4:
         weight_scale = F.pad(weight_scale, (0, -k_blocks % 4), value=1.0)
-    scale_a = torch.empty_strided(scales.shape, (1, scales.shape[0]), dtype=scales.dtype, device=scales.device)
-    scale_a.copy_(scales)  # strides (1, M') even for one column block, where .contiguous() would give (1, 1)
-    return values, weight.t(), scale_a, weight_scale.contiguous().t()
+    return weight.t(), weight_scale.contiguous().t()
 
 
-@torch.library.custom_op("hsx::fp8_block_mm", mutates_args=())
-def block_mm(
-    values: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
-) -> torch.Tensor:
-    """[M, K] e4m3 activations with their [M, K/128] scales times the [N, K] e4m3 weight with its
-    [ceil(N/128), K/128] block scales, transposed: [M, N] bfloat16, on torch's block-scaled GEMM.
-    An opaque op to the compiler (dynamo cannot trace ``scaled_mm``), so the quantization around
-    it still fuses into one kernel."""
+@torch.library.custom_op("hsx::fp8_block_mm", mutates_args=(), device_types="cuda")
+def block_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K a multiple of 128) quantized per token and 128-column group, times the [N, K] e4m3
+    weight with its [ceil(N/128), K/128] block scales, transposed: [M, N] bfloat16, on the
+    quantization kernel (``fp8_kernel``) and torch's block-scaled GEMM. An opaque op to the
+    compiler (dynamo cannot trace ``scaled_mm``)."""
     from torch.nn.functional import ScalingType
 
-    a, b, scale_a, scale_b = gemm_operands(values, scales, weight, weight_scale)
+    from hsx.capture.quantized import fp8_kernel
+
+    a, scale_a = fp8_kernel.activation_operands(x.contiguous())
+    b, scale_b = weight_operands(weight, weight_scale)
     out = F.scaled_mm(
         a, b, scale_a, ScalingType.BlockWise1x128, scale_b, ScalingType.BlockWise128x128, output_dtype=torch.bfloat16
     )
-    return out[: values.shape[0]]
+    return out[: x.shape[0]]
 
 
 @block_mm.register_fake
-def _(values, scales, weight, weight_scale):
-    return values.new_empty((values.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+def _(x, weight, weight_scale):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None):
@@ -168,8 +180,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
     flat = x.reshape(-1, k)
     if weight.shape[1] != k:
         flat = F.pad(flat, (0, weight.shape[1] - k))
-    values, scales = quantize_activations(flat)
-    out = torch.ops.hsx.fp8_block_mm(values, scales, weight, scale_inv).to(x.dtype)
+    out = torch.ops.hsx.fp8_block_mm(flat, weight, scale_inv).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
@@ -225,6 +236,11 @@ def install(model: torch.nn.Module) -> Installed:
             "use --quantized-compute dequantized"
         )
     return Installed(linear, experts, tuple(padded))
+
+
+def installed(model: torch.nn.Module) -> bool:
+    """Whether ``install`` put any of the model's modules on the ``fp8`` route."""
+    return any(type(m).__module__ == __name__ for m in model.modules())
 
 
 _SUBCLASSES: dict = {}
