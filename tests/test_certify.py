@@ -336,3 +336,30 @@ def test_per_tap_checks_find_a_nan_a_zeroed_token_and_a_stream_outside_the_runs_
     loud = certify.Taps([1.0, 200.0 * certify.BAND, 1.0], [0, 0, 0], [0, 0, 0])
     with pytest.raises(CertifyFailed, match="sample 9, layer 3: its RMS 3200 is outside the run's band"):
         gate.judge([9], [loud])
+
+
+def test_the_bound_of_e4m3_inputs_covers_what_they_make_of_another_kernels_rounding():
+    """The fp8 route's shadow bound (``certify.bound(..., quantized=True)``): two kernels' bfloat16
+    roundings of the same values (here 29% of them one step apart) move a product by less than
+    bfloat16's per-step budget, and the same inputs quantized to e4m3 per 128-column group (hsx's
+    ``quantize_activations``) move it ~5x more, beyond that budget and within the quantized one."""
+    from hsx.capture.quantized import fp8
+
+    torch.manual_seed(0)
+    exact = torch.randn(256, 2048, dtype=torch.float64)
+    one = exact.to(torch.bfloat16)
+    other = (exact * (1 + 2**-9 * torch.randn_like(exact))).to(torch.bfloat16)
+    assert 0.2 < (one != other).double().mean() < 0.4
+    weight = torch.randn(2048, 1024, dtype=torch.float64) / 2048**0.5
+
+    def e4m3(x):
+        values, scales = fp8.quantize_activations(x)
+        return (values.double().unflatten(-1, (-1, 128)) * scales.double()[..., None]).flatten(-2)
+
+    def moved(a, b):
+        return ((a @ weight - b @ weight).norm(dim=1) / (a @ weight).norm(dim=1)).median().item()
+
+    plain, quantized = moved(one.double(), other.double()), moved(e4m3(one), e4m3(other))
+    step = certify.bound("bfloat16", 1, 2048) / certify.PER_LAYER
+    quantized_step = certify.bound("bfloat16", 1, 2048, quantized=True) / certify.PER_LAYER
+    assert plain < step < quantized < quantized_step, (plain, step, quantized, quantized_step)

@@ -34,7 +34,13 @@ when the order of the sum changes. Another kernel thus moves a layer's output by
 ``u + 2^-24 sqrt(K)`` of its size, times a small count of such steps per layer (``PER_LAYER``:
 attention, MLP, norms). The steps' errors are independent from layer to layer and add up like a
 random walk: a state ``depth`` layers deep (a tap of layer k has depth k + 1; the final state, all
-of them and the norm) differs by about ``PER_LAYER * (u + 2^-24 sqrt(K)) * sqrt(depth)``. Measured
+of them and the norm) differs by about ``PER_LAYER * (u + 2^-24 sqrt(K)) * sqrt(depth)``. Where the
+linear layers quantize their inputs to e4m3 on the fly (``--quantized-compute fp8``), an input that
+another kernel rounded differently by ``u`` lands in another e4m3 step (relative size up to
+``E4M3_STEP``, 2^-3) with a chance of about ``u / E4M3_STEP`` and then moves by that whole step, so
+a product's relative difference grows from ``u`` to about ``sqrt(u * E4M3_STEP)``, which takes
+``u``'s place (bfloat16: 2^-5.5, 5.7x; the tiny FP8 DeepSeek-V3 of the CUDA tests, compiled and
+packed against the plain path: 0.04 at its first layer, over bfloat16's bound of 0.031). Measured
 on the bundled tiny Llama (CPU; packed, padded and eager) the largest difference of any token is
 an eighth of the bound in float32 and under half of it in bfloat16. A fault differs by far more:
 a neighbouring layer's residual stream, another token's state or a state that saw another
@@ -71,6 +77,7 @@ if TYPE_CHECKING:
 
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 ACCUMULATE = 2.0**-24  # the unit roundoff of the float32 accumulators of every dtype's matrix products
+E4M3_STEP = 2.0**-3  # e4m3's largest relative step between neighbouring values (3 mantissa bits)
 PER_LAYER = 8  # rounding steps of one decoder layer under other kernels (module docstring)
 NEAR_TIE_SHARE = 0.02  # of a MoE sample's tokens, at most (at least one), beyond the bound: router near-ties
 BAND = 16.0  # a tap's RMS stays within [low / BAND, high * BAND] of the first samples' (short samples vary most)
@@ -89,10 +96,14 @@ CAUSES = (
 )
 
 
-def bound(dtype: str, depth: int, width: int) -> float:
+def bound(dtype: str, depth: int, width: int, quantized: bool = False) -> float:
     """The relative difference a state ``depth`` layers deep may show under other kernels, in a
-    model whose longest reduction sums ``width`` products (module docstring)."""
-    per_step = UNIT_ROUNDOFF[dtype] + ACCUMULATE * math.sqrt(width)
+    model whose longest reduction sums ``width`` products; ``quantized``: its linear layers'
+    inputs are rounded to e4m3 on the fly (module docstring)."""
+    u = UNIT_ROUNDOFF[dtype]
+    if quantized:
+        u = math.sqrt(u * E4M3_STEP)
+    per_step = u + ACCUMULATE * math.sqrt(width)
     return PER_LAYER * per_step * math.sqrt(max(depth, 1))
 
 

@@ -298,6 +298,9 @@ class TransformersBackend:
         self.set_compiled(compiled)
         self.checks: CertifyCheck | None = None  # the run's tap checks (``certifies``); None: none
         self.routed = any(getattr(config, k, None) for k in EXPERT_COUNTS)
+        from hsx.capture.quantized import fp8
+
+        self.quantized = fp8.installed(self.model)  # inputs rounded to e4m3 on the fly: a wider shadow bound
 
     def certifies(self, checks: CertifyCheck | None) -> None:
         """Check every sample's taps as it is captured, and recompute the samples ``checks`` picks
@@ -585,7 +588,8 @@ class TransformersBackend:
         dtype = str(self.dtype).removeprefix("torch.")
         config = self.model.config.get_text_config()
         width = max(self.hidden_size, int(getattr(config, "intermediate_size", 0) or 0))
-        bounds = [certify.bound(dtype, d, width) + slack for d in certify.depths(self.taps, self.num_layers)]
+        depths = certify.depths(self.taps, self.num_layers)
+        bounds = [certify.bound(dtype, d, width, self.quantized) + slack for d in depths]
         h = self.hidden_size
         for i, states in plain.items():
             aux, final = batch.sample(i)
