@@ -6,6 +6,7 @@
 #   bash scripts/test-automodel.sh [install|test]   (no argument: both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE  # installed with --no-compile: bytecode is written on first import (scripts/test.sh)
 step=${1:-all}
 if [ "$step" != test ]; then
   python3 -m venv .venv-automodel

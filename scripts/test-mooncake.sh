@@ -5,6 +5,7 @@
 #   bash scripts/test-mooncake.sh [install|test]   (no argument: both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE  # installed with --no-compile: bytecode is written on first import (scripts/test.sh)
 step=${1:-all}
 libs=.venv-mooncake/libs
 if [ "$step" != test ]; then
