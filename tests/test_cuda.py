@@ -200,7 +200,7 @@ def test_quantization_kernel_is_the_reference_bit_for_bit(m, k):
     x[::7, :128] = 0  # groups of zeros
     x[::5, -1] = torch.finfo(torch.bfloat16).max
     x = x.to(torch.bfloat16).cuda()
-    values, scales = fp8_kernel.activation_operands(x)
+    values, scales = fp8_kernel.activation_operands(x, fp8.TOKEN_MULTIPLE)
     want_values, want_scales = fp8.activation_operands(*fp8.quantize_activations(x))
     assert values.shape == want_values.shape == (m + -m % 16, k) and values.dtype == torch.float8_e4m3fn
     assert scales.shape == want_scales.shape and scales.stride() == want_scales.stride() == (1, m + -m % 16)
@@ -208,7 +208,9 @@ def test_quantization_kernel_is_the_reference_bit_for_bit(m, k):
     assert torch.equal(scales, want_scales)
     strided = torch.zeros(m, k + 256, dtype=torch.bfloat16, device="cuda")[:, 64 : 64 + k]
     strided.copy_(x)  # a view with a row stride wider than its columns
-    assert torch.equal(fp8_kernel.activation_operands(strided)[0].view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(
+        fp8_kernel.activation_operands(strided, fp8.TOKEN_MULTIPLE)[0].view(torch.uint8), values.view(torch.uint8)
+    )
 
 
 def test_scaled_grouped_mm_with_block_scales():

@@ -58,12 +58,12 @@ def one_linear(k: int, n: int, layer, compiled) -> str:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     w8, s8 = fp8.quantize_weight(w)
     x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16)
-    a, sa = fp8_kernel.activation_operands(x)
+    a, sa = fp8_kernel.activation_operands(x, fp8.TOKEN_MULTIPLE)
     b, sb = fp8.weight_operands(w8, s8)
     block = (ScalingType.BlockWise1x128, ScalingType.BlockWise128x128)
     gemm = ms(lambda: F.scaled_mm(a, b, sa, block[0], sb, block[1], output_dtype=torch.bfloat16))
     bf16, whole = ms(lambda: F.linear(x, w)), ms(lambda: layer(x, w8, s8))
-    quant = ms(lambda: compiled(x)), ms(lambda: fp8_kernel.activation_operands(x))
+    quant = ms(lambda: compiled(x)), ms(lambda: fp8_kernel.activation_operands(x, fp8.TOKEN_MULTIPLE))
     return f"{k} {n} | {bf16:.3f} | {gemm:.3f} | {quant[0]:.3f} | {quant[1]:.3f} | {whole:.3f} | {bf16 / whole:.2f}"
 
 

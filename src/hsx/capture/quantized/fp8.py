@@ -160,7 +160,7 @@ def block_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) 
 
     from hsx.capture.quantized import fp8_kernel
 
-    a, scale_a = fp8_kernel.activation_operands(x.contiguous())
+    a, scale_a = fp8_kernel.activation_operands(x.contiguous(), TOKEN_MULTIPLE)
     b, scale_b = weight_operands(weight, weight_scale)
     out = F.scaled_mm(
         a, b, scale_a, ScalingType.BlockWise1x128, scale_b, ScalingType.BlockWise128x128, output_dtype=torch.bfloat16

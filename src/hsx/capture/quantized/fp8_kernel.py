@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hsx.capture.quantized.fp8 import BLOCK, E4M3_MAX, FP8, TOKEN_MULTIPLE
-
+GROUP = 128  # columns per scale: the GEMM's 1x128 activation blocks (fp8.BLOCK)
 ROWS = 32  # tokens per program: 32 x 128 bf16 values (8 KiB) in, 4 KiB of e4m3 out
 
 
@@ -40,17 +39,16 @@ def _quantize(x, values, scales, tokens, padded, columns, x_row, ROWS: tl.conste
     tl.store(scales + group.to(tl.int64) * padded + rows, scale, mask=kept)
 
 
-def activation_operands(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def activation_operands(x: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (CUDA, K a multiple of 128) as the GEMM's first operand and its scales: e4m3 values
-    [M', K] (M' = M rounded up to 16, the extra rows zeros) and float32 scales [M', K/128] with
-    strides (1, M') (the extra rows unit scales)."""
+    [M', K] (M' = M rounded up to ``multiple``, the extra rows zeros) and float32 scales
+    [M', K/128] with strides (1, M') (the extra rows unit scales)."""
     tokens, columns = x.shape
-    assert columns % BLOCK == 0 and x.stride(1) == 1, (x.shape, x.stride())
-    assert E4M3_MAX == 448.0  # the kernel's constants
-    padded = tokens + -tokens % TOKEN_MULTIPLE
-    values = torch.empty((padded, columns), dtype=FP8, device=x.device)
-    scales = torch.empty_strided((padded, columns // BLOCK), (1, padded), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(padded, ROWS), columns // BLOCK)
+    assert columns % GROUP == 0 and x.stride(1) == 1, (x.shape, x.stride())
+    padded = tokens + -tokens % multiple
+    values = torch.empty((padded, columns), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty_strided((padded, columns // GROUP), (1, padded), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(padded, ROWS), columns // GROUP)
     with torch.cuda.device(x.device):
-        _quantize[grid](x, values, scales, tokens, padded, columns, x.stride(0), ROWS=ROWS, GROUP=BLOCK, num_warps=4)
+        _quantize[grid](x, values, scales, tokens, padded, columns, x.stride(0), ROWS=ROWS, GROUP=GROUP, num_warps=4)
     return values, scales
