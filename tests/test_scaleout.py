@@ -337,6 +337,25 @@ def test_a_worker_runs_the_model_on_the_threads_given(finished_run, tmp_path, mo
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize(
+    "argv0,command",
+    [
+        ("/opt/venv/bin/hsx", True),  # the console script
+        ("/opt/venv/lib/python3.12/site-packages/hsx/__main__.py", True),  # python -m hsx
+        ("/home/me/train.py", False),  # a program calling extract(): its process is never ended
+        ("/opt/venv/bin/pytest", False),
+        ("/srv/hsx/__main__.py.bak", False),
+    ],
+)
+def test_only_the_hsx_command_lets_the_watch_end_its_process(argv0, command, monkeypatch):
+    """The watch may end the driver's process (``_Watch(ends_process=...)``) only where that process is
+    the hsx command, which the driver tells from ``sys.argv[0]``."""
+    from hsx.extract.workers import driver
+
+    monkeypatch.setattr(sys, "argv", [argv0, "extract"])
+    assert driver._the_command() is command
+
+
 def test_a_driver_whose_main_thread_never_hears_the_interrupt_ends_itself_saying_who_holds_the_run(tmp_path):
     """Once another extractor holds the run, the driver's watch interrupts its main thread; a main
     thread that stays inside Ray's own code (waiting on actors Ray restarts without end, each fenced
