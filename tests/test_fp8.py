@@ -280,7 +280,7 @@ def test_quantized_compute_is_recorded_defaulted_refused_and_part_of_the_drift_c
     said = []
     with pytest.raises(OptionError, match="--quantized-compute fp8 cannot run here: torch has no block-scaled"):
         extract(ExtractOptions(out=out, quantized_compute="fp8", **common), log=said.append)
-    with pytest.raises(OptionError, match="takes fp8 or dequantized, not 'int8'"):
+    with pytest.raises(OptionError, match="takes fp8, int4 or dequantized, not 'int8'"):
         extract(ExtractOptions(out=out, quantized_compute="int8", **common), log=said.append)
     assert not (out / layout.SPEC).exists()
     assert extract(ExtractOptions(out=out, **common), log=said.append).complete  # the CPU default
@@ -295,8 +295,10 @@ def test_quantized_compute_is_recorded_defaulted_refused_and_part_of_the_drift_c
     first = load_states(layout.sample_path(out, 0, 3))
     assert first["hidden_states"].dtype == torch.float32  # CPU's dtype: dequantized weights in float32
     # an unquantized model has no such choice
-    with pytest.raises(OptionError, match="applies to FP8 checkpoints"):
+    with pytest.raises(OptionError, match="applies to FP8 and INT4 checkpoints"):
         extract(ExtractOptions(out=tmp_path / "plain", quantized_compute="fp8", **{**common, "model": str(TINY)}))
+    with pytest.raises(OptionError, match=r"int4 applies to INT4-packed routed experts; .* has none"):
+        extract(ExtractOptions(out=tmp_path / "fp8-int4", quantized_compute="int4", **common))
     plain = tmp_path / "tiny"
     assert extract(ExtractOptions(out=plain, **{**common, "model": str(TINY), "layers": None}), log=said.append)
     assert json.loads((plain / layout.SPEC).read_text())["quantized_compute"] is None
@@ -306,7 +308,10 @@ def test_cli_takes_quantized_compute_and_refuses_a_bad_value(tmp_path):
     data = write_jsonl(tmp_path / "convs.jsonl", conversations(2))
     args = ("--model", TINY, "--data", data, "--out", tmp_path / "r", "--quantized-compute", "fp8")
     proc = hsx("extract", *args, check=False)
-    assert proc.returncode != 0 and "applies to FP8 checkpoints" in proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "applies to FP8 and INT4 checkpoints; " in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = hsx("extract", *args[:-1], "int4", check=False)
+    assert proc.returncode != 0 and "int4 applies to INT4-packed routed experts; " in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -246,6 +246,22 @@ def test_spec_records_the_experts_held_packed(models):
     assert target.identity(str(models["reference"]), models["reference"]).quantization is None
 
 
+def test_the_compute_choices_of_int4_packed_experts(models):
+    """INT4-packed experts expand per layer unless a run asks for the dequantizing GEMM
+    (``--quantized-compute int4``, test_int4_kernel) or says ``dequantized`` (the same path, named);
+    fp8 is refused by name."""
+    from hsx.capture import checkpoint
+    from hsx.errors import OptionError
+
+    for name in ("packed", "kimi-int4"):
+        assert checkpoint.compute_choice(models[name], "cpu", "float32", None) == (None, None)
+        assert checkpoint.compute_choice(models[name], "cpu", "float32", "dequantized") == ("dequantized", None)
+        with pytest.raises(OptionError, match=r"quantized-compute fp8 applies to FP8 checkpoints; .* experts are INT4"):
+            checkpoint.compute_choice(models[name], "cuda", "bfloat16", "fp8")
+        with pytest.raises(OptionError, match=r"--quantized-compute int4 cannot run here: .*float32"):
+            checkpoint.compute_choice(models[name], "cuda", "float32", "int4")
+
+
 # ---------------------------------------------------------------- a slice of experts at a time
 
 

@@ -75,12 +75,17 @@ class TokenizerIdentity(BaseModel):
     files: dict[str, str] | None = None
 
 
+# How this hsx's fp8 route quantizes activations, as a run's spec records it (``fp8_activations``):
+# the Triton kernel of ``capture.quantized.fp8_kernel``. Before it, compiled torch code quantized the
+# fused float32 values, with other roundings. A new name with any change of the kernel's numbers.
+FP8_ACTIVATIONS = "triton-kernel/1"
 OPTIONAL_DATA = ("split", "limit", "column")  # a DataFile's fields written only where given
 # RunSpec's fields written only where not these
 DRAFT_DEFAULTS = {
     "layers_formula": None,
     "final_norm": "post",
     "expert_slice_gb": None,
+    "fp8_activations": None,
     "teacher": None,
     "model_files": False,
 }
@@ -340,6 +345,9 @@ class RunSpec(BaseModel):
     # how an FP8 checkpoint computes: fp8 (block FP8 GEMMs, activations quantized) or dequantized
     # (weights expanded to the dtype); None: unquantized weights, or a run made before hsx recorded it
     quantized_compute: str | None = None
+    # on the fp8 route, how the activations are quantized (``fp8.ACTIVATIONS``); None: not on it, or a
+    # run made before hsx recorded it, whose quantization was compiled torch code (``FP8_ACTIVATIONS``)
+    fp8_activations: str | None = None
     # GB of routed experts expanded at once (--expert-slice-gb: hsx.capture.quantized.experts.sliced); None:
     # a whole MoE layer's, as runs made before. The same states on CPU (tested); recorded since a compiled
     # layer on CUDA runs the slices outside its graph, whose fused kernels may round otherwise
@@ -393,9 +401,9 @@ class RunSpec(BaseModel):
 
     @model_serializer(mode="wrap")
     def _drafts_where_asked(self, handler) -> dict:
-        """``layers_formula``, ``final_norm``, ``expert_slice_gb`` and ``teacher`` only where a run asked
-        for them: a run given ids, the post-norm final state and whole-layer expansion, storing no
-        teacher, is written as before."""
+        """``layers_formula``, ``final_norm``, ``expert_slice_gb``, ``fp8_activations`` and ``teacher``
+        only where a run asked for them: a run given ids, the post-norm final state and whole-layer
+        expansion, off the fp8 route, storing no teacher, is written as before."""
         out = handler(self)
         return {k: v for k, v in out.items() if k not in DRAFT_DEFAULTS or v != DRAFT_DEFAULTS[k]}
 

@@ -38,6 +38,7 @@ model on CPU.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -683,6 +684,23 @@ def packed_experts_run(backend, net, dev, results, packed, compiled, extract, lo
     with measured(f"forward only ({tag4})", dev, results) as r:
         r.tokens = forward_only(backend, plan, batches)
     r.expert_bytes = stored
+    extract(run, spec, plan, tag4).expert_bytes = stored
+    shutil.rmtree(run)
+    if dev.type != "cuda" or importlib.util.find_spec("triton") is None:
+        log("int4 experts on the dequantizing grouped GEMM: CUDA and triton only; skipped")
+        return
+    for _, module in experts.stored_modules(net):
+        module.dequantizing = True  # the packed weights read by the GEMM itself, nothing expanded
+    torch._dynamo.reset()
+    backend.set_compiled(compiled)
+    tag4 = f"{tag}, int4 experts, dequantizing GEMM"
+    t0 = time.perf_counter()
+    forward_only(backend, plan, batches)
+    log(f"{tag4}: warm-up pass (with any compiling) {time.perf_counter() - t0:.1f} s")
+    with measured(f"forward only ({tag4})", dev, results) as r:
+        r.tokens = forward_only(backend, plan, batches)
+    r.expert_bytes = stored
+    spec, plan = synthetic(run, packed, compiled)
     extract(run, spec, plan, tag4).expert_bytes = stored
     shutil.rmtree(run)
 

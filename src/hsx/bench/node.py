@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,7 +125,7 @@ def build_rank(config, experts: str, device: torch.device):
 
     torch.manual_seed(0)
     dtype = torch.bfloat16
-    if experts == "int4":
+    if experts in ("int4", "int4-gemm"):
         fmt = int4.Int4Experts(32)
         with jit.swapped(DeepseekV3ForCausalLM, fmt, dtype), torch.device(device):
             model = DeepseekV3ForCausalLM._from_config(config, dtype=dtype)
@@ -142,6 +143,7 @@ def build_rank(config, experts: str, device: torch.device):
         stored = {"gate_up_proj": packed(2 * inter, hidden), "down_proj": packed(hidden, inter)}
         for _, module in jit.stored_modules(model):
             module.compiled = device.type == "cuda"
+            module.dequantizing = experts == "int4-gemm"  # the packed weights read by the GEMM itself
             for name, tensors in stored.items():
                 module.set_stored(name, {k: tensors[k].clone() for k in fmt.stored})
     else:
@@ -303,7 +305,7 @@ def stage_memory(args, model, built: int, total: int, peak: int) -> list[str]:
     form = "dequantized" if args.experts == "bf16" else "packed"  # bf16: as if expanded at load
     layout = Layout(
         args.ranks, args.ranks, form, "bfloat16", args.batch_tokens, args.max_len,
-        pipeline=args.pipeline, slice_gb=args.expert_slice_gb,
+        pipeline=args.pipeline, slice_gb=args.expert_slice_gb, expands=args.experts != "int4-gemm",
     )  # fmt: skip
     counted = inventory.estimate(layout)
     device = round(args.gpu_memory * GB)
@@ -331,7 +333,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ranks", type=int, default=8, help="GPUs of a replica, or of each pipeline stage: TP = EP")
     p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (the node has pipeline x ranks GPUs)")
     p.add_argument("--layers", type=int, default=0, help="build this many layers and scale (0: all)")
-    p.add_argument("--experts", choices=("int4", "fp8", "bf16"), default="int4", help="bf16: unquantized experts")
+    p.add_argument(
+        "--experts",
+        choices=("int4", "int4-gemm", "fp8", "bf16"),
+        default="int4",
+        help="int4: packed, expanded per layer; int4-gemm: packed, read by a GEMM that dequantizes them (Triton); "
+        "bf16: unquantized experts",
+    )
     p.add_argument("--samples", type=int, default=64, help="samples timed (warm-up batches excluded)")
     p.add_argument("--mean-len", type=int, default=2200)
     p.add_argument("--min-len", type=int, default=256)
@@ -355,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--pipeline and --ranks take 1 or more")
     if args.expert_slice_gb is not None and args.expert_slice_gb <= 0:
         p.error("--expert-slice-gb takes GB above 0")
+    if args.experts == "int4-gemm" and args.device != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        p.error("--experts int4-gemm runs a Triton kernel: on CUDA (or in its interpreter: TRITON_INTERPRET=1)")
     est = run(args)
     gpus = args.ranks * args.pipeline
     where = "stage" if args.pipeline > 1 else "rank"

@@ -60,6 +60,7 @@ from hsx.target import LanguageModel, bnb_method, held_experts, int4_group
 log = logging.getLogger("hsx.checkpoint")
 
 FP8_METHODS = ("fp8", "mxfp8")  # transformers' FineGrainedFP8Config reads both
+COMPUTES = ("fp8", "int4", "dequantized")  # --quantized-compute: how a quantized checkpoint computes
 
 
 def read_config(model_dir: Path) -> dict:
@@ -122,18 +123,30 @@ def prepared(model_dir: Path, device: str, dtype: str = "float32", compute: str 
 
 def compute_choice(model_dir: Path, device: str, dtype: str, asked: str | None) -> tuple[str | None, str | None]:
     """The ``quantized_compute`` of a run on ``device`` in ``dtype``, and why it is not ``fp8``
-    where it could have been: None for a checkpoint that is not block FP8 (``asked`` refused);
-    ``fp8`` by default where torch's block-scaled FP8 GEMM runs, else ``dequantized``.
-    Raises ``OptionError`` for a choice the checkpoint or the device cannot take."""
-    from hsx.capture.quantized import fp8
+    where it could have been. Block FP8: ``fp8`` by default where torch's block-scaled FP8 GEMM
+    runs, else ``dequantized``. INT4-packed routed experts: None by default (expanded per layer, as
+    runs before the choice), ``int4`` (the dequantizing grouped GEMM) or ``dequantized`` where
+    asked. Other checkpoints: None (``asked`` refused). Raises ``OptionError`` for a choice the
+    checkpoint or the device cannot take."""
+    from hsx.capture.quantized import fp8, int4
     from hsx.errors import OptionError
 
-    if asked is not None and asked not in fp8.COMPUTES:
-        raise OptionError(f"--quantized-compute takes {' or '.join(fp8.COMPUTES)}, not {asked!r}")
+    if asked is not None and asked not in COMPUTES:
+        raise OptionError(f"--quantized-compute takes {', '.join(COMPUTES)}, not {asked!r}")
+    lm = LanguageModel.of(model_dir)
+    if held_experts(lm) is not None:
+        if asked == "fp8":
+            raise OptionError(f"--quantized-compute fp8 applies to FP8 checkpoints; {model_dir}'s experts are INT4")
+        blocker = int4.gemm_blocker(device, dtype, lm.config) if asked == "int4" else None
+        if blocker is not None:
+            raise OptionError(f"--quantized-compute int4 cannot run here: {blocker}; leave it out (expanded per layer)")
+        return asked, None
+    if asked == "int4":
+        raise OptionError(f"--quantized-compute int4 applies to INT4-packed routed experts; {model_dir} has none")
     qc = read_config(model_dir).get("quantization_config") or {}
     if qc.get("quant_method") not in FP8_METHODS:
         if asked is not None:
-            raise OptionError(f"--quantized-compute applies to FP8 checkpoints; {model_dir} is not one")
+            raise OptionError(f"--quantized-compute applies to FP8 and INT4 checkpoints; {model_dir} is neither")
         return None, None
     if qc.get("dequantize"):
         if asked == "fp8":

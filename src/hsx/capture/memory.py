@@ -89,11 +89,14 @@ class Layout:
     pipeline: int = 1  # stages of contiguous decoder layers, each over ``tensor`` GPUs
     slice_gb: float | None = None  # GB of a MoE layer's experts expanded at once (--expert-slice-gb); None: all
     teacher: int = 0  # bytes of one masked token's --teacher row (spec.TeacherSpec.row_bytes); 0: none
+    # packed experts expanded per layer; False: read packed by the dequantizing GEMM (--quantized-compute int4)
+    expands: bool = True
 
     def __str__(self) -> str:
         ep = f" + EP{self.expert}" if self.expert > 1 else ""
         pp = f"PP{self.pipeline} x " if self.pipeline > 1 else ""
-        form = f"{self.experts} experts, " if self.experts != "unquantized" else ""
+        read = "" if self.expands or self.experts != "packed" else " (read by the dequantizing GEMM)"
+        form = f"{self.experts} experts{read}, " if self.experts != "unquantized" else ""
         sliced = f", experts expanded {self.slice_gb:g} GB at a time" if self.slice_gb is not None else ""
         return f"{pp}TP{self.tensor}{ep}, {form}{self.dtype}{sliced}"
 
@@ -137,6 +140,8 @@ class Estimate:
     def expanded(self) -> str:
         """What the expansion figure counts, in words."""
         lo, (step, local) = self.layout, self.at_once
+        if not lo.expands:
+            return "routed experts expanded: none (read packed by the dequantizing GEMM)"
         if lo.slice_gb is None:
             return f"one MoE layer's local experts expanded to {lo.dtype}"
         said = f"{step} of a MoE layer's {local} local experts expanded to {lo.dtype} at a time"
@@ -282,7 +287,7 @@ class Inventory:
             size = self.held(m, layout)
             if m.expert:
                 experts += size
-                if m.quantized and layout.experts == "packed":
+                if m.quantized and layout.experts == "packed" and layout.expands:
                     key = layer_of(m)
                     per_layer[key] = per_layer.get(key, 0) + m.numel * b
             elif layout.tensor > 1 and self.sharded(m):
@@ -775,6 +780,7 @@ def check_run(spec: RunSpec, model_dir: Path, device: str, log: Callable[[str], 
         pipeline=spec.parallel.pipeline,
         slice_gb=spec.expert_slice_gb,
         teacher=0 if spec.teacher is None else spec.teacher.row_bytes(spec.state_itemsize),
+        expands=spec.quantized_compute != "int4",
     )
     usable, gpus, measured = device_memory(device, spec.parallel.ranks)
     try:

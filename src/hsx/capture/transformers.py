@@ -382,7 +382,7 @@ class TransformersBackend:
     ) -> TransformersBackend:
         """Load the model onto ``device``; with ``tensor`` > 1 this process is one rank of an
         initialised torch.distributed group and holds its share (transformers' TP/EP plans).
-        ``quantized_compute``: how an FP8 checkpoint computes (None: the default for the device).
+        ``quantized_compute``: how an FP8 checkpoint or INT4-packed experts compute (None: the default).
         ``stages``: a pipeline; this rank loads its stage's layers alone (``capture.stages``).
         ``slice_gb``: GB of a MoE layer's experts expanded at once (None: the whole layer's)."""
         from transformers import AutoModelForCausalLM
@@ -436,7 +436,11 @@ class TransformersBackend:
         if fmt is not None:
             prefix = target.LanguageModel.of(model_dir).prefix  # a composite's language model: its weights' names
             experts.fill(model, Path(model_dir), next(model.parameters()).device, prefix)
-            log.warning("checkpoint: routed experts held as %s", experts.describe(fmt, DTYPES[dtype], expert))
+            reading = quantized_compute == "int4"  # the packed weights read by a dequantizing GEMM
+            for _, module in experts.stored_modules(model):
+                module.dequantizing = reading
+            held = experts.describe(fmt, DTYPES[dtype], expert, dequantizing=reading)
+            log.warning("checkpoint: routed experts held as %s", held)
         if how.fp8:
             from hsx.capture.quantized import fp8
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hsx import drafts, target, teacher
-from hsx.errors import InputError, OptionError, PlanError
+from hsx.errors import InputError, OptionError, PlanError, Refused
 from hsx.extract import backends
 from hsx.extract.options import (
     DEFAULTS,
@@ -29,7 +29,18 @@ from hsx.input import check_source, read_conversations
 from hsx.job.folder import setting_up
 from hsx.job.model import Model
 from hsx.plan import NoUsableSamples, Plan, Tokenize, tokenize_all, write_plan
-from hsx.spec import CertifyCheck, DataFile, FidelityCheck, ModelIdentity, Parallel, PlanIdentity, RunSpec, now, who
+from hsx.spec import (
+    FP8_ACTIVATIONS,
+    CertifyCheck,
+    DataFile,
+    FidelityCheck,
+    ModelIdentity,
+    Parallel,
+    PlanIdentity,
+    RunSpec,
+    now,
+    who,
+)
 from hsx.store import layout
 from hsx.store.codec import Codec
 from hsx.store.durable import write_durable
@@ -202,6 +213,7 @@ def create_run(opts: ExtractOptions, job_model: Model, log: Callable[[str], None
             codec=codec,
             parallel=parallel,
             quantized_compute=compute,
+            fp8_activations=FP8_ACTIVATIONS if compute == "fp8" else None,
             expert_slice_gb=opts.expert_slice_gb,
             template_kwargs=opts.template_kwargs or {},
             chat_template=opts.chat_template,
@@ -312,3 +324,16 @@ def session_limits(opts: ExtractOptions, spec: RunSpec, log: Callable[[str], Non
     limits = spec.fidelity.model_copy(update=asked)
     log(f"fidelity: this session stops under {limits.rule()} (the run's own: {spec.fidelity.rule()})")
     return spec.model_copy(update={"fidelity": limits})
+
+
+def refuse_other_quantization(run: Path, spec: RunSpec) -> None:
+    """A run on the fp8 route resumes only under the activations' quantization it began with: its
+    samples would otherwise mix two roundings of the same states."""
+    if spec.quantized_compute != "fp8" or spec.fp8_activations == FP8_ACTIVATIONS:
+        return
+    began = spec.fp8_activations or "compiled torch code (hsx before the quantization kernel)"
+    raise Refused(
+        f"{run} runs on the FP8 route with its activations quantized by {began}; this hsx quantizes them "
+        f"with {FP8_ACTIVATIONS}, which rounds otherwise, and a resume would mix the two in one run. Finish it "
+        "with the hsx that began it, or extract again into a new folder"
+    )

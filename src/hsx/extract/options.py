@@ -49,7 +49,7 @@ EXTRACT = Bounds(
     pipeline_parallel=DEVICES,
     data_parallel_size=DEVICES,
     workers=Bound(min=0, max=100_000),
-    quantized_compute=Bound(choices=("fp8", "dequantized")),
+    quantized_compute=Bound(choices=("fp8", "int4", "dequantized")),
     expert_slice_gb=Bound(min=0.0, min_open=True, max=1e6),
     codec=Bound(choices=tuple(Codec)),
     backend=Bound(choices=tuple(BACKENDS)),
@@ -70,8 +70,9 @@ WORKERS = (
     "(needs the hsx[ray] extra)."
 )
 COMPUTE = (
-    "FP8 checkpoints: fp8 (FP8 GEMMs, inputs quantized) | dequantized (weights expanded to the dtype) "
-    "(new run; part of the spec)."
+    "FP8 checkpoints: fp8 (FP8 GEMMs, inputs quantized) | dequantized (weights expanded to the dtype). "
+    "INT4-packed experts: int4 (a grouped GEMM that dequantizes them as it loads them, CUDA) | dequantized "
+    "(expanded per layer, the default) (new run; part of the spec)."
 )
 
 SLICE = (
@@ -252,6 +253,13 @@ class ExtractOptions(JobOptions):
             raise OptionError(f"{' and '.join(engine)} size vLLM's engine; this run's backend is {backend}")
         if self.expert_slice_gb is not None and backend != "transformers":
             raise OptionError(f"--expert-slice-gb slices hsx's expansion of the experts; {backend} holds its own")
+        if self.quantized_compute == "int4" and backend != "transformers":
+            raise OptionError(f"--quantized-compute int4 runs hsx's own experts kernel; {backend} runs its own")
+        if self.quantized_compute == "int4" and self.expert_slice_gb is not None:
+            raise OptionError(
+                "--expert-slice-gb slices the experts' expansion, and --quantized-compute int4 expands none: "
+                "the GEMM reads them packed"
+            )
         if self.reference_every is not None and backend == "vllm":
             raise OptionError(
                 "--reference-every recomputes samples on the run's own loaded weights, and vLLM's engine holds its "

@@ -44,6 +44,7 @@ class Extract(Stage[ExtractOptions, RunSpec, ExtractSummary]):
         return differences(spec, asked)
 
     def opened(self, opts: ExtractOptions, spec: RunSpec, log: Log) -> RunSpec:
+        folder.refuse_other_quantization(opts.out, spec)
         return folder.session_limits(opts, follow(opts.out, spec, log), log)
 
     def progress(self, opts: ExtractOptions, spec: RunSpec) -> Progress:

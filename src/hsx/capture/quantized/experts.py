@@ -88,6 +88,9 @@ class StoredExperts(nn.Module):
     group: object = None  # the ranks that hold the other experts (None: the whole world; a pipeline stage's)
     compiled: bool = False  # CUDA: each layer's expansion is one compiled (fused) pass
     slice_bytes: int | None = None  # expanded experts held at once (``sliced``); None: the whole layer's
+    # INT4 on CUDA: the packed weights go straight into a grouped GEMM that dequantizes them as it loads
+    # them (``int4_kernel``), nothing expanded; the states are another GEMM's sums (``describe``)
+    dequantizing: bool = False
 
     def __init__(self, config):
         super().__init__()
@@ -142,8 +145,14 @@ class StoredExperts(nn.Module):
             top_k_index = torch.where(off, self.num_experts, top_k_index % self.num_experts)
             top_k_weights = top_k_weights.masked_fill(off, 0.0)
         step = per_slice(self, self.slice_bytes, self.dtype)
-        if step < self.num_experts:
-            routing = (hidden_states, top_k_index, top_k_weights)
+        routing = (hidden_states, top_k_index, top_k_weights)
+        if self.dequantizing:  # grouped_mm's rows and sums, the weights read packed by the kernel
+            from hsx.capture.quantized import int4_kernel
+
+            whole = {name: int4_kernel.Packed.of(self.stored(name), self.fmt.group_size) for name in PROJECTIONS}
+            fused = int4_kernel.grouped_linear
+            out = sliced(self, None, "grouped_mm", lambda _: whole, self.num_experts, *routing, linear=fused)
+        elif step < self.num_experts:
             out = sliced(self, self.experts_class.forward, implementation(self), self.expand_slice, step, *routing)
         else:
             gate_up, down = self.expand()
@@ -211,18 +220,19 @@ def pair_order(implementation: str, top_k_index: torch.Tensor) -> torch.Tensor:
     return (by_position % tokens) * top_k + by_position // tokens
 
 
-def grouped_rows(view, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_rows(view, rows: torch.Tensor, counts: torch.Tensor, linear: Callable | None = None) -> torch.Tensor:
     """Unweighted outputs of ``rows`` (states stacked by expert, ``counts`` of each) through the
     experts of ``view``, as transformers' grouped_mm function computes its sorted rows: its grouped
-    GEMMs and gate, on these rows in this order (its own function would sort them again, and its
-    sort does not keep the order of equal ids)."""
+    GEMMs (or ``linear`` in their place) and gate, on these rows in this order (its own function
+    would sort them again, and its sort does not keep the order of equal ids)."""
     from transformers.integrations.moe import _grouped_linear
 
+    linear = linear or _grouped_linear
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     up = view.gate_up_proj if view.has_gate else view.up_proj
-    out = _grouped_linear(rows, up, offsets, is_transposed=view.is_transposed)
+    out = linear(rows, up, offsets, is_transposed=view.is_transposed)
     out = view._apply_gate(out) if view.has_gate else view.act_fn(out)
-    out = _grouped_linear(out, view.down_proj, offsets, is_transposed=view.is_transposed)
+    out = linear(out, view.down_proj, offsets, is_transposed=view.is_transposed)
     # the norm after the experts is newer than the lowest transformers the pin admits
     return view.post_expert_norm(out) if getattr(view, "has_post_expert_norm", False) else out
 
@@ -237,9 +247,11 @@ def sliced(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
+    linear: Callable | None = None,
 ) -> torch.Tensor:
     """``function`` (transformers' experts function ``implementation``) over ``module``'s experts
-    expanded ``step`` at a time by ``expand``, with the numbers of one call over all of them: each
+    expanded ``step`` at a time by ``expand``, with the numbers of one call over all of them (or, for
+    grouped_mm, with ``linear`` in its GEMMs' place, taking what ``expand`` gives as weights): each
     slice computes the outputs of the (token, expert) pairs routed to it, unweighted, each expert's
     rows in the order the function stacks them (``pair_order``), and keeps them in their pairs'
     places; once every slice has run, the pairs are weighted and added up as the function adds them
@@ -267,7 +279,7 @@ def sliced(
         view = Expanded(module, num_experts=stop - start, _is_expert_parallel=False, **expand(slice(start, stop)))
         if implementation == "grouped_mm":
             pairs[rows] = grouped_rows(
-                view, hidden_states[rows // top_k], torch.bincount(local, minlength=stop - start)
+                view, hidden_states[rows // top_k], torch.bincount(local, minlength=stop - start), linear
             )
         else:  # eager: one pair a row (top 1, unit weight: its output exactly), each expert's rows in order
             unit = top_k_weights.new_ones(hi - lo, 1)
@@ -452,9 +464,12 @@ def from_dense(model: nn.Module, fmt: ExpertFormat, quantize, compiled: bool = F
         del module
 
 
-def describe(fmt: ExpertFormat, dtype: torch.dtype, ep_size: int) -> str:
-    """One line for the spec and log: how the routed experts are held and run."""
+def describe(fmt: ExpertFormat, dtype: torch.dtype, ep_size: int, dequantizing: bool = False) -> str:
+    """One line for the log: how the routed experts are held and run."""
     where = f", each of {ep_size} ranks holding its own experts" if ep_size > 1 else ""
+    name = str(dtype).removeprefix("torch.")
+    if dequantizing:
+        return f"{fmt.name}, read packed by a grouped GEMM that dequantizes them to {name} as it loads them{where}"
     if not fmt.compile and fmt.cast:
-        return f"{fmt.name} in {str(dtype).removeprefix('torch.')}{where}"
-    return f"{fmt.name}, expanded per layer to {str(dtype).removeprefix('torch.')}{where}"
+        return f"{fmt.name} in {name}{where}"
+    return f"{fmt.name}, expanded per layer to {name}{where}"

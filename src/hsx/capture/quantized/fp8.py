@@ -40,7 +40,6 @@ BLOCK = 128  # the only block size the GEMM takes (1x128 activations, 128x128 we
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 TOKEN_MULTIPLE = 16  # the GEMM's activations padded to whole 16s of tokens (cuBLAS wants 4s)
 FP8 = torch.float8_e4m3fn
-COMPUTES = ("fp8", "dequantized")
 _EXPAND_CHUNK = 1 << 28  # float32 values expanded at once (1 GiB): bounds the transient of an expansion
 
 

@@ -11,6 +11,8 @@ Its numbers are ``fp8.activation_operands(*fp8.quantize_activations(x))`` bit fo
 CUDA): the amax is exact whatever the block shape, the scale is amax (at least 1e-12) times
 float32(1/448), each value is divided by it with IEEE rounding (``div_rn``), clamped to +-448 and
 rounded to e4m3 to nearest even. One launch config, no autotuning: nothing depends on timing.
+A run's spec records this quantization (``spec.FP8_ACTIVATIONS``): a change of its numbers is a
+new name there, and a run begun under another is not resumed under it.
 """
 
 from __future__ import annotations

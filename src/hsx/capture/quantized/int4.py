@@ -20,6 +20,7 @@ import torch
 from hsx.target import INT4_BITS as BITS
 
 NAME = "int4-packed"
+GEMM_STEP = 64  # inputs the dequantizing GEMM (int4_kernel) takes a step: a projection's K is a multiple of it
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,26 @@ class Int4Experts:
         scales = scale.reshape(-1, 1, 1).expand(-1, self.group_size // per_word, 1).reshape(-1, 1)
         out = (values.to(torch.float32) * scales.to(torch.float32)).to(dtype)
         return out.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)
+
+
+def gemm_blocker(device: str, dtype: str, config: dict) -> str | None:
+    """Why the dequantizing grouped GEMM (``int4_kernel``: ``--quantized-compute int4``) cannot run
+    the routed experts of a model with text config ``config`` on ``device`` in ``dtype``; None where
+    it can. On CPU it runs only in Triton's interpreter (TRITON_INTERPRET=1), which the tests use."""
+    import importlib.util
+    import os
+
+    if dtype not in ("bfloat16", "float16"):
+        return f"the dequantizing GEMM multiplies bfloat16 or float16, and the run's dtype is {dtype}"
+    sizes = {k: config.get(k) for k in ("hidden_size", "moe_intermediate_size")}
+    odd = [f"{k} {v}" for k, v in sizes.items() if not isinstance(v, int) or v % GEMM_STEP]
+    if odd:
+        return f"the dequantizing GEMM takes inputs in steps of {GEMM_STEP}, and the experts' {', '.join(odd)} is not"
+    if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the dequantizing GEMM is a Triton kernel for CUDA, and the device is {device}"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (it runs the dequantizing GEMM)"
+    return None
 
 
 def quantization_config(group_size: int = 32, ignore: list[str] | None = None) -> dict:
