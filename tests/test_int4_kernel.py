@@ -215,10 +215,12 @@ def test_an_extraction_on_the_kernel_records_it_and_computes_the_expanded_runs_s
     expanded = tmp_path / "expanded"
     assert extract(ExtractOptions(out=expanded, **common), log=lambda m: None).complete
     out = tmp_path / "int4"
+    logged = []
     with caplog.at_level(logging.WARNING, logger="hsx.checkpoint"):
-        assert extract(ExtractOptions(out=out, quantized_compute="int4", **common), log=lambda m: None).complete
+        assert extract(ExtractOptions(out=out, quantized_compute="int4", **common), log=logged.append).complete
     said = " | ".join(r.getMessage() for r in caplog.records)
     assert "int4-packed, read packed by a grouped GEMM that dequantizes them to float16" in said, said
+    assert "  routed experts expanded: none (read packed by the dequantizing GEMM): 0.0 GB" in logged, logged
     assert json.loads((out / "hsx.json").read_text())["quantized_compute"] == "int4"
     assert json.loads((expanded / "hsx.json").read_text())["quantized_compute"] is None
     files = run_files(out)

@@ -248,6 +248,17 @@ def test_kimi_k25_pp8_fits_96_gb_with_its_experts_expanded_a_slice_at_a_time(kim
     assert kimi.estimate(Layout(8, 8, "packed", slice_gb=100.0)).expansion == 48 * one
 
 
+def test_kimi_k25_pp8_with_its_experts_read_packed_counts_no_expansion(kimi):
+    """--quantized-compute int4 (the dequantizing GEMM): a stage holds 8 layers' packed experts and
+    expands none, so PP8 fits 96 GB without a slice; the layout and its line say so."""
+    expanded = kimi.estimate(Layout(1, 1, "packed", pipeline=8))
+    read = memory.check(kimi, Layout(1, 1, "packed", pipeline=8, expands=False), 96 * GB, 8)
+    assert read.expansion == 0 and read.experts == expanded.experts
+    assert read.total == expanded.total - expanded.expansion and read.slice_to_fit(96 * GB) is None
+    assert "  routed experts expanded: none (read packed by the dequantizing GEMM): 0.0 GB" in read.lines(96 * GB)
+    assert "PP8 x TP1, packed experts (read by the dequantizing GEMM), bfloat16" in read.lines()[0]
+
+
 def test_hsx_memory_without_a_layout_advises_one_from_stated_bandwidths():
     from typer.testing import CliRunner
 
