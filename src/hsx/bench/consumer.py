@@ -3,7 +3,9 @@ through ``hsx.data.StreamDataset`` (every digest verified, every batch collated)
 and declares a checkpoint of, every batch, as a streaming trainer does, minus the training: what a
 live consumer costs the extraction beside it.
 
-    python -m hsx.bench.consumer RUN MAX_TOKENS    (prints the steps it acknowledged)
+    python -m hsx.bench.consumer RUN MAX_TOKENS [THREADS]    (prints the steps it acknowledged)
+
+THREADS: torch's intra-op threads in this process (0 or none: torch's default, one a core).
 """
 
 from __future__ import annotations
@@ -27,4 +29,8 @@ def consume(run: Path, max_tokens: int) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 3 and int(sys.argv[3]):
+        import torch
+
+        torch.set_num_threads(int(sys.argv[3]))
     print(consume(Path(sys.argv[1]), int(sys.argv[2])))

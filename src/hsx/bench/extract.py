@@ -20,6 +20,7 @@ On one model, one set of samples and the same batches it times:
 - consumer (``consumer=True``): hsx's extraction again on the last layout with a trainer's stream
   beside it in a process of its own (``bench.consumer``: ``StreamDataset`` reading, verifying and
   collating every sample as it lands, acknowledging every batch), against the same without one;
+  and again with the trainer's process on one torch intra-op thread (as a DataLoader worker);
 - taps (``hsx.certify``): every hsx row checks every sample's taps on the device; on the last layout,
   hsx's extraction again with the shadow at ``--reference-every`` ("shadow": 1 in N samples by id,
   and ids 0-3, recomputed through transformers' plain path), and the shadow timed on its own on a few
@@ -224,10 +225,11 @@ def synthetic_run(
 
 
 @contextmanager
-def live_consumer(run: Path, max_tokens: int) -> Iterator[None]:
+def live_consumer(run: Path, max_tokens: int, threads: int | None = None) -> Iterator[None]:
     """A trainer's stream of ``run`` (``bench.consumer``) in a process of its own while the body
-    extracts it; it must read every batch (waited for after)."""
-    cmd = [sys.executable, "-m", "hsx.bench.consumer", str(run), str(max_tokens)]
+    extracts it; it must read every batch (waited for after). ``threads``: its torch intra-op
+    threads (None: torch's default, one a core)."""
+    cmd = [sys.executable, "-m", "hsx.bench.consumer", str(run), str(max_tokens), str(threads or 0)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield
@@ -431,6 +433,12 @@ def run_bench(
                 cspec, cplan = synthetic(crun, packed, compiled)
                 with live_consumer(crun, batch_tokens):
                     extract(crun, cspec, cplan, f"{tag}, live consumer")
+                shutil.rmtree(crun)
+                # the same with one intra-op thread in the trainer's process, as a DataLoader worker
+                # runs: whether its collation on every core is what the extraction loses
+                cspec, cplan = synthetic(crun, packed, compiled)
+                with live_consumer(crun, batch_tokens, threads=1):
+                    extract(crun, cspec, cplan, f"{tag}, live consumer, 1 thread")
                 shutil.rmtree(crun)
             shutil.rmtree(run)
         if fp8:
@@ -731,8 +739,8 @@ def table(results: list[Result]) -> str:
         if r.name.startswith("hsx extract") and naive_r is not None and naive_r.rate:
             rows.append(f"{r.name} / naive: {r.rate / naive_r.rate:.2f}x")
     for r in results:
-        if r.name.endswith(", live consumer)"):
-            alone = next(x for x in results if x.name == r.name.replace(", live consumer)", ")"))
+        if ", live consumer" in r.name:
+            alone = next(x for x in results if x.name == r.name.split(", live consumer")[0] + ")")
             rows.append(
                 f"{r.name} / without: {r.rate / alone.rate:.3f}x tok/s (a trainer in its own process reading, "
                 "verifying and acknowledging every batch as it lands)"
