@@ -187,6 +187,37 @@ def test_the_producer_puts_each_unreleased_file_removes_each_released_key_and_na
         publisher.close()
 
 
+def test_two_producers_of_a_run_put_each_file_once(pool, tmp_path, samples):
+    """Ray workers each keep the whole run's pool at their gates: a file another producer put is
+    found by one batched query and neither read nor put again, and each removes what is released
+    (a key gone already is fine)."""
+    run = tmp_path / "run"
+    shutil.copytree(samples[1], run)
+    spec = load_spec(run)
+    producers = [Publisher(run, spec, pool.url, print) for _ in range(2)]
+    puts: list[tuple[int, int]] = []
+    for n, producer in enumerate(producers):
+        put = producer.plane.put
+        producer.plane.put = lambda sid, data, n=n, put=put: puts.append((n, sid)) or put(sid, data)
+    a, b = producers
+    try:
+        a.sync({0, 1}, set())  # each producer's first look: what the pool holds
+        b.sync({0, 1}, set())
+        a.sync({0, 1, 2, 3}, set())  # files 2 and 3 written since: a puts them
+        b.sync({0, 1, 2, 3, 4}, set())  # b finds them there, and puts 4 alone
+        a.sync({0, 1, 2, 3, 4}, set())
+        assert sorted(puts) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 4)]
+        a.sync({2, 3, 4}, {0, 1})
+        b.sync({2, 3, 4}, {0, 1})
+        assert a.plane.existing({0, 1, 2, 3, 4}) == {2, 3, 4}
+        b.sync(set(), {0, 1, 2, 3, 4})
+        a.sync(set(), {0, 1, 2, 3, 4})
+        assert pool.allocated() == 0
+    finally:
+        for producer in producers:
+            producer.close()
+
+
 def trainer_folder(out: Path, root: Path) -> Path:
     """What a trainer on another node holds: a copy of the run's spec and plan, and its records in
     ``consumers/``, the small folder both sides share; no sample file."""

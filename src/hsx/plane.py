@@ -186,7 +186,9 @@ class Publisher:
     its name) and its digest verified; a released sample's key is removed. A new session first looks
     at what an earlier one left (a producer killed -9 between a file and its put, or a release and
     its removal). A file that does not verify is not put, and said once in ``log``: a trainer waits
-    for it until ``hsx extract --out`` redoes it."""
+    for it until ``hsx extract --out`` redoes it. Each of a run's producers (its Ray workers) keeps
+    the whole run's pool: before putting the files new since its last look, it asks the store which
+    are there already (one batched query), so a file another producer put is not read nor put again."""
 
     def __init__(self, run: Path, spec: RunSpec, url: str, log: Callable[[str], None]):
         self.run, self.shard_size, self.expected, self.log = run, spec.shard_size, spec.footprint().files, log
@@ -200,6 +202,8 @@ class Publisher:
             for sid in sorted(self.plane.existing(released)):
                 self.plane.remove(sid)
             self.put = self.plane.existing(present)
+        else:  # another producer of the run (a Ray worker) may have put the new files: asked, never read again
+            self.put |= self.plane.existing(present - released - self.put - self.damaged)
         for sid in sorted(self.put & released):
             self.plane.remove(sid)
             self.put.discard(sid)

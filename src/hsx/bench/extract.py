@@ -39,7 +39,6 @@ model on CPU.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -673,10 +672,7 @@ def packed_experts_run(backend, net, dev, results, packed, compiled, extract, lo
     log(
         f"routed experts INT4-packed in {time.perf_counter() - t0:.1f} s: {dense / 1e9:.2f} GB -> {stored / 1e9:.2f} GB"
     )
-    torch._dynamo.reset()  # the layers hold other modules now: compile afresh
-    backend.set_compiled(compiled)
     backend.set_packed(packed)
-    tag4 = f"{tag}, int4 experts"
     run = root / "run-int4"
     spec, plan = synthetic(run, packed, compiled)
     batches = [
@@ -686,31 +682,27 @@ def packed_experts_run(backend, net, dev, results, packed, compiled, extract, lo
             layout.shard_ids(s, spec.shard_size, len(plan.lengths)), plan.lengths, spec.batch_tokens, packed
         )
     ]
-    t0 = time.perf_counter()
-    forward_only(backend, plan, batches)
-    log(f"{tag4}: warm-up pass (with any compiling) {time.perf_counter() - t0:.1f} s")
-    with measured(f"forward only ({tag4})", dev, results) as r:
-        r.tokens = forward_only(backend, plan, batches)
-    r.expert_bytes = stored
-    extract(run, spec, plan, tag4).expert_bytes = stored
-    shutil.rmtree(run)
-    if dev.type != "cuda" or importlib.util.find_spec("triton") is None:
-        log("int4 experts on the dequantizing grouped GEMM: CUDA and triton only; skipped")
-        return
-    for _, module in experts.stored_modules(net):
-        module.dequantizing = True  # the packed weights read by the GEMM itself, nothing expanded
-    torch._dynamo.reset()
-    backend.set_compiled(compiled)
-    tag4 = f"{tag}, int4 experts, dequantizing GEMM"
-    t0 = time.perf_counter()
-    forward_only(backend, plan, batches)
-    log(f"{tag4}: warm-up pass (with any compiling) {time.perf_counter() - t0:.1f} s")
-    with measured(f"forward only ({tag4})", dev, results) as r:
-        r.tokens = forward_only(backend, plan, batches)
-    r.expert_bytes = stored
-    spec, plan = synthetic(run, packed, compiled)
-    extract(run, spec, plan, tag4).expert_bytes = stored
-    shutil.rmtree(run)
+    # expanded per layer, then (CUDA, triton) read packed by the dequantizing GEMM: the same batches
+    dtype = str(next(net.parameters()).dtype).removeprefix("torch.")
+    blocker = int4.gemm_blocker(str(dev), dtype, net.config.get_text_config().to_dict())
+    if blocker is not None:
+        log(f"int4 experts on the dequantizing grouped GEMM (--quantized-compute int4): skipped, {blocker}")
+    for dequantizing in (False, True) if blocker is None else (False,):
+        for _, module in experts.stored_modules(net):
+            module.dequantizing = dequantizing
+        torch._dynamo.reset()  # the layers hold other modules now: compile afresh
+        backend.set_compiled(compiled)
+        tag4 = f"{tag}, int4 experts" + (", dequantizing GEMM" if dequantizing else "")
+        if not run.exists():
+            spec, plan = synthetic(run, packed, compiled)  # the same synthetic run again
+        t0 = time.perf_counter()
+        forward_only(backend, plan, batches)
+        log(f"{tag4}: warm-up pass (with any compiling) {time.perf_counter() - t0:.1f} s")
+        with measured(f"forward only ({tag4})", dev, results) as r:
+            r.tokens = forward_only(backend, plan, batches)
+        r.expert_bytes = stored
+        extract(run, spec, plan, tag4).expert_bytes = stored
+        shutil.rmtree(run)
 
 
 def typical_sample(run: Path, spec: RunSpec, plan) -> SampleTensors:
@@ -766,7 +758,9 @@ def table(results: list[Result]) -> str:
             f"{100 * per_token / r.every:.3f}% of the forward pass"
         )
     moe = [r for r in results if r.expert_bytes is not None]
-    for dense, packed in zip(moe[: len(moe) // 2], moe[len(moe) // 2 :], strict=False):
+    unpacked = {r.name.split(" (")[0]: r for r in moe if ", int4 experts" not in r.name}  # forward only, hsx
+    for packed in (r for r in moe if ", int4 experts" in r.name):
+        dense = unpacked[packed.name.split(" (")[0]]
         rows.append(
             f"{packed.name} / dense experts: tok/s {packed.rate / dense.rate:.3f}x, routed-expert memory "
             f"{packed.expert_bytes / 1e9:.3f} / {dense.expert_bytes / 1e9:.3f} GB "
