@@ -105,6 +105,7 @@ class Layout:
         """The extraction's options that ask for this layout."""
         out = f"--tensor-parallel {self.tensor} --expert-parallel {self.expert}"
         out += f" --pipeline-parallel {self.pipeline}" if self.pipeline > 1 else ""
+        out += "" if self.expands else " --quantized-compute int4"
         return out + (f" --expert-slice-gb {self.slice_gb:g}" if self.slice_gb is not None else "")
 
     @property

@@ -27,6 +27,7 @@ MEMORY = Bounds(
     gpus=DEVICES,
     gpu_memory=Bound(min=0.0, max=100_000.0, min_open=True),
     experts=Bound(choices=("auto", "packed", "dequantized")),
+    quantized_compute=Bound(choices=("fp8", "int4", "dequantized")),
     expert_slice_gb=Bound(min=0.0, min_open=True, max=1e6),
     dtype=Bound(choices=("bfloat16", "float16", "float32")),
 )
@@ -44,6 +45,10 @@ class MemoryOptions:
     ] = None
     experts: A[str, Flag(EXPERTS)] = "auto"
     expert_slice_gb: A[float | None, Flag(SLICE, "GB", "a whole MoE layer's")] = None
+    quantized_compute: A[
+        str | None,
+        Flag("The run's --quantized-compute: int4 counts INT4-packed experts read packed, nothing expanded.", "MODE"),
+    ] = None
     dtype: A[str, Flag("The run's dtype.")] = "bfloat16"
     batch_tokens: A[int, Flag("Tokens per forward pass.")] = 16384
     max_length: A[int, Flag("Longest sample.")] = 4096
@@ -68,6 +73,11 @@ class MemoryOptions:
                 f"--interconnect {self.interconnect} says what joins GPUs whose bandwidths are stated: give "
                 "--allreduce-gbps and --p2p-gbps with it, or none of them to measure this node's"
             )
+        if self.quantized_compute == "int4" and self.expert_slice_gb is not None:
+            raise OptionError(
+                "--expert-slice-gb slices the experts' expansion, and --quantized-compute int4 expands none: "
+                "the GEMM reads them packed"
+            )
         layout = [self.tensor_parallel, self.expert_parallel, self.pipeline_parallel]
         stated = ("allreduce_gbps", "p2p_gbps", "interconnect")
         judged = [MEMORY.flag(k) for k in stated if getattr(self, k) is not None]
@@ -89,8 +99,7 @@ def explain(opts: MemoryOptions) -> list[str]:
     row = 0 if opts.teacher is None else teacher.planned(opts.teacher).row_bytes(mem.DTYPE_BYTES[opts.dtype])
     base = mem.Layout(
         experts=opts.experts, dtype=opts.dtype, batch_tokens=opts.batch_tokens, max_length=opts.max_length,
-        slice_gb=opts.expert_slice_gb,
-        teacher=row,
+        slice_gb=opts.expert_slice_gb, teacher=row, expands=opts.quantized_compute != "int4",
     )  # fmt: skip
     layout = None
     asked = (opts.tensor_parallel, opts.expert_parallel, opts.pipeline_parallel)
@@ -101,6 +110,7 @@ def explain(opts: MemoryOptions) -> list[str]:
         layout = mem.Layout(
             parallel.tensor, parallel.expert, opts.experts, opts.dtype, opts.batch_tokens, opts.max_length,
             pipeline=parallel.pipeline, slice_gb=opts.expert_slice_gb, teacher=row,
+            expands=opts.quantized_compute != "int4",
         )  # fmt: skip
     device = None if opts.gpu_memory is None else int(opts.gpu_memory * mem.GB)
     nvlink = None if opts.interconnect is None else opts.interconnect == "nvlink"
