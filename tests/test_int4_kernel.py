@@ -257,3 +257,44 @@ def test_an_extraction_on_the_kernel_records_it_and_computes_the_expanded_runs_s
             extract(ExtractOptions(out=tmp_path / "refused", quantized_compute="int4", **common), log=print)
     finally:
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def test_each_ep_rank_on_the_kernel_gives_its_partial_sum(kernel):
+    """EP2 (a group of one process here, whose all-reduce adds nothing): each rank's share of the
+    experts on the kernel gives the rank's partial output of the layer as the same rank expanding
+    them for grouped_mm does, routes to the other rank's experts adding nothing; the two partials
+    add up to the whole layer's output on the kernel. Within float32 sums in another order."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from test_quantized import HIDDEN, tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(n_routed_experts=16, num_experts_per_tok=4))
+    model = model.to(torch.float16).eval()
+    model.set_experts_implementation("grouped_mm")
+    dense = model.model.layers[1].mlp.experts
+    hidden = torch.randn(97, HIDDEN, dtype=torch.float16)
+    routed = torch.stack([torch.randperm(16)[:4] for _ in range(97)])
+    weights = torch.rand(97, 4, dtype=torch.float16)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    outputs = {}
+    try:
+        for size in (1, 2):
+            for rank in range(size):
+                cls = jit.stored_class(type(dense), int4.Int4Experts(32), torch.float16, ep_rank=rank, ep_size=size)
+                experts = cls(dense.config)
+                mine = slice(rank * 16 // size, (rank + 1) * 16 // size)
+                for fused in jit.PROJECTIONS:
+                    experts.set_stored(fused, int4.quantize(getattr(dense, fused).detach()[mine], 32))
+                with torch.no_grad():
+                    expanded = experts(hidden, routed, weights)
+                    experts.dequantizing = True
+                    outputs[size, rank] = experts(hidden, routed, weights)
+                torch.testing.assert_close(outputs[size, rank], expanded, rtol=4e-3, atol=2e-4)
+    finally:
+        dist.destroy_process_group()
+    assert all(out.abs().sum() > 0 for out in outputs.values())
+    both = outputs[2, 0].float() + outputs[2, 1].float()
+    torch.testing.assert_close(both, outputs[1, 0].float(), rtol=4e-3, atol=2e-4)
+    assert not torch.allclose(outputs[2, 0], outputs[1, 0], rtol=4e-3, atol=2e-4)  # a partial is not the whole
