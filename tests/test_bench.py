@@ -1,11 +1,14 @@
 """The benchmark runs end to end (CPU, tiny model): every variant, compiled ones included, in one run."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import hsx
+from conftest import HANG_GUARD_S, hsx
 
 
 def test_bench_measures_every_variant_in_one_run(tmp_path):
@@ -227,3 +230,13 @@ def test_node_bench_runs_a_stage_with_its_experts_expanded_a_slice_at_a_time(tmp
     ])  # fmt: skip
     out = capsys.readouterr().out
     assert "rank model: 1 of 3 layers, experts bf16" in out and "node (2 GPUs, PP2 x TP1+EP1" in out
+
+
+def test_the_fp8_kernel_bench_is_refused_by_name_without_a_hopper_gpu():
+    """``python -m hsx.bench.fp8`` times the block-FP8 GEMM: on a machine without a CUDA device of
+    compute capability 9.x it says so and exits, before importing any kernel."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        pytest.skip("a Hopper GPU is here: the bench runs")
+    proc = subprocess.run([sys.executable, "-m", "hsx.bench.fp8"], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 1 and "needs a CUDA device of compute capability 9.x" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
