@@ -184,6 +184,9 @@ def test_the_node_bench_runs_a_stage_on_the_kernel(kernel, tmp_path, capsys, mon
     node.main(args)
     assert "rank model: 3 of 3 layers, experts int4-gemm" in capsys.readouterr().out
     assert calls
+    with pytest.raises(SystemExit):
+        node.main([*args, "--expert-slice-gb", "1"])
+    assert "--experts int4-gemm expands none" in capsys.readouterr().err
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(SystemExit):
         node.main(args)

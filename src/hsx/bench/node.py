@@ -363,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--pipeline and --ranks take 1 or more")
     if args.expert_slice_gb is not None and args.expert_slice_gb <= 0:
         p.error("--expert-slice-gb takes GB above 0")
+    if args.experts == "int4-gemm" and args.expert_slice_gb is not None:
+        p.error("--expert-slice-gb slices the experts' expansion, and --experts int4-gemm expands none")
     if args.experts == "int4-gemm" and args.device != "cuda" and not os.environ.get("TRITON_INTERPRET"):
         p.error("--experts int4-gemm runs a Triton kernel: on CUDA (or in its interpreter: TRITON_INTERPRET=1)")
     est = run(args)
