@@ -81,32 +81,19 @@ DEEPSEEK_V3 = DeepseekV3Config(  # MLA (q/k head dim 24, v head dim 16), routed 
 )
 
 
-def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """The three tiny checkpoints (``models``; test_parallel_faults builds its own)."""
+# The module fixtures below are test_parallel_faults' too: it imports them, and a module-scoped
+# fixture is built once per module that uses it.
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """The three tiny checkpoints."""
     root = tmp_path_factory.mktemp("parallel-models")
     configs = {"dense": DENSE, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
     return {name: save_tiny(config, root / name) for name, config in configs.items()}
 
 
-def parallel_data(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("parallel-data") / "convs.jsonl", conversations(60, start=200))
-
-
-def dense_tp_run(models, data, tmp_path_factory) -> tuple[Path, str]:
-    """An uninterrupted TP=2 run of the dense model, and what it printed."""
-    out = tmp_path_factory.mktemp("dense-tp") / "run"
-    proc = hsx(*_args(models["dense"], data, out, "--tensor-parallel", "2"))
-    return out, proc.stdout + proc.stderr
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    return tiny_models(tmp_path_factory)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    return parallel_data(tmp_path_factory)
+    return write_jsonl(tmp_path_factory.mktemp("parallel-data") / "convs.jsonl", conversations(60, start=200))
 
 
 def _args(model: Path, data: Path, out: Path, *extra) -> list:
@@ -134,7 +121,10 @@ def _args(model: Path, data: Path, out: Path, *extra) -> list:
 
 @pytest.fixture(scope="module")
 def dense_tp(models, data, tmp_path_factory) -> tuple[Path, str]:
-    return dense_tp_run(models, data, tmp_path_factory)
+    """An uninterrupted TP=2 run of the dense model, and what it printed."""
+    out = tmp_path_factory.mktemp("dense-tp") / "run"
+    proc = hsx(*_args(models["dense"], data, out, "--tensor-parallel", "2"))
+    return out, proc.stdout + proc.stderr
 
 
 def off_tokens(out: Path, model_dir: Path) -> tuple[int, int, float]:

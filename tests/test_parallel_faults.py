@@ -1,3 +1,4 @@
+# ruff: noqa: F811
 """The process faults of tensor-parallel groups and pipelines (hsx.extract.group, hsx.extract.stages),
 on CPU, two ranks over gloo: kill -9 of a launcher, a rank or a stage; a full volume; a file size
 limit; SIGTERM; Ray workers made of TP groups; a rank blocked on a peer. Each resume is compared
@@ -38,22 +39,9 @@ from conftest import (
 from hsx import registry
 from hsx.errors import Exit
 from hsx.store import layout
-from test_parallel import LAYERS, _args, assert_certified, dense_tp_run, parallel_data, tiny_models
 
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    return tiny_models(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    return parallel_data(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def dense_tp(models, data, tmp_path_factory) -> tuple[Path, str]:
-    return dense_tp_run(models, data, tmp_path_factory)
+# test_parallel's module fixtures (data, dense_tp, models) too, built once here: the tests' parameters name them
+from test_parallel import LAYERS, _args, assert_certified, data, dense_tp, models  # noqa: F401
 
 
 def _sample_files(out: Path) -> set[Path]:
