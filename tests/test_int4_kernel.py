@@ -13,6 +13,7 @@ it, never further.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,25 +99,14 @@ def test_the_schedule_gives_each_expert_whole_tiles_and_no_more(kernel):
 
 
 def moe_states(device: str, dtype: torch.dtype, calls: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """A tiny DeepSeek-V3 (16 experts, top 4) with INT4-packed experts: its states [layer, token,
-    hidden] with the experts expanded for transformers' grouped_mm, then on the kernel (``calls``
-    gets each launch's grid), nothing expanded."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
-
+    """test_quantized's tiny DeepSeek-V3 (16 experts, top 4) with INT4-packed experts: its states
+    [layer, token, hidden] with the experts expanded for transformers' grouped_mm, then on the kernel
+    (``calls`` gets each launch's grid), nothing expanded."""
     from hsx.capture.quantized import int4_kernel
+    from test_quantized import VOCAB, sliced_model
 
-    torch.manual_seed(0)
-    config = DeepseekV3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, n_routed_experts=16,
-        num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None,
-        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
-    )  # fmt: skip
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    model.set_experts_implementation("grouped_mm")
-    jit.from_dense(model, int4.Int4Experts(32), lambda w: int4.quantize(w, 32))
-    ids = torch.randint(0, 512, (1, 96), generator=torch.Generator().manual_seed(1)).to(device)
+    model = sliced_model(int4.Int4Experts(32), "grouped_mm", dtype).to(device)
+    ids = torch.randint(0, VOCAB, (1, 96), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         expanded = torch.stack(model(ids, output_hidden_states=True).hidden_states)[1:, 0].float()
     for _, module in jit.stored_modules(model):
@@ -301,3 +291,22 @@ def test_each_ep_rank_on_the_kernel_gives_its_partial_sum(kernel):
     both = outputs[2, 0].float() + outputs[2, 1].float()
     torch.testing.assert_close(both, outputs[1, 0].float(), rtol=4e-3, atol=2e-4)
     assert not torch.allclose(outputs[2, 0], outputs[1, 0], rtol=4e-3, atol=2e-4)  # a partial is not the whole
+
+
+def test_the_released_shapes_run_on_the_kernel_and_an_odd_one_is_refused(kernel):
+    """Kimi-K2.5's language model as its config.json is released (a composite: the sizes under
+    text_config) and Moonlight's take the kernel's steps of 64; an expert size that does not is
+    refused by name, as is a dtype the GEMM does not multiply."""
+    from hsx.target import LanguageModel
+
+    bench = Path(__file__).parent.parent / "bench"
+    kimi = LanguageModel.of(bench / "kimi-k25-shape").config
+    assert (kimi["hidden_size"], kimi["moe_intermediate_size"]) == (7168, 2048)
+    moonlight = LanguageModel.of(bench / "moonlight-16b-a3b-shape").config
+    for config in (kimi, moonlight):
+        assert int4.gemm_blocker("cpu", "bfloat16", config) is None  # the interpreter here; CUDA elsewhere
+    odd = int4.gemm_blocker("cpu", "bfloat16", kimi | {"moe_intermediate_size": 2000})
+    assert odd == (
+        "the dequantizing GEMM takes inputs in steps of 64, and the experts' moe_intermediate_size 2000 is not"
+    )
+    assert "multiplies bfloat16 or float16, and the run's dtype is float32" in int4.gemm_blocker("cpu", "float32", kimi)
