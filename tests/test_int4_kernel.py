@@ -61,14 +61,15 @@ def beyond_one_rounding(out: torch.Tensor, exact: torch.Tensor, magnitude: torch
     return int(((out[: len(exact)].double() - rounded.double()).abs() > slack).sum())
 
 
-def test_the_kernel_is_the_expanded_weights_product_rounded_once(kernel):
+@pytest.mark.parametrize("k", [256, 224], ids=["4-steps-of-64", "7-steps-of-32"])
+def test_the_kernel_is_the_expanded_weights_product_rounded_once(kernel, k):
     """Experts with no rows, one row, rows spanning two tiles, an output width that is not a whole
-    number of tiles, four steps of K: each value is the expanded weights' exact product rounded once
-    (or the value next to it: float32 sums in another order), nearly all of them exactly. A scale
-    read from the wrong group is caught."""
+    number of tiles, K in four steps of 64 or seven of 32: each value is the expanded weights' exact
+    product rounded once (or the value next to it: float32 sums in another order), nearly all of
+    them exactly. A scale read from the wrong group is caught."""
     counts = [3, 0, kernel.BLOCK_M + 6, 1, 40]
-    stored = packed_experts(len(counts), 200, 4 * kernel.BLOCK_K)  # bf16 scales, as Kimi-K2.5 stores them
-    x = torch.randn(sum(counts), 4 * kernel.BLOCK_K, dtype=torch.float16)
+    stored = packed_experts(len(counts), 200, k)  # bf16 scales, as Kimi-K2.5 stores them
+    x = torch.randn(sum(counts), k, dtype=torch.float16)
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
     out = kernel.grouped_linear(x, kernel.Packed.of(stored, 32), offsets)
     exact, magnitude = exact_product(x, int4.Int4Experts(32).expand(stored, torch.float16), counts)
@@ -295,8 +296,8 @@ def test_each_ep_rank_on_the_kernel_gives_its_partial_sum(kernel):
 
 def test_the_released_shapes_run_on_the_kernel_and_an_odd_one_is_refused(kernel):
     """Kimi-K2.5's language model as its config.json is released (a composite: the sizes under
-    text_config) and Moonlight's take the kernel's steps of 64; an expert size that does not is
-    refused by name, as is a dtype the GEMM does not multiply."""
+    text_config) and Moonlight's take the kernel's steps; an expert size that is not a multiple of
+    32 is refused by name, as is a dtype the GEMM does not multiply."""
     from hsx.target import LanguageModel
 
     bench = Path(__file__).parent.parent / "bench"
@@ -307,6 +308,41 @@ def test_the_released_shapes_run_on_the_kernel_and_an_odd_one_is_refused(kernel)
         assert int4.gemm_blocker("cpu", "bfloat16", config) is None  # the interpreter here; CUDA elsewhere
     odd = int4.gemm_blocker("cpu", "bfloat16", kimi | {"moe_intermediate_size": 2000})
     assert odd == (
-        "the dequantizing GEMM takes inputs in steps of 64, and the experts' moe_intermediate_size 2000 is not"
+        "the dequantizing GEMM takes inputs in steps of 32, and the experts' moe_intermediate_size 2000 is not"
     )
     assert "multiplies bfloat16 or float16, and the run's dtype is float32" in int4.gemm_blocker("cpu", "float32", kimi)
+
+
+def test_kimi_k25_at_tp2_ep2_on_the_kernel_equals_one_process_but_for_near_ties(kernel, tmp_path):
+    """The Kimi-K2.5 composite as released (vision tower beside the language model, the INT4
+    quantization config inside text_config) extracted on the kernel by a TP2 + EP2 group, two
+    processes each holding its own packed experts, against one process on the kernel: the spec
+    records the compute and the layout; near-tie flips counted and bounded, every other token tight."""
+    import json
+
+    from conftest import conversations, hsx, load_states, run_files, write_jsonl
+    from kimi_fixtures import kimi_k25_int4, language_model_reference
+
+    model = kimi_k25_int4(language_model_reference(tmp_path / "lm"), tmp_path / "kimi", tmp_path / "dequantized")
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(8, start=200))
+    # No shadow (--reference-every 0): in float16 this fixture's sample 1 has 2 of 58 tokens on router
+    # near-ties against the plain path, over certify's allowance of 1, with or without the kernel
+    # (left, in the stop's note); the comparison here is the two runs' own
+    common = ("--model", model, "--data", data, "--layers", "0,1", "--dtype", "float16", "--shard-size", "4",
+              "--batch-tokens", "512", "--device", "cpu", "--quantized-compute", "int4",
+              "--reference-every", "0")  # fmt: skip
+    hsx("extract", *common, "--out", tmp_path / "one")
+    proc = hsx("extract", *common, "--out", tmp_path / "group", "--tensor-parallel", "2", "--expert-parallel", "2")
+    said = proc.stdout + proc.stderr
+    assert "read packed by a grouped GEMM that dequantizes them to float16 as it loads them, each of 2 ranks" in said
+    spec = json.loads((tmp_path / "group" / "hsx.json").read_text())
+    assert spec["quantized_compute"] == "int4" and spec["parallel"] == {"tensor": 2, "expert": 2, "pipeline": 1}
+    files = run_files(tmp_path / "one")
+    assert files.keys() == run_files(tmp_path / "group").keys() and len(files) == 8
+
+    def taps(run) -> torch.Tensor:  # [layer, token, hidden]
+        loaded = [load_states(run / "shards" / name) for name in files]
+        rows = [torch.cat([f["aux_hidden_states"], f["hidden_states"]], dim=-1).float() for f in loaded]
+        return torch.cat(rows).unflatten(-1, (3, -1)).transpose(0, 1)
+
+    beyond_tolerance(taps(tmp_path / "one"), taps(tmp_path / "group"), tight=2e-3, flip=1e-2, share=0.05)

@@ -20,7 +20,9 @@ import torch
 from hsx.target import INT4_BITS as BITS
 
 NAME = "int4-packed"
-GEMM_STEP = 64  # inputs the dequantizing GEMM (int4_kernel) takes a step: a projection's K is a multiple of it
+# inputs the dequantizing GEMM (int4_kernel) takes a step, of a projection whose K is a multiple of
+# the first (Kimi-K2.5's 7,168 and 2,048), else of the second: K is a multiple of one of them
+GEMM_STEPS = (64, 32)
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,10 @@ def gemm_blocker(device: str, dtype: str, config: dict) -> str | None:
     if dtype not in ("bfloat16", "float16"):
         return f"the dequantizing GEMM multiplies bfloat16 or float16, and the run's dtype is {dtype}"
     sizes = {k: config.get(k) for k in ("hidden_size", "moe_intermediate_size")}
-    odd = [f"{k} {v}" for k, v in sizes.items() if not isinstance(v, int) or v % GEMM_STEP]
+    odd = [f"{k} {v}" for k, v in sizes.items() if not isinstance(v, int) or v % GEMM_STEPS[-1]]
     if odd:
-        return f"the dequantizing GEMM takes inputs in steps of {GEMM_STEP}, and the experts' {', '.join(odd)} is not"
+        step = GEMM_STEPS[-1]
+        return f"the dequantizing GEMM takes inputs in steps of {step}, and the experts' {', '.join(odd)} is not"
     if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         return f"the dequantizing GEMM is a Triton kernel for CUDA, and the device is {device}"
     if importlib.util.find_spec("triton") is None:

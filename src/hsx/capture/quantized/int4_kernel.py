@@ -27,11 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hsx.capture.quantized.int4 import GEMM_STEP as BLOCK_K
+from hsx.capture.quantized.int4 import GEMM_STEPS
 from hsx.target import INT4_BITS as BITS
 
 PER_WORD = 32 // BITS  # 4-bit values in an int32 word, the first in the lowest bits
-BLOCK_M, BLOCK_N = 64, 128  # rows and output columns a program computes, BLOCK_K inputs a step
+BLOCK_M, BLOCK_N = 64, 128  # rows and output columns a program computes, a step of K (GEMM_STEPS) at a time
 NAME = "dequantizing grouped GEMM (Triton)"
 
 
@@ -103,7 +103,8 @@ def grouped_linear(x: torch.Tensor, weight: Packed, offsets: torch.Tensor, is_tr
     experts, n, words = weight.packed.shape
     k = words * PER_WORD
     assert x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] == k and x.stride(1) == 1, (x.dtype, x.shape)
-    assert k % BLOCK_K == 0 and k % weight.group_size == 0, (k, weight.group_size)
+    step = next((s for s in GEMM_STEPS if k % s == 0), None)  # the larger where K allows: one per shape
+    assert step is not None and k % weight.group_size == 0, (k, weight.group_size)
     assert weight.scale.shape == (experts, n, k // weight.group_size) and len(offsets) == experts
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     tile_expert, tile_row = schedule(offsets, x.shape[0])
@@ -114,6 +115,6 @@ def grouped_linear(x: torch.Tensor, weight: Packed, offsets: torch.Tensor, is_tr
         _grouped[grid](
             x, weight.packed.contiguous(), weight.scale.contiguous(), out, tile_expert, tile_row, offsets, n, k,
             x.stride(0), GROUP=weight.group_size, PER_WORD=PER_WORD, BITS=BITS,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=step, num_warps=4, num_stages=3,
         )  # fmt: skip
     return out
