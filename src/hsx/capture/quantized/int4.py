@@ -13,6 +13,8 @@ own compressor (fixtures and the benchmark build checkpoints with it).
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -54,9 +56,6 @@ def gemm_blocker(device: str, dtype: str, config: dict) -> str | None:
     """Why the dequantizing grouped GEMM (``int4_kernel``: ``--quantized-compute int4``) cannot run
     the routed experts of a model with text config ``config`` on ``device`` in ``dtype``; None where
     it can. On CPU it runs only in Triton's interpreter (TRITON_INTERPRET=1), which the tests use."""
-    import importlib.util
-    import os
-
     if dtype not in ("bfloat16", "float16"):
         return f"the dequantizing GEMM multiplies bfloat16 or float16, and the run's dtype is {dtype}"
     sizes = {k: config.get(k) for k in ("hidden_size", "moe_intermediate_size")}
