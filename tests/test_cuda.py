@@ -496,7 +496,7 @@ def test_int4_expansion_of_a_moonlight_layer_compiled_equals_eager_bit_for_bit()
         stored[name] = {k: q[k] for k in fmt.stored}
     for dtype in (torch.bfloat16, torch.float32):
         eager = experts._expand(fmt, stored["gate_up_proj"], stored["down_proj"], dtype)
-        compiled = experts._compiled_expand(fmt, stored["gate_up_proj"], stored["down_proj"], dtype)
+        compiled = experts._compiled_expand()(fmt, stored["gate_up_proj"], stored["down_proj"], dtype)
         assert eager[0].shape == (64, 2816, 2048) and eager[1].shape == (64, 2048, 1408)
         for e, c in zip(eager, compiled, strict=True):
             assert c.dtype == dtype and c.is_cuda and torch.equal(e, c)

@@ -310,7 +310,8 @@ class TransformersBackend:
 
     def set_packed(self, packed: bool) -> None:
         """Switch between padded rows and one packed row (same weights, other attention function)."""
-        self.model.set_attn_implementation(varlen.register() if packed else padded_attention(type(self.model)))
+        attention = varlen.register(self.compiled) if packed else padded_attention(type(self.model))
+        self.model.set_attn_implementation(attention)
         self.packed = packed
 
     def set_compiled(self, compiled: bool) -> None:
@@ -318,6 +319,7 @@ class TransformersBackend:
         outside the compiled forwards, so capture is unchanged."""
         if compiled:
             deterministic_compile()
+        varlen.register(compiled)  # the packed rows' attention kept out of the graphs where they are compiled
         for k in self.owned:
             layer = self.parts.layers[k]
             layer.__dict__.pop("forward", None)  # the class's own forward again
@@ -427,7 +429,7 @@ class TransformersBackend:
                 model_dir,
                 dtype=DTYPES[dtype],
                 trust_remote_code=trust_remote_code,
-                attn_implementation=varlen.register() if packed else padded_attention(model_class),
+                attn_implementation=varlen.register(compiled) if packed else padded_attention(model_class),
                 **placement,
                 **(how.kwargs() | (alone.kwargs() if alone else {})),
             )

@@ -33,12 +33,16 @@ CALLS = {"kernel": 0, "per_sample": 0}  # which path ran (kernel: one call for t
 FLASH_MAX_HEAD_DIM = 256
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
-try:
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 
-    _PARAMS = inspect.signature(_varlen_attn).parameters
-except ImportError:  # older torch
-    _varlen_attn, _PARAMS = None, {}
+@functools.cache
+def _kernel():
+    """torch's varlen_attn and its parameters' names ((None, {}) on an older torch), imported on
+    first use: the module imports torch's compiler (about a second), which CPU runs never need."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, {}
+    return varlen_attn, inspect.signature(varlen_attn).parameters
 
 
 @functools.cache
@@ -55,7 +59,8 @@ def blocker(head_dim: int, dtype: torch.dtype, device: torch.device | str) -> st
         return None  # one batched SDPA takes any head dim and dtype
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if _varlen_attn is None or not ({"window_size", "is_causal"} & _PARAMS.keys()):
+    kernel, params = _kernel()
+    if kernel is None or not ({"window_size", "is_causal"} & params.keys()):
         return f"torch {torch.__version__} has no causal torch.nn.attention.varlen.varlen_attn"
     if dtype not in FLASH_DTYPES:
         return f"FlashAttention takes float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
@@ -79,18 +84,19 @@ def _same_head_dim(q, k, v):
 
 def _flash(q, k, v, cu, max_len, scale):
     """[T, H, D] -> [T, H, D] through FlashAttention's varlen kernel (q, k, v of one head dim)."""
+    kernel, params = _kernel()
     kwargs = {"scale": scale}
-    if "window_size" in _PARAMS:
+    if "window_size" in params:
         kwargs["window_size"] = (-1, 0)  # causal
     else:
         kwargs["is_causal"] = True
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in _PARAMS:
+        if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
         else:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    return kernel(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
 def _batched(q, k, v, cu, max_len, scale):
@@ -129,7 +135,6 @@ def _refuse_unimplemented(kwargs: dict, max_len: int) -> None:
         raise NotImplementedError(f"hsx_varlen does not implement sliding windows ({window} tokens): use padded rows")
 
 
-@torch.compiler.disable
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-function signature; query/key/value are [1, H, T, D]; value's head
     dim may differ from query's (MLA)."""
@@ -151,10 +156,19 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     return out[None], None
 
 
-def register() -> str:
+@functools.cache
+def _outside_graphs():
+    """``attention`` kept out of compiled graphs (see above); made on first use, since wrapping it
+    imports torch's compiler, which runs that never compile do not need (about a second)."""
+    return torch.compiler.disable(attention)
+
+
+def register(compiled: bool) -> str:
+    """Make ``NAME`` this attention (transformers looks it up by name at each call); ``compiled``:
+    the decoder layers are (or are about to be) compiled."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(NAME, attention)
+    AttentionInterface.register(NAME, _outside_graphs() if compiled else attention)
     return NAME
 
 

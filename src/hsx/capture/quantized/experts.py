@@ -36,6 +36,7 @@ routes to other ranks' experts masked, and a sum over the group adds the partial
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -125,12 +126,12 @@ class StoredExperts(nn.Module):
         Inside a compiled layer the expansion is traced into the layer's graph; eager on CUDA it is
         one compiled pass of its own."""
         eager_compiled = self.compiled and not torch.compiler.is_compiling()
-        fn = _compiled_expand if eager_compiled else _expand
+        fn = _compiled_expand() if eager_compiled else _expand
         return fn(self.fmt, self.stored("gate_up_proj"), self.stored("down_proj"), self.dtype)
 
     def expand_slice(self, experts: slice) -> dict[str, torch.Tensor]:
         """The expanded weights of local experts ``experts`` alone (``sliced``'s expansion)."""
-        fn = _compiled_expand if self.compiled else _expand
+        fn = _compiled_expand() if self.compiled else _expand
         part = {name: {k: t[experts] for k, t in self.stored(name).items()} for name in PROJECTIONS}
         return dict(zip(PROJECTIONS, fn(self.fmt, part["gate_up_proj"], part["down_proj"], self.dtype), strict=True))
 
@@ -328,7 +329,11 @@ def _expand(fmt: ExpertFormat, gate_up: dict, down: dict, dtype: torch.dtype) ->
     return fmt.expand(gate_up, dtype), fmt.expand(down, dtype)
 
 
-_compiled_expand = torch.compile(_expand, dynamic=False)
+@functools.cache
+def _compiled_expand():
+    """``_expand`` compiled, made on first use: importing the compiler costs each process about a
+    second, and most (every CPU run, every test's) never compile."""
+    return torch.compile(_expand, dynamic=False)
 
 
 def stored_class(
