@@ -787,3 +787,26 @@ def test_verify_fidelity_files_without_fidelity_is_refused_by_name(tmp_path):
     """``verify --fidelity-files 3`` without ``--fidelity`` recomputed nothing and said nothing of it."""
     code, out = cli("verify", tmp_path, "--fidelity-files", "3")
     assert code == 2 and "--fidelity-files: sizes the sample --fidelity recomputes: give --fidelity too" in out, out
+
+
+def test_a_stop_that_comes_during_an_uninterrupted_block_is_raised_right_after_it():
+    """hsx's SIGTERM and Ctrl-C handlers hold the stop while an ``uninterrupted`` block runs (a
+    durable file's count): every statement of it runs, the stop comes before the next one, with its
+    exit code. Real signals, sent to this process from inside the block."""
+    from hsx.cli.output import failures
+    from hsx.errors import uninterrupted
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    ran = []
+    for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        with pytest.raises(typer.Exit) as stopped, failures(lambda: "resume with: ..."):
+            with uninterrupted():
+                os.kill(os.getpid(), sig)
+                deadline = time.monotonic() + 0.2  # Python runs a handler between two statements: many here
+                while time.monotonic() < deadline:
+                    pass
+                ran.append(sig)
+            ran.append("after the block")
+        assert stopped.value.exit_code == code
+    assert ran == [signal.SIGTERM, signal.SIGINT]
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # the handlers put back

@@ -56,7 +56,8 @@ def beyond_one_rounding(out: torch.Tensor, exact: torch.Tensor, magnitude: torch
     to ``out``'s dtype, give or take what a float32 sum of ``k`` products may lose (k * 2^-24 of
     the sum of their magnitudes: a sum that cancels to a small value keeps an error of the terms')."""
     rounded = exact.to(out.dtype)
-    step = (rounded.abs().nextafter(torch.tensor(float("inf"), dtype=out.dtype)) - rounded.abs()).double()
+    inf = torch.tensor(float("inf"), dtype=out.dtype, device=out.device)
+    step = (rounded.abs().nextafter(inf) - rounded.abs()).double()
     slack = step + k * 2.0**-24 * magnitude
     return int(((out[: len(exact)].double() - rounded.double()).abs() > slack).sum())
 

@@ -37,7 +37,9 @@ Anything else is a bug: the command line lets it surface as a traceback (exit 1)
 
 from __future__ import annotations
 
+import contextlib
 import errno
+from collections.abc import Iterator
 from enum import IntEnum, StrEnum
 from pathlib import Path
 
@@ -58,6 +60,33 @@ class Exit(IntEnum):
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is: every clean stop written
     for Ctrl-C (work in flight finished or dropped whole, the resume command printed) serves both."""
+
+
+_HELD = {"depth": 0}  # ``uninterrupted`` blocks entered; "stop": the stop that came meanwhile
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Ctrl-C and SIGTERM held off while a few updates that must all happen or none run (a durable
+    file's count: its shard's tally, the run's, the progress line): the stop is raised right after
+    them, never between two, so the stop message counts every file made durable. Python raises a
+    signal's exception between any two statements of the main thread; hsx's own handlers
+    (``hsx.cli.output.failures``) ask ``stop`` instead."""
+    _HELD["depth"] += 1
+    try:
+        yield
+    finally:
+        _HELD["depth"] -= 1
+    if not _HELD["depth"] and (stop := _HELD.pop("stop", None)) is not None:
+        raise stop
+
+
+def stop(exc: KeyboardInterrupt) -> None:
+    """Raise a Ctrl-C's or SIGTERM's ``exc`` now, or, inside ``uninterrupted``, once it ends."""
+    if _HELD["depth"]:
+        _HELD.setdefault("stop", exc)
+        return
+    raise exc
 
 
 class HsxError(Exception):

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from hsx.errors import CleanStop, DiskFull, Exit, HsxError, Terminated
+from hsx.errors import CleanStop, DiskFull, Exit, HsxError, Terminated, stop
 from hsx.progress import console
 
 # status's and verify's checklist on stdout: its colours are markup, its text escaped (assess.status)
@@ -41,12 +41,17 @@ def failures(interrupted: Callable[[], str] | None = None) -> Iterator[None]:
     """hsx's own errors print their message and exit with their code (``hsx.errors``); anything
     else is a bug and surfaces as a traceback (exit 1). ``interrupted``: what to say after a
     Ctrl-C or SIGTERM, asked when it comes (what exists by then); without it a Ctrl-C is not caught.
-    With it, SIGTERM (what schedulers send before a kill) stops as Ctrl-C does (``_terminate``), exit 143."""
+    With it, SIGTERM (what schedulers send before a kill) stops as Ctrl-C does (``_terminate``), exit 143,
+    and both wait for the end of any ``hsx.errors.uninterrupted`` block under way."""
     import signal
     import threading
 
     handled = interrupted is not None and threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if handled else None
+    # Ctrl-C where Python's own handler has it (a background job of a shell ignores it: left so)
+    ctrl_c = handled and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ctrl_c:
+        signal.signal(signal.SIGINT, _interrupt)
     try:
         yield
     except CleanStop as e:
@@ -67,6 +72,8 @@ def failures(interrupted: Callable[[], str] | None = None) -> Iterator[None]:
     finally:
         if handled:
             signal.signal(signal.SIGTERM, previous)
+        if ctrl_c:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _terminate(signum: int, frame) -> None:
@@ -75,4 +82,9 @@ def _terminate(signum: int, frame) -> None:
     import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Terminated()
+    stop(Terminated())
+
+
+def _interrupt(signum: int, frame) -> None:
+    """Ctrl-C: Python's KeyboardInterrupt, after any ``uninterrupted`` block under way."""
+    stop(KeyboardInterrupt())

@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 from hsx import target
-from hsx.errors import BadFile, CaptureFailed, Refused
+from hsx.errors import BadFile, CaptureFailed, Refused, uninterrupted
 from hsx.generate import toolcalls
 from hsx.generate.dialogue import Dialogue
 from hsx.generate.engines import EngineSettings, capabilities, open_engine
@@ -219,17 +219,18 @@ class ConversationLoop:
 
     def count(self, futures: list[Future], records: list[FileRecord], seal_shards: bool = True) -> None:
         for future, record in zip(futures, records, strict=True):
-            d, reason = self.writing.pop(future)
-            shard = layout.shard_of(d.id, self.spec.shard_size)
-            self.shards[shard][d.id] = record
-            self.left[shard] -= 1
-            if not self.left[shard] and seal_shards:
-                seal(self.run, shard, list(self.shards[shard].values()))
-            self.summary.written += 1
-            self.summary.rejected_now += reason is not None
-            self.summary.ended_now += d.ended is not None and reason is None
-            new_tokens = sum(len(t.completion_ids) for t in d.done)
-            self.progress.add_conversation(int(self.plan.lengths[d.id]), len(d.done), new_tokens, record.size)
+            with uninterrupted():  # a stop between these would leave a durable file uncounted
+                d, reason = self.writing.pop(future)
+                shard = layout.shard_of(d.id, self.spec.shard_size)
+                self.shards[shard][d.id] = record
+                self.left[shard] -= 1
+                if not self.left[shard] and seal_shards:
+                    seal(self.run, shard, list(self.shards[shard].values()))
+                self.summary.written += 1
+                self.summary.rejected_now += reason is not None
+                self.summary.ended_now += d.ended is not None and reason is None
+                new_tokens = sum(len(t.completion_ids) for t in d.done)
+                self.progress.add_conversation(int(self.plan.lengths[d.id]), len(d.done), new_tokens, record.size)
 
 
 def dropped(turn: GeneratedTurn, drop: list[str]) -> str | None:
