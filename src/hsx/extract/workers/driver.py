@@ -172,6 +172,7 @@ class Workers(Extract):
             sweep(job.run, job.spec.window, job.spec.shard_size, job.log)
         finally:
             self.cluster.stop()  # no worker of this driver may outlive its lock
+            job.progress.settle()  # the workers' last counts, before their records go
             for s in registry.clear_session(job.run, self.driver):
                 if s.state in (Liveness.DEAD, Liveness.STALE):
                     job.log(f"during the run: {s.describe()}")
@@ -184,9 +185,16 @@ class _Tallied(Progress):
     def __init__(self, spec: RunSpec, opts: ExtractOptions, workers: Workers):
         super().__init__(spec.plan.num_samples, spec.plan.num_tokens, spec.bytes_per_token)
         self.out, self.workers, self.count = opts.out, workers, opts.workers
+        self.settled = False
+
+    def settle(self) -> None:
+        """Keep the workers' last counts: their records are cleared next, and the run's final metrics
+        (written after) would otherwise read none, and say nothing was done."""
+        self.metrics()
+        self.settled = True
 
     def metrics(self) -> dict:
-        if self.workers.driver is not None:
+        if self.workers.driver is not None and not self.settled:
             with self.lock:
                 self.samples, self.tokens, self.bytes = registry.totals(self.out, self.workers.driver)
         return super().metrics() | {"workers": self.count}
