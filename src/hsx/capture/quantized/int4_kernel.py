@@ -10,7 +10,9 @@ expanded in device memory.
 
 The weights are the same bits; the sums are this kernel's (another GEMM, another order of
 additions than cuBLAS's), so a run records which GEMM its experts ran (``describe``), as it
-records expert parallelism. One block config, no autotuning: nothing depends on timing.
+records expert parallelism. One block config, no autotuning: nothing depends on timing. On an
+H100 it is slower than the expansion it replaces (a Kimi-K2.5 stage at 0.55x the bf16 experts,
+the expansion at 0.63x: docs/benchmarks.md); what it saves is the expanded layer's memory.
 
 The rows come sorted by expert, as transformers' grouped GEMM takes them (``offsets``: each
 expert's end row). The tiles of ``BLOCK_M`` rows never span two experts: tile ``t`` belongs to the
