@@ -198,3 +198,30 @@ def test_status_and_a_resume_with_nothing_to_do_never_load_torch(finished_run, t
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_run_that_compiles_nothing_never_imports_the_compiler(tmp_path):
+    """Every hsx process pays for its imports, and torch's compiler (inductor, the varlen kernel's
+    module) is about a second of them: a packed CPU extraction that compiles nothing imports neither,
+    its stored-experts and attention modules imported too; the same run compiled does (the check
+    can fail)."""
+    import subprocess
+    import sys
+
+    from conftest import TINY, conversations, write_jsonl
+
+    data = write_jsonl(tmp_path / "convs.jsonl", conversations(6))
+    compiler = ("torch._inductor.compile_fx", "torch.nn.attention.varlen")
+    for compile_ in ("off", "on"):
+        code = (
+            "import sys; from typer.testing import CliRunner; from hsx.cli import app\n"
+            f"args = ['extract', '--model', {str(TINY)!r}, '--data', {str(data)!r}, '--device', 'cpu',"
+            f" '--out', {str(tmp_path / compile_)!r}, '--packing', 'on', '--compile', {compile_!r}]\n"
+            "r = CliRunner().invoke(app, args); assert r.exit_code == 0, r.output\n"
+            "import hsx.capture.quantized.experts, hsx.capture.varlen\n"
+            f"print(sorted(m for m in {compiler!r} if m in sys.modules))\n"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
+        assert proc.returncode == 0, proc.stderr
+        imported = proc.stdout.strip().splitlines()[-1]
+        assert imported == ("[]" if compile_ == "off" else "['torch._inductor.compile_fx']"), (compile_, proc.stdout)
